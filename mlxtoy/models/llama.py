@@ -1,0 +1,249 @@
+"""The Llama per-head transformer block (llama and qwen2 architectures).
+
+Mirrors the seed design: per KV head, K = RoPE(W_k[h] x + b_k), V = W_v[h] x + b_v; per Q head
+q, kv = q // group_size, scores = K[kv].Q / sqrt(d_head) with a causal (or block-causal) mask,
+softmax, head = V.attn; heads concatenated -> W_o; residual; RMSNorm; SwiGLU FFN; residual.
+
+Heads stay addressable (q/k/v weights are stored per head, shape (heads, d_head, d_model)) but
+are computed as one batched head axis: one GEMM per projection, one attention call per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxtoy.config import ModelConfig
+
+TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
+
+
+class HeadProjection(nn.Module):
+    """Per-head linear map: weight (n_heads, d_head, d_in), optional bias (n_heads, d_head).
+
+    Returns (B, T, n_heads, d_head). Computed as one GEMM over the flattened head axis.
+    """
+
+    def __init__(self, d_in: int, n_heads: int, d_head: int, bias: bool = False):
+        super().__init__()
+        scale = 1.0 / math.sqrt(d_in)
+        self.weight = mx.random.uniform(-scale, scale, (n_heads, d_head, d_in))
+        if bias:
+            self.bias = mx.zeros((n_heads, d_head))
+
+    @property
+    def n_heads(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def d_head(self) -> int:
+        return self.weight.shape[1]
+
+    def flat_weight(self) -> mx.array:
+        n_heads, d_head, d_in = self.weight.shape
+        return self.weight.reshape(n_heads * d_head, d_in)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = x @ self.flat_weight().T
+        if "bias" in self:
+            y = y + self.bias.reshape(-1)
+        return y.reshape(*x.shape[:-1], self.n_heads, self.d_head)
+
+
+def llama3_rope_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
+    """Per-frequency wavelengths for llama3 RoPE scaling (as in Llama 3.1's reference code).
+
+    Returned in the form `mx.fast.rope(freqs=...)` expects (it divides positions by these).
+    """
+    factor = scaling.get("factor", 8.0)
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)  # = 1 / inv_freq
+    wavelens = 2 * math.pi * freqs
+    freqs = mx.where(wavelens > low_freq_wavelen, freqs * factor, freqs)
+    is_medium = (wavelens > high_freq_wavelen) & (wavelens < low_freq_wavelen)
+    smooth = (old_context / wavelens - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth_freqs = freqs / ((1 - smooth) / factor + smooth)
+    return mx.where(is_medium, smooth_freqs, freqs)
+
+
+class RoPE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dims = cfg.rope_dims or cfg.d_head
+        self.traditional = cfg.rope_traditional
+        self.base = cfg.rope_base
+        self.scale = 1.0
+        scaling = cfg.rope_scaling or {}
+        kind = scaling.get("type") or scaling.get("rope_type")
+        self._freqs = None
+        if kind == "linear":
+            self.scale = 1.0 / float(scaling["factor"])
+        elif kind == "llama3":
+            self._freqs = llama3_rope_freqs(self.dims, self.base, scaling)
+        elif kind == "freq_factors":
+            # GGUF's rope_freqs tensor: llama.cpp divides each frequency by its factor.
+            base_freqs = self.base ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
+            self._freqs = base_freqs * mx.array(scaling["factors"], dtype=mx.float32)
+        elif kind not in (None, "none", "default"):
+            raise ValueError(f"unsupported rope scaling {kind!r}")
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        # x: (B, heads, T, d_head)
+        if self._freqs is not None:
+            return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None,
+                                scale=self.scale, offset=offset, freqs=self._freqs)
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
+                            scale=self.scale, offset=offset)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        self.q = HeadProjection(cfg.d_model, cfg.n_heads, cfg.d_head, bias=cfg.qkv_bias)
+        self.k = HeadProjection(cfg.d_model, cfg.n_kv_heads, cfg.d_head, bias=cfg.qkv_bias)
+        self.v = HeadProjection(cfg.d_model, cfg.n_kv_heads, cfg.d_head, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=False)
+        self.rope = RoPE(cfg)
+        self.scale = cfg.d_head**-0.5
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
+                 head_taps: dict | None = None) -> mx.array:
+        B, T, _ = x.shape
+        q = self.q(x).transpose(0, 2, 1, 3)  # (B, H, T, Dh)
+        k = self.k(x).transpose(0, 2, 1, 3)  # (B, KV, T, Dh)
+        v = self.v(x).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q = self.rope(q, offset)
+        k = self.rope(k, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        if mask is None:
+            mask = "causal" if T > 1 else None
+        if head_taps is not None:
+            heads = _explicit_attention(q, k, v, self.scale, mask, head_taps)
+        else:
+            # GQA is native: the kernel maps Q head h to KV head h // group_size.
+            heads = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o(heads.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+def _explicit_attention(q, k, v, scale, mask, head_taps: dict) -> mx.array:
+    """Attention with the weights materialized, for per-head taps (entropy, output norm)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = mx.repeat(k, group, axis=1)
+        v = mx.repeat(v, group, axis=1)
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    T, S = scores.shape[-2:]
+    if isinstance(mask, str):
+        keep = mx.arange(S)[None, :] <= (mx.arange(T)[:, None] + (S - T))
+        scores = mx.where(keep, scores, -mx.inf)
+    elif mask is not None:
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1)
+    logp = mx.log(mx.maximum(probs, 1e-30))
+    head_taps["attn_entropy"] = -(probs * logp).sum(-1).mean(axis=(0, 2))  # (H,)
+    out = (probs.astype(v.dtype) @ v)
+    head_taps["head_out_norm"] = mx.sqrt((out.astype(mx.float32) ** 2).sum(-1)).mean(axis=(0, 2))
+    return out
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down(nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
+                 taps: dict | None = None) -> mx.array:
+        h = self.attn_norm(x)
+        head_taps = {} if taps is not None and taps.get("_heads") else None
+        x = x + self.attn(h, mask, cache, head_taps)
+        ffn_out = self.ffn(self.ffn_norm(x))
+        x = x + ffn_out
+        if taps is not None:
+            taps["attn_norm"], taps["ffn_out"], taps["resid_post"] = h, ffn_out, x
+            if head_taps:
+                taps.update(head_taps)
+        return x
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = [Block(cfg) for _ in range(cfg.n_layers)]
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.tok_embeddings(tokens)
+
+    def __call__(self, tokens: mx.array, mask: Any = None, cache: list | None = None,
+                 taps: dict | None = None) -> mx.array:
+        """tokens (B, T) -> logits (B, T, vocab).
+
+        mask: None (causal), or a boolean/additive array broadcastable to (B, H, T, S) such as
+        `block_causal_mask(segment_ids)` for packed rows. cache: one KV cache per layer.
+        taps: a dict to fill with {(layer, site): array}; None costs nothing.
+        """
+        return self.logits(self.hidden(tokens, mask, cache, taps))
+
+    def hidden(self, tokens: mx.array, mask: Any = None, cache: list | None = None,
+               taps: dict | None = None) -> mx.array:
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            layer_taps = None
+            if taps is not None and _wants_layer(taps, i):
+                layer_taps = {"_heads": taps.get("_heads", False)}
+            x = layer(x, mask, cache[i] if cache is not None else None, layer_taps)
+            if layer_taps is not None:
+                for site, value in layer_taps.items():
+                    if not site.startswith("_"):
+                        taps[(i, site)] = value
+        return self.norm(x)
+
+    def logits(self, h: mx.array) -> mx.array:
+        if "output" in self:
+            return self.output(h)
+        return self.tok_embeddings.as_linear(h)
+
+
+def _wants_layer(taps: dict, i: int) -> bool:
+    layers = taps.get("_layers")
+    return layers is None or i in layers
+
+
+def block_causal_mask(segment_ids: mx.array) -> mx.array:
+    """Boolean (B, 1, T, T) mask: a token sees earlier tokens of its own segment only.
+
+    segment_ids (B, T): documents packed into one row get distinct ids; padding may use -1
+    (padding rows still see themselves so softmax never meets an all-masked row).
+    """
+    T = segment_ids.shape[1]
+    causal = mx.arange(T)[:, None] >= mx.arange(T)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal)[:, None, :, :]
