@@ -25,19 +25,21 @@ def build_model(cfg: ModelConfig, weights: dict[str, mx.array] | None = None) ->
 
 def load_weights(model_arg: str, dtype: mx.Dtype | None = None):
     """-> (ModelConfig, weights, LoadedMeta, Tokenizer) without building the model."""
-    from mlxtoy.io.tokenizer import Tokenizer
-
     kind, path = resolve_model(model_arg)
     dtype = dtype or backend.compute_dtype()
     if kind == "gguf":
         from mlxtoy.io.gguf_read import load_gguf
 
         cfg, weights, meta = load_gguf(path, dtype)
+        from mlxtoy.io.tokenizer import Tokenizer
+
         tokenizer = Tokenizer.from_gguf_metadata(meta.metadata, source=path)
     else:
         from mlxtoy.io.hf import load_hf
 
         cfg, weights, meta = load_hf(path, dtype)
+        from mlxtoy.io.tokenizer import Tokenizer
+
         if not os.path.exists(os.path.join(path, "tokenizer.json")):
             raise UserError(f"{path}: no tokenizer.json")
         tokenizer = Tokenizer.from_hf_folder(path)

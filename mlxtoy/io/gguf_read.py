@@ -217,9 +217,10 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     for n, (param, shape) in enumerate(shapes.items()):
         t = by_param[param]
         arr = dequantize_tensor(t, path)
-        if tuple(arr.shape) != _gguf_numpy_shape(shape):
+        fused = _gguf_numpy_shape(shape) if not param.endswith(".bias") else (shape[0] * shape[1],)
+        if tuple(arr.shape) != fused:
             raise UserError(f"{path}: tensor {t.name} has shape {list(arr.shape)}, expected "
-                            f"{list(_gguf_numpy_shape(shape))}")
+                            f"{list(fused)}")
         weights[param] = mx.array(arr.reshape(shape)).astype(dtype)
         mx.eval(weights[param])
         types[t.name] = t.tensor_type.name
@@ -232,7 +233,10 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
 
 
 def _gguf_numpy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape
+    """Our per-head shapes (H, Dh, D) / (H, Dh) are GGUF's fused (H*Dh, D) / (H*Dh,)."""
+    if len(shape) == 3:
+        return (shape[0] * shape[1], shape[2])
+    return shape
 
 
 def _param_to_gguf_name(param: str) -> str:

