@@ -207,13 +207,19 @@ def params_to_hf(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx
 
 def save_hf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], tokenizer=None,
             dtype: mx.Dtype = mx.float32) -> None:
-    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files) atomically."""
+    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files) atomically.
+
+    Written under a temporary name next to `path` and renamed; an existing `path` is moved
+    aside first and deleted only once the new folder is in place.
+    """
     import shutil
     import tempfile
 
-    parent = os.path.dirname(os.path.abspath(path)) or "."
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    old = None
     try:
         tensors = {k: v.astype(dtype) for k, v in params_to_hf(cfg, weights).items()}
         mx.save_safetensors(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"})
@@ -222,16 +228,25 @@ def save_hf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], tokenizer
         if tokenizer is not None:
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 f.write(tokenizer.to_hf_tokenizer_json())
-            tok_cfg = {"chat_template": tokenizer.chat_template,
-                       "add_bos_token": bool(getattr(tokenizer, "add_bos", False))}
-            for key, tid in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
-                if tid is not None:
-                    tok_cfg[key] = tokenizer.decode([tid])
+            if hasattr(tokenizer, "to_hf_tokenizer_config"):
+                tok_cfg = tokenizer.to_hf_tokenizer_config()  # names the tokenizer class too
+            else:
+                tok_cfg = {"chat_template": tokenizer.chat_template,
+                           "add_bos_token": bool(getattr(tokenizer, "add_bos", False))}
+                for key, tid in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
+                    if tid is not None:
+                        tok_cfg[key] = tokenizer.decode([tid])
             with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
                 json.dump(tok_cfg, f, indent=2)
         if os.path.isdir(path):
-            shutil.rmtree(path)
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
+            os.replace(path, os.path.join(old, "previous"))
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.exists(path):
+            os.replace(os.path.join(old, "previous"), path)  # put the previous folder back
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

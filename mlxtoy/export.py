@@ -1,0 +1,543 @@
+"""`mlxtoy export`: models and runs out to GGUF (merged or as a llama.cpp LoRA adapter),
+Hugging Face folders, mlx-lm adapters and PEFT adapters.
+
+Every LoRA we train is first turned into one neutral form, a standard low-rank update per
+weight in our fused layout (GGUF's row order):
+
+    delta W = scale * B @ A,   A (rank, d_in), B (d_out, rank)
+
+A per-head adapter on q/k/v (A_h (r, d_in), B_h (d_head, r) for each head h) converts
+exactly: A stacks the heads' A_h (rank heads*r) and B is block-diagonal with B_h on the
+diagonal, so head h's rows get B_h @ A_h and nothing else. Each writer then only renames,
+re-lays-out (llama's q/k rows are GGML adjacent-pair in GGUF and NEOX in HF / mlx-lm / PEFT)
+and folds `scale` into B so that the consumer's own scale convention gives exactly ours:
+
+    llama.cpp:  alpha / rank, rank read from each B    PEFT: lora_alpha / r (rank_pattern)
+    mlx-lm:     one `scale` for every adapted layer, one rank (narrower adapters zero-padded)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxtoy.config import LoadedMeta, ModelConfig
+from mlxtoy.errors import UserError
+
+FORMATS = ("gguf", "adapter-gguf", "hf", "mlx-lm", "peft")
+DTYPES = ("f32", "f16", "q8_0")
+FILE_FORMATS = ("gguf", "adapter-gguf")  # one file; the others write a folder
+
+# our adapter target -> (GGUF tensor in a block, HF module in a layer)
+TARGETS = {
+    "q": ("attn_q.weight", "self_attn.q_proj"),
+    "k": ("attn_k.weight", "self_attn.k_proj"),
+    "v": ("attn_v.weight", "self_attn.v_proj"),
+    "o": ("attn_output.weight", "self_attn.o_proj"),
+    "gate": ("ffn_gate.weight", "mlp.gate_proj"),
+    "up": ("ffn_up.weight", "mlp.up_proj"),
+    "down": ("ffn_down.weight", "mlp.down_proj"),
+}
+
+
+@dataclass
+class LoraUpdate:
+    """delta W = scale * B @ A in our fused layout; A (rank, d_in), B (d_out, rank), float32."""
+
+    A: np.ndarray
+    B: np.ndarray
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+    def delta(self) -> np.ndarray:
+        return self.scale * (self.B.astype(np.float64) @ self.A.astype(np.float64))
+
+
+@dataclass
+class LoraSet:
+    """All of a run's adapters: {(layer, target): LoraUpdate}, plus the nominal rank/alpha."""
+
+    updates: dict[tuple[int, str], LoraUpdate]
+    rank: int
+    alpha: float
+    base: str | None = None  # the base MODEL the run was trained on
+
+    @property
+    def targets(self) -> list[str]:
+        return [t for t in TARGETS if any(k[1] == t for k in self.updates)]
+
+    @property
+    def nominal_scale(self) -> float:
+        return self.alpha / self.rank if self.rank else 1.0
+
+
+@dataclass
+class Source:
+    """What `export` works from: merged weights, metadata, tokenizer, and LoRA when a run has it."""
+
+    cfg: ModelConfig
+    weights: dict[str, mx.array]
+    meta: LoadedMeta | None
+    tokenizer: Any
+    lora: LoraSet | None = None
+    label: str = ""
+
+
+# --------------------------------------------------------------------------- per-head <-> fused
+
+def per_head_to_fused(A_h: np.ndarray, B_h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-head LoRA (A_h (H, r, d_in), B_h (H, d_head, r)) -> one standard LoRA of rank H*r:
+    A stacks the A_h, B is block-diagonal, so B @ A has B_h @ A_h in head h's rows and nothing
+    else. Exact (no SVD, no approximation)."""
+    H, r, d_in = A_h.shape
+    d_head = B_h.shape[1]
+    A = A_h.reshape(H * r, d_in)
+    B = np.zeros((H * d_head, H * r), dtype=np.float32)
+    for h in range(H):
+        B[h * d_head:(h + 1) * d_head, h * r:(h + 1) * r] = B_h[h]
+    return A, B
+
+
+# --------------------------------------------------------------------------- layouts
+
+def _hf_rows(cfg: ModelConfig, target: str, B: np.ndarray) -> np.ndarray:
+    """B's rows in Hugging Face order: llama's q/k rows go from adjacent-pair to NEOX."""
+    if cfg.arch != "llama" or target not in ("q", "k"):
+        return B
+    from mlxtoy.io.hf import interleaved_to_neox
+
+    heads = cfg.n_heads if target == "q" else cfg.n_kv_heads
+    return np.array(interleaved_to_neox(mx.array(B), heads))
+
+
+def _np_dtype(dtype: str):
+    if dtype == "f32":
+        return np.float32
+    if dtype == "f16":
+        return np.float16
+    raise UserError(f"--dtype {dtype} is not available for this format (choose f32 or f16)")
+
+
+# --------------------------------------------------------------------------- writers
+
+def lora_to_llama_cpp(lora: LoraSet) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
+    """-> ({GGUF base tensor name: (A, B)}, alpha) such that llama.cpp's alpha/rank gives ours."""
+    alpha = float(lora.alpha) if lora.alpha else 0.0
+    out = {}
+    for (layer, target), u in sorted(lora.updates.items(), key=lambda kv: (kv[0][0], list(TARGETS).index(kv[0][1]))):
+        # llama.cpp scales by alpha / rank (rank = this B's width), or by 1 when alpha is 0
+        theirs = alpha / u.rank if alpha else 1.0
+        B = u.B * np.float32(u.scale / theirs)
+        out[f"blk.{layer}.{TARGETS[target][0]}"] = (u.A, B)
+    return out, alpha
+
+
+def write_adapter_gguf(path: str, src: Source, dtype: str = "f32") -> str:
+    from mlxtoy.io.gguf_write import write_lora_gguf
+
+    adapters, alpha = lora_to_llama_cpp(_need_lora(src))
+    return write_lora_gguf(path, src.cfg, adapters, alpha, metadata=src.meta.metadata if src.meta else None,
+                           dtype=dtype)
+
+
+def write_mlx_lm(path: str, src: Source, dtype: str = "f32") -> str:
+    """adapters.safetensors + adapter_config.json for `mlx_lm.load(..., adapter_path=PATH)`.
+
+    mlx-lm has one rank and one scale for every adapted layer, the same keys in each of the
+    last `num_layers` layers: narrower adapters are zero-padded (exact), missing ones are zero,
+    and each adapter's own scale is folded into its B.
+    """
+    lora = _need_lora(src)
+    cfg = src.cfg
+    np_dtype = _np_dtype(dtype)
+    rank = max(u.rank for u in lora.updates.values())
+    scale = lora.nominal_scale or 1.0
+    targets = lora.targets
+    first = min(layer for layer, _ in lora.updates)
+    tensors: dict[str, np.ndarray] = {}
+    dims = _target_dims(cfg)
+    for layer in range(first, cfg.n_layers):
+        for t in targets:
+            d_out, d_in = dims[t]
+            a = np.zeros((d_in, rank), dtype=np.float32)
+            b = np.zeros((rank, d_out), dtype=np.float32)
+            u = lora.updates.get((layer, t))
+            if u is not None:
+                a[:, :u.rank] = u.A.T
+                b[:u.rank, :] = (_hf_rows(cfg, t, u.B) * np.float32(u.scale / scale)).T
+            name = f"model.layers.{layer}.{TARGETS[t][1]}"
+            tensors[f"{name}.lora_a"] = a.astype(np_dtype)
+            tensors[f"{name}.lora_b"] = b.astype(np_dtype)
+    config = {
+        "fine_tune_type": "lora",
+        "num_layers": cfg.n_layers - first,
+        "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0,
+                            "keys": [TARGETS[t][1] for t in targets]},
+    }
+    if lora.base:
+        config["model"] = lora.base
+
+    def write(tmp: str) -> None:
+        _save_safetensors(os.path.join(tmp, "adapters.safetensors"), tensors)
+        _write_json(os.path.join(tmp, "adapter_config.json"), config)
+
+    return _atomic_dir(path, write, ("adapters.safetensors", "adapter_config.json"))
+
+
+def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
+    """adapter_model.safetensors + adapter_config.json for `PeftModel.from_pretrained`.
+
+    PEFT scales each module by lora_alpha / r, with r from `rank_pattern` where a module's rank
+    differs from the common one; each adapter's own scale is folded into its B.
+    """
+    lora = _need_lora(src)
+    cfg = src.cfg
+    np_dtype = _np_dtype(dtype)
+    alpha = float(lora.alpha) if lora.alpha else float(lora.rank)
+    ranks = [u.rank for u in lora.updates.values()]
+    r = max(set(ranks), key=ranks.count)
+    tensors: dict[str, np.ndarray] = {}
+    rank_pattern: dict[str, int] = {}
+    modules: dict[str, set[int]] = {}
+    for (layer, t), u in lora.updates.items():
+        module = f"model.layers.{layer}.{TARGETS[t][1]}"
+        B = _hf_rows(cfg, t, u.B) * np.float32(u.scale * u.rank / alpha)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = u.A.astype(np_dtype)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = B.astype(np_dtype)
+        modules.setdefault(TARGETS[t][1].split(".")[-1], set()).add(u.rank)
+        if u.rank != r:
+            rank_pattern[module] = u.rank
+    # one entry per projection when all its layers share a rank (PEFT matches by suffix)
+    for short, rs in modules.items():
+        if len(rs) == 1 and next(iter(rs)) != r:
+            for k in [k for k in rank_pattern if k.endswith("." + short)]:
+                del rank_pattern[k]
+            rank_pattern[short] = next(iter(rs))
+    layers = sorted({layer for layer, _ in lora.updates})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": lora.base,
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": sorted(modules),
+        "layers_to_transform": None if layers == list(range(cfg.n_layers)) else layers,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": {},
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+    }
+    missing = [(layer, t) for layer in layers for t in lora.targets if (layer, t) not in lora.updates]
+    for layer, t in missing:  # PEFT adapts every target in every listed layer: write zeros
+        d_out, d_in = _target_dims(cfg)[t]
+        module = f"model.layers.{layer}.{TARGETS[t][1]}"
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.zeros((r, d_in), np_dtype)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.zeros((d_out, r), np_dtype)
+
+    def write(tmp: str) -> None:
+        _save_safetensors(os.path.join(tmp, "adapter_model.safetensors"), tensors)
+        _write_json(os.path.join(tmp, "adapter_config.json"), config)
+
+    return _atomic_dir(path, write, ("adapter_model.safetensors", "adapter_config.json", "README.md"))
+
+
+def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
+    from mlxtoy.io.hf import save_hf
+
+    if src.cfg.arch == "gpt2":
+        from mlxtoy.io.gpt2_io import save_gpt2_hf as save_hf
+    elif src.cfg.arch not in ("llama", "qwen2"):
+        raise UserError(f"{src.cfg.arch} models have no Hugging Face equivalent (export llama, qwen2 or gpt2)")
+    mx_dtype = {"f32": mx.float32, "f16": mx.float16}.get(dtype)
+    if mx_dtype is None:
+        raise UserError(f"--dtype {dtype} is not available for --format hf (choose f32 or f16)")
+    _check_replaceable_dir(path, ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                  "generation_config.json", "special_tokens_map.json"))
+    try:
+        save_hf(path, src.cfg, src.weights, src.tokenizer, dtype=mx_dtype)
+    except OSError as e:
+        raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
+    return path
+
+
+def write_model_gguf(path: str, src: Source, dtype: str = "f32",
+                     progress: Callable[[int, int], None] | None = None) -> str:
+    from mlxtoy.io.gguf_write import write_gguf
+
+    return write_gguf(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
+
+
+def gguf_metadata(src: Source) -> dict[str, Any]:
+    """The key/values to carry: the source GGUF's own (tokenizer keys exactly as they were),
+    else what the tokenizer can say about itself in GGUF terms."""
+    md: dict[str, Any] = {}
+    if src.meta is not None and src.meta.format == "gguf":
+        md.update(src.meta.metadata)
+    if not any(k.startswith("tokenizer.ggml.") for k in md) and src.tokenizer is not None:
+        if not hasattr(src.tokenizer, "to_gguf_metadata"):
+            raise UserError("this tokenizer cannot be written to GGUF metadata")
+        md.update(src.tokenizer.to_gguf_metadata())
+    if "general.name" not in md and src.label:
+        md["general.name"] = os.path.basename(os.path.normpath(src.label)) or "mlxtoy"
+    return md
+
+
+# --------------------------------------------------------------------------- sources
+
+def _need_lora(src: Source) -> LoraSet:
+    if src.cfg.arch not in ("llama", "qwen2"):
+        raise UserError(f"adapter formats support llama and qwen2 models, not {src.cfg.arch} "
+                        "(export the merged model with --format gguf or hf)")
+    if src.lora is None or not src.lora.updates:
+        raise UserError(f"{src.label or 'source'}: no LoRA adapters to export "
+                        "(adapter formats need a LoRA run; use --format gguf or hf for a merged model)")
+    return src.lora
+
+
+def _target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    d, ff = cfg.d_model, cfg.d_ff
+    return {"q": (cfg.n_heads * cfg.d_head, d), "k": (cfg.n_kv_heads * cfg.d_head, d),
+            "v": (cfg.n_kv_heads * cfg.d_head, d), "o": (d, cfg.n_heads * cfg.d_head),
+            "gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+
+
+def _module(model, path: str):
+    m = model
+    for part in path.split("."):
+        m = m[int(part)] if part.isdigit() else getattr(m, part)
+    return m
+
+
+def _dense_weight(module) -> mx.array:
+    import mlx.nn as nn
+
+    if isinstance(module, nn.QuantizedLinear):  # QLoRA bases: export dense weights
+        return mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
+    return module.weight
+
+
+def merged_weights(model) -> dict[str, mx.array]:
+    """Flat parameters of `model` in our plain layout, every LoRA folded in (the model itself is
+    not changed) and quantized bases dequantized."""
+    from mlxtoy.io.gguf_read import expected_shapes
+    from mlxtoy.models.lora import LORA_TYPES
+
+    out: dict[str, mx.array] = {}
+    for param in expected_shapes(model.config):
+        path, leaf = param.rsplit(".", 1)
+        m = _module(model, path)
+        if isinstance(m, LORA_TYPES):
+            if leaf == "weight":
+                w = _dense_weight(m.base)
+                delta = m.delta_weight().astype(mx.float32).reshape(w.shape)
+                out[param] = (w.astype(mx.float32) + delta).astype(w.dtype)
+            else:
+                out[param] = getattr(m.base, leaf)
+        else:
+            out[param] = _dense_weight(m) if leaf == "weight" else getattr(m, leaf)
+    mx.eval(out)
+    return out
+
+
+def lora_from_model(model, alpha: float | None = None, base: str | None = None) -> LoraSet | None:
+    """The model's LoRA wrappers (mlxtoy.models.lora) as standard fused updates, or None."""
+    from mlxtoy.models.lora import TARGET_PATHS, LoRAHeadProjection, lora_modules
+
+    by_path = {".".join(p): t for t, p in TARGET_PATHS.items()}
+    updates: dict[tuple[int, str], LoraUpdate] = {}
+    ranks, scales = [], []
+    for name, m in lora_modules(model):
+        _, idx, rest = name.split(".", 2)
+        target = by_path[rest]
+        a = np.array(m.lora_a.astype(mx.float32))
+        b = np.array(m.lora_b.astype(mx.float32))
+        if isinstance(m, LoRAHeadProjection) and m.per_head:
+            ranks.append(a.shape[1])
+            a, b = per_head_to_fused(a, b)
+        else:
+            ranks.append(a.shape[0])
+        scales.append(float(m.scale))
+        updates[(int(idx), target)] = LoraUpdate(A=a, B=b, scale=float(m.scale))
+    if not updates:
+        return None
+    rank = max(set(ranks), key=ranks.count)
+    if alpha is None:
+        alpha = max(set(scales), key=scales.count) * rank
+    return LoraSet(updates=updates, rank=rank, alpha=float(alpha), base=base)
+
+
+def source_from_model(model, tokenizer, label: str = "", alpha: float | None = None,
+                      base: str | None = None) -> Source:
+    """An in-memory LlamaModel (LoRA-wrapped or not) and its tokenizer as an export source:
+    merged weights for model formats, its adapters for adapter formats."""
+    meta = getattr(model, "meta", None)
+    return Source(cfg=model.config, weights=merged_weights(model), meta=meta, tokenizer=tokenizer,
+                  lora=lora_from_model(model, alpha, base), label=label or (meta.source if meta else ""))
+
+
+def load_source(source: str, dtype: mx.Dtype | None = None, fmt: str = "gguf") -> Source:
+    """SOURCE: a run directory, one of its checkpoints, or a model (.gguf, HF folder, name)."""
+    if os.path.isdir(source) and _is_run_or_checkpoint(source):
+        return _load_run(source)
+    if fmt not in ("gguf", "hf"):  # say so before loading a model that cannot have adapters
+        raise UserError(f"{source}: a model has no LoRA adapters to export as {fmt} "
+                        "(adapter formats need a LoRA run; use --format gguf or hf)")
+    from mlxtoy.loading import load_weights
+
+    cfg, weights, meta, tokenizer = load_weights(source, dtype or mx.float32)
+    return Source(cfg=cfg, weights=weights, meta=meta, tokenizer=tokenizer, label=source)
+
+
+def _is_run_or_checkpoint(path: str) -> bool:
+    from mlxtoy.train.checkpoint import CONFIG, RUN_MARKERS
+
+    if os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(os.path.join(path, CONFIG)):
+        return False  # a Hugging Face model folder
+    return os.path.exists(os.path.join(path, "state.json")) or \
+        any(os.path.exists(os.path.join(path, m)) for m in RUN_MARKERS)
+
+
+def _load_run(path: str) -> Source:
+    """A run (final result, else its newest checkpoint) or one RUN/checkpoints/step_N."""
+    from mlxtoy.train.checkpoint import RunDir, load_run_model
+
+    model, tokenizer = load_run_model(path, dtype=mx.float32, merge=False)
+    run_path = os.path.dirname(os.path.dirname(os.path.abspath(path))) \
+        if os.path.exists(os.path.join(path, "state.json")) else path
+    cfg, resolved = RunDir(run_path).read_config()
+    lora_info = resolved.get("lora") or {}
+    src = source_from_model(model, tokenizer, label=path, alpha=lora_info.get("alpha"), base=cfg.model)
+    if src.meta is None and cfg.method != "scratch":
+        raise UserError(f"{path}: cannot tell the base model's metadata")
+    return src
+
+
+# --------------------------------------------------------------------------- files
+
+def _save_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path, metadata={"format": "pt"})
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def _check_replaceable_dir(path: str, ours: tuple[str, ...]) -> None:
+    """An existing output folder is only replaced when it holds nothing but a previous export."""
+    if os.path.isfile(path):
+        raise UserError(f"{path}: is a file (this format writes a folder)")
+    if os.path.isdir(path):
+        foreign = [n for n in os.listdir(path) if n not in ours]
+        if foreign:
+            raise UserError(f"{path}: folder exists and holds other files ({foreign[0]} ...); "
+                            "choose a new --out")
+
+
+def _atomic_dir(path: str, write: Callable[[str], None], ours: tuple[str, ...]) -> str:
+    """Write a folder under a temporary name next to `path`, then move it into place."""
+    path = os.path.abspath(path)
+    _check_replaceable_dir(path, ours)
+    parent = os.path.dirname(path)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise UserError(f"{path}: cannot write here ({e.strerror or e})") from None
+    try:
+        write(tmp)
+        if os.path.isdir(path):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
+            os.replace(path, os.path.join(old, "x"))
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+# --------------------------------------------------------------------------- entry points
+
+def check_format(fmt: str, dtype: str | None) -> tuple[str, str]:
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
+    dtype = (dtype or "f32").lower()
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if fmt not in FILE_FORMATS and dtype not in ("f32", "f16"):
+        raise UserError(f"--dtype {dtype} is not available for --format {fmt} (choose f32 or f16)")
+    return fmt, dtype
+
+
+def check_output(out: str, fmt: str) -> None:
+    """Fail before any loading when the output cannot be written."""
+    path = os.path.abspath(out)
+    if fmt in FILE_FORMATS:
+        if os.path.isdir(path):
+            raise UserError(f"{out}: is a folder (--format {fmt} writes one file)")
+    else:
+        if os.path.isfile(path):
+            raise UserError(f"{out}: is a file (--format {fmt} writes a folder)")
+    parent = os.path.dirname(path)
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"{out}: cannot write here ({existing} is a file, not a folder)")
+    if not os.access(existing, os.W_OK):
+        raise UserError(f"{out}: cannot write here ({existing} is not writable)")
+
+
+def export_source(src: Source, out: str, fmt: str = "gguf", dtype: str | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> str:
+    fmt, dtype = check_format(fmt, dtype)
+    if fmt == "gguf":
+        return write_model_gguf(out, src, dtype, progress)
+    if fmt == "hf":
+        return write_hf(out, src, dtype)
+    if fmt == "adapter-gguf":
+        return write_adapter_gguf(out, src, dtype)
+    if fmt == "mlx-lm":
+        return write_mlx_lm(out, src, dtype)
+    return write_peft(out, src, dtype)
+
+
+def export(source: str, out: str, fmt: str = "gguf", dtype: str | None = None,
+           progress: Callable[[int, int], None] | None = None) -> str:
+    """Export SOURCE (run directory, checkpoint, or model) to `out`. Returns the written path."""
+    check_format(fmt, dtype)
+    check_output(out, fmt)
+    return export_source(load_source(source, fmt=fmt), out, fmt, dtype, progress)
+
+
+def export_model(model, tokenizer, out: str, fmt: str = "gguf", dtype: str | None = None) -> str:
+    """Export an in-memory model: merged for model formats, its LoRA for adapter formats."""
+    check_format(fmt, dtype)
+    check_output(out, fmt)
+    return export_source(source_from_model(model, tokenizer), out, fmt, dtype)
+

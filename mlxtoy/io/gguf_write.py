@@ -1,0 +1,428 @@
+"""Write standard llama.cpp GGUF files (models and LoRA adapters) with gguf-py's GGUFWriter.
+
+Our per-head q/k/v weights (heads, d_head, d_model) are already in GGUF's row order: heads
+concatenated head-major, with llama's rows in GGML's adjacent-pair RoPE layout and qwen2's in
+NEOX, exactly as llama.cpp's converter stores them. Writing is therefore a reshape to
+llama.cpp's fused tensors (`blk.N.attn_q.weight` ...), not a permutation.
+
+Tensors are converted and written one at a time (header and tensor table first, then the
+data), so a model is never held twice in memory. Everything goes to a temporary file in the
+target folder that is renamed into place at the end: an interrupted export never leaves a
+partial file at the target path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from mlxtoy.config import ModelConfig
+from mlxtoy.errors import UserError
+
+GGUF_DTYPES = ("f32", "f16", "q8_0")
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+# --------------------------------------------------------------------------- atomic files
+
+@contextlib.contextmanager
+def atomic_file(path: str, suffix: str = "") -> Iterator[str]:
+    """Yield a temporary path next to `path`; rename it onto `path` only if the body succeeds."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a folder (give a file path for the output)")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp" + suffix, dir=parent)
+        os.close(fd)
+    except OSError as e:
+        raise UserError(f"{path}: cannot write here ({e.strerror or e})") from None
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# --------------------------------------------------------------------------- metadata
+
+def _value_types(key: str, value: Any):
+    """GGUF (type, sub_type) for a metadata value: llama.cpp checks types strictly, so the
+    tokenizer keys get the types llama.cpp's converter writes; anything else is inferred."""
+    gguf = _gguf()
+    T = gguf.GGUFValueType
+    known = {
+        "tokenizer.ggml.tokens": (T.ARRAY, T.STRING),
+        "tokenizer.ggml.merges": (T.ARRAY, T.STRING),
+        "tokenizer.ggml.token_type": (T.ARRAY, T.INT32),
+        "tokenizer.ggml.scores": (T.ARRAY, T.FLOAT32),
+        "tokenizer.ggml.precompiled_charsmap": (T.ARRAY, T.UINT8),
+        "tokenizer.ggml.token_type_count": (T.UINT32, None),
+        "general.languages": (T.ARRAY, T.STRING),
+        "general.tags": (T.ARRAY, T.STRING),
+    }
+    if key in known:
+        return known[key]
+    if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+        return T.UINT32, None
+    return _infer_type(value), _infer_sub_type(value)
+
+
+def _infer_type(value: Any):
+    T = _gguf().GGUFValueType
+    if isinstance(value, (bool, np.bool_)):
+        return T.BOOL
+    if isinstance(value, (int, np.integer)):
+        return T.UINT32 if 0 <= int(value) < 2**32 else T.INT64
+    if isinstance(value, (float, np.floating)):
+        return T.FLOAT32
+    if isinstance(value, str):
+        return T.STRING
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return T.ARRAY
+    raise TypeError(f"cannot store {type(value).__name__} in GGUF metadata")
+
+
+def _infer_sub_type(value: Any):
+    T = _gguf().GGUFValueType
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        return None
+    if isinstance(value, np.ndarray):
+        return {np.dtype(np.int32): T.INT32, np.dtype(np.uint32): T.UINT32, np.dtype(np.float32): T.FLOAT32,
+                np.dtype(np.uint8): T.UINT8, np.dtype(np.int64): T.INT64}.get(value.dtype, T.FLOAT32)
+    first = value[0] if len(value) else ""
+    if isinstance(first, (bool, np.bool_)):
+        return T.BOOL
+    if isinstance(first, (int, np.integer)):
+        return T.INT32
+    if isinstance(first, (float, np.floating)):
+        return T.FLOAT32
+    return T.STRING
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+# Keys we never copy from a source file: the writer re-derives them from the config and the
+# tensors it writes (or they describe the source's quantization, not ours).
+_SKIP_PREFIXES = ("GGUF.", "split.", "quantize.", "adapter.")
+_SKIP_KEYS = {"general.architecture", "general.type", "general.file_type", "general.quantization_version",
+              "general.alignment"}
+
+
+def carried_metadata(metadata: dict[str, Any] | None, arch: str) -> dict[str, Any]:
+    """general.* and tokenizer.* keys (and anything else not architectural) to copy unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in (metadata or {}).items():
+        if key in _SKIP_KEYS or key.startswith(_SKIP_PREFIXES):
+            continue
+        if key.startswith(f"{arch}.") or key.split(".", 1)[0] in ("llama", "qwen2", "gpt2"):
+            continue
+        out[key] = value
+    return out
+
+
+def _add_metadata(writer, metadata: dict[str, Any]) -> None:
+    T = _gguf().GGUFValueType
+    for key, value in metadata.items():
+        if value is None:
+            continue
+        value = _plain(value)
+        vtype, sub = _value_types(key, value)
+        if vtype == T.ARRAY and len(value) == 0:
+            continue  # an empty list carries nothing (and has no element type to write)
+        writer.add_key_value(key, list(value) if vtype == T.ARRAY else value, vtype, sub_type=sub)
+
+
+def _add_arch_metadata(writer, cfg: ModelConfig) -> None:
+    gguf = _gguf()
+    writer.add_context_length(int(cfg.context_length))
+    writer.add_embedding_length(int(cfg.d_model))
+    writer.add_block_count(int(cfg.n_layers))
+    writer.add_feed_forward_length(int(cfg.d_ff))
+    writer.add_head_count(int(cfg.n_heads))
+    if cfg.arch == "gpt2":  # learned positions, LayerNorm: no RoPE keys
+        writer.add_layer_norm_eps(float(cfg.norm_eps))
+        writer.add_vocab_size(int(cfg.vocab_size))
+        return
+    writer.add_head_count_kv(int(cfg.n_kv_heads))
+    if cfg.d_head * cfg.n_heads != cfg.d_model:
+        # llama.cpp assumes d_head = d_model / n_heads unless told otherwise.
+        writer.add_key_length(int(cfg.d_head))
+        writer.add_value_length(int(cfg.d_head))
+    writer.add_rope_freq_base(float(cfg.rope_base))
+    writer.add_rope_dimension_count(int(cfg.rope_dims or cfg.d_head))
+    writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
+    writer.add_vocab_size(int(cfg.vocab_size))
+    kind = _rope_kind(cfg)
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
+
+
+def _rope_kind(cfg: ModelConfig) -> str | None:
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("type") or scaling.get("rope_type")
+    return None if kind in (None, "none", "default") else kind
+
+
+def rope_freq_factors(cfg: ModelConfig) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` tensor: per-frequency divisors of RoPE's theta, or None.
+
+    llama.cpp rotates by pos * base^(-2i/d) / factor[i]; our RoPE divides positions by
+    `freqs` = base^(2i/d) * factor[i], so factor = freqs / base^(2i/d).
+    """
+    kind = _rope_kind(cfg)
+    if kind not in ("llama3", "freq_factors"):
+        if kind not in (None, "linear"):
+            raise UserError(f"RoPE scaling {kind!r} has no llama.cpp GGUF equivalent here "
+                            "(supported: linear, llama3, GGUF rope_freqs)")
+        return None
+    dims = cfg.rope_dims or cfg.d_head
+    if kind == "freq_factors":
+        factors = np.asarray(cfg.rope_scaling["factors"], dtype=np.float32)
+    else:
+        from mlxtoy.models.llama import llama3_rope_freqs
+
+        freqs = np.array(llama3_rope_freqs(dims, cfg.rope_base, cfg.rope_scaling), dtype=np.float64)
+        base = cfg.rope_base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+        factors = (freqs / base).astype(np.float32)
+    if factors.shape != (dims // 2,):
+        raise UserError(f"RoPE frequency factors: expected {dims // 2} values, got {factors.shape[0]}")
+    if cfg.arch != "llama":
+        raise UserError(f"{cfg.arch} GGUFs have no rope_freqs tensor; cannot export this RoPE scaling")
+    return factors
+
+
+# --------------------------------------------------------------------------- tensors
+
+def _block_names() -> dict[str, str]:
+    from mlxtoy.io.gguf_read import BLOCK_TENSORS
+
+    return {ours: theirs for theirs, ours in BLOCK_TENSORS.items()}
+
+
+def gguf_tensor_name(param: str) -> str:
+    """Our parameter path ('layers.3.attn.q.weight') -> GGUF name ('blk.3.attn_q.weight')."""
+    from mlxtoy.io.gguf_read import GLOBAL_TENSORS
+
+    for theirs, ours in GLOBAL_TENSORS.items():
+        if ours == param:
+            return theirs
+    if param.startswith("layers."):
+        _, idx, rest = param.split(".", 2)
+        name = _block_names().get(rest)
+        if name is not None:
+            return f"blk.{idx}.{name}"
+    raise UserError(f"parameter {param} has no GGUF tensor name")
+
+
+def to_numpy(w: mx.array) -> np.ndarray:
+    """float32 numpy copy (bf16 has no numpy dtype, so everything goes through float32)."""
+    if w.dtype != mx.float32:
+        w = w.astype(mx.float32)
+    return np.array(w, copy=True)
+
+
+def gguf_tensors(cfg: ModelConfig, weights: dict[str, mx.array]) -> list[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
+    """(GGUF name, lazy float32 array in GGUF numpy shape, shape) for every tensor, in
+    llama.cpp's converter order: rope_freqs, token_embd, blocks, output_norm, output."""
+    from mlxtoy.io.gguf_read import expected_shapes
+
+    shapes = expected_shapes(cfg)
+    missing = [p for p in shapes if p not in weights]
+    if missing:
+        raise UserError(f"cannot export: missing parameter {missing[0]}"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    out: list[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]] = []
+    factors = rope_freq_factors(cfg)
+    if factors is not None:
+        out.append(("rope_freqs.weight", lambda f=factors: f, factors.shape))
+
+    def add(param: str) -> None:
+        shape = shapes[param]
+        # per-head (heads, d_head, d_model) -> fused (heads * d_head, d_model); biases flatten
+        np_shape = (shape[0] * shape[1], shape[2]) if len(shape) == 3 else \
+            ((shape[0] * shape[1],) if param.endswith("bias") else shape)
+        got = tuple(weights[param].shape)
+        if got != shape:
+            raise UserError(f"cannot export: parameter {param} has shape {list(got)}, expected {list(shape)}")
+        out.append((gguf_tensor_name(param), lambda p=param, s=np_shape: to_numpy(weights[p]).reshape(s), np_shape))
+
+    add("tok_embeddings.weight")
+    for i in range(cfg.n_layers):
+        for leaf in ("attn_norm.weight", "attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias",
+                     "attn.v.weight", "attn.v.bias", "attn.o.weight", "ffn_norm.weight", "ffn.gate.weight",
+                     "ffn.up.weight", "ffn.down.weight"):
+            if f"layers.{i}.{leaf}" in shapes:
+                add(f"layers.{i}.{leaf}")
+    add("norm.weight")
+    if not cfg.tie_embeddings:
+        add("output.weight")  # a tied model writes none: llama.cpp reuses token_embd
+    return out
+
+
+def arch_tensors(cfg: ModelConfig, weights: dict[str, mx.array]) -> list[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
+    """The model's GGUF tensors for any architecture llama.cpp and we share."""
+    if cfg.arch in ("llama", "qwen2"):
+        return gguf_tensors(cfg, weights)
+    if cfg.arch == "gpt2":
+        from mlxtoy.io.gpt2_io import gguf_tensor_items
+
+        out = []
+        for name, make in gguf_tensor_items(cfg, weights):
+            arr = make()  # a lazy MLX graph: its shape is known, nothing is computed yet
+            out.append((name, lambda a=arr: to_numpy(a), tuple(arr.shape)))
+        return out
+    raise UserError(f"{cfg.arch} models have no llama.cpp GGUF equivalent (export llama, qwen2 or gpt2)")
+
+
+def _tensor_type(name: str, shape: tuple[int, ...], dtype: str):
+    """GGML type for one tensor: 1-D tensors (norms, biases, rope_freqs) and learned positions
+    stay F32 as in llama.cpp's converter; Q8_0 rows must be a multiple of 32 wide, otherwise
+    F16 (as its converter does)."""
+    Q = _gguf().GGMLQuantizationType
+    if dtype == "f32" or len(shape) < 2 or name.endswith("_norm.weight") or name == "position_embd.weight":
+        return Q.F32
+    if dtype == "q8_0" and shape[-1] % 32 == 0:
+        return Q.Q8_0
+    return Q.F16
+
+
+def _encode(arr: np.ndarray, qtype) -> np.ndarray:
+    gguf = _gguf()
+    Q = gguf.GGMLQuantizationType
+    if qtype == Q.F32:
+        return np.ascontiguousarray(arr, dtype=np.float32)
+    if qtype == Q.F16:
+        return np.ascontiguousarray(arr.astype(np.float16))
+    return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
+
+
+def _nbytes(shape: tuple[int, ...], qtype) -> int:
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return math.prod(shape) // block * size
+
+
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0
+
+
+def _check_dtype(dtype: str) -> str:
+    d = (dtype or "f32").lower()
+    if d not in GGUF_DTYPES:
+        raise UserError(f"unknown GGUF dtype {dtype!r} (choose from {', '.join(GGUF_DTYPES)})")
+    return d
+
+
+def _write(path: str, arch: str, kv: Callable[[Any], None], tensors, dtype: str,
+           progress: Callable[[int, int], None] | None) -> str:
+    gguf = _gguf()
+    with atomic_file(path) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            kv(writer)
+            types = []
+            for name, _, shape in tensors:
+                qtype = _tensor_type(name, shape, dtype)
+                types.append(qtype)
+                writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qtype), raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for n, ((name, load, shape), qtype) in enumerate(zip(tensors, types)):
+                data = _encode(load(), qtype)
+                writer.write_tensor_data(data)
+                del data
+                if progress:
+                    progress(n + 1, len(tensors))
+            writer.flush()
+            for f in writer.fout or []:
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise UserError(f"{path}: write failed ({e.strerror or e})") from None
+        finally:
+            writer.close()
+    return path
+
+
+def write_gguf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], metadata: dict[str, Any] | None = None,
+               dtype: str = "f32", name: str | None = None,
+               progress: Callable[[int, int], None] | None = None) -> str:
+    """Write a llama.cpp model GGUF.
+
+    metadata: GGUF key/values to carry over (the source file's, or `tokenizer.to_gguf_metadata()`
+    plus general.*): every tokenizer.* and general.* key is copied unchanged, architecture keys
+    are re-derived from `cfg`. dtype: f32 (lossless), f16 or q8_0 (norms and 1-D tensors F32).
+    """
+    dtype = _check_dtype(dtype)
+    gguf = _gguf()
+    carried = carried_metadata(metadata, cfg.arch)
+    if "tokenizer.ggml.model" not in carried:
+        raise UserError("cannot export a GGUF without tokenizer metadata (tokenizer.ggml.*)")
+    tensors = arch_tensors(cfg, weights)
+
+    def kv(writer) -> None:
+        writer.add_type(gguf.GGUFType.MODEL)
+        if name and "general.name" not in carried:
+            carried["general.name"] = name
+        _add_arch_metadata(writer, cfg)
+        writer.add_file_type(FILE_TYPES[dtype])
+        if dtype == "q8_0":
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _add_metadata(writer, carried)
+
+    return _write(path, cfg.arch, kv, tensors, dtype, progress)
+
+
+def write_lora_gguf(path: str, cfg: ModelConfig, adapters: dict[str, tuple[np.ndarray, np.ndarray]],
+                    alpha: float, metadata: dict[str, Any] | None = None, dtype: str = "f32") -> str:
+    """Write a llama.cpp LoRA adapter GGUF (what `llama-cli --lora` / `Llama(lora_path=)` load).
+
+    adapters: base GGUF tensor name ('blk.0.attn_q.weight') -> (A (rank, d_in), B (d_out, rank))
+    in the base GGUF's row layout. llama.cpp adds (alpha / rank) * B @ A to the base weight,
+    rank read from each B; alpha 0 means a scale of exactly 1.
+    """
+    dtype = _check_dtype(dtype)
+    gguf = _gguf()
+    if not adapters:
+        raise UserError("nothing to export: the run has no LoRA adapters")
+    tensors = []
+    for base, (a, b) in adapters.items():
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        b = np.ascontiguousarray(b, dtype=np.float32)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise UserError(f"LoRA pair for {base}: A {list(a.shape)} and B {list(b.shape)} do not chain")
+        tensors.append((base + ".lora_a", lambda x=a: x, a.shape))
+        tensors.append((base + ".lora_b", lambda x=b: x, b.shape))
+    general = {k: v for k, v in carried_metadata(metadata, cfg.arch).items() if k.startswith("general.")}
+
+    def kv(writer) -> None:
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+        writer.add_file_type(FILE_TYPES[dtype])
+        if dtype == "q8_0":
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _add_metadata(writer, general)
+
+    return _write(path, cfg.arch, kv, tensors, dtype, None)
