@@ -23,22 +23,37 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append keys/values (B, kv_heads, T, d_head); return everything cached so far."""
         prev, n_new = self.offset, keys.shape[2]
-        if self.keys is None or prev + n_new > self.keys.shape[2]:
-            B, n_kv, _, d_k = keys.shape
-            d_v = values.shape[3]
-            n_steps = (self.step + n_new - 1) // self.step
-            new_k = mx.zeros((B, n_kv, n_steps * self.step, d_k), keys.dtype)
-            new_v = mx.zeros((B, n_kv, n_steps * self.step, d_v), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                # Drop the unused tail (after a trim or a partial step) before growing.
-                self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
-                self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+        self.reserve(n_new, like=(keys, values))
         self.offset += n_new
         self.keys[..., prev:self.offset, :] = keys
         self.values[..., prev:self.offset, :] = values
         return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def reserve(self, n: int, like: tuple[mx.array, mx.array] | None = None) -> None:
+        """Make room for n more positions, growing by whole steps.
+
+        `like` gives (keys, values) to take batch, heads, widths and dtype from when the
+        cache is still empty.
+        """
+        prev = self.offset
+        if self.keys is not None and prev + n <= self.keys.shape[2]:
+            return
+        k_ref, v_ref = (self.keys, self.values) if like is None else like
+        B, n_kv, _, d_k = k_ref.shape
+        d_v = v_ref.shape[3]
+        n_steps = (self.step + n - 1) // self.step
+        new_k = mx.zeros((B, n_kv, n_steps * self.step, d_k), k_ref.dtype)
+        new_v = mx.zeros((B, n_kv, n_steps * self.step, d_v), v_ref.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            # Drop the unused tail (after a trim or a partial step) before growing.
+            self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
+            self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | tuple[()]:

@@ -1,0 +1,44 @@
+"""GGUF helpers for tests: re-type a quantized GGUF to F32 so llama.cpp and mlxtoy run the
+exact same weights (llama.cpp would otherwise use its quantized kernels, we dequantize)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+
+
+def retype_gguf_to_f32(src: str, dst: str) -> str:
+    """Write `dst`: `src` with every tensor dequantized to F32 by mlxtoy's dequantizer
+    (gguf.quants.dequantize underneath) and all metadata copied. Returns dst.
+
+    Written to a temporary name and renamed, so an interrupted run never leaves a half file.
+    """
+    import gguf
+
+    from mlxtoy.io.gguf_read import dequantize_tensor
+
+    reader = gguf.GGUFReader(src, "r")
+    arch = reader.fields["general.architecture"].contents()
+    tmp = f"{dst}.tmp{os.getpid()}"
+    writer = gguf.GGUFWriter(tmp, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the writer adds these itself
+        if name == "general.file_type":
+            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            continue
+        main = field.types[0]
+        sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), main, sub_type=sub)
+    for t in reader.tensors:
+        arr = dequantize_tensor(t, src)  # numpy shape (reversed ne), float32
+        writer.add_tensor(t.name, np.ascontiguousarray(arr, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dst)
+    return dst
