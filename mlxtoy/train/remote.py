@@ -1,0 +1,199 @@
+"""The trainer as a child process: `python -m mlxtoy.train.remote --config JSON`.
+
+Protocol (what the TUI, or any other front end, speaks):
+- stdout: one mlxtoy.events object per line, as JSON (the same lines as metrics.jsonl, plus
+  `log` lines "paused at step N" / "resumed at step N" when the loop actually pauses).
+  Nothing else is ever written there: stray prints go to stderr.
+- stdin: one command per line, `{"cmd": "pause"}` (or just `pause`); commands: pause, resume,
+  stop, sample, checkpoint, eval. Samples, checkpoints and evals happen after the current step;
+  stop saves a checkpoint and ends the run. End of input (the front end went away) = stop.
+- exit code: 0 finished or stopped, 2 bad input (an `error` log event and `error: ...` on
+  stderr), 1 internal error or a non-finite loss, 130 interrupted.
+
+`--config` is a JSON object of TrainConfig fields, or a path to a .json / .yaml file of them.
+Only the trainer's public API is used: `prepare`, `train`, `TrainControl`, `TapsProbe`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import traceback
+from typing import Any, TextIO
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+from mlxtoy.config import TrainConfig
+from mlxtoy.errors import UserError
+from mlxtoy.events import DoneEvent, Event, LogEvent
+from mlxtoy.train.trainer import TrainControl
+
+COMMANDS = ("pause", "resume", "stop", "sample", "checkpoint", "eval")
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Training a language model, one step at a time."
+
+
+class EventWriter:
+    """Events -> JSON lines on the protocol stream, one whole line at a time."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.lock = threading.Lock()
+        self.step = 0
+
+    def __call__(self, ev: Event) -> None:
+        step = getattr(ev, "step", None)
+        if isinstance(step, int):
+            self.step = step
+        line = ev.to_json()
+        with self.lock:
+            try:
+                self.out.write(line + "\n")
+                self.out.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # the front end is gone; the run still finishes and saves
+
+    def log(self, message: str, level: str = "info") -> None:
+        self(LogEvent(message=message, level=level))
+
+
+class RemoteControl(TrainControl):
+    """TrainControl that reports when the loop really pauses and resumes."""
+
+    def __init__(self, writer: EventWriter):
+        super().__init__()
+        self.writer = writer
+
+    def wait_while_paused(self) -> None:
+        if not self.paused:
+            return
+        self.writer.log(f"paused at step {self.writer.step}")
+        super().wait_while_paused()
+        if not self.stop_reason:
+            self.writer.log(f"resumed at step {self.writer.step}")
+
+
+def read_commands(stream: TextIO, control: TrainControl, writer: EventWriter) -> None:
+    """Apply commands from `stream` until it ends; then stop (the front end went away)."""
+    for line in stream:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            cmd = json.loads(line).get("cmd") if line.startswith("{") else line
+        except (json.JSONDecodeError, AttributeError):
+            cmd = None
+        if cmd == "pause":
+            control.pause()
+        elif cmd == "resume":
+            control.resume()
+        elif cmd == "stop":
+            control.stop("stopped")
+        elif cmd == "sample":
+            control.request_sample()
+        elif cmd == "checkpoint":
+            control.request_checkpoint()
+        elif cmd == "eval":
+            control.request_eval()
+        else:
+            writer.log(f"unknown command {line[:80]!r} (commands: {', '.join(COMMANDS)})", "warning")
+    control.stop("stopped")
+
+
+def load_config(text: str) -> dict[str, Any]:
+    """--config (a JSON object, or a .json / .yaml file) -> the dict of TrainConfig fields."""
+    from mlxtoy.config import load_yaml
+
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--config: invalid JSON ({e.msg} at column {e.colno})") from None
+    elif text.endswith((".yaml", ".yml")):
+        data = load_yaml(text)
+    else:
+        try:
+            with open(text) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise UserError(f"{text}: cannot read ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{text}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise UserError("--config: expected an object of config fields")
+    return data
+
+
+def make_taps_hook(tokenizer, dataset, every: int):
+    """A TapsProbe over a fixed text (the first validation prompt, else PROBE_TEXT)."""
+    from mlxtoy.taps import TapsProbe
+    from mlxtoy.train.data import Renderer
+
+    tokens: list[int] = []
+    for rec in dataset.valid_records[:1]:
+        try:
+            tokens = Renderer(tokenizer).prompt_of(rec)[0]
+        except UserError:
+            tokens = []
+    if len(tokens) < 8:
+        tokens = tokenizer.encode(PROBE_TEXT)
+    return TapsProbe(tokens[:64], every, heads=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mlxtoy.train.remote", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="JSON object of TrainConfig fields, or a .json/.yaml file")
+    ap.add_argument("--resume", action="store_true", help="continue the run in config.out")
+    args = ap.parse_args(argv)
+
+    # The protocol owns the real stdout; everything else printed (by us, libraries or C code)
+    # goes to stderr so it can never corrupt an event line.
+    events_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = sys.stderr
+
+    writer = EventWriter(events_out)
+    control = RemoteControl(writer)
+    threading.Thread(target=read_commands, args=(sys.stdin, control, writer), daemon=True,
+                     name="commands").start()
+    try:
+        from mlxtoy.train.trainer import prepare, resume_config, train
+
+        data = load_config(args.config)
+        if args.resume:  # the run's own config, with only the fields given here changed
+            cfg = resume_config(data.get("out", ""), {k: v for k, v in data.items() if k != "out"})
+        else:
+            cfg = TrainConfig.from_dict(data, source="--config")
+        writer.log(f"loading {cfg.model} and reading {cfg.data}")
+        p = prepare(cfg, resume=args.resume)
+        hook = make_taps_hook(p.tokenizer, p.dataset, cfg.taps_every) if cfg.taps_every > 0 else None
+        if control.stop_reason:  # stopped while loading: nothing trained, nothing to save
+            done = DoneEvent(step=0, reason="stopped")
+            p.run.append_event(done.to_json())
+            writer.log("stopped before training started")
+            writer(done)
+            return 0
+        result = train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, resolved=p.resolved,
+                       resume_from=p.resume_from, on_event=writer, control=control, taps_hook=hook)
+    except UserError as e:
+        writer.log(str(e), "error")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        writer.log("interrupted while loading", "error")
+        return 130
+    except Exception as e:
+        traceback.print_exc()
+        writer.log(f"internal error: {type(e).__name__}: {e}", "error")
+        return 1
+    finally:
+        sys.stderr.flush()
+    print(result.message, file=sys.stderr)
+    return {"finished": 0, "stopped": 0, "interrupted": 130}.get(result.reason, 1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

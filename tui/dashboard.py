@@ -1,0 +1,121 @@
+"""The training dashboard: stats, loss curves, the taps heat map, samples and the log.
+
+It renders the app's RunState; it never talks to the trainer except through the app's
+commands (pause / resume / stop / sample / checkpoint). Re-rendering is throttled: events mark
+the state dirty and a 4 Hz timer redraws, so a burst of events costs one redraw.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.markup import escape
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, RichLog
+
+from tui.state import RunState
+from tui.widgets import LossChart, NavBar, StatsPanel, TapsHeatmap
+
+LEVEL_STYLE = {"error": "red", "warning": "yellow", "stderr": "dim"}
+
+
+class DashboardScreen(Screen):
+    BINDINGS = [
+        Binding("p", "toggle_pause", "Pause", tooltip="Pause or resume training (after the current step)"),
+        Binding("s", "stop", "Stop", tooltip="Stop training and save a checkpoint"),
+        Binding("g", "sample", "Sample", tooltip="Generate the sample prompts now"),
+        Binding("c", "checkpoint", "Checkpoint", tooltip="Save a checkpoint now"),
+    ]
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._shown_version = -1
+        self._log_seen = 0
+        self._samples_seen = 0
+        self._state_id = 0
+        self._chart_time = 0.0
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("train")
+        with Vertical(id="dash"):
+            yield StatsPanel(id="stats")
+            yield LossChart(id="loss-chart")
+            yield TapsHeatmap(id="taps")
+            with Horizontal(id="dash-bottom"):
+                yield RichLog(id="samples", wrap=True, markup=True, max_lines=200, min_width=20)
+                yield RichLog(id="log", wrap=True, markup=True, max_lines=500, min_width=20)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#samples").border_title = "samples"
+        self.query_one("#log").border_title = "log"
+        self.refresh_view(force=True)
+        self.set_interval(0.25, self.refresh_view)
+
+    def on_screen_resume(self) -> None:
+        self.refresh_view(force=True)
+
+    @property
+    def state(self) -> RunState:
+        return self.app.run_state  # type: ignore[attr-defined]
+
+    def refresh_view(self, force: bool = False) -> None:
+        state = self.state
+        if id(state) != self._state_id:  # a new run (or a reopened one): start the logs over
+            self._state_id = id(state)
+            self._log_seen = self._samples_seen = 0
+            self.query_one("#log", RichLog).clear()
+            self.query_one("#samples", RichLog).clear()
+            force = True
+        if not force and state.version == self._shown_version:
+            return
+        self._shown_version = state.version
+        self.query_one(StatsPanel).show(state)
+        chart = self.query_one(LossChart)
+        changed = len(chart.steps) != len(state.steps) or len(chart.val_steps) != len(state.val_steps)
+        now = time.monotonic()
+        # plotext redraws the whole chart: at most once a second (steps on CPU take seconds anyway)
+        if force or (changed and now - self._chart_time >= 1.0):
+            chart.set_series(state.steps, state.losses, state.val_steps, state.val_losses)
+            self._chart_time = now
+        elif changed:
+            self._shown_version = -1  # come back for the chart on the next tick
+        self.query_one(TapsHeatmap).show(state)
+        log = self.query_one("#log", RichLog)
+        for line in state.logs[self._log_seen:]:
+            stamp = time.strftime("%H:%M:%S", time.localtime(line.time))
+            style = LEVEL_STYLE.get(line.level)
+            msg = escape(line.message)
+            log.write(f"[dim]{stamp}[/dim] " + (f"[{style}]{msg}[/]" if style else msg))
+        self._log_seen = len(state.logs)
+        samples = self.query_one("#samples", RichLog)
+        for s in state.samples[self._samples_seen:]:
+            samples.write(f"[b]step {s.get('step')}[/b] [dim]{escape(str(s.get('prompt', '')).strip())}[/dim]")
+            samples.write(escape(str(s.get("text", "")).strip()) or "[dim](empty)[/dim]")
+        self._samples_seen = len(state.samples)
+        if not state.steps and not state.logs and not state.run_dir:
+            log.clear()
+            log.write("[dim]No run yet: set one up on the Setup screen (F1) and press ctrl+s.[/dim]")
+            self._log_seen = 0
+
+    # ---------------------------------------------------------------- controls
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action in ("toggle_pause", "stop", "sample", "checkpoint"):
+            return True if self.app.trainer_alive else None  # type: ignore[attr-defined]
+        return True
+
+    async def action_toggle_pause(self) -> None:
+        await self.app.toggle_pause()  # type: ignore[attr-defined]
+
+    async def action_stop(self) -> None:
+        await self.app.stop_training()  # type: ignore[attr-defined]
+
+    async def action_sample(self) -> None:
+        await self.app.send_command("sample")  # type: ignore[attr-defined]
+
+    async def action_checkpoint(self) -> None:
+        await self.app.send_command("checkpoint")  # type: ignore[attr-defined]

@@ -1,0 +1,119 @@
+"""Generation in the UI process: one thread owns every MLX call.
+
+MLX streams are thread-local (since 0.31): a stream made in one thread cannot run work queued
+from another. So model loading and token generation all run on a single executor thread that
+creates its own stream once and wraps every job in `with mx.stream(...)`. The event loop only
+awaits futures and receives text through `loop.call_soon_threadsafe`, so it never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class MLXThread:
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx",
+                                        initializer=self._init)
+        self._stream = None
+
+    def _init(self) -> None:
+        import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+        import mlx.core as mx
+
+        self._stream = mx.new_stream(mx.default_device())
+
+    def submit(self, fn: Callable[..., Any], *args, **kw) -> Future:
+        def job():
+            import mlx.core as mx
+
+            with mx.stream(self._stream):
+                return fn(*args, **kw)
+
+        return self._pool.submit(job)
+
+    async def run(self, fn: Callable[..., Any], *args, **kw) -> Any:
+        return await asyncio.wrap_future(self.submit(fn, *args, **kw))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Source:
+    """What to talk to: a base model, or a run (its final weights or newest checkpoint),
+    or one checkpoint folder of a run."""
+
+    label: str
+    model: str  # the base model (or tokenizer source)
+    adapter: str | None = None  # a run folder or a checkpoints/step_N folder
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        return (self.model, self.adapter)
+
+
+class Generator:
+    """The loaded model and a chat session; every method runs on the MLX thread."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, str | None] | None = None
+        self.model = None
+        self.tokenizer = None
+        self.session = None
+        self.description = ""
+
+    def load(self, source: Source) -> str:
+        from mlxtoy import load
+
+        if self.key == source.key and self.model is not None:
+            return self.description
+        self.model = self.tokenizer = self.session = None
+        model, tokenizer = load(source.model, adapter=source.adapter)
+        self.model, self.tokenizer, self.key = model, tokenizer, source.key
+        cfg = model.config
+        where = getattr(model, "run_source", None) or source.model
+        self.description = (f"{source.label}: {cfg.arch}, {cfg.n_layers} layers, d_model {cfg.d_model}"
+                            f" ({where})")
+        return self.description
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def reset(self) -> None:
+        self.session = None
+
+    def generate(self, prompt: str, chat: bool, params: dict[str, Any], on_text: Callable[[str], None],
+                 cancel: threading.Event) -> str:
+        """Stream a reply (chat) or a continuation; -> a one-line stats summary."""
+        from mlxtoy.generate import ChatSession, SamplingParams, stream_generate
+
+        sampling = SamplingParams(temp=params["temp"], top_p=params["top_p"])
+        max_tokens = params["max_tokens"]
+        if chat and self.has_chat_template:
+            if self.session is None:
+                self.session = ChatSession(self.model, self.tokenizer, sampling=sampling, max_tokens=max_tokens)
+            chunks = self.session.send(prompt, max_tokens=max_tokens, sampling=sampling)
+        else:
+            chunks = stream_generate(self.model, self.tokenizer, self.tokenizer.encode(prompt),
+                                     max_tokens=max_tokens, sampling=sampling)
+        stats = ""
+        try:
+            for chunk in chunks:
+                if chunk.text:
+                    on_text(chunk.text)
+                if chunk.stats is not None:
+                    stats = chunk.stats.describe() + f" ({chunk.finish_reason})"
+                if cancel.is_set():
+                    stats = stats or "stopped"
+                    break
+        finally:
+            close = getattr(chunks, "close", None)
+            if close:
+                close()  # ends the generator so ChatSession records the partial reply
+        return stats

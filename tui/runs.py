@@ -1,0 +1,116 @@
+"""Runs: earlier runs under the runs folder, read from their metrics.jsonl, with their charts."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rich.markup import escape
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Input, Label, Static
+
+from tui.state import RunInfo, RunState, scan_runs
+from tui.widgets import LossChart, NavBar
+
+
+class RunsScreen(Screen):
+    BINDINGS = [
+        Binding("r", "refresh", "Refresh"),
+        Binding("o", "open", "Open in dashboard"),
+        Binding("t", "talk", "Chat with run"),
+    ]
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.runs: list[RunInfo] = []
+        self.selected: RunState | None = None
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("runs")
+        with Vertical(id="runs"):
+            with Horizontal(classes="row"):
+                yield Label("runs folder", classes="flabel")
+                yield Input(self.app.runs_dir, id="runs-dir", compact=True)  # type: ignore[attr-defined]
+            yield DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
+            yield Static("", id="run-summary")
+            yield LossChart(id="run-chart")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("run", "method", "steps", "loss", "val", "status", "modified")
+        self.action_refresh()
+        table.focus()
+
+    def on_screen_resume(self) -> None:
+        self.action_refresh()
+
+    def action_refresh(self) -> None:
+        root = self.query_one("#runs-dir", Input).value.strip()
+        self.runs = scan_runs(os.path.expanduser(root))
+        table = self.query_one(DataTable)
+        keep = table.cursor_row
+        table.clear()
+        for r in self.runs:
+            table.add_row(r.name, r.method, r.steps, r.loss, r.val_loss, r.status,
+                          time.strftime("%m-%d %H:%M", time.localtime(r.modified)), key=r.path)
+        if not self.runs:
+            self.query_one("#run-summary", Static).update(
+                f"[dim]No runs under {escape(root or '?')} (a run folder has a metrics.jsonl).[/dim]")
+            self.query_one(LossChart).set_series([], [], [], [])
+            self.selected = None
+        else:
+            table.move_cursor(row=min(max(keep, 0), len(self.runs) - 1))
+            self._show(min(max(keep, 0), len(self.runs) - 1))
+
+    @on(Input.Submitted, "#runs-dir")
+    def _dir_changed(self) -> None:
+        self.app.runs_dir = self.query_one("#runs-dir", Input).value.strip()  # type: ignore[attr-defined]
+        self.action_refresh()
+        self.query_one(DataTable).focus()
+
+    @on(DataTable.RowHighlighted)
+    def _highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._show(event.cursor_row)
+
+    @on(DataTable.RowSelected)
+    def _selected(self, event: DataTable.RowSelected) -> None:
+        self._show(event.cursor_row)
+        self.action_open()
+
+    def _show(self, row: int) -> None:
+        if not 0 <= row < len(self.runs):
+            return
+        info = self.runs[row]
+        try:
+            state = RunState.from_run_dir(info.path)
+        except OSError as e:
+            self.query_one("#run-summary", Static).update(f"[red]{escape(str(e))}[/red]")
+            return
+        self.selected = state
+        cfg = state.config
+        parts = [f"[b]{escape(info.name)}[/b]", f"{state.method or '?'}",
+                 f"model {escape(str(cfg.get('model', '?')))}", f"{len(state.steps)} steps logged",
+                 f"{len(state.val_steps)} evals", f"{len(state.checkpoints)} checkpoints"]
+        text = "  ".join(parts)
+        if state.samples:
+            s = state.samples[-1]
+            text += f"\n[dim]last sample (step {s.get('step')}):[/dim] {escape(' '.join(str(s.get('text', '')).split())[:200])}"
+        self.query_one("#run-summary", Static).update(text)
+        self.query_one(LossChart).set_series(state.steps, state.losses, state.val_steps, state.val_losses)
+
+    def action_open(self) -> None:
+        if self.selected is None:
+            return
+        if not self.app.open_run(self.selected):  # type: ignore[attr-defined]
+            self.notify("A run is training: its dashboard stays on F2.", severity="warning")
+
+    def action_talk(self) -> None:
+        if self.selected is None:
+            return
+        self.app.chat_source_hint = f"run:{self.selected.run_dir}"  # type: ignore[attr-defined]
+        self.app.switch_mode("chat")

@@ -1,0 +1,501 @@
+"""Setup: choose the model and the data, the method and hyper-parameters, then Start.
+
+Every field is checked as it is typed; a bad value shows its reason under the field and Start
+refuses until all are good. The data preview (first examples, count, token lengths) is built in
+a worker thread so a large file never blocks typing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rich.markup import escape
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Button, Footer, Input, Label, Select, Static
+
+from tui.widgets import FilePicker, NavBar
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str  # the TrainConfig field
+    label: str
+    kind: str  # "pos_int" (> 0), "nat" (>= 0), "batches" (> 0 or -1), "pos_float" (> 0), "targets"
+    methods: tuple[str, ...] = ("lora", "full", "scratch")
+
+
+FIELDS = (
+    Field("steps", "steps", "pos_int"),
+    Field("batch_size", "batch size", "pos_int"),
+    Field("seq_len", "seq len", "pos_int"),
+    Field("lr", "learning rate", "pos_float"),
+    Field("lora_rank", "lora rank", "pos_int", ("lora",)),
+    Field("lora_alpha", "lora alpha", "pos_float", ("lora",)),
+    Field("lora_targets", "lora targets", "targets", ("lora",)),
+    Field("d_model", "d_model", "pos_int", ("scratch",)),
+    Field("n_layers", "layers", "pos_int", ("scratch",)),
+    Field("n_heads", "heads", "pos_int", ("scratch",)),
+    Field("eval_every", "eval every", "nat"),
+    Field("eval_batches", "eval batches", "batches"),
+    Field("save_every", "save every", "nat"),
+    Field("sample_every", "sample every", "nat"),
+    Field("taps_every", "taps every", "nat"),
+)
+
+# UI defaults: the TrainConfig defaults, with samples and taps on so the dashboard has content
+DEFAULTS: dict[str, Any] = {"steps": 200, "batch_size": 4, "seq_len": 256, "lr": 1e-4, "lora_rank": 8,
+                            "lora_alpha": 16.0, "lora_targets": "q,v", "d_model": 256, "n_layers": 4,
+                            "n_heads": 4, "eval_every": 50, "eval_batches": 20, "save_every": 100, "sample_every": 50,
+                            "taps_every": 10}
+
+
+def parse_value(kind: str, text: str) -> tuple[Any, str | None]:
+    """-> (value, None) or (None, reason). Never raises."""
+    text = text.strip()
+    if kind == "targets":
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            return None, "name at least one of " + ",".join(LORA_TARGETS)
+        bad = [t for t in items if t not in LORA_TARGETS]
+        if bad:
+            return None, f"unknown target {bad[0]!r} (choose from {','.join(LORA_TARGETS)})"
+        return items, None
+    if not text:
+        return None, "required"
+    if kind in ("pos_int", "nat", "batches"):
+        try:
+            value = int(text)
+        except ValueError:
+            return None, f"{text!r} is not a whole number"
+        if kind == "batches" and (value == 0 or value < -1):
+            return None, "must be > 0, or -1 for the whole validation set"
+        if kind == "batches":
+            return value, None
+        if kind == "pos_int" and value <= 0:
+            return None, "must be > 0"
+        if value < 0:
+            return None, "must be >= 0 (0 = off)"
+        return value, None
+    try:
+        value = float(text)
+    except ValueError:
+        return None, f"{text!r} is not a number"
+    if not value > 0 or value != value or value == float("inf"):
+        return None, "must be a number > 0"
+    return value, None
+
+
+def check_model(value: str) -> tuple[str | None, str]:
+    """-> (error or None, a short description)."""
+    from mlxtoy.io.registry import BUILTIN
+
+    value = value.strip()
+    if not value:
+        return "choose a model: a built-in name, a .gguf file or a Hugging Face folder", ""
+    if value in BUILTIN:
+        return None, f"built-in: {BUILTIN[value].filename}"
+    path = os.path.expanduser(value)
+    if not os.path.exists(path):
+        return f"{value}: no such file or folder (built-in: {', '.join(BUILTIN)})", ""
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            return f"{value}: a folder without config.json (not a Hugging Face model)", ""
+        return None, "Hugging Face folder"
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"{value}: cannot read ({e.strerror})", ""
+    if magic != b"GGUF":
+        return f"{value}: not a GGUF file", ""
+    return None, f"GGUF, {os.path.getsize(path) / 1e6:.0f} MB"
+
+
+def check_data_path(value: str) -> str | None:
+    value = value.strip()
+    if not value:
+        return "choose the training data (.jsonl, .txt, or a folder with train.jsonl)"
+    path = os.path.expanduser(value)
+    if not os.path.exists(path):
+        return f"{value}: no such file or folder"
+    if os.path.isfile(path) and not path.endswith((".jsonl", ".txt")):
+        return f"{value}: use a .jsonl or .txt file"
+    return None
+
+
+def check_out(value: str) -> str | None:
+    value = value.strip()
+    if not value:
+        return "name a folder for the run"
+    path = os.path.expanduser(value)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{value}: exists and is not a folder"
+    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, m))
+                                   for m in ("config.yaml", "metrics.jsonl", "checkpoints")):
+        return f"{value}: already holds a run; choose another folder"
+    return None
+
+
+def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: dict) -> dict[str, Any]:
+    """Parse the data and measure token lengths (worker thread). Raises UserError on bad data."""
+    from mlxtoy.errors import UserError
+    from mlxtoy.train.data import read_data
+
+    raw = read_data(os.path.expanduser(data))
+    records = raw.train
+    out: dict[str, Any] = {"count": len(records), "kind": records[0].kind if records else "?",
+                           "valid": len(raw.valid) if raw.valid is not None else None,
+                           "test": len(raw.test), "examples": [], "lengths": None, "tokenizer_error": None}
+    for rec in records[:3]:
+        out["examples"].append(_describe_record(rec))
+    tok = tokenizer_cache.get(model)
+    if tok is None and check_model(model)[0] is None:
+        try:
+            from mlxtoy.train.checkpoint import load_tokenizer
+
+            tok = tokenizer_cache[model] = load_tokenizer(model)
+        except (UserError, OSError, ValueError) as e:
+            out["tokenizer_error"] = str(e)
+    if tok is not None:
+        from mlxtoy.train.data import Renderer
+
+        r = Renderer(tok)
+        lengths = []
+        for rec in records[:2000]:  # enough for the shape of the distribution
+            try:
+                if rec.kind == "chat":
+                    ids = r.chat(rec.value, rec.where)[0]
+                elif rec.kind == "completion":
+                    ids = r.completion(*rec.value, rec.where)[0]
+                else:
+                    ids = r.text(rec.value)[0]
+            except UserError as e:
+                out["tokenizer_error"] = str(e)
+                break
+            lengths.append(len(ids))
+        if lengths:
+            out["lengths"] = {"n": len(lengths), "min": min(lengths), "max": max(lengths),
+                              "mean": sum(lengths) / len(lengths),
+                              "over": sum(n > (seq_len or 1 << 30) + 1 for n in lengths),
+                              "seq_len": seq_len}
+    return out
+
+
+def _describe_record(rec) -> str:
+    def clip(s: str, n: int = 90) -> str:
+        s = " ".join(s.split())
+        return s if len(s) <= n else s[: n - 1] + "…"
+
+    if rec.kind == "completion":
+        return f"[dim]prompt[/dim] {escape(clip(rec.value[0], 60))} [dim]→[/dim] {escape(clip(rec.value[1], 60))}"
+    if rec.kind == "chat":
+        return " ".join(f"[dim]{escape(m['role'])}:[/dim] {escape(clip(m['content'], 50))}" for m in rec.value[:3])
+    return escape(clip(str(rec.value), 140))
+
+
+class SetupScreen(Screen):
+    BINDINGS = [
+        Binding("ctrl+s", "start", "Start", priority=True),
+        Binding("ctrl+o", "browse('data')", "Open data"),
+        Binding("ctrl+b", "browse('model')", "Browse model"),
+    ]
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.errors: dict[str, str] = {}
+        self.values: dict[str, Any] = {}
+        self._tokenizers: dict[str, Any] = {}
+        self.preview: dict[str, Any] | None = None
+
+    def compose(self) -> ComposeResult:
+        app = self.app
+        yield NavBar("setup")
+        with Horizontal(id="setup-body"):
+            with VerticalScroll(id="form"):
+                yield Label("[b]Model[/b]", classes="section")
+                with Horizontal(classes="row"):
+                    yield Label("model", classes="flabel")
+                    yield Input(app.model_arg, id="f-model", compact=True,  # type: ignore[attr-defined]
+                                placeholder="smollm2-135m, a .gguf file or an HF folder")
+                    yield Button("…", id="browse-model", compact=True, tooltip="Pick a file (ctrl+b)")
+                yield Static("", id="e-model", classes="ferror")
+                with Horizontal(classes="row"):
+                    yield Label("data", classes="flabel")
+                    yield Input(app.data_arg or "", id="f-data", compact=True,  # type: ignore[attr-defined]
+                                placeholder=".jsonl / .txt file or a folder")
+                    yield Button("…", id="browse-data", compact=True, tooltip="Pick a file (ctrl+o)")
+                yield Static("", id="e-data", classes="ferror")
+                with Horizontal(classes="row"):
+                    yield Label("method", classes="flabel")
+                    yield Select([("lora", "lora"), ("full", "full"), ("scratch", "scratch")],
+                                 value="lora", allow_blank=False, id="f-method", compact=True)
+                with Horizontal(classes="row"):
+                    yield Label("run folder", classes="flabel")
+                    yield Input(self._default_out(), id="f-out", compact=True,
+                                placeholder="a new folder for the run")
+                yield Static("", id="e-out", classes="ferror")
+                yield Label("[b]Hyper-parameters[/b]", classes="section")
+                for f in FIELDS:
+                    with Horizontal(classes="row", id=f"row-{f.name}"):
+                        yield Label(f.label, classes="flabel")
+                        yield Input(_fmt(DEFAULTS[f.name]), id=f"f-{f.name}", compact=True)
+                    yield Static("", id=f"e-{f.name}", classes="ferror")
+                yield Static("", id="form-error", classes="ferror")
+                yield Button("Start training (ctrl+s)", id="start", variant="success", compact=True)
+            with VerticalScroll(id="preview"):
+                yield Static("", id="model-info")
+                yield Static("[dim]Choose the training data to see a preview.[/dim]", id="data-info")
+        yield Footer()
+
+    def _default_out(self) -> str:
+        return os.path.join(self.app.runs_dir, time.strftime("run-%Y%m%d-%H%M%S"))  # type: ignore[attr-defined]
+
+    def on_mount(self) -> None:
+        for f in FIELDS:
+            self._check_field(f.name, self.query_one(f"#f-{f.name}", Input).value)
+        self._check_model(self.query_one("#f-model", Input).value)
+        self._check_out(self.query_one("#f-out", Input).value)
+        self._apply_method("lora")
+        data = self.query_one("#f-data", Input).value
+        if data:
+            self._check_data(data)
+        else:
+            self._set_error("data", None)
+        self.query_one("#f-data" if not data else "#f-steps", Input).focus()
+
+    # ---------------------------------------------------------------- validation as you type
+
+    def _set_error(self, name: str, message: str | None) -> None:
+        label = self.query_one(f"#e-{name}", Static)
+        if message:
+            self.errors[name] = message
+            label.update(f"✗ {escape(message)}")
+            label.display = True
+        else:
+            self.errors.pop(name, None)
+            label.update("")
+            label.display = False
+        try:
+            self.query_one(f"#f-{name}").set_class(bool(message), "-bad")
+        except Exception:
+            pass
+
+    def _check_field(self, name: str, text: str) -> None:
+        f = next(f for f in FIELDS if f.name == name)
+        value, err = parse_value(f.kind, text)
+        if err is None:
+            self.values[name] = value
+        self._set_error(name, err)
+
+    def _check_model(self, text: str) -> None:
+        err, info = check_model(text)
+        if not err and self._method() == "scratch":
+            info += "; scratch: only its tokenizer is used"
+        self._set_error("model", err)
+        self.query_one("#model-info", Static).update(f"[b]Model[/b] {escape(text)}  [dim]{escape(info)}[/dim]"
+                                                     if not err else "")
+
+    def _check_out(self, text: str) -> None:
+        self._set_error("out", check_out(text))
+
+    def _check_data(self, text: str) -> None:
+        err = check_data_path(text)
+        self._set_error("data", err)
+        info = self.query_one("#data-info", Static)
+        if err:
+            self.preview = None
+            info.update(f"[red]{escape(err)}[/red]")
+            return
+        info.update("[dim]reading the data…[/dim]")
+        self._set_error("data", None)
+        self.errors["data"] = "still reading the data"  # Start waits for the preview
+        self.load_preview(text, self.query_one("#f-model", Input).value.strip(), self.values.get("seq_len"))
+
+    @work(thread=True, exclusive=True, group="preview")
+    def load_preview(self, data: str, model: str, seq_len: int | None) -> None:
+        from mlxtoy.errors import UserError
+
+        try:
+            result = data_preview(data, model, seq_len, self._tokenizers)
+            error = None
+        except UserError as e:
+            result, error = None, str(e)
+        except Exception as e:  # a preview must never take the app down
+            result, error = None, f"{type(e).__name__}: {e}"
+        self.app.call_from_thread(self._show_preview, data, result, error)
+
+    def _show_preview(self, data: str, result: dict[str, Any] | None, error: str | None) -> None:
+        if self.query_one("#f-data", Input).value != data:
+            return  # typed on since; a newer preview is coming
+        info = self.query_one("#data-info", Static)
+        self.preview = result
+        if error:
+            self._set_error("data", error)
+            info.update(f"[b]Data[/b]\n[red]✗ {escape(error)}[/red]")
+            return
+        self._set_error("data", None)
+        assert result is not None
+        lines = [f"[b]Data[/b] {result['count']} examples ({result['kind']})"]
+        if result["valid"] is not None:
+            lines.append(f"validation file: {result['valid']} examples")
+        if result["test"]:
+            lines.append(f"test file: {result['test']} examples")
+        n = result["lengths"]
+        if n:
+            lines.append(f"tokens per example: min {n['min']}, mean {n['mean']:.0f}, max {n['max']}"
+                         + (f" (first {n['n']})" if n["n"] < result["count"] else ""))
+            if n["over"]:
+                lines.append(f"[yellow]{n['over']} longer than seq len {n['seq_len']} (truncated)[/yellow]")
+        elif result["tokenizer_error"]:
+            lines.append(f"[yellow]no token lengths: {escape(result['tokenizer_error'])}[/yellow]")
+        lines.append("")
+        lines.append("[b]First examples[/b]")
+        for i, ex in enumerate(result["examples"], 1):
+            lines.append(f"{i}. {ex}")
+        info.update("\n".join(lines))
+
+    @on(Input.Changed)
+    def _changed(self, event: Input.Changed) -> None:
+        ident = event.input.id or ""
+        if not ident.startswith("f-"):
+            return
+        name = ident[2:]
+        if name == "model":
+            self._check_model(event.value)
+            data = self.query_one("#f-data", Input).value
+            if data and check_data_path(data) is None and "model" not in self.errors:
+                self._check_data(data)  # token lengths depend on the tokenizer
+        elif name == "data":
+            self._check_data(event.value)
+        elif name == "out":
+            self._check_out(event.value)
+        else:
+            self._check_field(name, event.value)
+        self.query_one("#form-error", Static).display = False
+
+    @on(Select.Changed, "#f-method")
+    def _method_changed(self, event: Select.Changed) -> None:
+        self._apply_method(str(event.value))
+
+    def _method(self) -> str:
+        try:
+            return str(self.query_one("#f-method", Select).value)
+        except Exception:
+            return "lora"
+
+    def _apply_method(self, method: str) -> None:
+        self._check_model(self.query_one("#f-model", Input).value)
+        for f in FIELDS:
+            shown = method in f.methods
+            self.query_one(f"#row-{f.name}").display = shown
+            err = self.query_one(f"#e-{f.name}", Static)
+            err.display = shown and f.name in self.errors
+
+    # ---------------------------------------------------------------- browsing
+
+    @on(Button.Pressed, "#browse-model")
+    def _browse_model(self) -> None:
+        self.action_browse("model")
+
+    @on(Button.Pressed, "#browse-data")
+    def _browse_data(self) -> None:
+        self.action_browse("data")
+
+    def action_browse(self, which: str) -> None:
+        inp = self.query_one(f"#f-{which}", Input)
+        current = inp.value.strip()
+        start = os.path.dirname(current) if os.path.isfile(os.path.expanduser(current)) else (current or ".")
+        if which == "model":
+            picker = FilePicker("Pick a model (.gguf) or a Hugging Face folder", start, (".gguf",), folders=True)
+        else:
+            picker = FilePicker("Pick training data (.jsonl, .txt) or a data folder", start,
+                                (".jsonl", ".txt"), folders=True)
+
+        def picked(path: str | None) -> None:
+            if path:
+                inp.value = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+                inp.focus()
+
+        self.app.push_screen(picker, picked)
+
+    # ---------------------------------------------------------------- start
+
+    @on(Button.Pressed, "#start")
+    def _start_pressed(self) -> None:
+        self.action_start()
+
+    def collect(self) -> dict[str, Any] | None:
+        """The config for the trainer, or None (with the reasons shown) when something is wrong."""
+        from mlxtoy.config import TrainConfig
+        from mlxtoy.errors import UserError
+
+        method = str(self.query_one("#f-method", Select).value)
+        relevant = {"model", "data", "out"} | {f.name for f in FIELDS if method in f.methods}
+        errors = {k: v for k, v in self.errors.items() if k in relevant}
+        form_error = self.query_one("#form-error", Static)
+        if errors:
+            name, why = next(iter(errors.items()))
+            form_error.update(f"✗ fix {name.replace('_', ' ')} first: {escape(why)}")
+            form_error.display = True
+            try:
+                self.query_one(f"#f-{name}").focus()
+            except Exception:
+                pass
+            return None
+        model = self.query_one("#f-model", Input).value.strip()
+        if os.path.exists(os.path.expanduser(model)):  # a path, not a built-in name
+            model = os.path.abspath(os.path.expanduser(model))
+        # absolute paths: the run's config.yaml must not depend on where the UI was started
+        cfg: dict[str, Any] = {
+            "model": model,
+            "data": os.path.abspath(os.path.expanduser(self.query_one("#f-data", Input).value.strip())),
+            "out": os.path.abspath(os.path.expanduser(self.query_one("#f-out", Input).value.strip())),
+            "method": method,
+        }
+        for f in FIELDS:
+            if method in f.methods:
+                cfg[f.name] = self.values[f.name]
+        if method == "scratch":
+            cfg["n_kv_heads"] = cfg["n_heads"]
+            cfg["d_head"] = max(1, cfg["d_model"] // cfg["n_heads"])
+            cfg["d_ff"] = 4 * cfg["d_model"]
+        try:
+            TrainConfig.from_dict(cfg).validate()
+        except UserError as e:
+            form_error.update(f"✗ {escape(str(e))}")
+            form_error.display = True
+            return None
+        form_error.display = False
+        return cfg
+
+    def action_start(self) -> None:
+        if self.app.run_state.active:  # type: ignore[attr-defined]
+            self.notify("A run is in progress: stop it first (F2, then s).", severity="warning")
+            return
+        cfg = self.collect()
+        if cfg is None:
+            self.notify("The setup has errors (shown in red).", severity="error")
+            return
+        self.app.start_training(cfg)  # type: ignore[attr-defined]
+
+    def on_screen_resume(self) -> None:
+        # a new run needs a new folder: the previous default is taken once a run started there
+        out = self.query_one("#f-out", Input)
+        prefix = os.path.join(self.app.runs_dir, "run-")  # type: ignore[attr-defined]
+        if check_out(out.value) is not None and out.value.startswith(prefix):
+            out.value = self._default_out()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)

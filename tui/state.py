@@ -1,0 +1,248 @@
+"""What the UI knows about a run: the event stream folded into series and a status.
+
+Pure Python (no Textual, no MLX): the dashboard renders a RunState, the Runs screen builds one
+from a finished run's metrics.jsonl, and tests can check it directly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
+
+# status of the run as the UI sees it
+IDLE, STARTING, RUNNING, PAUSED, STOPPING, DONE, FAILED = (
+    "idle", "starting", "running", "paused", "stopping", "done", "failed")
+
+
+@dataclass
+class LogLine:
+    time: float
+    level: str  # info | warning | error
+    message: str
+
+
+@dataclass
+class RunState:
+    run_dir: str = ""
+    status: str = IDLE
+    method: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    total_steps: int = 0
+    start_step: int = 0
+    trainable_params: int = 0
+    total_params: int = 0
+    # training series (one point per step event)
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    last_step: dict[str, Any] = field(default_factory=dict)
+    # validation series
+    val_steps: list[int] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    taps: dict[str, Any] = field(default_factory=dict)  # the latest taps event
+    checkpoints: list[tuple[int, str]] = field(default_factory=list)
+    logs: list[LogLine] = field(default_factory=list)
+    done_reason: str = ""
+    final_path: str | None = None
+    version: int = 0  # bumped on every change; views re-render when it moves
+
+    # ------------------------------------------------------------------ folding events
+
+    def apply(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("event")
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(ev)
+            self.version += 1
+
+    def log(self, message: str, level: str = "info", when: float | None = None) -> None:
+        self.logs.append(LogLine(when if when is not None else time.time(), level, message))
+        self.version += 1
+
+    def _on_start(self, ev: dict[str, Any]) -> None:
+        self.run_dir = ev.get("run_dir", self.run_dir)
+        self.method = ev.get("method", "")
+        self.config = dict(ev.get("config") or {})
+        self.total_steps = int(ev.get("total_steps") or 0)
+        self.start_step = int(ev.get("start_step") or 0)
+        self.trainable_params = int(ev.get("trainable_params") or 0)
+        self.total_params = int(ev.get("total_params") or 0)
+        if self.status in (IDLE, STARTING):
+            self.status = RUNNING
+        resumed = f", resumed at step {self.start_step}" if self.start_step else ""
+        self.logs.append(LogLine(ev.get("time", time.time()), "info",
+                                 f"started {self.method} run: {self.total_steps} steps, "
+                                 f"{fmt_count(self.trainable_params)} of "
+                                 f"{fmt_count(self.total_params)} parameters trained{resumed}"))
+
+    def _on_step(self, ev: dict[str, Any]) -> None:
+        step = int(ev["step"])
+        loss = float(ev["loss"])
+        if self.steps and step <= self.steps[-1]:  # a resumed run replays nothing, but be safe
+            cut = next(i for i, s in enumerate(self.steps) if s >= step)
+            del self.steps[cut:], self.losses[cut:], self.lrs[cut:]
+        self.steps.append(step)
+        self.losses.append(loss)
+        self.lrs.append(float(ev.get("lr") or 0.0))
+        self.last_step = ev
+        if self.status == STARTING:
+            self.status = RUNNING
+
+    def _on_eval(self, ev: dict[str, Any]) -> None:
+        self.val_steps.append(int(ev["step"]))
+        self.val_losses.append(float(ev["val_loss"]))
+        self.logs.append(LogLine(ev.get("time", time.time()), "info",
+                                 f"step {ev['step']}: val loss {float(ev['val_loss']):.4f} "
+                                 f"(ppl {float(ev.get('val_ppl') or 0):.4g})"))
+
+    def _on_sample(self, ev: dict[str, Any]) -> None:
+        self.samples.append(ev)
+        del self.samples[:-20]
+
+    def _on_taps(self, ev: dict[str, Any]) -> None:
+        self.taps = ev
+
+    def _on_checkpoint(self, ev: dict[str, Any]) -> None:
+        self.checkpoints.append((int(ev["step"]), ev["path"]))
+        self.logs.append(LogLine(ev.get("time", time.time()), "info",
+                                 f"step {ev['step']}: checkpoint {ev['path']}"))
+
+    def _on_log(self, ev: dict[str, Any]) -> None:
+        level = ev.get("level", "info")
+        message = str(ev.get("message", ""))
+        self.logs.append(LogLine(ev.get("time", time.time()), level, message))
+        # The bridge confirms pause / resume with log events (the trainer pauses between steps).
+        low = message.lower()
+        if low.startswith("paused") and self.status in (RUNNING, STARTING):
+            self.status = PAUSED
+        elif low.startswith("resumed") and self.status == PAUSED:
+            self.status = RUNNING
+
+    def _on_done(self, ev: dict[str, Any]) -> None:
+        self.done_reason = str(ev.get("reason", ""))
+        self.final_path = ev.get("final_path")
+        self.status = DONE
+        where = f": {self.final_path}" if self.final_path else ""
+        self.logs.append(LogLine(ev.get("time", time.time()), "info",
+                                 f"done at step {ev.get('step')} ({self.done_reason}){where}"))
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def step(self) -> int:
+        return self.steps[-1] if self.steps else self.start_step
+
+    @property
+    def active(self) -> bool:
+        return self.status in (STARTING, RUNNING, PAUSED, STOPPING)
+
+    def summary(self) -> dict[str, str]:
+        """Short labelled values for the stats panel."""
+        s = self.last_step
+        out = {
+            "status": self.status + (f" ({self.done_reason})" if self.done_reason else ""),
+            "step": f"{self.step}/{self.total_steps or '?'}",
+            "loss": f"{self.losses[-1]:.4f}" if self.losses else "-",
+            "val": f"{self.val_losses[-1]:.4f}" if self.val_losses else "-",
+            "lr": f"{float(s['lr']):.2e}" if s else "-",
+            "tok/s": f"{float(s['tokens_per_sec']):.0f}" if s else "-",
+            "eta": fmt_duration(float(s["eta"])) if s and self.status not in (DONE, FAILED) else "-",
+            "elapsed": fmt_duration(float(s["elapsed"])) if s else "-",
+            "mem": f"{float(s['peak_memory_gb']):.2f} GB" if s else "-",
+        }
+        return out
+
+    def taps_grid(self, metric: str = "rms") -> tuple[int, list[str], dict[tuple[int, str], float]]:
+        """-> (n_layers, sites, {(layer, site): value}) from the latest taps event."""
+        values: dict[tuple[int, str], float] = {}
+        for row in self.taps.get("stats", []) or []:
+            try:
+                values[(int(row["layer"]), str(row["site"]))] = float(row[metric])
+            except (KeyError, TypeError, ValueError):
+                continue
+        if not values:
+            return 0, [], {}
+        n_layers = max(layer for layer, _ in values) + 1
+        present = {site for _, site in values}
+        sites = [s for s in TAP_SITES if s in present] + sorted(present - set(TAP_SITES))
+        return n_layers, sites, values
+
+    # ------------------------------------------------------------------ from disk
+
+    @classmethod
+    def from_events(cls, events: list[dict[str, Any]], run_dir: str = "") -> "RunState":
+        state = cls(run_dir=run_dir, status=STARTING)
+        for ev in events:
+            state.apply(ev)
+        if run_dir:
+            state.run_dir = run_dir  # where it is now, not where it was trained
+        if state.status != DONE:
+            state.status = "incomplete" if state.steps else IDLE  # still training, or killed
+        return state
+
+    @classmethod
+    def from_run_dir(cls, run_dir: str) -> "RunState":
+        from mlxtoy.events import read_metrics
+
+        return cls.from_events(read_metrics(os.path.join(run_dir, "metrics.jsonl")), run_dir)
+
+
+def fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def fmt_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+@dataclass
+class RunInfo:
+    """One row of the Runs screen: a run directory summarised from its metrics.jsonl."""
+
+    path: str
+    name: str
+    method: str
+    steps: str
+    loss: str
+    val_loss: str
+    status: str
+    modified: float
+
+
+def scan_runs(root: str) -> list[RunInfo]:
+    """Run directories under `root` (those with a metrics.jsonl), newest first."""
+    out: list[RunInfo] = []
+    if not root or not os.path.isdir(root):
+        return out
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        metrics = os.path.join(path, "metrics.jsonl")
+        if not os.path.isfile(metrics):
+            continue
+        try:
+            state = RunState.from_run_dir(path)
+        except (OSError, ValueError, KeyError):
+            continue
+        out.append(RunInfo(
+            path=path, name=name, method=state.method or "?",
+            steps=f"{state.step}/{state.total_steps or '?'}",
+            loss=f"{state.losses[-1]:.4f}" if state.losses else "-",
+            val_loss=f"{state.val_losses[-1]:.4f}" if state.val_losses else "-",
+            status=state.done_reason or state.status,
+            modified=os.path.getmtime(metrics)))
+    out.sort(key=lambda r: r.modified, reverse=True)
+    return out
