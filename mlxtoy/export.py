@@ -280,6 +280,11 @@ def write_model_gguf(path: str, src: Source, dtype: str = "f32",
                      progress: Callable[[int, int], None] | None = None) -> str:
     from mlxtoy.io.gguf_write import write_gguf
 
+    if src.cfg.arch == "gpt2":  # fused QKV, biases, learned positions: its own writer
+        from mlxtoy.io.gguf_write_gpt2 import write_gpt2_gguf as write_gguf
+    elif src.cfg.arch == "tiny":
+        raise UserError("the reference TransformerLM (arch tiny) has no llama.cpp GGUF equivalent; "
+                        "use its run directory (mlxtoy generate --model RUN)")
     return write_gguf(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
 
 

@@ -15,8 +15,21 @@ from mlxtoy.io.registry import resolve_model
 from mlxtoy.models.llama import LlamaModel
 
 
+def model_class(arch: str):
+    """The module class that implements `arch` (all share LlamaModel's call signature)."""
+    if arch == "gpt2":
+        from mlxtoy.models.gpt2 import GPT2Model
+
+        return GPT2Model
+    if arch == "tiny":
+        from mlxtoy.models.tiny import TinyLM
+
+        return TinyLM
+    return LlamaModel
+
+
 def build_model(cfg: ModelConfig, weights: dict[str, mx.array] | None = None) -> LlamaModel:
-    model = LlamaModel(cfg)
+    model = model_class(cfg.arch)(cfg)
     if weights is not None:
         model.update(tree_unflatten(list(weights.items())))
     mx.eval(model.parameters())
@@ -35,9 +48,11 @@ def load_weights(model_arg: str, dtype: mx.Dtype | None = None):
 
         tokenizer = Tokenizer.from_gguf_metadata(meta.metadata, source=path)
     else:
+        from mlxtoy.io.gpt2_io import is_gpt2_hf_folder, load_gpt2_hf
         from mlxtoy.io.hf import load_hf
 
-        cfg, weights, meta = load_hf(path, dtype)
+        load_folder = load_gpt2_hf if is_gpt2_hf_folder(path) else load_hf
+        cfg, weights, meta = load_folder(path, dtype)
         from mlxtoy.io.tokenizer import Tokenizer
 
         if not os.path.exists(os.path.join(path, "tokenizer.json")):
@@ -55,6 +70,10 @@ def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None):
         from mlxtoy.train.checkpoint import load_run_model
 
         return load_run_model(adapter, base=model, dtype=dtype)
+    if os.path.isfile(os.path.join(model, "config.yaml")):  # a training run as MODEL
+        from mlxtoy.train.checkpoint import load_run_model
+
+        return load_run_model(model, dtype=dtype)
     cfg, weights, meta, tokenizer = load_weights(model, dtype)
     m = build_model(cfg, weights)
     m.meta = meta

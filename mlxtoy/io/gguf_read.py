@@ -130,6 +130,10 @@ GLOBAL_TENSORS = {
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter name -> shape, for every weight the model needs."""
+    if cfg.arch in ("gpt2", "tiny"):  # learned-position models (mlxtoy.models.gpt2)
+        from mlxtoy.models.gpt2 import expected_shapes as learned_pos_shapes
+
+        return learned_pos_shapes(cfg)
     d, h, kv, dh, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_ff
     shapes: dict[str, tuple[int, ...]] = {
         "tok_embeddings.weight": (cfg.vocab_size, d),
@@ -195,6 +199,10 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     dtype = dtype or mx.float32
     reader = open_gguf(path)
     md = read_metadata(reader)
+    if md.get("general.architecture") == "gpt2":  # learned positions, fused QKV: own reader
+        from mlxtoy.io.gpt2_io import load_gpt2_gguf
+
+        return load_gpt2_gguf(reader, md, path, dtype, progress)
     cfg = config_from_metadata(md, path)
     tensors = {t.name: t for t in reader.tensors}
     cfg.tie_embeddings = "output.weight" not in tensors

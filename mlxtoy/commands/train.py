@@ -1,0 +1,221 @@
+"""`mlxtoy train`: LoRA, full fine-tuning or from-scratch training, headless.
+
+Every TrainConfig field is a flag of the same name (`_` -> `-`); flags override `--config
+FILE.yaml`, which overrides the defaults. `--steps` is the total, so `--resume RUN --steps 2N`
+continues a run stopped at N up to 2N. Progress (a rich bar: step, loss, tokens/s, ETA) and
+events go to stderr; stdout gets the result summary (and the accuracy report with
+--eval-accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from typing import Any
+
+from mlxtoy.config import LORA_TARGETS, TrainConfig
+
+HELP = {
+    "model": "base model (.gguf, HF folder or built-in name); scratch: the tokenizer source",
+    "data": "a .jsonl/.txt file or a folder with train/valid(/test) files",
+    "out": "the run directory to create",
+    "method": "lora | full | scratch",
+    "steps": "total optimizer steps (a resumed run continues up to this)",
+    "lora_targets": f"comma-separated, from {','.join(LORA_TARGETS)}",
+    "lora_layers": "comma-separated block indices (negative from the end); default all",
+    "betas": "two comma-separated numbers",
+    "sample_prompts": "a prompt for sample generations (repeat the flag for more)",
+    "eval_accuracy": "greedy exact-match accuracy on the test split, before and after",
+}
+
+
+def _flag_type(tp: Any):
+    """The argparse `type` for a dataclass field type (lists are comma-separated strings)."""
+    origin = typing.get_origin(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if origin in (list,) or (args and typing.get_origin(args[0]) is list):
+        return str
+    if args:
+        tp = args[0]
+    return {int: int, float: float, str: str}.get(tp, str)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="LoRA, full fine-tuning or from-scratch training",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE.yaml", help="a YAML file of config fields")
+    p.add_argument("--resume", metavar="RUN", help="continue the run in RUN from its newest checkpoint")
+    p.add_argument("--stop-at", type=int, metavar="N",
+                   help="stop after step N with a checkpoint (the schedule still spans --steps)")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        tp = hints[f.name]
+        if tp is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=HELP.get(f.name))
+        elif f.name == "sample_prompts":
+            p.add_argument(flag, dest=f.name, action="append", default=None, help=HELP[f.name])
+        else:
+            p.add_argument(flag, dest=f.name, type=_flag_type(tp), default=None,
+                           help=HELP.get(f.name), metavar=f.name.upper())
+    return p
+
+
+def _overrides(args) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is None:
+            continue
+        if f.name in ("lora_targets",):
+            v = [t.strip() for t in v.split(",") if t.strip()]
+        elif f.name == "lora_layers":
+            v = [int(t) for t in v.split(",") if t.strip()] if v.strip().lower() != "all" else None
+        elif f.name == "betas":
+            v = [float(t) for t in v.split(",")]
+        out[f.name] = v
+    return out
+
+
+def build_config(args) -> tuple[TrainConfig, bool]:
+    from mlxtoy.errors import UserError
+    from mlxtoy.train.trainer import resume_config
+
+    try:
+        overrides = _overrides(args)
+    except ValueError as e:
+        raise UserError(f"bad flag value ({e})") from None
+    if args.resume:
+        if args.config:
+            raise UserError("--resume takes the run's own config.yaml; drop --config")
+        return resume_config(args.resume, overrides), True
+    cfg = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    cfg.__post_init__()
+    if not cfg.data:
+        raise UserError("train needs --data PATH (or `data:` in --config)")
+    if not cfg.out:
+        raise UserError("train needs --out RUN (or `out:` in --config)")
+    return cfg, False
+
+
+class ProgressView:
+    """Events -> a rich progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, quiet: bool = False):
+        from rich.console import Console
+
+        self.console = Console(stderr=True, highlight=False)
+        self.tty = sys.stderr.isatty() and not quiet
+        self.progress = None
+        self.task = None
+        self.total = 0
+        self.every = 1
+
+    def _start_bar(self, ev) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.total = ev.total_steps
+        self.every = max(1, ev.total_steps // 20)
+        if not self.tty:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("ETA {task.fields[eta]}"), console=self.console, transient=False)
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=ev.total_steps, completed=ev.start_step,
+                                           loss="-", tps="-", eta="-")
+
+    def print(self, msg: str) -> None:
+        (self.progress.console if self.progress else self.console).print(msg, markup=False)
+
+    def __call__(self, ev) -> None:
+        kind = ev.event
+        if kind == "start":
+            self.print(f"training {ev.method}: {ev.trainable_params:,} trainable of "
+                       f"{ev.total_params:,} parameters; {ev.run_dir}")
+            self._start_bar(ev)
+        elif kind == "step":
+            if self.progress:
+                self.progress.update(self.task, completed=ev.step, loss=f"{ev.loss:.4f}",
+                                     tps=f"{ev.tokens_per_sec:.0f}", eta=_fmt_time(ev.eta))
+            elif ev.step % self.every == 0 or ev.step == self.total:
+                self.print(f"step {ev.step}/{self.total} loss {ev.loss:.4f} lr {ev.lr:.2e} "
+                           f"{ev.tokens_per_sec:.0f} tok/s ETA {_fmt_time(ev.eta)}")
+        elif kind == "eval":
+            self.print(f"step {ev.step}: val loss {ev.val_loss:.4f}, ppl {ev.val_ppl:.2f}")
+        elif kind == "sample":
+            self.print(f"step {ev.step} sample: {ev.prompt[:60]!r} -> {ev.text[:120]!r}")
+        elif kind == "checkpoint":
+            self.print(f"step {ev.step}: checkpoint {ev.path}")
+        elif kind == "log":
+            self.print(("warning: " if ev.level == "warning" else "") + ev.message
+                       if ev.level != "error" else ev.message)
+        elif kind == "done":
+            self.close()
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()
+            self.progress = None
+
+
+def _fmt_time(s: float) -> str:
+    s = int(max(0, s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def _print_accuracy(label: str, rep, n_samples: int = 5) -> None:
+    print(f"{label}: held-out accuracy {rep.accuracy:.1%} ({rep.correct}/{rep.total})")
+    for s in rep.samples[:n_samples]:
+        mark = "ok " if s["ok"] else "bad"
+        print(f"  [{mark}] {s['prompt']!r} -> {s['answer']!r} (expected {s['expected']!r})")
+
+
+def run(args) -> int:
+    from mlxtoy.train.trainer import TrainControl, prepare, train
+
+    cfg, resume = build_config(args)
+    view = ProgressView()
+    p = prepare(cfg, resume)
+    before = None
+    if cfg.eval_accuracy:
+        from mlxtoy.train.evaluate import accuracy
+
+        view.print(f"measuring held-out accuracy before training ({len(p.dataset.test)} test examples)")
+        before = accuracy(p.model, p.tokenizer, p.dataset.test, limit=cfg.accuracy_examples)
+        _print_accuracy("before", before)
+        sys.stdout.flush()
+    control = TrainControl(stop_at=args.stop_at)
+    try:
+        result = train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, resolved=p.resolved,
+                       resume_from=p.resume_from, on_event=view, control=control)
+    finally:
+        view.close()
+    if result.reason == "nan":
+        print(f"error: {result.message}", file=sys.stderr)
+        return 1
+    view.print(result.message)
+    summary = {"run": result.run_dir, "step": result.step, "reason": result.reason,
+               "result": result.final_path, "checkpoint": result.last_checkpoint,
+               "final_loss": result.losses[-1] if result.losses else None,
+               "val_loss": result.val_loss}
+    if cfg.eval_accuracy and result.reason == "finished":
+        from mlxtoy.train.checkpoint import write_text_atomic
+        from mlxtoy.train.evaluate import accuracy
+
+        after = accuracy(p.model, p.tokenizer, p.dataset.test, limit=cfg.accuracy_examples)
+        _print_accuracy("after", after)
+        summary["accuracy_before"], summary["accuracy_after"] = before.accuracy, after.accuracy
+        write_text_atomic(p.run.join("accuracy.json"), json.dumps(
+            {"before": before.to_dict(), "after": after.to_dict()}, indent=2))
+    print(json.dumps(summary))
+    return 130 if result.reason == "interrupted" else 0

@@ -1,0 +1,241 @@
+"""LoRA adapters for the per-head Llama block.
+
+A LoRA wrapper adds a low-rank update to a frozen base projection:
+    y = base(x) + scale * B(A(dropout(x))),   scale = alpha / rank,
+with A Gaussian and B zero, so at step 0 the model is exactly the base model.
+
+Targets: q, k, v (per-head `HeadProjection`s, weight (H, Dh, D)), o, gate, up, down
+(`nn.Linear`, possibly quantized on Metal/CUDA). Two flavours for q/k/v:
+- standard: A (r, D), B (H*Dh, r), the adapter every exporter knows;
+- per-head (the seed's Q adapter): per head h, A_h (r, D) and B_h (Dh, r), stored as
+  A (H, r, D) and B (H, Dh, r) and computed as one batched matmul over the head axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxtoy.errors import UserError
+from mlxtoy.models.llama import HeadProjection
+
+# target name -> attribute path inside a Block
+TARGET_PATHS = {
+    "q": ("attn", "q"), "k": ("attn", "k"), "v": ("attn", "v"), "o": ("attn", "o"),
+    "gate": ("ffn", "gate"), "up": ("ffn", "up"), "down": ("ffn", "down"),
+}
+
+
+def _gaussian_a(shape: tuple[int, ...], d_in: int) -> mx.array:
+    # N(0, 1/d_in): the update's scale does not depend on the input width
+    return mx.random.normal(shape) * (1.0 / math.sqrt(d_in))
+
+
+class LoRAHeadProjection(nn.Module):
+    """LoRA around a per-head projection; returns (B, T, H, Dh) like the base."""
+
+    def __init__(self, base: HeadProjection, rank: int, alpha: float, dropout: float = 0.0,
+                 per_head: bool = False):
+        super().__init__()
+        n_heads, d_head, d_in = base.weight.shape
+        self.base = base
+        self.scale = alpha / rank
+        self.per_head = per_head
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        if per_head:
+            self.lora_a = _gaussian_a((n_heads, rank, d_in), d_in)
+            self.lora_b = mx.zeros((n_heads, d_head, rank))
+        else:
+            self.lora_a = _gaussian_a((rank, d_in), d_in)
+            self.lora_b = mx.zeros((n_heads * d_head, rank))
+
+    @property
+    def n_heads(self) -> int:
+        return self.base.n_heads
+
+    @property
+    def d_head(self) -> int:
+        return self.base.d_head
+
+    def delta(self, x: mx.array) -> mx.array:
+        """The low-rank update (B, T, H, Dh), scale included."""
+        if self.dropout is not None:
+            x = self.dropout(x)
+        H, Dh = self.n_heads, self.d_head
+        a = self.lora_a.astype(x.dtype)
+        b = self.lora_b.astype(x.dtype)
+        if self.per_head:
+            r = a.shape[1]
+            u = x @ a.reshape(H * r, -1).T  # (..., H*r): every head's A_h in one GEMM
+            lead = u.shape[:-1]
+            u = u.reshape(-1, H, r).swapaxes(0, 1)  # (H, N, r)
+            z = (u @ b.swapaxes(1, 2)).swapaxes(0, 1)  # (N, H, Dh): batched over heads
+            return (self.scale * z).reshape(*lead, H, Dh)
+        z = (x @ a.T) @ b.T
+        return (self.scale * z).reshape(*x.shape[:-1], H, Dh)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        return y + self.delta(x).astype(y.dtype)
+
+    def delta_weight(self) -> mx.array:
+        """scale * B @ A in the base's (H, Dh, D) layout."""
+        if self.per_head:
+            return self.scale * (self.lora_b @ self.lora_a)  # (H, Dh, r) @ (H, r, D)
+        H, Dh = self.n_heads, self.d_head
+        return (self.scale * (self.lora_b @ self.lora_a)).reshape(H, Dh, -1)
+
+    def merged(self) -> HeadProjection:
+        w = self.base.weight
+        out = HeadProjection(w.shape[2], w.shape[0], w.shape[1], bias="bias" in self.base)
+        out.weight = (w.astype(mx.float32) + self.delta_weight().astype(mx.float32)).astype(w.dtype)
+        if "bias" in self.base:
+            out.bias = self.base.bias
+        return out
+
+
+class LoRALinear(nn.Module):
+    """LoRA around an nn.Linear (or nn.QuantizedLinear): A (r, in), B (out, r)."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        d_out, d_in = _linear_dims(base)
+        self.base = base
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.lora_a = _gaussian_a((rank, d_in), d_in)
+        self.lora_b = mx.zeros((d_out, rank))
+
+    def delta(self, x: mx.array) -> mx.array:
+        if self.dropout is not None:
+            x = self.dropout(x)
+        z = (x @ self.lora_a.astype(x.dtype).T) @ self.lora_b.astype(x.dtype).T
+        return self.scale * z
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        return y + self.delta(x).astype(y.dtype)
+
+    def delta_weight(self) -> mx.array:
+        return self.scale * (self.lora_b @ self.lora_a)
+
+    def merged(self) -> nn.Module:
+        base = self.base
+        if isinstance(base, nn.QuantizedLinear):
+            w = mx.dequantize(base.weight, base.scales, base.get("biases"), base.group_size, base.bits)
+        else:
+            w = base.weight
+        d_out, d_in = w.shape
+        out = nn.Linear(d_in, d_out, bias="bias" in base)
+        out.weight = (w.astype(mx.float32) + self.delta_weight().astype(mx.float32)).astype(w.dtype)
+        if "bias" in base:
+            out.bias = base.bias
+        return out
+
+
+def _linear_dims(layer: nn.Module) -> tuple[int, int]:
+    if isinstance(layer, nn.QuantizedLinear):
+        d_out, packed = layer.weight.shape
+        return d_out, packed * 32 // layer.bits
+    return layer.weight.shape
+
+
+LORA_TYPES = (LoRAHeadProjection, LoRALinear)
+
+
+def resolve_layers(layers: Iterable[int] | None, n_layers: int) -> list[int]:
+    """Block indices (negative counts from the end) -> sorted, checked, de-duplicated."""
+    if layers is None:
+        return list(range(n_layers))
+    out = set()
+    for i in layers:
+        j = int(i) + n_layers if int(i) < 0 else int(i)
+        if not 0 <= j < n_layers:
+            raise UserError(f"lora_layers: block {i} does not exist (the model has {n_layers})")
+        out.add(j)
+    return sorted(out)
+
+
+def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float,
+               dropout: float = 0.0, per_head_q: bool = False,
+               layers: Iterable[int] | None = None) -> nn.Module:
+    """Freeze `model` and wrap the targeted projections of the chosen blocks in LoRA.
+
+    Afterwards only the adapters (`lora_a`, `lora_b`) are trainable. Returns the model.
+    """
+    targets = list(targets)
+    for t in targets:
+        if t not in TARGET_PATHS:
+            raise UserError(f"unknown LoRA target {t!r} (choose from {', '.join(TARGET_PATHS)})")
+    if rank <= 0:
+        raise UserError(f"LoRA rank must be > 0, got {rank}")
+    model.freeze()
+    for i in resolve_layers(layers, len(model.layers)):
+        block = model.layers[i]
+        for t in targets:
+            parent_name, name = TARGET_PATHS[t]
+            parent = getattr(block, parent_name)
+            base = getattr(parent, name, None)
+            if base is None:  # e.g. gate on GPT-2 / the tiny LM (up -> GELU -> down)
+                raise UserError(f"LoRA target {t!r}: this model ({model.config.arch}) has no "
+                                f"{parent_name}.{name} projection")
+            if isinstance(base, LORA_TYPES):
+                raise UserError(f"LoRA target {t!r} listed twice")
+            if isinstance(base, HeadProjection):
+                wrapped = LoRAHeadProjection(base, rank, alpha, dropout, per_head=per_head_q and t == "q")
+            else:
+                wrapped = LoRALinear(base, rank, alpha, dropout)
+            setattr(parent, name, wrapped)
+    return model
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LORA_TYPES)]
+
+
+def lora_parameters(model: nn.Module) -> dict[str, mx.array]:
+    """Flat {name: array} of every adapter weight, e.g. `layers.0.attn.q.lora_a`."""
+    return {k: v for k, v in tree_flatten(model.parameters())
+            if k.endswith((".lora_a", ".lora_b"))}
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (W += scale * B @ A) and drop the wrappers."""
+    for block in model.layers:
+        for parent_name, name in TARGET_PATHS.values():
+            parent = getattr(block, parent_name)
+            layer = getattr(parent, name, None)  # None: the model has no such projection
+            if isinstance(layer, LORA_TYPES):
+                setattr(parent, name, layer.merged())
+    mx.eval(model.parameters())
+    return model
+
+
+def quantize_base(model: nn.Module, bits: int = 4, group_size: int = 32) -> nn.Module:
+    """QLoRA: quantize the frozen nn.Linear weights (o, gate, up, down; base or wrapped).
+
+    Only worth it where MLX multiplies quantized weights fast (Metal, CUDA). The per-head
+    q/k/v projections stay dense. Adapters are untouched.
+    """
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        return (isinstance(module, nn.Linear) and not path.endswith(("lora_a", "lora_b"))
+                and module.weight.shape[-1] % group_size == 0)
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    model.freeze(keys=["weight", "scales", "biases"], strict=False)
+    for _, m in lora_modules(model):
+        m.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
+    return model
+
+
+def lora_config_dict(targets, rank, alpha, dropout, per_head_q, layers, n_layers) -> dict[str, Any]:
+    return {
+        "targets": list(targets), "rank": int(rank), "alpha": float(alpha),
+        "scale": float(alpha) / int(rank), "dropout": float(dropout),
+        "per_head_q": bool(per_head_q), "layers": resolve_layers(layers, n_layers),
+    }

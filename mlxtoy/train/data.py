@@ -1,0 +1,480 @@
+"""Training data: files -> records -> token examples -> packed (or padded) batches.
+
+Formats (mlx-lm's three JSONL formats, plus plain text):
+- `{"text": ...}`: every token is trained.
+- `{"prompt": ..., "completion": ...}`: loss on the completion only (`mask_prompt`).
+  With a chat template it is rendered as a user turn and an assistant turn.
+- `{"messages": [{"role", "content"}, ...]}`: rendered with the model's chat template;
+  loss on every assistant turn (found by rendering prefixes of the conversation).
+- `.txt`: one continuous stream, cut into windows of `seq_len` tokens.
+
+`data` is one file (split into train/valid deterministically from the seed) or a folder with
+`train.jsonl|train.txt` and optionally `valid.*` and `test.*`.
+
+Batches: by default several examples are packed into one row; `segments` holds each token's
+document index in its row (-1 for padding) for `block_causal_mask`, so a token only sees
+earlier tokens of its own document. With `pack=False` each row holds one example, padded.
+The order is a pure function of (seed, batch index), so a checkpoint only records the index.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from mlxtoy.errors import UserError
+
+PAD_MULTIPLE = 32  # batch widths are rounded up to this (few distinct shapes to compile)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records: what the files say, checked, with where it came from
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    where: str  # "file:line"
+    kind: str  # "text" | "completion" | "chat" | "stream"
+    value: Any  # str | (prompt, completion) | list of messages
+
+
+def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
+    if not isinstance(msgs, list) or not msgs:
+        raise UserError(f"{where}: 'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise UserError(f"{where}: message {i} needs 'role' and 'content'")
+        if not isinstance(m["content"], str):
+            raise UserError(f"{where}: message {i} 'content' must be a string")
+        out.append({"role": str(m["role"]), "content": m["content"]})
+    return out
+
+
+def parse_jsonl(path: str) -> list[Record]:
+    records: list[Record] = []
+    kind_seen: str | None = None
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if "messages" in obj:
+                rec = Record(where, "chat", _check_messages(obj["messages"], where))
+            elif "prompt" in obj or "completion" in obj:
+                for key in ("prompt", "completion"):
+                    if key not in obj:
+                        raise UserError(f"{where}: missing field '{key}'")
+                    if not isinstance(obj[key], str):
+                        raise UserError(f"{where}: field '{key}' must be a string")
+                rec = Record(where, "completion", (obj["prompt"], obj["completion"]))
+            elif "text" in obj:
+                if not isinstance(obj["text"], str):
+                    raise UserError(f"{where}: field 'text' must be a string")
+                rec = Record(where, "text", obj["text"])
+            else:
+                raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion' "
+                                f"or 'messages' (got {', '.join(sorted(obj)) or 'an empty object'})")
+            if kind_seen is not None and rec.kind != kind_seen:
+                raise UserError(f"{where}: mixes formats ({rec.kind} after {kind_seen})")
+            kind_seen = rec.kind
+            records.append(rec)
+    return records
+
+
+def parse_txt(path: str) -> list[Record]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return [Record(f"{path}:1", "stream", text)] if text.strip() else []
+
+
+def parse_file(path: str) -> list[Record]:
+    if path.endswith(".jsonl"):
+        return parse_jsonl(path)
+    if path.endswith(".txt"):
+        return parse_txt(path)
+    raise UserError(f"{path}: unsupported data file (use .jsonl or .txt)")
+
+
+def _find_split(folder: str, name: str) -> str | None:
+    found = [os.path.join(folder, name + ext) for ext in (".jsonl", ".txt")
+             if os.path.exists(os.path.join(folder, name + ext))]
+    if len(found) > 1:
+        raise UserError(f"{folder}: both {name}.jsonl and {name}.txt; keep one")
+    return found[0] if found else None
+
+
+@dataclass
+class RawSplits:
+    train: list[Record]
+    valid: list[Record] | None  # None: split off train after tokenizing
+    test: list[Record]
+    train_path: str
+
+
+def read_data(path: str) -> RawSplits:
+    """Parse the data (file or folder); errors name file:line. No tokenizer needed."""
+    if not path:
+        raise UserError("no training data (--data PATH)")
+    if os.path.isdir(path):
+        train = _find_split(path, "train")
+        if train is None:
+            raise UserError(f"{path}: no train.jsonl or train.txt")
+        valid = _find_split(path, "valid")
+        test = _find_split(path, "test")
+        splits = RawSplits(parse_file(train), parse_file(valid) if valid else None,
+                           parse_file(test) if test else [], train)
+    elif os.path.exists(path):
+        splits = RawSplits(parse_file(path), None, [], path)
+    else:
+        raise UserError(f"{path}: no such file or folder")
+    if not splits.train:
+        raise UserError(f"{splits.train_path}: empty dataset (no examples)")
+    return splits
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizing: records -> examples with a per-token loss mask
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Example:
+    tokens: np.ndarray  # int32 (L,)
+    loss: np.ndarray  # bool (L,): token t is a prediction target
+    where: str = ""
+
+    def __len__(self) -> int:  # (input, target) pairs
+        return len(self.tokens) - 1
+
+
+@dataclass
+class DataStats:
+    examples: int = 0
+    truncated: int = 0  # longer than seq_len + 1 tokens, cut
+    dropped: int = 0  # nothing left to learn from (no target tokens)
+    tokens: int = 0
+    loss_tokens: int = 0
+
+    def describe(self) -> str:
+        s = f"{self.examples} examples, {self.tokens} tokens ({self.loss_tokens} trained)"
+        if self.truncated:
+            s += f", {self.truncated} truncated"
+        if self.dropped:
+            s += f", {self.dropped} dropped (no trained tokens)"
+        return s
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Renderer:
+    """Turns records into token ids and loss masks for one tokenizer."""
+
+    def __init__(self, tokenizer, mask_prompt: bool = True):
+        self.tok = tokenizer
+        self.mask_prompt = mask_prompt
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def _render(self, messages, add_generation_prompt: bool, where: str) -> list[int]:
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"{where}: the chat template failed ({type(e).__name__}: {e})") from None
+        return self.tok.encode(text, add_bos=False)
+
+    def _eos(self, ids: list[int]) -> list[int]:
+        eos = getattr(self.tok, "eos_id", None)
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids = ids + [eos]
+        return ids
+
+    def chat(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+        if not self.has_template:
+            raise UserError(f"{where}: chat data needs a chat template, and this tokenizer has none "
+                            f"(use {{\"text\"}} or {{\"prompt\",\"completion\"}})")
+        full = self._render(messages, False, where)
+        loss = [not self.mask_prompt] * len(full)
+        if self.mask_prompt:
+            # Each assistant turn is what rendering messages[:i+1] adds to the rendering of
+            # messages[:i] with the generation prompt; common prefixes make this robust to
+            # templates whose prefixes do not tokenize identically at the boundary.
+            for i, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                before = self._render(messages[:i], True, where) if i else []
+                through = full if i == len(messages) - 1 else self._render(messages[: i + 1], False, where)
+                start, end = _common_prefix(before, full), _common_prefix(through, full)
+                for t in range(start, end):
+                    loss[t] = True
+        return full, loss
+
+    def completion(self, prompt: str, completion: str, where: str) -> tuple[list[int], list[bool]]:
+        if self.has_template:
+            return self.chat([{"role": "user", "content": prompt},
+                              {"role": "assistant", "content": completion}], where)
+        p = self.tok.encode(prompt)
+        full = self._eos(self.tok.encode(prompt + completion))
+        start = _common_prefix(p, full) if self.mask_prompt else 0
+        return full, [t >= start for t in range(len(full))]
+
+    def text(self, text: str) -> tuple[list[int], list[bool]]:
+        ids = self._eos(self.tok.encode(text))
+        return ids, [True] * len(ids)
+
+    def prompt_of(self, rec: Record) -> tuple[list[int], str | None]:
+        """(prompt ids ready for generation, the exact expected answer or None)."""
+        if rec.kind == "chat":
+            msgs = rec.value
+            last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+            if last is None:
+                return self._render(msgs, True, rec.where), None
+            return self._render(msgs[:last], True, rec.where), msgs[last]["content"]
+        if rec.kind == "completion":
+            prompt, answer = rec.value
+            if self.has_template:
+                return self._render([{"role": "user", "content": prompt}], True, rec.where), answer
+            return self.tok.encode(prompt), answer
+        text = rec.value if isinstance(rec.value, str) else ""
+        ids = self.tok.encode(text)
+        return ids[: max(1, len(ids) // 2)], None
+
+
+def tokenize(records: list[Record], tokenizer, seq_len: int, mask_prompt: bool = True,
+             name: str = "train") -> tuple[list[Example], DataStats]:
+    """Records -> examples of at most seq_len + 1 tokens (over-long ones truncated, counted)."""
+    r = Renderer(tokenizer, mask_prompt)
+    out: list[Example] = []
+    stats = DataStats()
+    longest_short = None
+    for rec in records:
+        if rec.kind == "stream":
+            # a plain-text corpus: consecutive windows sharing one boundary token, so every
+            # token is predicted exactly once
+            ids = r.text(rec.value)[0]
+            for s in range(0, max(1, len(ids) - 1), seq_len):
+                chunk = np.asarray(ids[s: s + seq_len + 1], dtype=np.int32)
+                if len(chunk) < 2:
+                    continue
+                out.append(Example(chunk, np.ones(len(chunk), bool), rec.where))
+            continue
+        if rec.kind == "chat":
+            ids, loss = r.chat(rec.value, rec.where)
+        elif rec.kind == "completion":
+            ids, loss = r.completion(*rec.value, rec.where)
+        else:
+            ids, loss = r.text(rec.value)
+        if len(ids) > seq_len + 1:
+            stats.truncated += 1
+            ids, loss = ids[: seq_len + 1], loss[: seq_len + 1]
+        else:
+            longest_short = len(ids)
+        loss = np.asarray(loss, dtype=bool)
+        loss[0] = False  # the first token is never predicted
+        if len(ids) < 2 or not loss.any():
+            stats.dropped += 1
+            continue
+        out.append(Example(np.asarray(ids, dtype=np.int32), loss, rec.where))
+    # Truncating every example of a completion / chat set would cut the answers off: surely a
+    # seq_len that is too small. Long plain texts are just cut (and counted), as mlx-lm does.
+    if records and stats.truncated == len(records) and records[0].kind in ("chat", "completion"):
+        raise UserError(f"{name}: every example ({len(records)}) is longer than seq_len {seq_len} "
+                        f"tokens; raise --seq-len")
+    if not out and records:
+        raise UserError(f"{name}: no example has tokens to train on "
+                        f"({stats.dropped} without any completion / assistant tokens)")
+    stats.examples = len(out)
+    stats.tokens = sum(len(e) for e in out)
+    stats.loss_tokens = int(sum(e.loss[1:].sum() for e in out))
+    return out, stats
+
+
+def split_examples(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """Deterministic (seeded) train / valid split of one file's examples."""
+    if fraction <= 0 or len(examples) < 2:
+        return examples, []
+    n_valid = min(len(examples) - 1, max(1, round(len(examples) * fraction)))
+    perm = np.random.default_rng([seed, 0x5EED]).permutation(len(examples))
+    valid_idx = set(perm[:n_valid].tolist())
+    train = [e for i, e in enumerate(examples) if i not in valid_idx]
+    valid = [e for i, e in enumerate(examples) if i in valid_idx]
+    return train, valid
+
+
+@dataclass
+class Dataset:
+    train: list[Example]
+    valid: list[Example]
+    test: list[Record]  # kept as records: accuracy needs prompts and answers
+    valid_records: list[Record]
+    train_stats: DataStats
+    valid_stats: DataStats
+
+
+def load_dataset(path: str, tokenizer, seq_len: int, mask_prompt: bool = True,
+                 valid_fraction: float = 0.1, seed: int = 0, raw: RawSplits | None = None) -> Dataset:
+    raw = raw or read_data(path)
+    train, train_stats = tokenize(raw.train, tokenizer, seq_len, mask_prompt, name=raw.train_path)
+    valid_records = raw.valid or []
+    if raw.valid is None:
+        train, valid = split_examples(train, valid_fraction, seed)
+        valid_stats = DataStats(examples=len(valid), tokens=sum(len(e) for e in valid),
+                                loss_tokens=int(sum(e.loss[1:].sum() for e in valid)))
+        train_stats.examples -= len(valid)
+        # keep the records of the held-out examples for sample prompts
+        held = {e.where for e in valid}
+        valid_records = [r for r in raw.train if r.where in held and r.kind != "stream"]
+    else:
+        valid, valid_stats = tokenize(raw.valid, tokenizer, seq_len, mask_prompt, name="valid") if raw.valid else ([], DataStats())
+    return Dataset(train, valid, raw.test, valid_records, train_stats, valid_stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------
+
+
+def pack_rows(lengths: list[int], seq_len: int, seed: int, pack: bool = True,
+              window: int = 64) -> list[list[int]]:
+    """Group example indices into rows of at most seq_len (input) tokens.
+
+    Seeded shuffle, then first fit among the most recent `window` open rows (bounded work).
+    """
+    order = np.random.default_rng([seed, 0xB0C5]).permutation(len(lengths)).tolist()
+    if not pack:
+        return [[i] for i in order]
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for j in range(max(0, len(rows) - window), len(rows)):
+            if room[j] >= n:
+                rows[j].append(i)
+                room[j] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(seq_len - n)
+    return rows
+
+
+@dataclass
+class Batch:
+    inputs: np.ndarray  # (B, T) int32
+    targets: np.ndarray  # (B, T) int32
+    weights: np.ndarray  # (B, T) float32: 1 where the target is trained
+    segments: np.ndarray  # (B, T) int32: document index within the row, -1 = padding
+    n_tokens: int = 0  # non-padding input tokens
+    n_loss: int = 0  # trained targets
+    index: int = 0  # global batch index (the data position)
+
+
+@dataclass
+class BatchStream:
+    """Deterministic batches: batch i is a pure function of (examples, seed, i)."""
+
+    examples: list[Example]
+    batch_size: int
+    seq_len: int
+    seed: int = 0
+    pack: bool = True
+    shuffle: bool = True
+    pad_id: int = 0
+    rows: list[list[int]] = field(init=False)
+    _perm_epoch: int = field(init=False, default=-1)
+    _perm: np.ndarray | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        if self.shuffle:
+            self.rows = pack_rows([len(e) for e in self.examples], self.seq_len, self.seed, self.pack)
+        else:
+            # evaluation: fixed order, still packed so it costs what training costs
+            self.rows = _pack_in_order([len(e) for e in self.examples], self.seq_len, self.pack)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return max(1, math.ceil(len(self.rows) / self.batch_size))
+
+    def _rows_for(self, index: int) -> list[list[int]]:
+        epoch, j = divmod(index, self.batches_per_epoch)
+        if not self.shuffle:
+            return self.rows[j * self.batch_size: (j + 1) * self.batch_size]
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, 0xE90C, epoch]).permutation(len(self.rows))
+            self._perm_epoch = epoch
+        take = self._perm[j * self.batch_size: (j + 1) * self.batch_size].tolist()
+        if len(take) < self.batch_size:  # every training batch is full: wrap around
+            take += self._perm[: self.batch_size - len(take)].tolist()
+            take = take[: self.batch_size]
+            while len(take) < self.batch_size:  # fewer rows than batch_size
+                take += take[: self.batch_size - len(take)]
+        return [self.rows[k] for k in take]
+
+    def batch(self, index: int) -> Batch:
+        rows = self._rows_for(index)
+        width = max(sum(len(self.examples[i]) for i in row) for row in rows)
+        width = min(self.seq_len, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE)
+        B = len(rows)
+        inputs = np.full((B, width), self.pad_id, dtype=np.int32)
+        targets = np.zeros((B, width), dtype=np.int32)
+        weights = np.zeros((B, width), dtype=np.float32)
+        segments = np.full((B, width), -1, dtype=np.int32)
+        for b, row in enumerate(rows):
+            pos = 0
+            for d, i in enumerate(row):
+                ex = self.examples[i]
+                n = len(ex)
+                inputs[b, pos: pos + n] = ex.tokens[:-1]
+                targets[b, pos: pos + n] = ex.tokens[1:]
+                weights[b, pos: pos + n] = ex.loss[1:]
+                segments[b, pos: pos + n] = d
+                pos += n
+        return Batch(inputs, targets, weights, segments, int((segments >= 0).sum()),
+                     int(weights.sum()), index)
+
+    def epoch_batches(self, limit: int = -1) -> Iterator[Batch]:
+        n = self.batches_per_epoch if limit < 0 else min(limit, self.batches_per_epoch)
+        for i in range(n):
+            yield self.batch(i)
+
+
+def _pack_in_order(lengths: list[int], seq_len: int, pack: bool) -> list[list[int]]:
+    if not pack:
+        return [[i] for i in range(len(lengths))]
+    rows: list[list[int]] = []
+    used = seq_len + 1
+    for i, n in enumerate(lengths):
+        if used + n > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    return rows
