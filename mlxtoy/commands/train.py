@@ -50,6 +50,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN", help="continue the run in RUN from its newest checkpoint")
     p.add_argument("--stop-at", type=int, metavar="N",
                    help="stop after step N with a checkpoint (the schedule still spans --steps)")
+    p.add_argument("--distributed", action="store_true",
+                   help="data-parallel over the ranks started by mlx.launch (automatic when "
+                        "launched by it); --batch-size is the global batch")
+    p.add_argument("--dist-timeout", type=float, metavar="SECONDS", default=None,
+                   help="stop the job when a collective waits this long for a rank (default 300)")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -181,8 +186,16 @@ def _print_accuracy(label: str, rep, n_samples: int = 5) -> None:
 
 
 def run(args) -> int:
+    from mlxtoy.train import distributed
     from mlxtoy.train.trainer import TrainControl, prepare, train
 
+    dist = distributed.setup(getattr(args, "distributed", False), getattr(args, "dist_timeout", None))
+    if dist is not None:  # rank 0 prints and writes; the other ranks train silently
+        try:
+            return _run_distributed(args, dist)
+        except distributed.DistributedError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
     cfg, resume = build_config(args)
     view = ProgressView()
     p = prepare(cfg, resume)
@@ -218,4 +231,32 @@ def run(args) -> int:
         write_text_atomic(p.run.join("accuracy.json"), json.dumps(
             {"before": before.to_dict(), "after": after.to_dict()}, indent=2))
     print(json.dumps(summary))
+    return 130 if result.reason == "interrupted" else 0
+
+
+def _run_distributed(args, dist) -> int:
+    """`run` for one rank of a data-parallel job (mlxtoy.train.distributed)."""
+    from mlxtoy.train.trainer import TrainControl, train
+
+    p = dist.prepare(lambda: build_config(args))
+    view = ProgressView() if dist.is_main else None
+    if view is not None:
+        view.print(f"data-parallel over {dist.size} ranks: {p.cfg.batch_size // dist.size} of the "
+                   f"{p.cfg.batch_size} rows of every batch per rank")
+    try:
+        result = train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, resolved=p.resolved,
+                       resume_from=p.resume_from, on_event=view, control=TrainControl(stop_at=args.stop_at))
+    finally:
+        if view is not None:
+            view.close()
+    if not dist.is_main:
+        return 1 if result.reason == "nan" else 130 if result.reason == "interrupted" else 0
+    if result.reason == "nan":
+        print(f"error: {result.message}", file=sys.stderr)
+        return 1
+    view.print(result.message)
+    print(json.dumps({"run": result.run_dir, "step": result.step, "reason": result.reason,
+                      "result": result.final_path, "checkpoint": result.last_checkpoint,
+                      "final_loss": result.losses[-1] if result.losses else None,
+                      "val_loss": result.val_loss, "world_size": dist.size}))
     return 130 if result.reason == "interrupted" else 0

@@ -39,6 +39,7 @@ from mlxtoy.events import (CheckpointEvent, DoneEvent, EvalEvent, Event, LogEven
 from mlxtoy.models.llama import block_causal_mask
 from mlxtoy.train.checkpoint import (CheckpointState, RunDir, flat_optimizer_state, load_checkpoint,
                                      restore_optimizer_state, write_final)
+from mlxtoy.train import distributed
 from mlxtoy.train.data import BatchStream, Dataset, Renderer, load_dataset, read_data
 
 # A taps hook gets (model, step) and returns an event (or events, or None) to emit.
@@ -370,8 +371,8 @@ class Stepper:
         def finish(grads):
             if clip > 0:
                 grads, gnorm = optim.clip_grad_norm(grads, clip)
-            else:
-                gnorm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+            else:  # no clipping: skip the norm too (a pass over every gradient; not free on CPU)
+                gnorm = mx.array(float("nan"))
             optimizer.update(model, grads)
             return gnorm
 
@@ -506,9 +507,16 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         mx.random.seed((st.rng[0] << 32) | st.rng[1])
         step, position, elapsed_before, tokens_seen = st.step, st.data_position, st.elapsed, st.tokens_seen
         run.truncate_metrics(step)
+    dist = distributed.active()  # data-parallel ranks (mlxtoy.train.distributed); None: one process
+    if dist is not None:  # every rank starts from rank 0's state (its checkpoint on resume)
+        step, position, elapsed_before, tokens_seen = dist.sync_start(
+            model, optimizer, resume_from is not None, (step, position, elapsed_before, tokens_seen))
     model.train()
     mx.eval(model.parameters(), optimizer.state)
     stepper = Stepper(model, optimizer, cfg, packed)
+    clip_off = cfg.grad_clip <= 0
+    if dist is not None:  # shard each global batch, all-reduce gradients, agree on stop/requests
+        stepper, control = dist.wrap(stepper, control, run)
 
     losses: list[float] = []
     last_ckpt = run.latest_checkpoint()
@@ -608,7 +616,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
                            tokens_per_sec=n_tokens / dt if dt > 0 else 0.0,
                            elapsed=elapsed_before + time.perf_counter() - t_start,
                            eta=(cfg.steps - step) * (sum(window) / len(window)),
-                           peak_memory_gb=mx.get_peak_memory() / 1e9, grad_norm=gnorm.item()))
+                           peak_memory_gb=mx.get_peak_memory() / 1e9, grad_norm=None if clip_off else gnorm.item()))
             last = step == cfg.steps
             if (cfg.eval_every and step % cfg.eval_every == 0) or control.take("eval") or (last and cfg.eval_every >= 0):
                 evaluate(step)
@@ -636,7 +644,8 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     if reason != "nan" and in_update is not None and last_saved_step != step and step > 0:
         save(step)
     if reason == "finished":
-        final_path = write_final(run, cfg, model, tokenizer, resolved, step)
+        final_path = (write_final(run, cfg, model, tokenizer, resolved, step)
+                      if not getattr(run, "read_only", False) else None)  # ranks > 0 write nothing
     msg = {"finished": f"finished {step} steps; result in {final_path}",
            "stopped": f"stopped at step {step}; checkpoint {last_ckpt}",
            "interrupted": f"interrupted at step {step}; checkpoint {last_ckpt}; continue with "

@@ -1,0 +1,259 @@
+"""Data-parallel training (mlxtoy.train.distributed): 2 ranks on loopback with mlx.launch's ring
+backend against one process with the same global batch; resume; a killed or hung rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+import mlx.core as mx
+from helpers_train import REPO, qa_rows, run_cli, write_jsonl, write_tiny_model_folder
+from mlxtoy.events import read_metrics
+from mlxtoy.train.checkpoint import load_checkpoint, load_run_model
+
+LAUNCH = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+
+# Ranks > 0 must write nothing: this sitecustomize logs every file write / folder change they
+# make from Python (rank 0 and single processes are untouched).
+AUDIT = r'''
+import os, sys
+if os.environ.get("MLX_RANK", "0") != "0" and os.environ.get("AUDIT_LOG"):
+    _fd = os.open(os.environ["AUDIT_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    _root = os.environ["AUDIT_ROOT"]
+    def _hook(ev, args):
+        if ev == "open" and isinstance(args[0], str) and (args[2] or 0) & (os.O_WRONLY | os.O_RDWR):
+            path = args[0]
+        elif ev == "open" and isinstance(args[0], str) and args[1] and any(c in args[1] for c in "wax+"):
+            path = args[0]
+        elif ev in ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree"):
+            path = str(args[0])
+        else:
+            return
+        if os.path.abspath(path).startswith(_root):
+            os.write(_fd, f"{ev} {path}\n".encode())
+    sys.addaudithook(_hook)
+'''
+
+
+def free_port_pair() -> int:
+    """A base port p with p and p+1 free (the ring listens on one port per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p > 65000:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    model = write_tiny_model_folder(str(root / "model"))
+    data = root / "data"
+    write_jsonl(str(data / "train.jsonl"), qa_rows(120, seed=1))
+    write_jsonl(str(data / "valid.jsonl"), qa_rows(16, seed=2))
+    site = root / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(AUDIT)
+    return {"root": root, "model": model, "data": str(data), "site": str(site)}
+
+
+def common(work, method: str, **kw) -> list[str]:
+    opts = {"model": work["model"], "data": work["data"], "method": method, "steps": 6,
+            "batch-size": 4, "seq-len": 64, "eval-every": 3, "eval-batches": 3, "save-every": 3,
+            "lora-targets": "q,v", "lr": 5e-3, "seed": 0}
+    if method == "full":
+        opts["lr"] = 1e-3
+    opts.update(kw)
+    return [a for k, v in opts.items() for a in (f"--{k}", str(v))]
+
+
+def launch(work, args: list[str], n: int = 2, timeout: float = 120, audit: str | None = None,
+           wait: bool = True):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([work["site"], os.environ.get("PYTHONPATH", "")]))
+    if audit:
+        env.update(AUDIT_LOG=audit, AUDIT_ROOT=str(work["root"]))
+    cmd = [LAUNCH, "--backend", "ring", "-n", str(n), "--starting-port", str(free_port_pair()),
+           "--python", sys.executable, "--", "-m", "mlxtoy", "train", *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def curve(run, kind="step", key="loss") -> list[float]:
+    return [e[key] for e in read_metrics(os.path.join(run, "metrics.jsonl")) if e["event"] == kind]
+
+
+def final_weights(run) -> dict[str, mx.array]:
+    for name in ("adapters.safetensors", "model.safetensors"):
+        if os.path.exists(os.path.join(run, name)):
+            return mx.load(os.path.join(run, name))
+    raise AssertionError(f"no result in {run}")
+
+
+def assert_same_run(a, b, atol=1e-5) -> None:
+    np.testing.assert_allclose(curve(a), curve(b), atol=atol, rtol=0)
+    np.testing.assert_allclose(curve(a, "eval", "val_loss"), curve(b, "eval", "val_loss"), atol=atol, rtol=0)
+    wa, wb = final_weights(a), final_weights(b)
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        np.testing.assert_allclose(np.array(wa[k]), np.array(wb[k]), atol=atol, rtol=0, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def single(work):
+    """One process, global batch 4: the reference runs."""
+    out = {}
+    for method in ("lora", "full"):
+        run = str(work["root"] / f"single-{method}")
+        r = run_cli("train", *common(work, method), "--out", run)
+        assert r.returncode == 0, r.stderr
+        out[method] = run
+    return out
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_two_ranks_equal_one_process(work, single, method, tmp_path):
+    run = str(work["root"] / f"two-{method}")
+    audit = str(tmp_path / "audit.log")
+    r = launch(work, [*common(work, method), "--out", run], audit=audit)
+    assert r.returncode == 0 and '"world_size": 2' in r.stdout, r.stdout + r.stderr
+    assert r.stdout.count('"reason": "finished"') == 1  # only rank 0 reports
+    assert_same_run(run, single[method])
+    # rank 0 wrote everything exactly once; rank 1 wrote nothing
+    steps = [e["step"] for e in read_metrics(os.path.join(run, "metrics.jsonl")) if e["event"] == "step"]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_3", "step_6"]
+    assert not os.path.exists(audit) or open(audit).read() == "", open(audit).read()
+    assert "world_size: 2" in open(os.path.join(run, "config.yaml")).read()
+
+
+def test_resume_with_two_ranks_or_one_equals_uninterrupted(work, single):
+    part = str(work["root"] / "part")
+    r = launch(work, [*common(work, "lora", **{"save-every": 0}), "--out", part, "--stop-at", "3"])
+    assert r.returncode == 0 and '"reason": "stopped"' in r.stdout, r.stdout + r.stderr
+    assert os.listdir(os.path.join(part, "checkpoints")) == ["step_3"]
+    r = launch(work, ["--resume", part])
+    assert r.returncode == 0 and '"step": 6' in r.stdout, r.stdout + r.stderr
+    assert_same_run(part, single["lora"])
+    # the data position and RNG are global: one process can continue a 2-rank run
+    part1 = str(work["root"] / "part1")
+    r = launch(work, [*common(work, "lora", **{"save-every": 0}), "--out", part1, "--stop-at", "3"])
+    assert r.returncode == 0, r.stderr
+    r = run_cli("train", "--resume", part1)
+    assert r.returncode == 0, r.stderr
+    assert_same_run(part1, single["lora"])
+
+
+def test_batch_not_divisible_is_refused(work, tmp_path):
+    r = launch(work, [*common(work, "lora", **{"batch-size": 3}), "--out", str(tmp_path / "x")])
+    assert "not divisible by the 2 ranks" in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def _rank_pid(root_pid: int, rank: int) -> int | None:
+    """The process with MLX_RANK=rank below root_pid."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    todo = [root_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            if f"MLX_RANK={rank}".encode() in env and b"python" in open(f"/proc/{pid}/cmdline", "rb").read():
+                return pid
+        except OSError:
+            pass
+        todo += children.get(pid, [])
+    return None
+
+
+def _wait_for_checkpoint(run: str, name: str, proc, deadline: float) -> None:
+    ck = os.path.join(run, "checkpoints", name)
+    while not os.path.exists(os.path.join(ck, "state.json")):
+        if time.time() > deadline or proc.poll() is not None:
+            out, err = proc.communicate(timeout=10) if proc.poll() is not None else ("", "")
+            pytest.fail(f"no {name} checkpoint: {out}{err}")
+        time.sleep(0.05)
+
+
+def test_killed_rank_stops_the_job_and_the_checkpoint_loads(work):
+    run = str(work["root"] / "killed")
+    proc = launch(work, [*common(work, "lora", steps=2000, **{"save-every": 2, "eval-every": 0}),
+                         "--out", run], wait=False)
+    try:
+        _wait_for_checkpoint(run, "step_2", proc, time.time() + 60)
+        pid = _rank_pid(proc.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.time()
+        out, err = proc.communicate(timeout=30)  # bounded: no hang
+        assert time.time() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "rank 1" in err.lower() and ("lost contact" in err or "killed" in err or "exited" in err), err
+    assert '"reason": "finished"' not in out
+    state, trainable, opt = load_checkpoint(sorted(
+        (os.path.join(run, "checkpoints", n) for n in os.listdir(os.path.join(run, "checkpoints"))),
+        key=lambda p: int(p.rsplit("_", 1)[1]))[-1])
+    assert state.step >= 2 and trainable and opt
+    load_run_model(run)
+
+
+def test_hung_rank_trips_the_watchdog(work):
+    """A rank that stops responding (sockets open, no error) ends the job after --dist-timeout.
+
+    The ranks are started the way mlx.launch starts them (MLX_RANK, MLX_HOSTFILE), so the test
+    can freeze one with SIGSTOP and still reap it (mlx.launch would wait on a stopped child)."""
+    run = str(work["root"] / "hung")
+    port = free_port_pair()
+    hostfile = work["root"] / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    args = [sys.executable, "-m", "mlxtoy", "train",
+            *common(work, "lora", steps=2000, **{"save-every": 2, "eval-every": 0}),
+            "--out", run, "--dist-timeout", "4"]
+    procs = [subprocess.Popen(args, cwd=REPO, env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    try:
+        _wait_for_checkpoint(run, "step_2", procs[0], time.time() + 60)
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        out, err = procs[0].communicate(timeout=30)
+        waited = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 1, err
+    assert "waited more than 4s" in err and "Last checkpoint:" in err, err
+    assert waited < 20
+    state, trainable, _ = load_checkpoint(os.path.join(run, "checkpoints", "step_2"))
+    assert state.step == 2 and trainable
+    load_run_model(run)
