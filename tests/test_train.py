@@ -280,6 +280,17 @@ def test_data_errors_name_file_and_line(tmp_path, rows, msg):
 # ------------------------------------------------------------------------------- training
 
 
+def test_schedules():
+    at = lambda cfg: [round(trainer.make_schedule(cfg)(mx.array(i, dtype=mx.uint64)).item(), 4)
+                      for i in range(cfg.steps)]
+    # warm-up: the k-th update uses lr * k / warmup (none at lr 0), then the decay
+    assert at(TrainConfig(lr=1.0, warmup=4, steps=10, min_lr=0.1))[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    cos = at(TrainConfig(lr=1.0, steps=5, min_lr=0.0))
+    assert cos[0] == 1.0 and all(a > b for a, b in zip(cos, cos[1:]))
+    assert at(TrainConfig(lr=1.0, steps=4, schedule="linear")) == [1.0, 0.75, 0.5, 0.25]
+    assert at(TrainConfig(lr=0.5, steps=3, schedule="constant")) == [0.5, 0.5, 0.5]
+
+
 def test_tiny_model_overfits_one_batch():
     model = tiny_model(0)
     cfg = TrainConfig(method="scratch", steps=150, lr=1e-2, schedule="constant", grad_clip=0)
@@ -358,7 +369,7 @@ def test_grad_accum_and_checkpointing_match(tmp_path, work):
     np.testing.assert_allclose(a.losses, b.losses, atol=1e-5)
     model = tiny_model(0)
     model.unfreeze()
-    cfg = TrainConfig(method="scratch", lr=1e-3, grad_clip=0)
+    cfg = TrainConfig(method="scratch", lr=1e-3, grad_clip=1e6)  # norm computed, never clips
     from mlxtoy.train.data import Batch
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (4, 17)).astype(np.int32)
@@ -418,6 +429,15 @@ def test_events_and_metrics(tmp_path, work):
     assert [e["event"] for e in on_disk] == kinds
     step = next(e for e in on_disk if e["event"] == "step")
     assert step["tokens_per_sec"] > 0 and step["lr"] > 0 and "grad_norm" in step
+
+
+def test_cli_taps_every_writes_taps_events(tmp_path, work):
+    out = tmp_path / "run"
+    r = run_cli("train", "--model", work["model"], "--data", work["data"], "--out", str(out),
+                "--steps", "2", "--taps-every", "1", "--eval-every", "0", "--seq-len", "64")
+    assert r.returncode == 0, r.stderr
+    taps = [e for e in read_metrics(str(out / "metrics.jsonl")) if e["event"] == "taps"]
+    assert [e["step"] for e in taps] == [1, 2] and taps[0]["stats"]
 
 
 def test_control_pause_stop_and_requests(tmp_path, work):

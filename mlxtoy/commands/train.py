@@ -208,9 +208,14 @@ def run(args) -> int:
         _print_accuracy("before", before)
         sys.stdout.flush()
     control = TrainControl(stop_at=args.stop_at)
+    hook = None
+    if cfg.taps_every > 0:  # taps events into metrics.jsonl, as the TUI gets them
+        from mlxtoy.train.remote import make_taps_hook
+
+        hook = make_taps_hook(p.tokenizer, p.dataset, cfg.taps_every)
     try:
         result = train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, resolved=p.resolved,
-                       resume_from=p.resume_from, on_event=view, control=control)
+                       resume_from=p.resume_from, on_event=view, control=control, taps_hook=hook)
     finally:
         view.close()
     if result.reason == "nan":

@@ -280,7 +280,14 @@ def make_schedule(cfg: TrainConfig) -> Callable:
         main = lambda step: mx.array(cfg.lr, dtype=mx.float32)  # noqa: E731
     if cfg.warmup <= 0:
         return main
-    return optim.join_schedules([optim.linear_schedule(0.0, cfg.lr, cfg.warmup), main], [cfg.warmup])
+    warmup, lr = cfg.warmup, cfg.lr
+
+    def schedule(step):
+        # the k-th update (step = k - 1 updates done) uses lr * k / warmup: no update at lr 0
+        s = step.astype(mx.float32) if isinstance(step, mx.array) else mx.array(float(step))
+        return mx.where(s < warmup, lr * (s + 1) / warmup, main(mx.maximum(s - warmup, 0)))
+
+    return schedule
 
 
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
