@@ -24,7 +24,7 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="session")
 def smollm2_f32_path(smollm2_path, tmp_path_factory) -> str:
     """SmolLM2 re-typed to F32: exactly the dequantized Q4_1 weights, same metadata."""
-    from helpers_parity import retype_to_f32
+    from helpers_gguf import retype_gguf_to_f32
 
     dst = tmp_path_factory.mktemp("smollm2") / "smollm2-f32.gguf"
-    return retype_to_f32(smollm2_path, str(dst))
+    return retype_gguf_to_f32(smollm2_path, str(dst))

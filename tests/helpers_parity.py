@@ -8,29 +8,16 @@ import numpy as np
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 from mlxtoy.config import ModelConfig
+from mlxtoy.io.tokenizer import _bytes_to_unicode
 
 # llama.cpp's file types (enum llama_ftype) for llama_model_quantize
 LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "Q5_K": 17,
                 "Q3_K": 12, "Q2_K": 10}
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable-character map (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
 def tiny_bpe_vocab() -> tuple[list[str], list[str], list[int]]:
     """A small byte-level BPE vocab: <|endoftext|>, the 256 bytes, and a few merges."""
-    alphabet = list(bytes_to_unicode().values())
+    alphabet = list(_bytes_to_unicode().values())
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t"]
     tokens = ["<|endoftext|>"] + alphabet + [m.replace(" ", "") for m in merges]
     types = [3] + [1] * (len(tokens) - 1)
@@ -108,8 +95,15 @@ def write_tiny_gguf(path: str, cfg: ModelConfig, tensors: dict[str, np.ndarray],
     if rope_scaling_linear:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_scaling_linear)
+    assert len(tiny_bpe_vocab()[0]) == cfg.vocab_size, "tiny models use the tiny BPE vocab"
+    return finish_tiny_gguf(w, path, tensors)
+
+
+def finish_tiny_gguf(w, path: str, tensors: dict[str, np.ndarray]) -> str:
+    """Add the tiny byte-level BPE tokenizer and the F32 tensors to GGUFWriter `w`; write it."""
+    import gguf
+
     tokens, merges, types = tiny_bpe_vocab()
-    assert len(tokens) == cfg.vocab_size, "tiny models use the tiny BPE vocab"
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -137,33 +131,6 @@ def llama_quantize(src: str, dst: str, qtype: str) -> str:
     params.nthread = 2
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
     assert rc == 0, f"llama_model_quantize({qtype}) failed with {rc}"
-    return dst
-
-
-def retype_to_f32(src: str, dst: str) -> str:
-    """Same GGUF, every tensor dequantized exactly to F32 (metadata copied unchanged)."""
-    import gguf
-
-    reader = gguf.GGUFReader(src, "r")
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(dst, arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        if name == "general.file_type":
-            w.add_file_type(gguf.LlamaFileType.ALL_F32)
-            continue
-        main = field.types[0]
-        sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, field.contents(), main, sub_type=sub)
-    for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        w.add_tensor(t.name, np.ascontiguousarray(arr.reshape(shape), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
     return dst
 
 

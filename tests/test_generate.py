@@ -405,14 +405,9 @@ def test_chat_session_reuses_the_cache_and_matches_a_fresh_prefill():
 
 
 @pytest.fixture(scope="session")
-def smollm2_f32(tmp_path_factory) -> str:
-    """SmolLM2 re-typed to F32 once per session (the Q4_1 weights, exactly)."""
-    from helpers_gguf import retype_gguf_to_f32
-
-    from mlxtoy.io.registry import default_model_path
-
-    dst = tmp_path_factory.mktemp("generate") / "smollm2-f32.gguf"
-    return retype_gguf_to_f32(str(default_model_path(quiet=True)), str(dst))
+def smollm2_f32(smollm2_f32_path) -> str:
+    """SmolLM2 re-typed to F32 once per session (the Q4_1 weights, exactly; conftest.py)."""
+    return smollm2_f32_path
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 
-from helpers_parity import compare, llama_cpp_logits, tiny_bpe_vocab
+from helpers_parity import compare, finish_tiny_gguf, llama_cpp_logits, tiny_bpe_vocab
 
 # llama.cpp's CPU GELU looks its result up in a float16 table (GGML_GELU_FP16): x and GELU(x)
 # are both rounded to float16. With the FFN switched off the two engines agree to ~3e-7 of
@@ -31,8 +31,7 @@ def write_tiny_gpt2_gguf(path: str, *, d_model: int = 128, n_layers: int = 2, n_
     """
     import gguf
 
-    tokens, merges, types = tiny_bpe_vocab()
-    V, D, F = len(tokens), d_model, d_ff
+    V, D, F = len(tiny_bpe_vocab()[0]), d_model, d_ff
     rng = np.random.default_rng(seed)
 
     def mat(r: int, c: int) -> np.ndarray:
@@ -69,22 +68,7 @@ def write_tiny_gpt2_gguf(path: str, *, d_model: int = 128, n_layers: int = 2, n_
     w.add_feed_forward_length(F)
     w.add_head_count(n_heads)
     w.add_layer_norm_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for name, arr in t.items():
-        w.add_tensor(name, np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_tiny_gguf(w, path, t)
 
 
 def _tokens(n: int, seed: int = 1) -> list[int]:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from helpers_parity import (compare, llama_cpp_logits, llama_quantize, our_logits,
-                            random_gguf_tensors, retype_to_f32, tiny_config, write_tiny_gguf)
+                            random_gguf_tensors, tiny_config, write_tiny_gguf)
+from helpers_gguf import retype_gguf_to_f32 as retype_to_f32
 
 ENGLISH = (
     "The history of the lighthouse is a story of people trying to make the sea a little less "
