@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy.config import ModelConfig
+from mlxtoy.models.fastmath import silu
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
 
@@ -164,7 +165,7 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down(nn.silu(self.gate(x)) * self.up(x))
+        return self.down(silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
