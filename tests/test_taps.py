@@ -132,3 +132,33 @@ def test_bad_requests(tmp_path):
     assert toks == [1, 2, 3] and len(loaded) == 9
     with pytest.raises(UserError, match="different architecture"):
         load_taps(path, tiny_model(n_layers=2))
+
+
+def test_one_lora_step_on_later_layers_drifts_only_downstream():
+    """After one LoRA step on layers L.. only, attn_norm of layers < L (and of L itself, which is
+    computed before L's adapters act) does not move; sites from L's attention on do."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    from mlxtoy.models.lora import apply_lora
+
+    model = tiny_model(seed=1)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    base = capture(model, tokens)
+    L = 1
+    apply_lora(model, ["q", "v", "o", "down"], rank=4, alpha=8.0, layers=range(L, 3))
+
+    def loss_fn(m):
+        logits = m(tokens[:, :-1])
+        return nn.losses.cross_entropy(logits, tokens[:, 1:], reduction="mean")
+
+    opt = optim.AdamW(learning_rate=1e-2)
+    loss, grads = nn.value_and_grad(model, loss_fn)(model)
+    opt.update(model, grads)
+    mx.eval(model.parameters(), opt.state)
+    rows = {(r["layer"], r["site"]): r["drift"] for r in drift(base, capture(model, tokens))}
+    for site in ("attn_norm", "ffn_out", "resid_post"):
+        assert rows[(0, site)] == 0, site
+    assert rows[(L, "attn_norm")] == 0
+    assert rows[(L, "ffn_out")] > 1e-6 and rows[(L, "resid_post")] > 1e-6
+    assert rows[(2, "attn_norm")] > 1e-6
