@@ -258,11 +258,11 @@ def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
 
 
 def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
-    from mlxtoy.io.hf import save_hf
-
     if src.cfg.arch == "gpt2":
         from mlxtoy.io.gpt2_io import save_gpt2_hf as save_hf
-    elif src.cfg.arch not in ("llama", "qwen2"):
+    elif src.cfg.arch in ("llama", "qwen2"):
+        from mlxtoy.io.hf import save_hf
+    else:
         raise UserError(f"{src.cfg.arch} models have no Hugging Face equivalent (export llama, qwen2 or gpt2)")
     mx_dtype = {"f32": mx.float32, "f16": mx.float16}.get(dtype)
     if mx_dtype is None:
@@ -278,13 +278,13 @@ def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
 
 def write_model_gguf(path: str, src: Source, dtype: str = "f32",
                      progress: Callable[[int, int], None] | None = None) -> str:
-    from mlxtoy.io.gguf_write import write_gguf
-
     if src.cfg.arch == "gpt2":  # fused QKV, biases, learned positions: its own writer
         from mlxtoy.io.gguf_write_gpt2 import write_gpt2_gguf as write_gguf
     elif src.cfg.arch == "tiny":
         raise UserError("the reference TransformerLM (arch tiny) has no llama.cpp GGUF equivalent; "
                         "use its run directory (mlxtoy generate --model RUN)")
+    else:
+        from mlxtoy.io.gguf_write import write_gguf
     return write_gguf(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
 
 

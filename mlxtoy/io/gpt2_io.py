@@ -11,7 +11,6 @@ Our layout (mlxtoy.models.gpt2): q/k/v per head (heads, d_head, d_model) with bi
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any, Callable
@@ -236,24 +235,12 @@ def config_from_hf(raw: dict[str, Any], path: str) -> ModelConfig:
 
 def load_gpt2_hf(path: str, dtype: mx.Dtype | None = None):
     """A transformers GPT-2 folder -> (ModelConfig, {param: mx.array}, LoadedMeta)."""
+    from mlxtoy.io.hf import read_hf_config, read_hf_tensors
+
     dtype = dtype or mx.float32
-    cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path) as f:
-            raw_cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{cfg_path}: cannot read ({e})") from None
+    raw_cfg = read_hf_config(path)
     cfg = config_from_hf(raw_cfg, path)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise UserError(f"{path}: no *.safetensors files")
-    hf: dict[str, mx.array] = {}
-    for file in files:
-        try:
-            for k, v in mx.load(file).items():
-                hf[k.removeprefix("transformer.")] = v
-        except Exception as e:
-            raise UserError(f"{file}: cannot read safetensors ({e})") from None
+    hf = read_hf_tensors(path, strip_prefix="transformer.")
     if "lm_head.weight" in hf and "wte.weight" in hf:
         cfg.tie_embeddings = bool(mx.array_equal(hf["lm_head.weight"], hf["wte.weight"]).item())
     else:

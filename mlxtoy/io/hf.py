@@ -99,27 +99,39 @@ def config_from_hf(cfg: dict[str, Any], path: str) -> ModelConfig:
         raise UserError(f"{path}/config.json: missing key {e.args[0]}") from None
 
 
+def read_hf_config(path: str) -> dict[str, Any]:
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{cfg_path}: cannot read ({e})") from None
+
+
+def read_hf_tensors(path: str, strip_prefix: str = "") -> dict[str, mx.array]:
+    """Every *.safetensors tensor of a Hugging Face folder (names with `strip_prefix` removed),
+    with one-line errors naming the file."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UserError(f"{path}: no *.safetensors files")
+    tensors: dict[str, mx.array] = {}
+    for file in files:
+        try:
+            for name, value in mx.load(file).items():
+                tensors[name.removeprefix(strip_prefix) if strip_prefix else name] = value
+        except Exception as e:
+            raise UserError(f"{file}: cannot read safetensors ({e})") from None
+    return tensors
+
+
 def load_hf(path: str, dtype: mx.Dtype | None = None):
     """-> (ModelConfig, {param_name: mx.array}, LoadedMeta)."""
     from mlxtoy.io.gguf_read import expected_shapes
 
     dtype = dtype or mx.float32
-    cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path) as f:
-            raw_cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{cfg_path}: cannot read ({e})") from None
+    raw_cfg = read_hf_config(path)
     cfg = config_from_hf(raw_cfg, path)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise UserError(f"{path}: no *.safetensors files")
-    hf: dict[str, mx.array] = {}
-    for file in files:
-        try:
-            hf.update(mx.load(file))
-        except Exception as e:
-            raise UserError(f"{file}: cannot read safetensors ({e})") from None
+    hf = read_hf_tensors(path)
     if "lm_head.weight" in hf and cfg.tie_embeddings:
         # Some checkpoints store a copy of the tied table; untie only if it differs.
         if not mx.array_equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]).item():

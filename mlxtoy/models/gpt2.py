@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.models.llama import Block as LlamaBlock
 from mlxtoy.models.llama import HeadProjection, _explicit_attention, _wants_layer
 
 LEARNED_POS_ARCHS = ("gpt2", "tiny")
@@ -71,26 +72,15 @@ class FeedForward(nn.Module):
         return self.down(nn.gelu_approx(self.up(x)))
 
 
-class Block(nn.Module):
+class Block(LlamaBlock):
+    """The llama block's pre-norm residual wiring and taps, with its own norms / biases."""
+
     def __init__(self, cfg: ModelConfig, norm: Callable[[], nn.Module], bias: bool):
-        super().__init__()
+        nn.Module.__init__(self)
         self.attn_norm = norm()
         self.attn = Attention(cfg, bias)
         self.ffn_norm = norm()
         self.ffn = FeedForward(cfg, bias)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
-                 taps: dict | None = None) -> mx.array:
-        h = self.attn_norm(x)
-        head_taps = {} if taps is not None and taps.get("_heads") else None
-        x = x + self.attn(h, mask, cache, head_taps)
-        ffn_out = self.ffn(self.ffn_norm(x))
-        x = x + ffn_out
-        if taps is not None:
-            taps["attn_norm"], taps["ffn_out"], taps["resid_post"] = h, ffn_out, x
-            if head_taps:
-                taps.update(head_taps)
-        return x
 
 
 class LearnedPosTransformer(nn.Module):

@@ -274,7 +274,6 @@ def tokenize(records: list[Record], tokenizer, seq_len: int, mask_prompt: bool =
     r = Renderer(tokenizer, mask_prompt)
     out: list[Example] = []
     stats = DataStats()
-    longest_short = None
     for rec in records:
         if rec.kind == "stream":
             # a plain-text corpus: consecutive windows sharing one boundary token, so every
@@ -295,8 +294,6 @@ def tokenize(records: list[Record], tokenizer, seq_len: int, mask_prompt: bool =
         if len(ids) > seq_len + 1:
             stats.truncated += 1
             ids, loss = ids[: seq_len + 1], loss[: seq_len + 1]
-        else:
-            longest_short = len(ids)
         loss = np.asarray(loss, dtype=bool)
         loss[0] = False  # the first token is never predicted
         if len(ids) < 2 or not loss.any():

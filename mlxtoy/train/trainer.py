@@ -28,7 +28,6 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from mlxtoy import backend
