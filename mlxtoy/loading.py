@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import mlx.core as mx
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxtoy import backend
 from mlxtoy.config import LoadedMeta, ModelConfig
@@ -84,7 +83,7 @@ def describe(model: LlamaModel, tokenizer, meta: LoadedMeta) -> dict:
     from collections import Counter
 
     cfg = model.config
-    n_params = sum(v.size for _, v in _flat(model.parameters()))
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     return {
         "source": meta.source,
         "format": meta.format,
@@ -96,13 +95,3 @@ def describe(model: LlamaModel, tokenizer, meta: LoadedMeta) -> dict:
         "chat_template": bool(tokenizer.chat_template),
         "backend": backend.INFO.describe(),
     }
-
-
-def _flat(params):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(params)
-
-
-def eprint(*args) -> None:
-    print(*args, file=sys.stderr)

@@ -147,3 +147,21 @@ class TapsProbe:
             return None
         stats, heads = summarize(capture(model, self.tokens, heads=self.heads))
         return TapsEvent(step=step, stats=stats, heads=heads)
+
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Training a language model, one step at a time."
+
+
+def make_taps_hook(tokenizer, dataset, every: int):
+    """A TapsProbe over a fixed text (the first validation prompt, else PROBE_TEXT)."""
+    from mlxtoy.train.data import Renderer
+
+    tokens: list[int] = []
+    for rec in dataset.valid_records[:1]:
+        try:
+            tokens = Renderer(tokenizer).prompt_of(rec)[0]
+        except UserError:
+            tokens = []
+    if len(tokens) < 8:
+        tokens = tokenizer.encode(PROBE_TEXT)
+    return TapsProbe(tokens[:64], every, heads=False)

@@ -154,8 +154,8 @@ def test_generation_mid_training_has_no_dropout_and_keeps_training_mode():
             super().__init__(cfg)
             self.drop = nn.Dropout(0.5)
 
-        def embed(self, tokens):
-            return self.drop(super().embed(tokens))
+        def embed(self, tokens, offset=0):
+            return self.drop(super().embed(tokens, offset))
 
     base = tiny_model("llama-gqa")
     model = DropModel(base.config)

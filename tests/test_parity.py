@@ -11,7 +11,7 @@ import pytest
 
 from helpers_parity import (compare, llama_cpp_logits, llama_quantize, our_logits,
                             random_gguf_tensors, tiny_config, write_tiny_gguf)
-from helpers_gguf import retype_gguf_to_f32 as retype_to_f32
+from helpers_gguf import copy_gguf_metadata, retype_gguf_to_f32 as retype_to_f32
 
 ENGLISH = (
     "The history of the lighthouse is a story of people trying to make the sea a little less "
@@ -109,13 +109,7 @@ def test_bf16_read_exactly(tmp_path):
     path = str(tmp_path / "bf16.gguf")
     w = gguf.GGUFWriter(path, "llama")
     f32 = write_tiny_gguf(str(tmp_path / "f32.gguf"), cfg, tensors)
-    reader = gguf.GGUFReader(f32)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        main = field.types[0]
-        w.add_key_value(name, field.contents(), main,
-                        sub_type=field.types[-1] if main == gguf.GGUFValueType.ARRAY else None)
+    copy_gguf_metadata(gguf.GGUFReader(f32), w)
     for name, arr in bf16.items():
         w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
@@ -233,13 +227,7 @@ def _rewrite(src: str, dst: str, arch: str | None = None, drop: str | None = Non
     reader = gguf.GGUFReader(src)
     arch = arch or reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(dst, arch)
-    old_arch = reader.fields["general.architecture"].contents()
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        main = field.types[0]
-        w.add_key_value(name.replace(old_arch + ".", arch + ".", 1), field.contents(), main,
-                        sub_type=field.types[-1] if main == gguf.GGUFValueType.ARRAY else None)
+    copy_gguf_metadata(reader, w, reader.fields["general.architecture"].contents(), arch)
     for t in reader.tensors:
         if t.name == drop:
             continue

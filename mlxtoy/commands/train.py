@@ -210,7 +210,7 @@ def run(args) -> int:
     control = TrainControl(stop_at=args.stop_at)
     hook = None
     if cfg.taps_every > 0:  # taps events into metrics.jsonl, as the TUI gets them
-        from mlxtoy.train.remote import make_taps_hook
+        from mlxtoy.taps import make_taps_hook
 
         hook = make_taps_hook(p.tokenizer, p.dataset, cfg.taps_every)
     try:

@@ -288,12 +288,9 @@ def hf_config(cfg: ModelConfig, tokenizer=None) -> dict[str, Any]:
         "activation_function": "gelu_new", "tie_word_embeddings": cfg.tie_embeddings,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "torch_dtype": "float32",
     }
-    if tokenizer is not None:
-        if tokenizer.bos_id is not None:
-            out["bos_token_id"] = tokenizer.bos_id
-        if tokenizer.eos_id is not None:
-            out["eos_token_id"] = tokenizer.eos_id
-    return out
+    from mlxtoy.io.hf import special_token_ids
+
+    return out | special_token_ids(tokenizer)
 
 
 def params_to_hf(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -321,30 +318,6 @@ def params_to_hf(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx
 def save_gpt2_hf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], tokenizer=None,
                  dtype: mx.Dtype = mx.float32) -> None:
     """Write a transformers GPT-2 folder (config.json, model.safetensors, tokenizer) atomically."""
-    import shutil
-    import tempfile
+    from mlxtoy.io.hf import write_hf_folder
 
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
-    try:
-        tensors = {k: mx.contiguous(v.astype(dtype)) for k, v in params_to_hf(cfg, weights).items()}
-        mx.save_safetensors(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config(cfg, tokenizer), f, indent=2)
-        if tokenizer is not None and hasattr(tokenizer, "to_hf_tokenizer_json"):
-            with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
-                f.write(tokenizer.to_hf_tokenizer_json())
-            tok_cfg = {"chat_template": tokenizer.chat_template,
-                       "add_bos_token": bool(getattr(tokenizer, "add_bos", False))}
-            for key, tid in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
-                if tid is not None:
-                    tok_cfg[key] = tokenizer.decode([tid])
-            with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
-                json.dump(tok_cfg, f, indent=2)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_hf_folder(path, params_to_hf(cfg, weights), hf_config(cfg, tokenizer), tokenizer, dtype)

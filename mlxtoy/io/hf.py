@@ -194,6 +194,12 @@ def hf_config(cfg: ModelConfig, tokenizer=None) -> dict[str, Any]:
             raise UserError("this model's RoPE frequency factors (a GGUF rope_freqs tensor) have no "
                             "exact Hugging Face config equivalent")
         out["rope_scaling"] = {k: v for k, v in scaling.items() if k != "type"} | {"rope_type": kind}
+    return out | special_token_ids(tokenizer)
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """config.json's bos/eos ids for a tokenizer (none for None)."""
+    out = {}
     if tokenizer is not None:
         if tokenizer.bos_id is not None:
             out["bos_token_id"] = tokenizer.bos_id
@@ -219,7 +225,13 @@ def params_to_hf(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx
 
 def save_hf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], tokenizer=None,
             dtype: mx.Dtype = mx.float32) -> None:
-    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files) atomically.
+    """Write a Hugging Face llama / qwen2 folder (config.json, model.safetensors, tokenizer)."""
+    write_hf_folder(path, params_to_hf(cfg, weights), hf_config(cfg, tokenizer), tokenizer, dtype)
+
+
+def write_hf_folder(path: str, tensors: dict[str, mx.array], config: dict[str, Any], tokenizer=None,
+                    dtype: mx.Dtype = mx.float32) -> None:
+    """Write config.json, model.safetensors and the tokenizer files as one folder, atomically.
 
     Written under a temporary name next to `path` and renamed; an existing `path` is moved
     aside first and deleted only once the new folder is in place.
@@ -233,11 +245,11 @@ def save_hf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], tokenizer
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     old = None
     try:
-        tensors = {k: v.astype(dtype) for k, v in params_to_hf(cfg, weights).items()}
+        tensors = {k: mx.contiguous(v.astype(dtype)) for k, v in tensors.items()}
         mx.save_safetensors(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config(cfg, tokenizer), f, indent=2)
-        if tokenizer is not None:
+            json.dump(config, f, indent=2)
+        if tokenizer is not None and hasattr(tokenizer, "to_hf_tokenizer_json"):
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 f.write(tokenizer.to_hf_tokenizer_json())
             if hasattr(tokenizer, "to_hf_tokenizer_config"):

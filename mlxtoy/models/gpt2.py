@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.models.llama import Block as LlamaBlock
-from mlxtoy.models.llama import HeadProjection, _explicit_attention, _wants_layer
+from mlxtoy.models.llama import HeadProjection, LlamaModel, _explicit_attention
 
 LEARNED_POS_ARCHS = ("gpt2", "tiny")
 
@@ -83,11 +83,12 @@ class Block(LlamaBlock):
         self.ffn = FeedForward(cfg, bias)
 
 
-class LearnedPosTransformer(nn.Module):
-    """Pre-norm decoder with a learned position table; `model(tokens, mask, cache, taps)`."""
+class LearnedPosTransformer(LlamaModel):
+    """Pre-norm decoder with a learned position table; LlamaModel's forward, taps and output,
+    with its own blocks and position embeddings."""
 
     def __init__(self, cfg: ModelConfig, norm: Callable[[], nn.Module], bias: bool):
-        super().__init__()
+        nn.Module.__init__(self)
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embeddings = nn.Embedding(cfg.context_length, cfg.d_model)
@@ -104,31 +105,6 @@ class LearnedPosTransformer(nn.Module):
                             f"table ({self.config.context_length})")
         positions = mx.arange(T) + offset
         return self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-
-    def __call__(self, tokens: mx.array, mask: Any = None, cache: list | None = None,
-                 taps: dict | None = None) -> mx.array:
-        """tokens (B, T) -> logits (B, T, vocab); arguments as `LlamaModel.__call__`."""
-        return self.logits(self.hidden(tokens, mask, cache, taps))
-
-    def hidden(self, tokens: mx.array, mask: Any = None, cache: list | None = None,
-               taps: dict | None = None) -> mx.array:
-        offset = cache[0].offset if cache else 0
-        x = self.embed(tokens, offset)
-        for i, layer in enumerate(self.layers):
-            layer_taps = None
-            if taps is not None and _wants_layer(taps, i):
-                layer_taps = {"_heads": taps.get("_heads", False)}
-            x = layer(x, mask, cache[i] if cache is not None else None, layer_taps)
-            if layer_taps is not None:
-                for site, value in layer_taps.items():
-                    if not site.startswith("_"):
-                        taps[(i, site)] = value
-        return self.norm(x)
-
-    def logits(self, h: mx.array) -> mx.array:
-        if "output" in self:
-            return self.output(h)
-        return self.tok_embeddings.as_linear(h)
 
 
 class GPT2Model(LearnedPosTransformer):

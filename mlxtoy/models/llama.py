@@ -200,7 +200,8 @@ class LlamaModel(nn.Module):
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def embed(self, tokens: mx.array) -> mx.array:
+    def embed(self, tokens: mx.array, offset: int | mx.array = 0) -> mx.array:
+        # positions enter through RoPE here; models with learned positions use `offset`
         return self.tok_embeddings(tokens)
 
     def __call__(self, tokens: mx.array, mask: Any = None, cache: list | None = None,
@@ -215,7 +216,7 @@ class LlamaModel(nn.Module):
 
     def hidden(self, tokens: mx.array, mask: Any = None, cache: list | None = None,
                taps: dict | None = None) -> mx.array:
-        x = self.embed(tokens)
+        x = self.embed(tokens, cache[0].offset if cache else 0)
         for i, layer in enumerate(self.layers):
             layer_taps = None
             if taps is not None and _wants_layer(taps, i):

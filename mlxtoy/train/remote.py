@@ -28,12 +28,10 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.events import DoneEvent, Event, LogEvent
+from mlxtoy.taps import make_taps_hook
 from mlxtoy.train.trainer import TrainControl
 
 COMMANDS = ("pause", "resume", "stop", "sample", "checkpoint", "eval")
-PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Training a language model, one step at a time."
-
-
 class EventWriter:
     """Events -> JSON lines on the protocol stream, one whole line at a time."""
 
@@ -123,22 +121,6 @@ def load_config(text: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError("--config: expected an object of config fields")
     return data
-
-
-def make_taps_hook(tokenizer, dataset, every: int):
-    """A TapsProbe over a fixed text (the first validation prompt, else PROBE_TEXT)."""
-    from mlxtoy.taps import TapsProbe
-    from mlxtoy.train.data import Renderer
-
-    tokens: list[int] = []
-    for rec in dataset.valid_records[:1]:
-        try:
-            tokens = Renderer(tokenizer).prompt_of(rec)[0]
-        except UserError:
-            tokens = []
-    if len(tokens) < 8:
-        tokens = tokenizer.encode(PROBE_TEXT)
-    return TapsProbe(tokens[:64], every, heads=False)
 
 
 def main(argv: list[str] | None = None) -> int:
