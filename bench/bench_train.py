@@ -62,7 +62,7 @@ def worker_mlxtoy(method: str, hf: str, data: str, steps: int) -> dict:
     import mlx.core as mx
 
     from mlxtoy.config import TrainConfig
-    from mlxtoy.train.trainer import run
+    from mlxtoy.train.job import run_job
 
     out = tempfile.mkdtemp(prefix="bench-mlxtoy-")
     cfg = TrainConfig(model=hf, data=data, out=os.path.join(out, "run"), method=method, steps=steps,
@@ -72,8 +72,8 @@ def worker_mlxtoy(method: str, hf: str, data: str, steps: int) -> dict:
     tps: list[float] = []
     tokens: list[int] = []
     t0 = time.perf_counter()
-    res = run(cfg, on_event=lambda e: (tps.append(e.tokens_per_sec)) if e.event == "step" else None,
-              handle_sigint=False)
+    res = run_job(lambda: (cfg, False), handle_sigint=False,
+                  emit=lambda e: (tps.append(e.tokens_per_sec)) if e.event == "step" else None).result
     return {"tokens_per_sec": tps, "loss": res.losses, "peak_gb": mx.get_peak_memory() / 1e9,
             "rss_gb": _rss_gb(), "wall": time.perf_counter() - t0}
 

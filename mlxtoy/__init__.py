@@ -15,9 +15,10 @@ def load(model: str, adapter: str | None = None):
 
     `adapter` is a run directory whose adapters or weights are applied on top.
     """
-    from mlxtoy.loading import load as _load
+    # deferred: `import mlxtoy` stays light and sets up the backend before anything else
+    from mlxtoy import loading
 
-    return _load(model, adapter=adapter)
+    return loading.load(model, adapter=adapter)
 
 
 __all__ = ["load", "UserError", "backend"]

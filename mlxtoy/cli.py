@@ -8,13 +8,13 @@ Each subcommand lives in `mlxtoy/commands/<name>.py` with `add_parser(sub)` and 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import traceback
 
+from mlxtoy.commands import chat, export, generate, inspect, taps, train, tui
 from mlxtoy.errors import UserError
 
-COMMANDS = ["inspect", "generate", "chat", "train", "export", "taps", "tui"]
+COMMANDS = (inspect, generate, chat, train, export, taps, tui)  # in `mlxtoy --help` order
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,13 +26,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlxtoy", description="On-device LLM fine-tuning on MLX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"mlxtoy.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"mlxtoy.commands.{name}":
-                continue  # not built yet
-            raise
+    for module in COMMANDS:
         p = module.add_parser(sub)
         p.set_defaults(_run=module.run)
     return parser

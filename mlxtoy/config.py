@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+import math
 from typing import Any
+
+import yaml
 
 from mlxtoy.errors import UserError
 
@@ -75,84 +78,126 @@ SCHEDULES = ("cosine", "linear", "constant")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "sgd")
+QLORA_MODES = ("auto", "on", "off")
+ALL_METHODS = TRAIN_METHODS
+
+# What a number must be (the `check` of a field): one rule shared by validate(), the CLI and
+# the TUI form. "pos": > 0; "nat": >= 0 (0 = off); "frac": in [0, 1); "batches": > 0 or -1.
+CHECKS = {
+    "pos": (lambda v: v > 0, "must be > 0"),
+    "nat": (lambda v: v >= 0, "must be >= 0 (0 = off)"),
+    "frac": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "batches": (lambda v: v > 0 or v == -1, "must be > 0, or -1 for all"),
+}
+
+
+def option(default: Any, help: str, *, check: str | None = None, choices: tuple[str, ...] | None = None,
+           methods: tuple[str, ...] = ALL_METHODS, label: str | None = None, noun: str | None = None) -> Any:
+    """A TrainConfig field with the metadata that the CLI flags, validate() and the TUI form
+    read: help text, a range `check` or `choices` (`noun` names one in errors), the methods it
+    applies to, a form label."""
+    meta = {"help": help, "check": check, "choices": choices, "methods": methods, "label": label,
+            "noun": noun}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class TrainConfig:
     """Everything a training run needs; `config.yaml` in a run directory is this, resolved.
 
-    Every field is settable in a YAML file and by the CLI flag of the same name (`_` -> `-`).
+    Every field is settable in a YAML file and by the CLI flag of the same name (`_` -> `-`);
+    its metadata (see `option`) is the one source of its help, choices and valid range.
     """
 
     # what to train on
-    model: str = "smollm2-135m"  # base model (lora/full) or tokenizer source (scratch)
-    data: str = ""  # a .jsonl/.txt file, or a folder with train/valid(/test) files
-    out: str = ""  # the run directory
-    method: str = "lora"  # lora | full | scratch
-    tokenizer: str | None = None  # scratch: take the tokenizer from here instead of `model`
+    model: str = option("smollm2-135m", "base model (.gguf, HF folder or built-in name); "
+                        "scratch: the tokenizer source")
+    data: str = option("", "a .jsonl/.txt file or a folder with train/valid(/test) files")
+    out: str = option("", "the run directory to create")
+    method: str = option("lora", "what is trained: LoRA adapters, every block weight, or a new model",
+                         choices=TRAIN_METHODS)
+    tokenizer: str | None = option(None, "scratch: take the tokenizer from this model (or char, byte) "
+                                   "instead of --model", methods=("scratch",))
 
     # optimisation
-    steps: int = 200  # total optimizer steps (a resumed run continues up to this)
-    batch_size: int = 4
-    seq_len: int = 512
-    lr: float = 1e-4
-    optimizer: str = "adamw"  # adamw (Adam with decoupled weight decay) | sgd
-    warmup: int = 0  # steps of linear warm-up from 0
-    schedule: str = "cosine"  # cosine | linear | constant (after warm-up)
-    min_lr: float = 0.0  # where cosine / linear decay ends
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global gradient norm; 0 = off
-    grad_accum: int = 1  # micro-batches per optimizer step
-    grad_checkpoint: bool = False  # recompute each block in the backward pass (long sequences)
-    dtype: str = "auto"  # compute dtype: auto = the backend's (float32 on CPU)
-    qlora: str = "auto"  # keep a quantized base quantized (auto: on Metal/CUDA only), on, off
+    steps: int = option(200, "total optimizer steps (a resumed run continues up to this)", check="pos")
+    batch_size: int = option(4, "rows per optimizer step (per micro-batch with --grad-accum)", check="pos",
+                             label="batch size")
+    seq_len: int = option(512, "tokens per row; longer examples are truncated", check="pos", label="seq len")
+    lr: float = option(1e-4, "peak learning rate", check="pos", label="learning rate")
+    optimizer: str = option("adamw", "adamw (Adam with decoupled weight decay) or sgd (momentum = betas[0])",
+                            choices=OPTIMIZERS)
+    warmup: int = option(0, "steps of linear warm-up from 0", check="nat")
+    schedule: str = option("cosine", "learning-rate decay after warm-up", choices=SCHEDULES)
+    min_lr: float = option(0.0, "where cosine / linear decay ends (in [0, lr])", check="nat")
+    betas: list[float] = option([0.9, 0.999], "Adam betas: two comma-separated numbers in [0, 1)")
+    eps: float = option(1e-8, "Adam epsilon", check="pos")
+    weight_decay: float = option(0.0, "decoupled weight decay", check="nat")
+    grad_clip: float = option(1.0, "max global gradient norm; 0 = off", check="nat")
+    grad_accum: int = option(1, "micro-batches per optimizer step", check="pos")
+    grad_checkpoint: bool = option(False, "recompute each block in the backward pass (memory for time)")
+    dtype: str = option("auto", "compute dtype (auto: the backend's; float32 on CPU)", choices=DTYPES)
+    qlora: str = option("auto", "keep a quantized base quantized (auto: on Metal/CUDA only)",
+                        choices=QLORA_MODES, methods=("lora",))
 
     # LoRA
-    lora_rank: int = 8
-    lora_alpha: float = 16.0  # scale = alpha / rank
-    lora_dropout: float = 0.0
-    lora_targets: list[str] = field(default_factory=lambda: ["q", "v"])
-    lora_per_head_q: bool = False  # the seed's per-head Q adapter (A_h, B_h per Q head)
-    lora_layers: list[int] | None = None  # block indices (negative from the end); None = all
+    lora_rank: int = option(8, "LoRA rank", check="pos", methods=("lora",), label="lora rank")
+    lora_alpha: float = option(16.0, "LoRA alpha (scale = alpha / rank)", check="pos", methods=("lora",),
+                               label="lora alpha")
+    lora_dropout: float = option(0.0, "dropout on the LoRA input", check="frac", methods=("lora",))
+    lora_targets: list[str] = option(["q", "v"], f"comma-separated, from {','.join(LORA_TARGETS)}",
+                                     choices=LORA_TARGETS, methods=("lora",), label="lora targets",
+                                     noun="LoRA target")
+    lora_per_head_q: bool = option(False, "per-head Q LoRA (A_h, B_h per Q head)", methods=("lora",))
+    lora_layers: list[int] | None = option(None, "comma-separated block indices (negative from the end); "
+                                           "default all", methods=("lora",))
 
     # full fine-tuning: block weights always; these are opt-in
-    train_embeddings: bool = False
-    train_norm: bool = False
-    train_output: bool = False  # with tied embeddings this trains the shared table
+    train_embeddings: bool = option(False, "also train the token embeddings", methods=("full",))
+    train_norm: bool = option(False, "also train the final norm", methods=("full",))
+    train_output: bool = option(False, "also train the output (with tied embeddings: the shared table)",
+                                methods=("full",))
 
     # from scratch: model shape (vocab comes from the tokenizer)
-    arch: str = "llama"  # llama | qwen2 | gpt2 | tiny (the reference TransformerLM, char tokenizer)
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    d_head: int = 64
-    d_ff: int = 688
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_scale: float = 1.0  # matmul weights ~ N(0, init_scale / sqrt(fan_in))
-    lens: str | None = None  # scratch: embed via this model's token table (frozen) @ a trained projection
+    arch: str = option("llama", "architecture (tiny: the reference TransformerLM, char tokenizer)",
+                       choices=SUPPORTED_ARCHS, methods=("scratch",), noun="arch")
+    d_model: int = option(256, "model width", check="pos", methods=("scratch",))
+    n_layers: int = option(4, "blocks", check="pos", methods=("scratch",), label="layers")
+    n_heads: int = option(4, "query heads", check="pos", methods=("scratch",), label="heads")
+    n_kv_heads: int = option(4, "key/value heads (divides n_heads)", check="pos", methods=("scratch",))
+    d_head: int = option(64, "width of one head", check="pos", methods=("scratch",))
+    d_ff: int = option(688, "FFN hidden width", check="pos", methods=("scratch",))
+    rope_base: float = option(10000.0, "RoPE base", check="pos", methods=("scratch",))
+    norm_eps: float = option(1e-5, "RMSNorm epsilon", check="pos", methods=("scratch",))
+    tie_embeddings: bool = option(True, "share the embedding table with the output", methods=("scratch",))
+    init_scale: float = option(1.0, "matmul weights ~ N(0, init_scale / sqrt(fan_in))", check="pos",
+                               methods=("scratch",))
+    lens: str | None = option(None, "embed via this model's token table (frozen) @ a trained projection",
+                              methods=("scratch",))
 
     # data
-    pack: bool = True  # several examples per row with a block-causal mask; False = padding
-    mask_prompt: bool = True  # loss only on completions / assistant turns
-    valid_fraction: float = 0.1  # held out when `data` is a single file (seeded split)
+    pack: bool = option(True, "several examples per row with a block-causal mask (--no-pack: padding)")
+    mask_prompt: bool = option(True, "loss only on completions / assistant turns")
+    valid_fraction: float = option(0.1, "held out when --data is a single file (seeded split)", check="frac")
 
     # the loop
-    eval_every: int = 50  # 0 = only at the end
-    eval_batches: int = 20  # -1 = the whole validation set
-    sample_every: int = 0  # 0 = never
-    sample_prompts: list[str] = field(default_factory=list)  # empty: first validation prompts
-    sample_tokens: int = 48
-    save_every: int = 100  # 0 = only at the end
-    keep_checkpoints: int = 3  # newest N kept; 0 = all
-    taps_every: int = 0  # call the taps hook every K steps (0 = never)
-    seed: int = 0
-    eval_accuracy: bool = False  # greedy exact-match accuracy on the test split, before and after
-    accuracy_examples: int = 0  # 0 = the whole test split
+    eval_every: int = option(50, "evaluate every N steps (0 = only at the end)", check="nat", label="eval every")
+    eval_batches: int = option(20, "validation batches per evaluation (-1 = all)", check="batches",
+                               label="eval batches")
+    sample_every: int = option(0, "generate samples every N steps (0 = never)", check="nat",
+                               label="sample every")
+    sample_prompts: list[str] = option([], "a prompt for sample generations (repeat the flag for more; "
+                                       "default: the first validation prompts)")
+    sample_tokens: int = option(48, "tokens per sample", check="pos")
+    save_every: int = option(100, "checkpoint every N steps (0 = only at the end)", check="nat",
+                             label="save every")
+    keep_checkpoints: int = option(3, "newest N checkpoints kept (0 = all)", check="nat")
+    taps_every: int = option(0, "activation taps every N steps (0 = never)", check="nat", label="taps every")
+    seed: int = option(0, "RNG seed (data order, init, dropout)", check="nat")
+    eval_accuracy: bool = option(False, "greedy exact-match accuracy on the test split, before and after")
+    accuracy_examples: int = option(0, "test examples for --eval-accuracy (0 = all)", check="nat")
 
     def __post_init__(self) -> None:
         # YAML / CLI lists may arrive as "q,v" strings
@@ -171,59 +216,27 @@ class TrainConfig:
         def bad(msg: str) -> UserError:
             return UserError(f"train config: {msg}")
 
-        if self.method not in TRAIN_METHODS:
-            raise bad(f"method must be one of {', '.join(TRAIN_METHODS)}, got {self.method!r}")
-        if self.schedule not in SCHEDULES:
-            raise bad(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.dtype not in DTYPES:
-            raise bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.qlora not in ("auto", "on", "off"):
-            raise bad(f"qlora must be auto, on or off, got {self.qlora!r}")
-        for name in ("steps", "batch_size", "seq_len", "grad_accum", "sample_tokens"):
-            if int(getattr(self, name)) <= 0:
-                raise bad(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("warmup", "eval_every", "sample_every", "save_every", "taps_every",
-                     "keep_checkpoints", "accuracy_examples"):
-            if int(getattr(self, name)) < 0:
-                raise bad(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise bad(f"lr must be > 0, got {self.lr}")
-        if self.min_lr < 0 or self.min_lr > self.lr:
+        err = check_value("method", self.method)  # first: the other fields depend on it
+        if err:
+            raise bad(f"method {err}, got {self.method!r}")
+        for f in fields(self):
+            if self.method not in f.metadata.get("methods", ALL_METHODS):
+                continue  # e.g. lora_rank does not matter to a full fine-tune
+            value = getattr(self, f.name)
+            err = check_value(f.name, value)
+            if err:
+                raise bad(err if err.startswith("unknown") else f"{f.name} {err}, got {value!r}")
+        if self.min_lr > self.lr:
             raise bad(f"min_lr must be in [0, lr], got {self.min_lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise bad(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise bad("eps must be > 0, weight_decay and grad_clip >= 0")
-        if not 0 <= self.valid_fraction < 1:
-            raise bad(f"valid_fraction must be in [0, 1), got {self.valid_fraction}")
-        if self.eval_batches == 0 or self.eval_batches < -1:
-            raise bad(f"eval_batches must be > 0 or -1 (all), got {self.eval_batches}")
         if self.method == "lora":
-            if self.lora_rank <= 0:
-                raise bad(f"lora_rank must be > 0, got {self.lora_rank}")
-            if self.lora_alpha <= 0:
-                raise bad(f"lora_alpha must be > 0, got {self.lora_alpha}")
-            if not 0 <= self.lora_dropout < 1:
-                raise bad(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
             if not self.lora_targets:
                 raise bad("lora_targets is empty")
-            unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
-            if unknown:
-                raise bad(f"unknown LoRA target {unknown[0]!r} (choose from {', '.join(LORA_TARGETS)})")
             if self.lora_per_head_q and "q" not in self.lora_targets:
                 raise bad("lora_per_head_q needs 'q' in lora_targets")
-        if self.method == "scratch":
-            for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff"):
-                if int(getattr(self, name)) <= 0:
-                    raise bad(f"{name} must be > 0, got {getattr(self, name)}")
-            if self.n_heads % self.n_kv_heads:
-                raise bad(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-            if self.init_scale <= 0:
-                raise bad(f"init_scale must be > 0, got {self.init_scale}")
-            if self.arch not in SUPPORTED_ARCHS:
-                raise bad(f"unknown arch {self.arch!r} (choose from {', '.join(SUPPORTED_ARCHS)})")
-        if self.optimizer not in OPTIMIZERS:
-            raise bad(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.method == "scratch" and self.n_heads % self.n_kv_heads:
+            raise bad(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.lens and self.method != "scratch":
             raise bad("lens (a projection-lens warm start) needs method scratch")
         return self
@@ -257,8 +270,6 @@ class TrainConfig:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -273,3 +284,73 @@ def load_yaml(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
     return data
+
+
+def train_field(name: str) -> Field:
+    for f in fields(TrainConfig):
+        if f.name == name:
+            return f
+    raise KeyError(name)
+
+
+def check_value(name: str, value: Any) -> str | None:
+    """Why `value` is not valid for TrainConfig field `name` (None when it is), from the
+    field's metadata: its choices (every item, for lists) and its range check."""
+    meta = train_field(name).metadata
+    choices = meta.get("choices")
+    if choices:
+        for item in value if isinstance(value, list) else [value]:
+            if item not in choices:
+                noun = meta.get("noun")
+                if noun:
+                    return f"unknown {noun} {item!r} (choose from {','.join(choices)})"
+                return f"must be one of {', '.join(choices)}"
+    check = meta.get("check")
+    if check and value is not None:
+        ok, why = CHECKS[check]
+        try:
+            good = bool(ok(value)) and math.isfinite(value)
+        except TypeError:
+            return f"must be a number, got {value!r}"
+        if not good:
+            return why
+    return None
+
+
+def parse_text(name: str, text: str) -> tuple[Any, str | None]:
+    """A form's text for TrainConfig field `name` -> (value, None) or (None, reason); never
+    raises. Lists are comma-separated; the checks are `check_value`'s."""
+    f = train_field(name)
+    text = text.strip()
+    default = field_default(name)
+    if isinstance(default, list):
+        value: Any = [t.strip() for t in text.split(",") if t.strip()]
+        if not value:
+            choices = f.metadata.get("choices") or ()
+            return None, "name at least one" + (f" of {','.join(choices)}" if choices else "")
+    elif not text:
+        return None, "required"
+    elif isinstance(default, bool):
+        low = text.lower()
+        if low not in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            return None, f"{text!r} is not yes or no"
+        value = low in ("true", "yes", "on", "1")
+    elif isinstance(default, int):
+        try:
+            value = int(text)
+        except ValueError:
+            return None, f"{text!r} is not a whole number"
+    elif isinstance(default, float):
+        try:
+            value = float(text)
+        except ValueError:
+            return None, f"{text!r} is not a number"
+    else:
+        value = text
+    err = check_value(name, value)
+    return (None, err) if err else (value, None)
+
+
+def field_default(name: str) -> Any:
+    f = train_field(name)
+    return f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]

@@ -1,16 +1,21 @@
-"""Typed events that the trainer emits and the CLI / TUI consume.
+"""The trainer/front-end protocol, typed both ways.
 
-Every event serialises to one JSON object with an "event" key (`step`, `eval`, `sample`,
-`taps`, `checkpoint`, plus `start`, `log` and `done` for run bookkeeping); `metrics.jsonl`
-in a run directory is these objects, one per line.
-"""
+Trainer -> front end: events. Every event serialises to one JSON object with an "event" key
+(`step`, `eval`, `sample`, `taps`, `checkpoint`, plus `start`, `status`, `log` and `done` for
+run bookkeeping) and comes back with `event_from_dict`; `metrics.jsonl` in a run directory is
+these objects, one per line (one sink among others: `MetricsSink`).
+
+Front end -> trainer: `Command`s, one per line (`{"cmd": "pause"}` or just `pause`), parsed by
+`Command.parse`. The TUI, the trainer process and the test double all use this one list."""
 
 from __future__ import annotations
 
+import enum
 import json
+import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Protocol
 
 
 @dataclass
@@ -22,7 +27,27 @@ class Event:
         return asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+        # non-finite floats become null: metrics.jsonl stays valid JSON
+        return json.dumps(_finite(self.to_dict()), separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Event":
+        """The event a `to_dict` gave (keys this version does not know are ignored)."""
+        kw = {f.name: d[f.name] for f in fields(cls) if f.init and f.name in d}
+        ev = cls(**kw)
+        if isinstance(d.get("time"), (int, float)):
+            ev.time = float(d["time"])
+        return ev
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 @dataclass
@@ -96,6 +121,21 @@ class CheckpointEvent(Event):
         self.event = "checkpoint"
 
 
+# what StatusEvent.state can say
+RUNNING, PAUSED = "running", "paused"
+
+
+@dataclass
+class StatusEvent(Event):
+    """The loop really paused or resumed (between steps), so front ends need not guess."""
+
+    step: int
+    state: str  # running | paused
+
+    def __post_init__(self):
+        self.event = "status"
+
+
 @dataclass
 class LogEvent(Event):
     message: str
@@ -115,19 +155,75 @@ class DoneEvent(Event):
         self.event = "done"
 
 
-EventSink = Callable[[Event], None]
+EVENT_TYPES: dict[str, type[Event]] = {
+    "start": StartEvent, "step": StepEvent, "eval": EvalEvent, "sample": SampleEvent,
+    "taps": TapsEvent, "checkpoint": CheckpointEvent, "status": StatusEvent, "log": LogEvent,
+    "done": DoneEvent,
+}
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """metrics.jsonl -> list of event dicts (tolerates a torn last line from a crash)."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
+def event_from_dict(d: dict[str, Any]) -> Event | None:
+    """A JSON event object -> its typed event (None for a kind or shape this version does not
+    know: a newer trainer may send more)."""
+    cls = EVENT_TYPES.get(d.get("event")) if isinstance(d, dict) else None
+    if cls is None:
+        return None
+    try:
+        return cls.from_dict(d)
+    except TypeError:  # a required field is missing
+        return None
+
+
+class EventSink(Protocol):
+    def __call__(self, ev: Event) -> None: ...
+
+
+class MetricsSink:
+    """Appends every event to a run's metrics.jsonl (through anything with `append_event`)."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    def __call__(self, ev: Event) -> None:
+        self.run.append_event(ev.to_json())
+
+
+def fan_out(*sinks: "EventSink | None") -> Callable[[Event], None]:
+    """One sink that hands each event to every given sink, in order."""
+    live = [s for s in sinks if s is not None]
+
+    def emit(ev: Event) -> None:
+        for sink in live:
+            sink(ev)
+
+    return emit
+
+
+class Command(str, enum.Enum):
+    """What a front end can ask of a running trainer. Samples, checkpoints and evaluations
+    happen after the current step; stop saves a checkpoint and ends the run."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    STOP = "stop"
+    SAMPLE = "sample"
+    CHECKPOINT = "checkpoint"
+    EVAL = "eval"
+
+    def to_line(self) -> str:
+        return json.dumps({"cmd": self.value})
+
+    @classmethod
+    def parse(cls, line: str) -> "Command | None":
+        """`{"cmd": "pause"}` or `pause` -> Command.PAUSE; None for anything else."""
+        line = line.strip()
+        if line.startswith("{"):
             try:
-                out.append(json.loads(line))
+                obj = json.loads(line)
             except json.JSONDecodeError:
-                break
-    return out
+                return None
+            line = obj.get("cmd") if isinstance(obj, dict) else None
+        try:
+            return cls(line)
+        except ValueError:
+            return None

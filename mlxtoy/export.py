@@ -20,16 +20,25 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from safetensors.numpy import save as safetensors_bytes
 
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.fsutil import atomic_folder
+from mlxtoy.io.gguf_write import write_gguf, write_lora_gguf
+from mlxtoy.io.gguf_write_gpt2 import write_gpt2_gguf
+from mlxtoy.io.gpt2_io import save_gpt2_hf
+from mlxtoy.io.hf import interleaved_to_neox, save_hf
+from mlxtoy.loading import load_run_model, load_weights
+from mlxtoy.models.lora import LORA_TYPES, TARGET_PATHS, LoRAHeadProjection, lora_modules
+from mlxtoy.models.shapes import expected_shapes
+from mlxtoy.rundir import is_run_or_checkpoint, locate
 
 FORMATS = ("gguf", "adapter-gguf", "hf", "mlx-lm", "peft")
 DTYPES = ("f32", "f16", "q8_0")
@@ -114,8 +123,6 @@ def _hf_rows(cfg: ModelConfig, target: str, B: np.ndarray) -> np.ndarray:
     """B's rows in Hugging Face order: llama's q/k rows go from adjacent-pair to NEOX."""
     if cfg.arch != "llama" or target not in ("q", "k"):
         return B
-    from mlxtoy.io.hf import interleaved_to_neox
-
     heads = cfg.n_heads if target == "q" else cfg.n_kv_heads
     return np.array(interleaved_to_neox(mx.array(B), heads))
 
@@ -143,8 +150,6 @@ def lora_to_llama_cpp(lora: LoraSet) -> tuple[dict[str, tuple[np.ndarray, np.nda
 
 
 def write_adapter_gguf(path: str, src: Source, dtype: str = "f32") -> str:
-    from mlxtoy.io.gguf_write import write_lora_gguf
-
     adapters, alpha = lora_to_llama_cpp(_need_lora(src))
     return write_lora_gguf(path, src.cfg, adapters, alpha, metadata=src.meta.metadata if src.meta else None,
                            dtype=dtype)
@@ -186,12 +191,7 @@ def write_mlx_lm(path: str, src: Source, dtype: str = "f32") -> str:
     }
     if lora.base:
         config["model"] = lora.base
-
-    def write(tmp: str) -> None:
-        _save_safetensors(os.path.join(tmp, "adapters.safetensors"), tensors)
-        _write_json(os.path.join(tmp, "adapter_config.json"), config)
-
-    return _atomic_dir(path, write, ("adapters.safetensors", "adapter_config.json"))
+    return _write_adapter_folder(path, "adapters.safetensors", tensors, config)
 
 
 def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
@@ -249,28 +249,20 @@ def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
         module = f"model.layers.{layer}.{TARGETS[t][1]}"
         tensors[f"base_model.model.{module}.lora_A.weight"] = np.zeros((r, d_in), np_dtype)
         tensors[f"base_model.model.{module}.lora_B.weight"] = np.zeros((d_out, r), np_dtype)
-
-    def write(tmp: str) -> None:
-        _save_safetensors(os.path.join(tmp, "adapter_model.safetensors"), tensors)
-        _write_json(os.path.join(tmp, "adapter_config.json"), config)
-
-    return _atomic_dir(path, write, ("adapter_model.safetensors", "adapter_config.json", "README.md"))
+    return _write_adapter_folder(path, "adapter_model.safetensors", tensors, config, also_ours=("README.md",))
 
 
 def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
-    if src.cfg.arch == "gpt2":
-        from mlxtoy.io.gpt2_io import save_gpt2_hf as save_hf
-    elif src.cfg.arch in ("llama", "qwen2"):
-        from mlxtoy.io.hf import save_hf
-    else:
+    if src.cfg.arch not in ("gpt2", "llama", "qwen2"):
         raise UserError(f"{src.cfg.arch} models have no Hugging Face equivalent (export llama, qwen2 or gpt2)")
+    save = save_gpt2_hf if src.cfg.arch == "gpt2" else save_hf
     mx_dtype = {"f32": mx.float32, "f16": mx.float16}.get(dtype)
     if mx_dtype is None:
         raise UserError(f"--dtype {dtype} is not available for --format hf (choose f32 or f16)")
     _check_replaceable_dir(path, ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                                   "generation_config.json", "special_tokens_map.json"))
     try:
-        save_hf(path, src.cfg, src.weights, src.tokenizer, dtype=mx_dtype)
+        save(path, src.cfg, src.weights, src.tokenizer, dtype=mx_dtype)
     except OSError as e:
         raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
     return path
@@ -278,14 +270,12 @@ def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
 
 def write_model_gguf(path: str, src: Source, dtype: str = "f32",
                      progress: Callable[[int, int], None] | None = None) -> str:
-    if src.cfg.arch == "gpt2":  # fused QKV, biases, learned positions: its own writer
-        from mlxtoy.io.gguf_write_gpt2 import write_gpt2_gguf as write_gguf
-    elif src.cfg.arch == "tiny":
+    if src.cfg.arch == "tiny":
         raise UserError("the reference TransformerLM (arch tiny) has no llama.cpp GGUF equivalent; "
                         "use its run directory (mlxtoy generate --model RUN)")
-    else:
-        from mlxtoy.io.gguf_write import write_gguf
-    return write_gguf(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
+    # gpt2 (fused QKV, biases, learned positions) has its own writer
+    write = write_gpt2_gguf if src.cfg.arch == "gpt2" else write_gguf
+    return write(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
 
 
 def gguf_metadata(src: Source) -> dict[str, Any]:
@@ -295,8 +285,6 @@ def gguf_metadata(src: Source) -> dict[str, Any]:
     if src.meta is not None and src.meta.format == "gguf":
         md.update(src.meta.metadata)
     if not any(k.startswith("tokenizer.ggml.") for k in md) and src.tokenizer is not None:
-        if not hasattr(src.tokenizer, "to_gguf_metadata"):
-            raise UserError("this tokenizer cannot be written to GGUF metadata")
         md.update(src.tokenizer.to_gguf_metadata())
     if "general.name" not in md and src.label:
         md["general.name"] = os.path.basename(os.path.normpath(src.label)) or "mlxtoy"
@@ -330,8 +318,6 @@ def _module(model, path: str):
 
 
 def _dense_weight(module) -> mx.array:
-    import mlx.nn as nn
-
     if isinstance(module, nn.QuantizedLinear):  # QLoRA bases: export dense weights
         return mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
     return module.weight
@@ -340,9 +326,6 @@ def _dense_weight(module) -> mx.array:
 def merged_weights(model) -> dict[str, mx.array]:
     """Flat parameters of `model` in our plain layout, every LoRA folded in (the model itself is
     not changed) and quantized bases dequantized."""
-    from mlxtoy.io.gguf_read import expected_shapes
-    from mlxtoy.models.lora import LORA_TYPES
-
     out: dict[str, mx.array] = {}
     for param in expected_shapes(model.config):
         path, leaf = param.rsplit(".", 1)
@@ -362,8 +345,6 @@ def merged_weights(model) -> dict[str, mx.array]:
 
 def lora_from_model(model, alpha: float | None = None, base: str | None = None) -> LoraSet | None:
     """The model's LoRA wrappers (mlxtoy.models.lora) as standard fused updates, or None."""
-    from mlxtoy.models.lora import TARGET_PATHS, LoRAHeadProjection, lora_modules
-
     by_path = {".".join(p): t for t, p in TARGET_PATHS.items()}
     updates: dict[tuple[int, str], LoraUpdate] = {}
     ranks, scales = [], []
@@ -398,35 +379,21 @@ def source_from_model(model, tokenizer, label: str = "", alpha: float | None = N
 
 def load_source(source: str, dtype: mx.Dtype | None = None, fmt: str = "gguf") -> Source:
     """SOURCE: a run directory, one of its checkpoints, or a model (.gguf, HF folder, name)."""
-    if os.path.isdir(source) and _is_run_or_checkpoint(source):
+    if is_run_or_checkpoint(source):
         return _load_run(source)
     if fmt not in ("gguf", "hf"):  # say so before loading a model that cannot have adapters
         raise UserError(f"{source}: a model has no LoRA adapters to export as {fmt} "
                         "(adapter formats need a LoRA run; use --format gguf or hf)")
-    from mlxtoy.loading import load_weights
-
     cfg, weights, meta, tokenizer = load_weights(source, dtype or mx.float32)
     return Source(cfg=cfg, weights=weights, meta=meta, tokenizer=tokenizer, label=source)
 
 
-def _is_run_or_checkpoint(path: str) -> bool:
-    from mlxtoy.train.checkpoint import CONFIG, RUN_MARKERS
-
-    if os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(os.path.join(path, CONFIG)):
-        return False  # a Hugging Face model folder
-    return os.path.exists(os.path.join(path, "state.json")) or \
-        any(os.path.exists(os.path.join(path, m)) for m in RUN_MARKERS)
-
-
 def _load_run(path: str) -> Source:
     """A run (final result, else its newest checkpoint) or one RUN/checkpoints/step_N."""
-    from mlxtoy.train.checkpoint import RunDir, load_run_model
-
     model, tokenizer = load_run_model(path, dtype=mx.float32, merge=False)
-    run_path = os.path.dirname(os.path.dirname(os.path.abspath(path))) \
-        if os.path.exists(os.path.join(path, "state.json")) else path
-    cfg, resolved = RunDir(run_path).read_config()
-    lora_info = resolved.get("lora") or {}
+    run, _ = locate(path)
+    cfg, facts = run.read_config()
+    lora_info = facts.lora or {}
     src = source_from_model(model, tokenizer, label=path, alpha=lora_info.get("alpha"), base=cfg.model)
     if src.meta is None and cfg.method != "scratch":
         raise UserError(f"{path}: cannot tell the base model's metadata")
@@ -434,18 +401,6 @@ def _load_run(path: str) -> Source:
 
 
 # --------------------------------------------------------------------------- files
-
-def _save_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
-
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path, metadata={"format": "pt"})
-
-
-def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-
 
 def _check_replaceable_dir(path: str, ours: tuple[str, ...]) -> None:
     """An existing output folder is only replaced when it holds nothing but a previous export."""
@@ -458,31 +413,23 @@ def _check_replaceable_dir(path: str, ours: tuple[str, ...]) -> None:
                             "choose a new --out")
 
 
-def _atomic_dir(path: str, write: Callable[[str], None], ours: tuple[str, ...]) -> str:
-    """Write a folder under a temporary name next to `path`, then move it into place."""
+def _write_adapter_folder(path: str, weights_name: str, tensors: dict[str, np.ndarray],
+                          config: dict[str, Any], also_ours: tuple[str, ...] = ()) -> str:
+    """`weights_name` + adapter_config.json as one folder, swapped in whole (mlxtoy.fsutil);
+    an existing `path` is replaced only when it holds nothing but a previous export."""
     path = os.path.abspath(path)
-    _check_replaceable_dir(path, ours)
-    parent = os.path.dirname(path)
+    _check_replaceable_dir(path, (weights_name, "adapter_config.json", *also_ours))
     try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+        with atomic_folder(path) as tmp:
+            # bytes, then an ordinary file: safetensors' own save_file leaves it 0600
+            with open(os.path.join(tmp, weights_name), "wb") as f:
+                f.write(safetensors_bytes({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                                          metadata={"format": "pt"}))
+            with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+                json.dump(config, f, indent=2)
+                f.write("\n")
     except OSError as e:
-        raise UserError(f"{path}: cannot write here ({e.strerror or e})") from None
-    try:
-        write(tmp)
-        if os.path.isdir(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
-            os.replace(path, os.path.join(old, "x"))
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -23,13 +23,16 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy.errors import UserError
 from mlxtoy.models.cache import KVCache, cache_offset, make_cache, trim_cache
+
+if TYPE_CHECKING:  # annotations only: importing generate must not pull in HF `tokenizers`, jinja2
+    from mlxtoy.io.tokenizer import TokenizerLike
 
 PREFILL_STEP = 512  # prompt tokens per forward pass; bounds the attention scores' memory
 
@@ -329,7 +332,7 @@ class StreamingDetokenizer:
     stop string itself is never emitted.
     """
 
-    def __init__(self, tokenizer, stop: Iterable[str] = ()):
+    def __init__(self, tokenizer: TokenizerLike, stop: Iterable[str] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -421,7 +424,7 @@ def check_prompt(model, prompt_tokens: Sequence[int], max_tokens: int) -> int:
     return min(max_tokens, ctx - len(prompt_tokens)) if ctx else max_tokens
 
 
-def stream_generate(model, tokenizer, prompt_tokens: Sequence[int] | str, *,
+def stream_generate(model, tokenizer: TokenizerLike, prompt_tokens: Sequence[int] | str, *,
                     max_tokens: int = 256, sampling: SamplingParams | None = None,
                     stop: Sequence[str] = (), cache: list | None = None,
                     prefill_step: int = PREFILL_STEP, **sampling_kw) -> Iterator[GenerationChunk]:
@@ -441,7 +444,7 @@ def stream_generate(model, tokenizer, prompt_tokens: Sequence[int] | str, *,
         raise TypeError("pass either sampling= or sampling keywords, not both")
     sampling.validate()
     budget = check_prompt(model, prompt_tokens, max_tokens)
-    eos = set(getattr(tokenizer, "eos_ids", None) or ())
+    eos = set(tokenizer.eos_ids)
     detok = StreamingDetokenizer(tokenizer, stop)
     times = DecodeTimes()
 
@@ -470,18 +473,19 @@ def stream_generate(model, tokenizer, prompt_tokens: Sequence[int] | str, *,
         yield GenerationChunk(token, text, logprob)
 
 
-def generate(model, tokenizer, prompt_tokens: Sequence[int] | str, **kw) -> str:
+def generate(model, tokenizer: TokenizerLike, prompt_tokens: Sequence[int] | str, **kw) -> str:
     """The whole continuation as one string (same arguments as `stream_generate`)."""
     return "".join(chunk.text for chunk in stream_generate(model, tokenizer, prompt_tokens, **kw))
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer: TokenizerLike, messages: list[dict],
+                add_generation_prompt: bool = True) -> list[int]:
     """Render messages with the chat template and tokenize (special tokens parsed)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not tokenizer.chat_template:
         raise UserError("this model has no chat template; use a plain prompt (without --chat)")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     ids = tokenizer.encode(text, parse_special=True)
-    bos = getattr(tokenizer, "bos_id", None)
+    bos = tokenizer.bos_id
     if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
         ids = ids[1:]  # the template wrote BOS and the tokenizer added one too
     return ids
@@ -496,7 +500,7 @@ class ChatSession:
     keeps it exact even when the reply re-tokenizes differently inside the template.
     """
 
-    def __init__(self, model, tokenizer, system: str | None = None, *,
+    def __init__(self, model, tokenizer: TokenizerLike, system: str | None = None, *,
                  sampling: SamplingParams | None = None, max_tokens: int = 512,
                  stop: Sequence[str] = ()):
         self.model, self.tokenizer = model, tokenizer

@@ -1,30 +1,42 @@
-"""`load(MODEL, adapter=None) -> (model, tokenizer)`: the one way in for every front end."""
+"""The assembly layer: models from a model path, a run or a checkpoint, tokenizers, lens donors.
+
+`load(MODEL, adapter=None) -> (model, tokenizer)` is the one way in for every front end;
+`load_run_model(RUN)` builds a run's model (the final result, else its newest checkpoint; RUN
+may be one `checkpoints/step_N`); `adapter_weights(RUN)` gives exporters the adapter tensors
+and their layout. Models stay pure: what to read and how to put it together lives here.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxtoy import backend
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.io.char_tokenizer import CharTokenizer
+from mlxtoy.io.gguf_read import dequantize_tensor, load_gguf, open_gguf, read_metadata
+from mlxtoy.io.gpt2_io import is_gpt2_hf_folder, load_gpt2_hf
+from mlxtoy.io.hf import load_hf
 from mlxtoy.io.registry import resolve_model
+from mlxtoy.io.tokenizer import Tokenizer
+from mlxtoy.models.gpt2 import GPT2Model
+from mlxtoy.models.lens import apply_lens, fold_lens
 from mlxtoy.models.llama import LlamaModel
+from mlxtoy.models.lora import apply_lora, merge_lora
+from mlxtoy.models.tiny import TinyLM
+from mlxtoy.rundir import ADAPTER_CONFIG, ADAPTERS, CKPT_STATE, CKPT_TRAINABLE, MODEL_WEIGHTS, RunDir, is_run, locate
 
 
 def model_class(arch: str):
     """The module class that implements `arch` (all share LlamaModel's call signature)."""
-    if arch == "gpt2":
-        from mlxtoy.models.gpt2 import GPT2Model
-
-        return GPT2Model
-    if arch == "tiny":
-        from mlxtoy.models.tiny import TinyLM
-
-        return TinyLM
-    return LlamaModel
+    return {"gpt2": GPT2Model, "tiny": TinyLM}.get(arch, LlamaModel)
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, mx.array] | None = None) -> LlamaModel:
@@ -40,20 +52,11 @@ def load_weights(model_arg: str, dtype: mx.Dtype | None = None):
     kind, path = resolve_model(model_arg)
     dtype = dtype or backend.compute_dtype()
     if kind == "gguf":
-        from mlxtoy.io.gguf_read import load_gguf
-
         cfg, weights, meta = load_gguf(path, dtype)
-        from mlxtoy.io.tokenizer import Tokenizer
-
         tokenizer = Tokenizer.from_gguf_metadata(meta.metadata, source=path)
     else:
-        from mlxtoy.io.gpt2_io import is_gpt2_hf_folder, load_gpt2_hf
-        from mlxtoy.io.hf import load_hf
-
         load_folder = load_gpt2_hf if is_gpt2_hf_folder(path) else load_hf
         cfg, weights, meta = load_folder(path, dtype)
-        from mlxtoy.io.tokenizer import Tokenizer
-
         if not os.path.exists(os.path.join(path, "tokenizer.json")):
             raise UserError(f"{path}: no tokenizer.json")
         tokenizer = Tokenizer.from_hf_folder(path)
@@ -66,12 +69,8 @@ def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None):
     `adapter`: a run directory; its adapters (LoRA) or weights (full / scratch) are applied.
     """
     if adapter is not None:
-        from mlxtoy.train.checkpoint import load_run_model
-
         return load_run_model(adapter, base=model, dtype=dtype)
-    if os.path.isfile(os.path.join(model, "config.yaml")):  # a training run as MODEL
-        from mlxtoy.train.checkpoint import load_run_model
-
+    if is_run(model):  # a training run as MODEL
         return load_run_model(model, dtype=dtype)
     cfg, weights, meta, tokenizer = load_weights(model, dtype)
     m = build_model(cfg, weights)
@@ -80,8 +79,6 @@ def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None):
 
 
 def describe(model: LlamaModel, tokenizer, meta: LoadedMeta) -> dict:
-    from collections import Counter
-
     cfg = model.config
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     return {
@@ -91,7 +88,128 @@ def describe(model: LlamaModel, tokenizer, meta: LoadedMeta) -> dict:
         "config": cfg.to_dict() | ({"rope_scaling": {"type": cfg.rope_scaling.get("type")}} if cfg.rope_scaling else {}),
         "parameters": n_params,
         "tensor_types": dict(Counter(meta.tensor_types.values())),
-        "tokenizer": tokenizer.describe() if hasattr(tokenizer, "describe") else {},
+        "tokenizer": tokenizer.describe(),
         "chat_template": bool(tokenizer.chat_template),
         "backend": backend.INFO.describe(),
     }
+
+
+def load_tokenizer(model_arg: str):
+    """Just the tokenizer of MODEL (GGUF metadata or an HF folder); no weights read."""
+    kind, path = resolve_model(model_arg)
+    if kind == "gguf":
+        return Tokenizer.from_gguf_metadata(read_metadata(open_gguf(path)), source=path)
+    return Tokenizer.from_hf_folder(path)
+
+
+def load_donor(model_arg: str) -> tuple[mx.array, Any]:
+    """MODEL (.gguf, HF folder or built-in name) -> (its token embedding table (vocab, d_in)
+    in float32, its tokenizer). Only that one tensor is read from a GGUF."""
+    kind, path = resolve_model(model_arg)
+    if kind == "gguf":
+        reader = open_gguf(path)
+        md = read_metadata(reader)
+        t = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if t is None:
+            raise UserError(f"{path}: no token_embd.weight tensor to use as a donor table")
+        table = mx.array(np.ascontiguousarray(dequantize_tensor(t, path), dtype=np.float32))
+        return table, Tokenizer.from_gguf_metadata(md, source=path)
+    _, weights, _, tokenizer = load_weights(model_arg, mx.float32)
+    return weights["tok_embeddings.weight"], tokenizer
+
+
+def attach_lens(model, donor_source: str, tokenizer=None, seed: int = 0,
+                init: str = "pca") -> dict[str, Any]:
+    """Load the donor table of `donor_source` and put a projection lens on `model`; -> facts
+    to record (so a run reloads the same lens: `attach_lens(model, info["donor"], ...)`)."""
+    donor, _ = load_donor(donor_source)
+    apply_lens(model, donor, tokenizer, init=init, seed=seed, source=donor_source)
+    return {"donor": donor_source, "d_in": int(donor.shape[1]), "init": init}
+
+
+def run_weights(run: RunDir, cfg, ckpt: str | None) -> tuple[dict[str, mx.array], str]:
+    """The tensors to apply: the final result when there is one, else the newest checkpoint."""
+    final = run.join(ADAPTERS if cfg.method == "lora" else MODEL_WEIGHTS)
+    if ckpt is None and os.path.exists(final):
+        return mx.load(final), final
+    ckpt = ckpt or run.latest_checkpoint()
+    if ckpt is None:
+        raise UserError(f"{run.path}: the run has no result and no checkpoint yet")
+    return mx.load(os.path.join(ckpt, CKPT_TRAINABLE)), ckpt
+
+
+def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None = None,
+                   merge: bool = True):
+    """A run's model -> (model, tokenizer), in eval mode.
+
+    lora: the base (`base`, else the run's model) with the adapters (merged by default).
+    full: the run's full weights (the base supplies the tokenizer). scratch: the run's model.
+    """
+    run, ckpt = locate(run_dir)
+    cfg, facts = run.read_config()
+    weights, source = run_weights(run, cfg, ckpt)
+    dtype = dtype or backend.compute_dtype()
+    if cfg.method == "scratch":
+        if not facts.model_config:
+            raise UserError(f"{run.path}: config.yaml records no model_config")
+        mcfg = ModelConfig.from_dict(facts.model_config)
+        model = build_model(mcfg)
+        if facts.char_tokenizer:  # character / byte vocabulary, kept in config.yaml
+            tokenizer = CharTokenizer.from_dict(facts.char_tokenizer)
+        elif os.path.exists(run.join("tokenizer.json")):
+            tokenizer = Tokenizer.from_hf_folder(run.path)
+        else:
+            tokenizer = load_tokenizer(base or cfg.tokenizer or cfg.model)
+        if facts.lens:  # projection lens: the donor table is read from its source again
+            attach_lens(model, facts.lens["donor"], tokenizer)
+        meta = None
+    else:
+        mcfg, base_weights, meta, tokenizer = load_weights(base or cfg.model, dtype)
+        model = build_model(mcfg, base_weights)
+        del base_weights
+        if cfg.method == "lora":
+            lora = facts.lora or {}
+            apply_lora(model, lora.get("targets", cfg.lora_targets), lora.get("rank", cfg.lora_rank),
+                       lora.get("alpha", cfg.lora_alpha), 0.0, lora.get("per_head_q", cfg.lora_per_head_q),
+                       lora.get("layers", cfg.lora_layers))
+    try:
+        model.load_weights(list(weights.items()), strict=False)
+    except ValueError as e:
+        raise UserError(f"{source}: does not fit the model ({e})") from None
+    if cfg.method == "lora" and merge:
+        merge_lora(model)
+    if merge:  # a projection lens becomes the plain embedding table it equals
+        fold_lens(model)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    model.freeze()
+    model.eval()
+    mx.eval(model.parameters())
+    model.meta = meta
+    model.run_source = source
+    return model, tokenizer
+
+
+def adapter_weights(run_dir: str) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    """(adapter tensors named like `layers.0.attn.q.lora_a`, LoRA layout) for exporters.
+
+    Layout keys: targets, rank, alpha, scale, dropout, per_head_q, layers, base_model,
+    base_model_path, model_config, step. Shapes: q/k/v standard A (r, D), B (H*Dh, r); per-head q
+    A (H, r, D), B (H, Dh, r); o/gate/up/down A (r, in), B (out, r). Delta W = scale * B @ A,
+    in our (GGML adjacent-pair RoPE) row order for q/k.
+    """
+    run, ckpt = locate(run_dir)
+    cfg, facts = run.read_config()
+    if cfg.method != "lora":
+        raise UserError(f"{run.path}: a {cfg.method} run has no adapters (it has full weights)")
+    weights, source = run_weights(run, cfg, ckpt)
+    info = dict(facts.lora or {})
+    info.update(base_model=cfg.model, base_model_path=facts.model_path,
+                model_config=facts.model_config, source=source)
+    if source.endswith(ADAPTERS) and os.path.exists(run.join(ADAPTER_CONFIG)):
+        with open(run.join(ADAPTER_CONFIG)) as f:
+            info["step"] = json.load(f).get("step")
+    else:
+        with open(os.path.join(source, CKPT_STATE)) as f:
+            info["step"] = json.load(f)["step"]
+    return weights, info

@@ -8,13 +8,14 @@ During training, taps are a separate forward pass over a fixed probe text every 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Iterable
 
 import mlx.core as mx
 import numpy as np
 
 from mlxtoy.errors import UserError
+from mlxtoy.events import TapsEvent
+from mlxtoy.fsutil import atomic_path
 from mlxtoy.models.llama import TAP_SITES
 
 HEAD_SITES = ("attn_entropy", "head_out_norm")
@@ -106,9 +107,8 @@ def model_signature(model) -> dict[str, Any]:
 def save_taps(path: str, taps: dict[tuple[int, str], mx.array], model, tokens: list[int]) -> None:
     arrays = {f"layers.{layer}.{site}": v for (layer, site), v in taps.items()}
     meta = {"signature": json.dumps(model_signature(model)), "tokens": json.dumps(tokens)}
-    tmp = path + ".tmp.safetensors"
-    mx.save_safetensors(tmp, arrays, metadata=meta)
-    os.replace(tmp, path)
+    with atomic_path(path, suffix=".safetensors") as tmp:  # mx.save_safetensors wants the ending
+        mx.save_safetensors(tmp, arrays, metadata=meta)
 
 
 def load_taps(path: str, model=None) -> tuple[dict[tuple[int, str], mx.array], dict[str, Any], list[int]]:
@@ -141,8 +141,6 @@ class TapsProbe:
         self.heads = heads
 
     def __call__(self, model, step: int):
-        from mlxtoy.events import TapsEvent
-
         if step % self.every:
             return None
         stats, heads = summarize(capture(model, self.tokens, heads=self.heads))
@@ -150,18 +148,3 @@ class TapsProbe:
 
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Training a language model, one step at a time."
-
-
-def make_taps_hook(tokenizer, dataset, every: int):
-    """A TapsProbe over a fixed text (the first validation prompt, else PROBE_TEXT)."""
-    from mlxtoy.train.data import Renderer
-
-    tokens: list[int] = []
-    for rec in dataset.valid_records[:1]:
-        try:
-            tokens = Renderer(tokenizer).prompt_of(rec)[0]
-        except UserError:
-            tokens = []
-    if len(tokens) < 8:
-        tokens = tokenizer.encode(PROBE_TEXT)
-    return TapsProbe(tokens[:64], every, heads=False)

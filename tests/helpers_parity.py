@@ -8,7 +8,7 @@ import numpy as np
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 from mlxtoy.config import ModelConfig
-from mlxtoy.io.tokenizer import _bytes_to_unicode
+from mlxtoy.io.llama_vocab import bytes_to_unicode
 
 # llama.cpp's file types (enum llama_ftype) for llama_model_quantize
 LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "Q5_K": 17,
@@ -17,7 +17,7 @@ LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 1
 
 def tiny_bpe_vocab() -> tuple[list[str], list[str], list[int]]:
     """A small byte-level BPE vocab: <|endoftext|>, the 256 bytes, and a few merges."""
-    alphabet = list(_bytes_to_unicode().values())
+    alphabet = list(bytes_to_unicode().values())
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t"]
     tokens = ["<|endoftext|>"] + alphabet + [m.replace(" ", "") for m in merges]
     types = [3] + [1] * (len(tokens) - 1)

@@ -50,9 +50,22 @@ def tiny_config(vocab_size: int = 259, **kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def run_training(cfg, resume: bool = False, on_event=None, control=None, taps_hook=None,
+                 handle_sigint: bool = True):
+    """What the job does (prepare, then the loop), with a test's own taps hook allowed."""
+    from mlxtoy.events import MetricsSink, fan_out
+    from mlxtoy.train.job import prepare
+    from mlxtoy.train.loop import train
+
+    p = prepare(cfg, resume)
+    return train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, facts=p.facts,
+                 resume_from=p.resume_from, emit=fan_out(MetricsSink(p.run), on_event),
+                 control=control, taps_hook=taps_hook, handle_sigint=handle_sigint)
+
+
 def tiny_model(seed: int = 0, dtype=mx.float32, **kw):
     from mlxtoy.loading import build_model
-    from mlxtoy.train.trainer import init_scratch
+    from mlxtoy.models.init import init_scratch
 
     model = init_scratch(build_model(tiny_config(**kw)), seed, 1.0)
     if dtype != mx.float32:

@@ -17,8 +17,9 @@ import pytest
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 from helpers_train import REPO, qa_rows, run_cli, write_jsonl, write_tiny_model_folder
-from mlxtoy.events import read_metrics
-from mlxtoy.train.checkpoint import load_checkpoint, load_run_model
+from mlxtoy.rundir import read_metrics
+from mlxtoy.loading import load_run_model
+from mlxtoy.train.checkpoint import load_checkpoint
 
 LAUNCH = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
 
@@ -144,6 +145,30 @@ def test_two_ranks_equal_one_process(work, single, method, tmp_path):
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_3", "step_6"]
     assert not os.path.exists(audit) or open(audit).read() == "", open(audit).read()
     assert "world_size: 2" in open(os.path.join(run, "config.yaml")).read()
+
+
+def test_two_ranks_write_taps_events_and_the_accuracy_report(work, tmp_path):
+    """The job is the same under mlx.launch: --taps-every and --eval-accuracy are honoured
+    (rank 0 writes them, rank 1 writes nothing)."""
+    data = tmp_path / "data"
+    write_jsonl(str(data / "train.jsonl"), qa_rows(120, seed=1))
+    write_jsonl(str(data / "valid.jsonl"), qa_rows(16, seed=2))
+    write_jsonl(str(data / "test.jsonl"), qa_rows(6, seed=3))
+    run = str(tmp_path / "run")
+    audit = str(tmp_path / "audit.log")
+    opts = common(work, "lora", data=str(data), steps=2, **{"eval-every": 0, "save-every": 0})
+    r = launch(work, [*opts, "--out", run, "--taps-every", "1", "--eval-accuracy"], audit=audit)
+    assert r.returncode == 0, r.stdout + r.stderr
+    taps = [e for e in read_metrics(os.path.join(run, "metrics.jsonl")) if e["event"] == "taps"]
+    assert [e["step"] for e in taps] == [1, 2] and taps[0]["stats"]
+    with open(os.path.join(run, "accuracy.json")) as f:
+        report = json.load(f)
+    assert report["before"]["total"] == 6 and report["after"]["total"] == 6
+    assert r.stdout.count("before: held-out accuracy") == 1  # rank 0 reports, once
+    assert r.stdout.count("after: held-out accuracy") == 1
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["accuracy_after"] == report["after"]["accuracy"]
+    assert not os.path.exists(audit) or open(audit).read() == "", open(audit).read()
 
 
 def test_resume_with_two_ranks_or_one_equals_uninterrupted(work, single):

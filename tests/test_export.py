@@ -20,11 +20,21 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from helpers_export import (CONFIGS, argmax_agreement, llama_cpp_logits, llama_cpp_tokenize, max_rel_diff,
-                            our_logits, tiny_model, tokens_128)
+from helpers_export import (CONFIGS, VOCAB, argmax_agreement, llama_cpp_logits, llama_cpp_tokenize, max_rel_diff,
+                            our_logits, randomize, tiny_model, tiny_tokenizer_metadata, tokens_128)
+from helpers_parity import llama_quantize
 from mlxtoy.cli import main as cli_main
+from mlxtoy.config import LoadedMeta, ModelConfig, TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.export import export, export_model, source_from_model
+from mlxtoy.export import export, export_model, lora_from_model, source_from_model, write_model_gguf
+from mlxtoy.io.gguf_read import load_gguf
+from mlxtoy.io.hf import load_hf
+from mlxtoy.io.tokenizer import Tokenizer
+from mlxtoy.loading import build_model, load
+from mlxtoy.models.gpt2 import GPT2Model
+from mlxtoy.models.lora import apply_lora, lora_config_dict, lora_modules, lora_parameters
+from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
+from mlxtoy.train.checkpoint import save_checkpoint, write_final
 
 gguf = pytest.importorskip("gguf")
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -33,8 +43,6 @@ ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _tokenizer(model):
-    from mlxtoy.io.tokenizer import Tokenizer
-
     return Tokenizer.from_gguf_metadata(model.meta.metadata, source=model.meta.source)
 
 
@@ -45,8 +53,6 @@ def _reader_tensors(path: str) -> dict:
 def _lora_model(name: str, targets=ALL_TARGETS, per_head_q: bool = True, layers=None, seed: int = 0,
                 rank: int = 4, alpha: float = 8.0):
     """(base model, LoRA-wrapped copy with random non-zero adapters, tokenizer)."""
-    from mlxtoy.models.lora import apply_lora, lora_modules
-
     base = tiny_model(name, seed)
     model = tiny_model(name, seed)
     apply_lora(model, targets, rank=rank, alpha=alpha, per_head_q=per_head_q, layers=layers)
@@ -116,8 +122,6 @@ def test_gguf_layout_and_keys(tmp_path):
 
 def test_q8_0_tensors_equal_llama_cpp_quantizer(tmp_path):
     """Our Q8_0 bytes are exactly what llama.cpp's own quantizer makes from the F32 export."""
-    from helpers_parity import llama_quantize
-
     model = tiny_model("llama_untied")
     tok = _tokenizer(model)
     f32 = export_model(model, tok, str(tmp_path / "m-f32.gguf"), "gguf", "f32")
@@ -132,9 +136,6 @@ def test_q8_0_tensors_equal_llama_cpp_quantizer(tmp_path):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gguf_round_trip_is_bitwise(tmp_path, name):
     """load(export(model)) == model: every weight bit for bit, same config, same logits."""
-    from mlxtoy.loading import load
-    from mlxtoy.io.gguf_read import load_gguf
-
     model = tiny_model(name)
     path = export_model(model, _tokenizer(model), str(tmp_path / "m.gguf"), "gguf", "f32")
     cfg, weights, _ = load_gguf(path, mx.float32)
@@ -161,9 +162,6 @@ def test_gguf_round_trip_is_bitwise(tmp_path, name):
 
 def test_gguf_from_model_file_retypes(tmp_path):
     """`export MODEL` re-types a GGUF: F32 -> F16 -> F32 keeps the F16 values exactly."""
-    from mlxtoy.io.gguf_read import load_gguf
-    from mlxtoy.loading import build_model
-
     model = tiny_model("llama_gqa")
     f32 = export_model(model, _tokenizer(model), str(tmp_path / "m-f32.gguf"), "gguf", "f32")
     f16 = export(f32, str(tmp_path / "m-f16.gguf"), "gguf", "f16")
@@ -180,11 +178,6 @@ def test_gguf_from_model_file_retypes(tmp_path):
 
 def test_gpt2_gguf_in_llama_cpp(tmp_path):
     """GPT-2 (learned positions, fused attn_qkv in GGUF) goes out through the same writer."""
-    from helpers_export import VOCAB, randomize, tiny_tokenizer_metadata
-    from mlxtoy.config import LoadedMeta, ModelConfig
-    from mlxtoy.io.gguf_read import load_gguf
-    from mlxtoy.models.gpt2 import GPT2Model
-
     cfg = ModelConfig(arch="gpt2", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
                       d_head=16, d_ff=256, rope_dims=0, qkv_bias=True, context_length=256)
     model = randomize(GPT2Model(cfg))
@@ -233,9 +226,6 @@ def test_adapter_gguf_equals_merged_in_llama_cpp(tmp_path, name, per_head, targe
 
 
 def test_per_head_q_adapter_is_exact_block_diagonal():
-    from mlxtoy.export import lora_from_model
-    from mlxtoy.models.lora import lora_modules
-
     _, model, _ = _lora_model("llama_gqa", ("q",), per_head_q=True)
     lora = lora_from_model(model)
     for name, m in lora_modules(model):
@@ -296,9 +286,6 @@ def test_peft_loads_adapters(tmp_path, name, per_head, targets, layers):
 def test_hf_export_round_trip_and_transformers(tmp_path, name):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from mlxtoy.loading import load
-    from mlxtoy.io.hf import load_hf
-
     model = tiny_model(name)
     tok = _tokenizer(model)
     path = export_model(model, tok, str(tmp_path / "hf"), "hf", "f32")
@@ -327,17 +314,13 @@ def test_hf_export_round_trip_and_transformers(tmp_path, name):
 def _make_run(tmp_path, name="llama_gqa", targets=("q", "v"), per_head_q=True):
     """A LoRA run directory written with mlxtoy.train.checkpoint: two checkpoints and a final
     result (= step 2). Returns (run path, base GGUF, {step: LoRA-wrapped model}, tokenizer)."""
-    from mlxtoy.config import TrainConfig
-    from mlxtoy.models.lora import apply_lora, lora_config_dict, lora_modules, lora_parameters
-    from mlxtoy.train.checkpoint import CheckpointState, RunDir, write_final
-
     base = tiny_model(name)
     tok = _tokenizer(base)
     base_path = export_model(base, tok, str(tmp_path / "base.gguf"), "gguf", "f32")
     cfg = TrainConfig(model=base_path, data="unused.jsonl", out=str(tmp_path / "run"), method="lora",
                       lora_rank=4, lora_alpha=8.0, lora_targets=list(targets), lora_per_head_q=per_head_q)
-    resolved = {"model_path": base_path, "model_config": base.config.to_dict(),
-                "lora": lora_config_dict(targets, 4, 8.0, 0.0, per_head_q, None, base.config.n_layers)}
+    resolved = RunFacts(model_path=base_path, model_config=base.config.to_dict(),
+                        lora=lora_config_dict(targets, 4, 8.0, 0.0, per_head_q, None, base.config.n_layers))
     run = RunDir(cfg.out)
     run.create(cfg, resolved)
     models = {}
@@ -348,7 +331,7 @@ def _make_run(tmp_path, name="llama_gqa", targets=("q", "v"), per_head_q=True):
         for _, mod in lora_modules(m):
             mod.lora_b = mx.array((0.3 * rng.standard_normal(mod.lora_b.shape)).astype(np.float32))
         mx.eval(m.parameters())
-        run.save_checkpoint(CheckpointState(step=step, data_position=step, rng=[0, step]), lora_parameters(m), {})
+        save_checkpoint(run, CheckpointState(step=step, data_position=step, rng=[0, step]), lora_parameters(m), {})
         models[step] = m
     write_final(run, cfg, models[2], tok, resolved, step=2)
     return cfg.out, base_path, models, tok
@@ -379,8 +362,6 @@ def test_export_run_and_checkpoints(tmp_path):
 def test_trained_run_end_to_end(tmp_path):
     """`mlxtoy train` (per-head Q + V LoRA), then `mlxtoy export` of the final result and of an
     earlier checkpoint: llama.cpp's base + adapter == the merged export == mlxtoy's own run."""
-    from mlxtoy.loading import load
-
     base = tiny_model("llama_gqa")
     base_path = export_model(base, _tokenizer(base), str(tmp_path / "base.gguf"), "gguf", "f32")
     data = tmp_path / "data.jsonl"
@@ -409,15 +390,12 @@ def test_trained_run_end_to_end(tmp_path):
 def test_export_full_and_scratch_runs(tmp_path, method):
     """Runs without adapters export their weights; a scratch run's tokenizer (tokenizer.json)
     becomes GGUF metadata that llama.cpp tokenizes with exactly as we do."""
-    from mlxtoy.config import TrainConfig
-    from mlxtoy.train.checkpoint import RunDir, write_final
-
     base = tiny_model("llama_gqa")
     tok = _tokenizer(base)
     base_path = export_model(base, tok, str(tmp_path / "base.gguf"), "gguf", "f32")
     trained = tiny_model("llama_gqa", seed=7)  # stands in for the trained weights
     cfg = TrainConfig(model=base_path, data="unused.jsonl", out=str(tmp_path / "run"), method=method)
-    resolved = {"model_path": base_path, "model_config": trained.config.to_dict()}
+    resolved = RunFacts(model_path=base_path, model_config=trained.config.to_dict())
     run = RunDir(cfg.out)
     run.create(cfg, resolved)
     write_final(run, cfg, trained, tok, resolved, step=5)
@@ -466,8 +444,6 @@ def test_bad_inputs_exit_2(tmp_path, capsys):
 
 
 def test_failed_export_leaves_nothing(tmp_path):
-    from mlxtoy.export import write_model_gguf
-
     model = tiny_model("llama_gqa")
     target = tmp_path / "m.gguf"
     target.write_bytes(b"previous export")
@@ -538,8 +514,6 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    from mlxtoy.loading import load
-
     model, tok = load(smollm2_path, dtype=mx.float32)
     tokens = tok.encode(TEXT)[:128]
     assert len(tokens) == 128
@@ -575,8 +549,6 @@ def _check_smollm2_q8_0(tmp_path, smollm2_path, out, ours, ref):
     flips whoever wrote the file (llama.cpp's own Q8_0 of this model agrees ~94% with exact F32
     on this text). So: our bytes are exactly llama.cpp's quantizer's, agreement is >= 99% at
     every position that is not a near tie, and >= 90% over all 128."""
-    from helpers_parity import llama_quantize
-
     f32 = export(smollm2_path, str(tmp_path / "s-f32.gguf"), "gguf", "f32")
     theirs = _reader_tensors(llama_quantize(f32, str(tmp_path / "s-q8-llama.gguf"), "Q8_0"))
     for name, t in _reader_tensors(out).items():
@@ -591,8 +563,6 @@ def _check_smollm2_q8_0(tmp_path, smollm2_path, out, ours, ref):
 
 @pytest.mark.real
 def test_smollm2_f32_round_trip_bitwise(tmp_path, smollm2):
-    from mlxtoy.loading import load
-
     model, tok, tokens, ours = smollm2
     path = export_model(model, tok, str(tmp_path / "s.gguf"), "gguf", "f32")
     loaded, _ = load(path, dtype=mx.float32)
@@ -606,9 +576,6 @@ def test_smollm2_f32_round_trip_bitwise(tmp_path, smollm2):
 @pytest.mark.real
 def test_smollm2_lora_adapter_in_llama_cpp(tmp_path, smollm2, smollm2_path):
     """A per-head Q + V adapter on SmolLM2: llama.cpp's base + adapter == our merged export."""
-    from mlxtoy.loading import load
-    from mlxtoy.models.lora import apply_lora, lora_modules
-
     _, tok, tokens, base_logits = smollm2
     model, _ = load(smollm2_path, dtype=mx.float32)
     apply_lora(model, ("q", "v"), rank=4, alpha=8.0, per_head_q=True)

@@ -257,7 +257,7 @@ def test_gpt2_unsupported_hf_activation(tmp_path):
 
 def _train(tmp_path, gguf_path: str, method: str, **kw):
     from mlxtoy.config import TrainConfig
-    from mlxtoy.train.trainer import run
+    from helpers_train import run_training as run
 
     data = tmp_path / "train.txt"
     if not data.exists():
@@ -275,7 +275,7 @@ def test_gpt2_fine_tunes_and_exports(tmp_path, gpt2_gguf, method):
     """LoRA (q, v, o, up, down) and full fine-tuning run on GPT-2, lower the loss, and the
     run exports to a gpt2 GGUF that llama.cpp reads with the same logits as the run's model."""
     from mlxtoy.export import export
-    from mlxtoy.train.checkpoint import load_run_model
+    from mlxtoy.loading import load_run_model
 
     kw = {"lora_targets": ["q", "v", "o", "up", "down"], "lora_rank": 4} if method == "lora" else {}
     result = _train(tmp_path, gpt2_gguf, method, **kw)

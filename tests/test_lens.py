@@ -26,7 +26,7 @@ def donor_gguf(tmp_path_factory) -> str:
 
 
 def _donor_table(path: str) -> np.ndarray:
-    from mlxtoy.models.lens import load_donor
+    from mlxtoy.loading import load_donor
 
     table, _ = load_donor(path)
     return np.array(table)
@@ -97,8 +97,8 @@ def test_lens_trained_exports_to_llama_cpp(tmp_path, donor_gguf, tied):
     from mlxtoy.export import export
     from mlxtoy.io.gguf_read import load_gguf
     from mlxtoy.models.lens import fold, has_lens
-    from mlxtoy.train.checkpoint import load_run_model
-    from mlxtoy.train.trainer import run
+    from mlxtoy.loading import load_run_model
+    from helpers_train import run_training as run
 
     data = tmp_path / "train.txt"
     data.write_text(open(CORPUS, encoding="utf-8").read()[:6000])
@@ -145,7 +145,7 @@ def test_donor_vocab_must_match_the_tokenizer(tmp_path, donor_gguf):
     from mlxtoy.errors import UserError
     from mlxtoy.io.char_tokenizer import CharTokenizer
     from mlxtoy.models.lens import apply_lens
-    from mlxtoy.train.trainer import run
+    from helpers_train import run_training as run
 
     donor = mx.array(_donor_table(donor_gguf))
     tok = CharTokenizer.from_text("abc")
@@ -192,9 +192,9 @@ def test_lens_on_a_model_without_embeddings():
 def test_smollm2_donor_into_a_256_wide_model(tmp_path, smollm2_path):
     """SmolLM2's 576-wide table into a new 256-wide llama; the export reads the same in llama.cpp."""
     from mlxtoy.export import export_model
-    from mlxtoy.models.lens import attach_lens
+    from mlxtoy.loading import attach_lens
 
-    from mlxtoy.train.checkpoint import load_tokenizer
+    from mlxtoy.loading import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)
     model = _new_model(tok.vocab_size, d_model=256)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
 import pytest
 
 from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.models.llama import LlamaModel
+from mlxtoy.models.lora import apply_lora
 from mlxtoy.taps import capture, drift, load_taps, save_taps, summarize
 
 
@@ -137,11 +137,6 @@ def test_bad_requests(tmp_path):
 def test_one_lora_step_on_later_layers_drifts_only_downstream():
     """After one LoRA step on layers L.. only, attn_norm of layers < L (and of L itself, which is
     computed before L's adapters act) does not move; sites from L's attention on do."""
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-
-    from mlxtoy.models.lora import apply_lora
-
     model = tiny_model(seed=1)
     tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     base = capture(model, tokens)

@@ -33,10 +33,11 @@ SHORT_RUN_MAX_LOSS = 1.5
 
 def tiny_model(vocab: int = 40, d_model: int = 32, n_layers: int = 2, n_heads: int = 4,
                context: int = 24, seed: int = 0):
-    from mlxtoy.models.tiny import TinyLM, init_weights, scratch_model_config
+    from mlxtoy.models.init import init_scratch
+    from mlxtoy.models.tiny import TinyLM, scratch_model_config
 
     model = TinyLM(scratch_model_config(vocab, d_model, n_layers, n_heads, context_length=context))
-    init_weights(model, seed)
+    init_scratch(model, seed)
     return model
 
 
@@ -233,7 +234,7 @@ def unigram_entropy(text: str) -> float:
 def trained_run(tmp_path_factory):
     """The short from-scratch run (SHORT_RUN) through the trainer, once for this module."""
     from mlxtoy.config import TrainConfig
-    from mlxtoy.train.trainer import run
+    from helpers_train import run_training as run
 
     out = str(tmp_path_factory.mktemp("tiny") / "run")
     cfg = TrainConfig(method="scratch", arch="tiny", data=CORPUS, out=out, eval_every=0,
@@ -245,7 +246,7 @@ def test_train_from_scratch_reaches_loss(trained_run):
     """From scratch on the bundled corpus through the trainer: the validation loss falls far
     below the corpus' unigram entropy, and samples read like the corpus."""
     from mlxtoy.generate import generate
-    from mlxtoy.train.checkpoint import load_run_model
+    from mlxtoy.loading import load_run_model
 
     text = open(CORPUS, encoding="utf-8").read()
     h1 = unigram_entropy(text)

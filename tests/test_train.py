@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -17,16 +18,21 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from helpers_train import (REPO, byte_tokenizer, qa_rows, run_cli, tiny_config, tiny_model,
+from helpers_train import (REPO, run_training, byte_tokenizer, qa_rows, run_cli, tiny_model,
                            unigram_entropy_nats, write_jsonl, write_tiny_model_folder)
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.events import read_metrics
-from mlxtoy.models.llama import block_causal_mask
-from mlxtoy.models.lora import (LoRAHeadProjection, LoRALinear, apply_lora, lora_parameters,
-                                merge_lora)
-from mlxtoy.train import trainer
-from mlxtoy.train.checkpoint import (RunDir, adapter_weights, load_checkpoint, load_run_model)
+from mlxtoy.events import Command, LogEvent
+from mlxtoy.fsutil import is_temp_name
+from mlxtoy.rundir import RunDir, read_metrics
+from mlxtoy.models.lora import (LoRAHeadProjection, LoRALinear, apply_lora, merge_lora)
+from mlxtoy.loading import adapter_weights, load_run_model
+from mlxtoy.train.build import set_trainable
+from mlxtoy.train.checkpoint import load_checkpoint
+from mlxtoy.train.control import TrainControl
+from mlxtoy.train.job import prepare, resume_config
+from mlxtoy.train.loop import train
+from mlxtoy.train.step import Stepper, make_optimizer, make_schedule, token_losses
 from mlxtoy.train.data import BatchStream, Record, Renderer, load_dataset, read_data, tokenize
 
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -161,7 +167,7 @@ def _fd_check(model, loss_of, names, n_coords=3, eps=3e-3, seed=0):
 
 def _packed_loss(x, y, w, segs):
     def loss_of(model):
-        ce = trainer.token_losses(model, x, y, segs)
+        ce = token_losses(model, x, y, segs)
         return (ce * w).sum() / w.sum()
     return loss_of
 
@@ -180,7 +186,7 @@ def test_gradients_match_finite_differences(method):
         names = ["layers.0.attn.q.lora_a", "layers.0.attn.q.lora_b", "layers.1.attn.v.lora_a",
                  "layers.1.ffn.down.lora_b"]
     else:
-        trainer.set_trainable(model, TrainConfig(method=method, train_norm=True, train_embeddings=True))
+        set_trainable(model, TrainConfig(method=method, train_norm=True, train_embeddings=True))
         names = ["layers.0.attn.q.weight", "layers.1.attn.k.weight", "layers.0.ffn.gate.weight",
                  "layers.1.attn_norm.weight", "norm.weight", "tok_embeddings.weight"]
     assert _fd_check(model, _packed_loss(x, y, w, segs), names) == 3 * len(names)
@@ -201,10 +207,10 @@ def test_packed_row_equals_documents_one_by_one():
     row = np.concatenate([row, np.zeros(pad, np.int32)])[None]
     tgt = np.concatenate([tgt, np.zeros(pad, np.int32)])[None]
     segs = np.concatenate([segs, -np.ones(pad, np.int32)])[None]
-    packed = np.array(trainer.token_losses(model, mx.array(row), mx.array(tgt), mx.array(segs)))[0]
+    packed = np.array(token_losses(model, mx.array(row), mx.array(tgt), mx.array(segs)))[0]
     start = 0
     for d in docs:
-        single = np.array(trainer.token_losses(model, mx.array(d[None, :-1]), mx.array(d[None, 1:])))[0]
+        single = np.array(token_losses(model, mx.array(d[None, :-1]), mx.array(d[None, 1:])))[0]
         np.testing.assert_allclose(packed[start: start + len(d) - 1], single, atol=2e-5)
         start += len(d) - 1
 
@@ -281,7 +287,7 @@ def test_data_errors_name_file_and_line(tmp_path, rows, msg):
 
 
 def test_schedules():
-    at = lambda cfg: [round(trainer.make_schedule(cfg)(mx.array(i, dtype=mx.uint64)).item(), 4)
+    at = lambda cfg: [round(make_schedule(cfg)(mx.array(i, dtype=mx.uint64)).item(), 4)
                       for i in range(cfg.steps)]
     # warm-up: the k-th update uses lr * k / warmup (none at lr 0), then the decay
     assert at(TrainConfig(lr=1.0, warmup=4, steps=10, min_lr=0.1))[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
@@ -295,9 +301,9 @@ def test_tiny_model_overfits_one_batch():
     model = tiny_model(0)
     cfg = TrainConfig(method="scratch", steps=150, lr=1e-2, schedule="constant", grad_clip=0)
     model.unfreeze()
-    opt = trainer.make_optimizer(cfg)
+    opt = make_optimizer(cfg)
     opt.init(model.trainable_parameters())
-    stepper = trainer.Stepper(model, opt, cfg, packed=True)
+    stepper = Stepper(model, opt, cfg, packed=True)
     rng = np.random.default_rng(0)
     from mlxtoy.train.data import Batch
     x = rng.integers(0, 256, (2, 17)).astype(np.int32)
@@ -316,7 +322,7 @@ def test_scratch_beats_unigram_entropy_on_bundled_corpus(tmp_path, work, tok):
     cfg = tiny_cfg(work, tmp_path / "run", method="scratch", data=corpus, steps=300, lr=3e-3,
                    warmup=20, batch_size=8, seq_len=64, eval_every=0, eval_batches=-1,
                    save_every=0, d_model=64, n_heads=4, n_kv_heads=4, d_head=16, d_ff=192)
-    res = trainer.run(cfg)
+    res = run_training(cfg)
     assert res.reason == "finished"
     ids = tok.encode(open(corpus).read())
     h = unigram_entropy_nats(ids)
@@ -328,12 +334,12 @@ def test_scratch_beats_unigram_entropy_on_bundled_corpus(tmp_path, work, tok):
 def test_resume_equals_uninterrupted(tmp_path, work, method):
     kw = dict(method=method, steps=12, grad_accum=2, lr=1e-2, warmup=2, save_every=0,
               eval_every=3, lora_dropout=0.2, lora_targets=["q", "v", "down"], lora_per_head_q=True)
-    full = trainer.run(tiny_cfg(work, tmp_path / "full", **kw), handle_sigint=False)
-    part = trainer.run(tiny_cfg(work, tmp_path / "part", **kw),
-                       control=trainer.TrainControl(stop_at=6), handle_sigint=False)
+    full = run_training(tiny_cfg(work, tmp_path / "full", **kw), handle_sigint=False)
+    part = run_training(tiny_cfg(work, tmp_path / "part", **kw),
+                       control=TrainControl(stop_at=6), handle_sigint=False)
     assert part.reason == "stopped" and part.step == 6
     assert part.last_checkpoint.endswith("step_6")
-    rest = trainer.run(trainer.resume_config(str(tmp_path / "part"), {}), resume=True,
+    rest = run_training(resume_config(str(tmp_path / "part"), {}), resume=True,
                        handle_sigint=False)
     assert rest.reason == "finished" and rest.step == 12
     curve = [e["loss"] for e in read_metrics(str(tmp_path / "part" / "metrics.jsonl"))
@@ -362,9 +368,9 @@ def test_resume_via_cli_to_more_steps(tmp_path, work):
 def test_grad_accum_and_checkpointing_match(tmp_path, work):
     """grad_accum=2 of batch 2 == batch 4 (token-weighted), and gradient checkpointing changes
     nothing but memory."""
-    a = trainer.run(tiny_cfg(work, tmp_path / "a", steps=3, batch_size=4, eval_every=0, save_every=0,
+    a = run_training(tiny_cfg(work, tmp_path / "a", steps=3, batch_size=4, eval_every=0, save_every=0,
                              method="full"), handle_sigint=False)
-    b = trainer.run(tiny_cfg(work, tmp_path / "b", steps=3, batch_size=4, eval_every=0, save_every=0,
+    b = run_training(tiny_cfg(work, tmp_path / "b", steps=3, batch_size=4, eval_every=0, save_every=0,
                              method="full", grad_checkpoint=True), handle_sigint=False)
     np.testing.assert_allclose(a.losses, b.losses, atol=1e-5)
     model = tiny_model(0)
@@ -380,9 +386,9 @@ def test_grad_accum_and_checkpointing_match(tmp_path, work):
     for parts in ([slice(0, 4)], [slice(0, 2), slice(2, 4)]):
         m = tiny_model(0)
         m.unfreeze()
-        opt = trainer.make_optimizer(cfg)
+        opt = make_optimizer(cfg)
         opt.init(m.trainable_parameters())
-        st = trainer.Stepper(m, opt, cfg, packed=True)
+        st = Stepper(m, opt, cfg, packed=True)
         loss, gn = st([mk(s) for s in parts])
         mx.eval(loss, m.parameters())
         losses.append((loss.item(), gn.item(), np.array(m.layers[0].attn.q.weight)))
@@ -395,7 +401,7 @@ def test_run_results_load_back(tmp_path, work):
 
     x = tokens_batch()
     for method in ("lora", "full", "scratch"):
-        res = trainer.run(tiny_cfg(work, tmp_path / method, method=method, steps=4, save_every=2,
+        res = run_training(tiny_cfg(work, tmp_path / method, method=method, steps=4, save_every=2,
                                    lora_targets=ALL_TARGETS), handle_sigint=False)
         assert res.reason == "finished" and os.path.exists(res.final_path)
         m1, _ = load_run_model(res.run_dir)
@@ -411,14 +417,14 @@ def test_run_results_load_back(tmp_path, work):
     assert weights["layers.0.attn.q.lora_a"].shape == (8, 32)
     assert weights["layers.1.ffn.down.lora_b"].shape == (32, 8)
     cfg, resolved = RunDir(str(tmp_path / "lora")).read_config()
-    assert cfg.method == "lora" and resolved["model_config"]["d_model"] == 32
+    assert cfg.method == "lora" and resolved.model_config["d_model"] == 32
 
 
 def test_events_and_metrics(tmp_path, work):
     seen = []
-    res = trainer.run(tiny_cfg(work, tmp_path / "r", steps=4, eval_every=2, sample_every=2,
+    res = run_training(tiny_cfg(work, tmp_path / "r", steps=4, eval_every=2, sample_every=2,
                                sample_tokens=4, save_every=2, taps_every=2),
-                      on_event=seen.append, taps_hook=lambda m, s: trainer.LogEvent(message=f"taps {s}"),
+                      on_event=seen.append, taps_hook=lambda m, s: LogEvent(message=f"taps {s}"),
                       handle_sigint=False)
     kinds = [e.event for e in seen]
     assert kinds[0] == "start" and kinds[-1] == "done"
@@ -443,20 +449,20 @@ def test_cli_taps_every_writes_taps_events(tmp_path, work):
 def test_control_pause_stop_and_requests(tmp_path, work):
     import threading
 
-    control = trainer.TrainControl()
+    control = TrainControl()
     seen = []
 
     def on_event(ev):
         seen.append(ev)
         if ev.event == "step" and ev.step == 2:
             control.pause()
-            control.request_sample()
-            control.request_checkpoint()
+            control.apply(Command.SAMPLE)
+            control.apply(Command.CHECKPOINT)
             threading.Timer(0.3, control.resume).start()
         if ev.event == "step" and ev.step == 3:
             control.stop()
 
-    res = trainer.run(tiny_cfg(work, tmp_path / "r", steps=50, eval_every=0, save_every=0,
+    res = run_training(tiny_cfg(work, tmp_path / "r", steps=50, eval_every=0, save_every=0,
                                sample_tokens=3), on_event=on_event, control=control,
                       handle_sigint=False)
     assert res.reason == "stopped" and res.step == 3
@@ -467,9 +473,9 @@ def test_control_pause_stop_and_requests(tmp_path, work):
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, work):
     cfg = tiny_cfg(work, tmp_path / "r", method="full", steps=20, save_every=2, eval_every=0)
-    p = trainer.prepare(cfg)
+    p = prepare(cfg)
     calls = {"n": 0}
-    orig = trainer.Stepper.__call__
+    orig = Stepper.__call__
 
     def poisoned(self, batches):
         calls["n"] += 1
@@ -477,12 +483,12 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, work):
             self.model.layers[0].attn.o.weight = self.model.layers[0].attn.o.weight * mx.array(float("nan"))
         return orig(self, batches)
 
-    trainer.Stepper.__call__ = poisoned
+    Stepper.__call__ = poisoned
     try:
-        res = trainer.train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, resolved=p.resolved,
+        res = train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, facts=p.facts,
                             handle_sigint=False)
     finally:
-        trainer.Stepper.__call__ = orig
+        Stepper.__call__ = orig
     assert res.reason == "nan" and res.step == 4
     assert res.last_checkpoint.endswith("step_2")
     assert [s for s, _ in p.run.checkpoints()] == [2]
@@ -502,7 +508,7 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path, work):
     try:
         while time.time() < deadline:  # wait until step_2 is complete and step_4 is being written
             names = os.listdir(ckdir) if ckdir.exists() else []
-            if "step_2" in names and any(n.startswith(".tmp-step_4") for n in names):
+            if "step_2" in names and any(n.startswith(".step_4.") and is_temp_name(n) for n in names):
                 break
             time.sleep(0.05)
         else:
@@ -517,7 +523,7 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path, work):
     load_run_model(str(out))  # falls back to the newest complete checkpoint
     r = run_cli("train", "--resume", str(out), "--steps", "4", "--save-every", "0")
     assert r.returncode == 0, r.stderr
-    assert not any(n.startswith(".tmp-") for n in os.listdir(ckdir))
+    assert not any(is_temp_name(n) for n in os.listdir(ckdir))
     assert sorted(os.listdir(ckdir)) == ["step_2", "step_4"]
 
 
@@ -546,10 +552,10 @@ def test_ctrl_c_writes_checkpoint_and_exits_cleanly(tmp_path, work):
 
 def test_qlora_branch_trains_on_a_quantized_base(tmp_path, work):
     """The Metal/CUDA QLoRA path (forced on here): o/gate/up/down quantized, adapters train."""
-    res = trainer.run(tiny_cfg(work, tmp_path / "q", qlora="on", steps=4, eval_every=0,
+    res = run_training(tiny_cfg(work, tmp_path / "q", qlora="on", steps=4, eval_every=0,
                                lora_targets=["q", "o", "down"]), handle_sigint=False)
     assert res.reason == "finished" and all(math.isfinite(l) for l in res.losses)
-    p = trainer.prepare(tiny_cfg(work, tmp_path / "q2", qlora="on", lora_targets=["q", "o", "down"]))
+    p = prepare(tiny_cfg(work, tmp_path / "q2", qlora="on", lora_targets=["q", "o", "down"]))
     assert isinstance(p.model.layers[0].attn.o.base, nn.QuantizedLinear)
     assert isinstance(p.model.layers[0].ffn.gate, nn.QuantizedLinear)
     trainable = [k for k, _ in tree_flatten(p.model.trainable_parameters())]
@@ -559,7 +565,7 @@ def test_qlora_branch_trains_on_a_quantized_base(tmp_path, work):
 
 
 def test_mixed_precision_keeps_float32_masters(tmp_path, work):
-    res = trainer.run(tiny_cfg(work, tmp_path / "mp", method="scratch", dtype="bfloat16", steps=30,
+    res = run_training(tiny_cfg(work, tmp_path / "mp", method="scratch", dtype="bfloat16", steps=30,
                                lr=1e-2, eval_every=0), handle_sigint=False)
     assert res.reason == "finished" and res.losses[-1] < res.losses[0] - 1.0
     w = mx.load(res.final_path)
@@ -656,3 +662,35 @@ def test_smollm2_lora_demo_improves_held_out_accuracy(tmp_path):
     acc = json.load(open(out / "accuracy.json"))
     before, after = acc["before"]["accuracy"], acc["after"]["accuracy"]
     assert before <= 0.1 and after >= before + 0.5, (before, after)
+
+
+def test_train_help_documents_every_flag():
+    """Every flag of `mlxtoy train --help` has help text; a field with choices shows them all
+    and the flag's default is TrainConfig's."""
+    r = run_cli("train", "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split("options:", 1)[1].split())  # the option list, not the usage
+    squeezed = "".join(text.split())  # argparse wraps lines, also at hyphens
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+        meta = f.metadata
+        assert meta.get("help"), f"{f.name} has no help"
+        assert "".join(meta["help"].split()) in squeezed, f"{flag}'s help is not shown"
+        for choice in meta.get("choices") or ():
+            assert choice in text.split(flag, 1)[1][:400], (flag, choice)
+    assert "(default: 512)" in text.split("--seq-len SEQ_LEN", 1)[1][:100]
+    assert "{lora,full,scratch}" in text.split("--method", 1)[1][:30]
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("choices")])
+def test_every_choice_field_refuses_an_unknown_value(name):
+    """validate() checks each field's choices from its metadata, for the method it applies to
+    (the method itself first: an unknown method must not skip the other checks)."""
+    f = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
+    method = f.metadata["methods"][0]
+    good = TrainConfig(method=method)
+    good.validate()  # positive control: the defaults pass
+    bad = TrainConfig(method=method, **{name: ["q", "zz"] if isinstance(getattr(good, name), list) else "zz"})
+    with pytest.raises(UserError, match=r"zz"):
+        bad.validate()

@@ -2,7 +2,7 @@
 
 The end-to-end tests start the real trainer (`python -m mlxtoy.train.remote`) on a tiny random
 GGUF model (byte-level BPE, 2 layers) and a small text dataset. Snapshot tests use fixed fake
-data (tui.fake_trainer.fake_events, fixed clocks and file times) so they are deterministic;
+data (tests/fake_trainer.py's fake_events, fixed clocks and file times) so they are deterministic;
 update them with `pytest tests/test_tui.py --snapshot-update` and review the SVGs.
 """
 
@@ -27,7 +27,7 @@ time.tzset()
 from textual.widgets import DataTable, Input, Select, Static  # noqa: E402
 
 from tui.app import MlxtoyApp  # noqa: E402
-from tui.fake_trainer import T0, fake_events  # noqa: E402
+from fake_trainer import T0, fake_events  # noqa: E402
 from tui.setup import parse_value  # noqa: E402
 from tui.state import DONE, PAUSED, RUNNING, RunState, scan_runs  # noqa: E402
 from tui.widgets import LossChart, TapsHeatmap  # noqa: E402
@@ -120,14 +120,15 @@ async def fill_setup(pilot, app, out: str, steps: int = 400) -> None:
 
 
 def test_parse_value():
-    assert parse_value("pos_int", "8") == (8, None)
-    assert parse_value("pos_int", "0")[1] == "must be > 0"
-    assert "not a number" in parse_value("pos_float", "abc")[1]
-    assert parse_value("nat", "0") == (0, None)
-    assert "not a whole number" in parse_value("nat", "1.5")[1]
-    assert parse_value("targets", "q, v") == (["q", "v"], None)
-    assert "unknown target" in parse_value("targets", "q,x")[1]
-    assert parse_value("pos_float", "nan")[1] is not None
+    # the form parses with TrainConfig's own metadata: steps > 0, lr > 0, eval_every >= 0
+    assert parse_value("steps", "8") == (8, None)
+    assert parse_value("steps", "0")[1] == "must be > 0"
+    assert "not a number" in parse_value("lr", "abc")[1]
+    assert parse_value("eval_every", "0") == (0, None)
+    assert "not a whole number" in parse_value("eval_every", "1.5")[1]
+    assert parse_value("lora_targets", "q, v") == (["q", "v"], None)
+    assert "unknown LoRA target" in parse_value("lora_targets", "q,x")[1]
+    assert parse_value("lr", "nan")[1] is not None
 
 
 def test_run_state_folds_events():
@@ -200,7 +201,7 @@ def test_remote_commands_and_end_of_input(assets, tmp_path):
     done = events[-1]
     assert done["event"] == "done" and done["reason"] == "stopped" and done["step"] > 0
     assert os.path.exists(tmp_path / "r" / "checkpoints" / f"step_{done['step']}" / "state.json")
-    from mlxtoy.events import read_metrics
+    from mlxtoy.rundir import read_metrics
 
     assert read_metrics(str(tmp_path / "r" / "metrics.jsonl"))[-1]["event"] == "done"
 
@@ -233,7 +234,7 @@ async def test_setup_bad_input_shows_inline_errors(in_assets):
         await set_field(pilot, app, "lr", "abc")
         assert "not a number" in error_text(app, "lr")
         await set_field(pilot, app, "lora_targets", "q,zz")
-        assert "unknown target" in error_text(app, "lora_targets")
+        assert "unknown LoRA target" in error_text(app, "lora_targets")
 
         # Start refuses, says why, and the app keeps running on the setup screen
         await pilot.press("ctrl+s")
@@ -252,6 +253,30 @@ async def test_setup_bad_input_shows_inline_errors(in_assets):
         # a folder that already holds a run is refused too
         await set_field(pilot, app, "out", "runs/demo-a")
         assert "already holds a run" in error_text(app, "out")
+
+
+@run_async
+async def test_setup_form_starts_from_trainconfig_defaults(in_assets):
+    """What the form shows (read back from its inputs and from the config it would start)
+    is TrainConfig's defaults, except the two fields the UI turns on so the dashboard has
+    something to show."""
+    from mlxtoy.config import TrainConfig
+    from tui.setup import FIELDS, UI_OVERRIDES
+
+    assert set(UI_OVERRIDES) == {"sample_every", "taps_every"}
+    defaults = TrainConfig()
+    app = MlxtoyApp(model="tiny.gguf", data="data.jsonl", runs_dir="runs")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "data" not in app.screen.errors, 30, "the data preview")
+        cfg = app.screen.collect()
+        assert cfg is not None
+        for f in FIELDS:
+            shown = app.screen.query_one(f"#f-{f.name}", Input).value
+            want = UI_OVERRIDES.get(f.name, getattr(defaults, f.name))
+            assert parse_value(f.name, shown) == (want, None), (f.name, shown)
+            if "lora" in f.methods:
+                assert cfg[f.name] == want, f.name
+        assert cfg["seq_len"] == defaults.seq_len  # the default that once drifted
 
 
 @run_async
@@ -342,7 +367,7 @@ async def test_train_pause_sample_resume_stop(in_assets, capsys):
         await pilot.press("p")
         assert state.status == RUNNING
         await wait_for(pilot, lambda: state.samples, 120, "the sample")
-        assert state.samples[0]["text"] is not None
+        assert state.samples[0].text is not None
         await wait_for(pilot, lambda: len(state.steps) > paused_at, 60, "steps after resuming")
 
         await pilot.press("c")
@@ -372,7 +397,7 @@ async def test_train_pause_sample_resume_stop(in_assets, capsys):
 
     # the run on disk: config, metrics (the same events), a complete checkpoint at the stop
     assert os.path.exists(os.path.join(out, "config.yaml"))
-    from mlxtoy.events import read_metrics
+    from mlxtoy.rundir import read_metrics
 
     events = read_metrics(os.path.join(out, "metrics.jsonl"))
     kinds = {e["event"] for e in events}
@@ -396,7 +421,7 @@ async def test_quit_saves_the_run(in_assets):
         await pilot.press("q")
         await wait_for(pilot, lambda: not app.is_running, 120, "the app to quit")
     assert app.trainer.returncode == 0
-    from mlxtoy.events import read_metrics
+    from mlxtoy.rundir import read_metrics
 
     events = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert events[-1]["event"] == "done" and events[-1]["reason"] == "stopped"

@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 from textual import events
 from textual.app import App
+from textual._time import get_time  # the clock Textual stamps key events with
 from textual.binding import Binding
 
+from mlxtoy.events import CheckpointEvent, Command, Event
 from tui.chat import ChatScreen
 from tui.dashboard import DashboardScreen
 from tui.generation import Generator, MLXThread
@@ -123,8 +125,6 @@ class MlxtoyApp(App):
         key_time, self._key_time = self._key_time, None
         result = await super().run_action(action, default_namespace)
         if key_time is not None:
-            from textual._time import get_time
-
             self.latency.record_key(str(action).split("(")[0], get_time() - key_time)
         return result
 
@@ -179,13 +179,13 @@ class MlxtoyApp(App):
             return
         await trainer.pump()
 
-    def _on_trainer_event(self, ev: dict[str, Any]) -> None:
+    def _on_trainer_event(self, ev: Event) -> None:
         before = self.run_state.status
         self.run_state.apply(ev)
-        if ev.get("event") == "checkpoint":
+        if isinstance(ev, CheckpointEvent):
             for fut in self._checkpoint_waiters:
                 if not fut.done():
-                    fut.set_result(ev.get("path"))
+                    fut.set_result(ev.path)
             self._checkpoint_waiters.clear()
         if self.run_state.status != before:
             self._refresh_bindings()
@@ -209,14 +209,15 @@ class MlxtoyApp(App):
         self._checkpoint_waiters.clear()
         self._refresh_bindings()
 
-    async def send_command(self, cmd: str) -> bool:
+    async def send_command(self, cmd: Command | str) -> bool:
         if not self.trainer_alive:
             self.notify("No run is training.", severity="warning")
             return False
         assert self.trainer is not None
+        cmd = Command(cmd)
         ok = await self.trainer.send(cmd)
-        if ok and cmd in ("sample", "checkpoint"):
-            self.run_state.log(f"{cmd} requested (after the current step)")
+        if ok and cmd in (Command.SAMPLE, Command.CHECKPOINT):
+            self.run_state.log(f"{cmd.value} requested (after the current step)")
         return ok
 
     async def toggle_pause(self) -> None:
@@ -225,19 +226,19 @@ class MlxtoyApp(App):
             self.notify("No run is training.", severity="warning")
             return
         if state.status == PAUSED:
-            if await self.send_command("resume"):
+            if await self.send_command(Command.RESUME):
                 state.status = RUNNING
                 state.log("resume requested")
         elif state.status in (RUNNING, STARTING):
             # A checkpoint at the pause puts the paused weights on disk, so Chat can load them
             # (a paused trainer serves no requests until it resumes).
-            if await self.trainer.send("checkpoint") and await self.send_command("pause"):
+            if await self.trainer.send(Command.CHECKPOINT) and await self.send_command(Command.PAUSE):
                 state.status = PAUSED
                 state.log("pause requested: the trainer saves a checkpoint and pauses after the current step")
         self._refresh_bindings()
 
     async def stop_training(self) -> None:
-        if await self.send_command("stop"):
+        if await self.send_command(Command.STOP):
             self.run_state.status = STOPPING
             self.run_state.log("stop requested: the trainer saves the run and exits")
             self._refresh_bindings()
@@ -246,7 +247,7 @@ class MlxtoyApp(App):
         """Ask for a checkpoint of the current weights; -> its folder (None if none came)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._checkpoint_waiters.append(fut)
-        if not await self.send_command("checkpoint"):
+        if not await self.send_command(Command.CHECKPOINT):
             self._checkpoint_waiters.remove(fut)
             return None
         try:
@@ -309,6 +310,6 @@ class MlxtoyApp(App):
     async def on_unmount(self) -> None:
         # Closing stdin tells the bridge to stop and save; give it the chance, then make sure.
         if self.trainer_alive and self.trainer is not None:
-            await self.trainer.send("stop")
+            await self.trainer.send(Command.STOP)
             if await self.trainer.wait(timeout=30) is None:
                 self.trainer.kill()

@@ -19,6 +19,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Checkbox, Footer, Input, Label, Select, Static
 
+from mlxtoy.rundir import RunDir
 from tui.generation import Source
 from tui.state import RunState, scan_runs
 from tui.widgets import NavBar
@@ -110,12 +111,12 @@ class ChatScreen(Screen):
             run_model = state.config.get("model") or base
             name = os.path.basename(state.run_dir.rstrip("/"))
             sources[CURRENT] = Source(f"current run {name} (latest weights)", run_model, state.run_dir)
-            for step, path in reversed(_checkpoints(state.run_dir)):
+            for step, path in reversed(RunDir(state.run_dir).checkpoints()):
                 sources[f"ckpt:{path}"] = Source(f"{name} checkpoint step {step}", run_model, path)
         for info in scan_runs(app.runs_dir)[:20]:  # type: ignore[attr-defined]
             if state.run_dir and os.path.abspath(info.path) == os.path.abspath(state.run_dir):
                 continue
-            model = _run_model(info.path) or base
+            model = RunDir(info.path).base_model() or base
             sources[f"run:{info.path}"] = Source(f"run {info.name} ({info.method}, {info.steps})", model, info.path)
         self.sources = sources
         select = self.query_one("#source", Select)
@@ -243,27 +244,3 @@ class ChatScreen(Screen):
         self.app.generator.reset()  # type: ignore[attr-defined]
         await self.query_one("#transcript", VerticalScroll).remove_children()
         self.query_one("#prompt", Input).focus()
-
-
-def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    folder = os.path.join(run_dir, "checkpoints")
-    out = []
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            if name.startswith("step_") and name[5:].isdigit() and \
-                    os.path.exists(os.path.join(folder, name, "state.json")):
-                out.append((int(name[5:]), os.path.join(folder, name)))
-    return sorted(out)
-
-
-def _run_model(run_dir: str) -> str | None:
-    """The base model a run was trained from (its config.yaml), without importing the trainer."""
-    path = os.path.join(run_dir, "config.yaml")
-    try:
-        import yaml
-
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        return data.get("model") if isinstance(data, dict) else None
-    except Exception:  # unreadable or malformed: the caller falls back to the base model
-        return None

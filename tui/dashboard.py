@@ -16,6 +16,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, RichLog
 
+from mlxtoy.events import Command
 from tui.state import RunState
 from tui.widgets import LossChart, NavBar, StatsPanel, TapsHeatmap
 
@@ -93,8 +94,8 @@ class DashboardScreen(Screen):
         self._log_seen = len(state.logs)
         samples = self.query_one("#samples", RichLog)
         for s in state.samples[self._samples_seen:]:
-            samples.write(f"[b]step {s.get('step')}[/b] [dim]{escape(str(s.get('prompt', '')).strip())}[/dim]")
-            samples.write(escape(str(s.get("text", "")).strip()) or "[dim](empty)[/dim]")
+            samples.write(f"[b]step {s.step}[/b] [dim]{escape(str(s.prompt).strip())}[/dim]")
+            samples.write(escape(str(s.text).strip()) or "[dim](empty)[/dim]")
         self._samples_seen = len(state.samples)
         if not state.steps and not state.logs and not state.run_dir:
             log.clear()
@@ -115,7 +116,7 @@ class DashboardScreen(Screen):
         await self.app.stop_training()  # type: ignore[attr-defined]
 
     async def action_sample(self) -> None:
-        await self.app.send_command("sample")  # type: ignore[attr-defined]
+        await self.app.send_command(Command.SAMPLE)  # type: ignore[attr-defined]
 
     async def action_checkpoint(self) -> None:
-        await self.app.send_command("checkpoint")  # type: ignore[attr-defined]
+        await self.app.send_command(Command.CHECKPOINT)  # type: ignore[attr-defined]

@@ -14,6 +14,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+import mlx.core as mx
+
+from mlxtoy.generate import ChatSession, SamplingParams, stream_generate
+from mlxtoy.loading import load
+
 
 class MLXThread:
     def __init__(self) -> None:
@@ -22,15 +28,10 @@ class MLXThread:
         self._stream = None
 
     def _init(self) -> None:
-        import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
-        import mlx.core as mx
-
         self._stream = mx.new_stream(mx.default_device())
 
     def submit(self, fn: Callable[..., Any], *args, **kw) -> Future:
         def job():
-            import mlx.core as mx
-
             with mx.stream(self._stream):
                 return fn(*args, **kw)
 
@@ -68,8 +69,6 @@ class Generator:
         self.description = ""
 
     def load(self, source: Source) -> str:
-        from mlxtoy import load
-
         if self.key == source.key and self.model is not None:
             return self.description
         self.model = self.tokenizer = self.session = None
@@ -83,7 +82,7 @@ class Generator:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return self.tokenizer is not None and bool(self.tokenizer.chat_template)
 
     def reset(self) -> None:
         self.session = None
@@ -91,8 +90,6 @@ class Generator:
     def generate(self, prompt: str, chat: bool, params: dict[str, Any], on_text: Callable[[str], None],
                  cancel: threading.Event) -> str:
         """Stream a reply (chat) or a continuation; -> a one-line stats summary."""
-        from mlxtoy.generate import ChatSession, SamplingParams, stream_generate
-
         sampling = SamplingParams(temp=params["temp"], top_p=params["top_p"])
         max_tokens = params["max_tokens"]
         if chat and self.has_chat_template:

@@ -15,7 +15,8 @@ import sys
 from collections import deque
 from typing import Any, Callable
 
-COMMANDS = ("pause", "resume", "stop", "sample", "checkpoint")
+from mlxtoy.events import Command, Event, LogEvent, event_from_dict
+
 LINE_LIMIT = 64 * 1024 * 1024  # a taps event with per-head views can be a long line
 
 
@@ -27,11 +28,11 @@ def remote_argv(config: dict[str, Any]) -> list[str]:
 class TrainerProcess:
     """Start the trainer, stream its events to `on_event`, send it commands.
 
-    on_event(dict) gets every JSON event line; on_exit(returncode, stderr_tail) is called once
+    on_event(Event) gets every event line, typed; on_exit(returncode, stderr_tail) is called once
     when the process has ended and its output is drained.
     """
 
-    def __init__(self, argv: list[str], on_event: Callable[[dict[str, Any]], None],
+    def __init__(self, argv: list[str], on_event: Callable[[Event], None],
                  on_exit: Callable[[int, list[str]], None], cwd: str | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.argv = argv
@@ -78,10 +79,10 @@ class TrainerProcess:
             if not text:
                 continue
             try:
-                ev = json.loads(text)
+                ev = event_from_dict(json.loads(text))
             except json.JSONDecodeError:
-                ev = {"event": "log", "level": "info", "message": text}
-            if isinstance(ev, dict) and "event" in ev:
+                ev = LogEvent(message=text)
+            if ev is not None:  # a kind this version does not know is skipped
                 self.on_event(ev)
 
     async def _read_stderr(self) -> None:
@@ -94,14 +95,13 @@ class TrainerProcess:
             if text:
                 self.stderr_tail.append(text)
 
-    async def send(self, cmd: str) -> bool:
+    async def send(self, cmd: Command | str) -> bool:
         """Send one command; False when the trainer is gone."""
-        if cmd not in COMMANDS:
-            raise ValueError(f"unknown command {cmd!r}")
+        cmd = Command(cmd)  # ValueError for anything that is not a command
         if not self.running or self.proc is None or self.proc.stdin is None:
             return False
         try:
-            self.proc.stdin.write((json.dumps({"cmd": cmd}) + "\n").encode())
+            self.proc.stdin.write((cmd.to_line() + "\n").encode())
             await self.proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
             return False

@@ -99,7 +99,7 @@ class RunsScreen(Screen):
         text = "  ".join(parts)
         if state.samples:
             s = state.samples[-1]
-            text += f"\n[dim]last sample (step {s.get('step')}):[/dim] {escape(' '.join(str(s.get('text', '')).split())[:200])}"
+            text += f"\n[dim]last sample (step {s.step}):[/dim] {escape(' '.join(str(s.text).split())[:200])}"
         self.query_one("#run-summary", Static).update(text)
         self.query_one(LossChart).set_series(state.steps, state.losses, state.val_steps, state.val_losses)
 

@@ -20,84 +20,46 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, Select, Static
 
+from mlxtoy.config import TrainConfig, field_default, parse_text, train_field
+from mlxtoy.errors import UserError
+from mlxtoy.io.registry import BUILTIN
+from mlxtoy.loading import load_tokenizer
+from mlxtoy.rundir import is_run
+from mlxtoy.train.data import Renderer, read_data
 from tui.widgets import FilePicker, NavBar
-
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-
 
 @dataclass(frozen=True)
 class Field:
-    name: str  # the TrainConfig field
-    label: str
-    kind: str  # "pos_int" (> 0), "nat" (>= 0), "batches" (> 0 or -1), "pos_float" (> 0), "targets"
-    methods: tuple[str, ...] = ("lora", "full", "scratch")
+    """One form field: a TrainConfig field, with its label, methods and check from its metadata."""
+
+    name: str
+
+    @property
+    def label(self) -> str:
+        return train_field(self.name).metadata.get("label") or self.name.replace("_", " ")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return train_field(self.name).metadata["methods"]
 
 
-FIELDS = (
-    Field("steps", "steps", "pos_int"),
-    Field("batch_size", "batch size", "pos_int"),
-    Field("seq_len", "seq len", "pos_int"),
-    Field("lr", "learning rate", "pos_float"),
-    Field("lora_rank", "lora rank", "pos_int", ("lora",)),
-    Field("lora_alpha", "lora alpha", "pos_float", ("lora",)),
-    Field("lora_targets", "lora targets", "targets", ("lora",)),
-    Field("d_model", "d_model", "pos_int", ("scratch",)),
-    Field("n_layers", "layers", "pos_int", ("scratch",)),
-    Field("n_heads", "heads", "pos_int", ("scratch",)),
-    Field("eval_every", "eval every", "nat"),
-    Field("eval_batches", "eval batches", "batches"),
-    Field("save_every", "save every", "nat"),
-    Field("sample_every", "sample every", "nat"),
-    Field("taps_every", "taps every", "nat"),
-)
+FIELDS = tuple(Field(name) for name in (
+    "steps", "batch_size", "seq_len", "lr", "lora_rank", "lora_alpha", "lora_targets", "d_model",
+    "n_layers", "n_heads", "eval_every", "eval_batches", "save_every", "sample_every", "taps_every"))
 
-# UI defaults: the TrainConfig defaults, with samples and taps on so the dashboard has content
-DEFAULTS: dict[str, Any] = {"steps": 200, "batch_size": 4, "seq_len": 256, "lr": 1e-4, "lora_rank": 8,
-                            "lora_alpha": 16.0, "lora_targets": "q,v", "d_model": 256, "n_layers": 4,
-                            "n_heads": 4, "eval_every": 50, "eval_batches": 20, "save_every": 100, "sample_every": 50,
-                            "taps_every": 10}
+# The form starts from TrainConfig's defaults, except that samples and taps are on so the
+# dashboard has something to show (the CLI keeps them off: they cost time).
+UI_OVERRIDES: dict[str, Any] = {"sample_every": 50, "taps_every": 10}
+DEFAULTS: dict[str, Any] = {f.name: UI_OVERRIDES.get(f.name, field_default(f.name)) for f in FIELDS}
 
 
-def parse_value(kind: str, text: str) -> tuple[Any, str | None]:
-    """-> (value, None) or (None, reason). Never raises."""
-    text = text.strip()
-    if kind == "targets":
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            return None, "name at least one of " + ",".join(LORA_TARGETS)
-        bad = [t for t in items if t not in LORA_TARGETS]
-        if bad:
-            return None, f"unknown target {bad[0]!r} (choose from {','.join(LORA_TARGETS)})"
-        return items, None
-    if not text:
-        return None, "required"
-    if kind in ("pos_int", "nat", "batches"):
-        try:
-            value = int(text)
-        except ValueError:
-            return None, f"{text!r} is not a whole number"
-        if kind == "batches" and (value == 0 or value < -1):
-            return None, "must be > 0, or -1 for the whole validation set"
-        if kind == "batches":
-            return value, None
-        if kind == "pos_int" and value <= 0:
-            return None, "must be > 0"
-        if value < 0:
-            return None, "must be >= 0 (0 = off)"
-        return value, None
-    try:
-        value = float(text)
-    except ValueError:
-        return None, f"{text!r} is not a number"
-    if not value > 0 or value != value or value == float("inf"):
-        return None, "must be a number > 0"
-    return value, None
+def parse_value(name: str, text: str) -> tuple[Any, str | None]:
+    """-> (value, None) or (None, reason) for the form's field `name`. Never raises."""
+    return parse_text(name, text)
 
 
 def check_model(value: str) -> tuple[str | None, str]:
     """-> (error or None, a short description)."""
-    from mlxtoy.io.registry import BUILTIN
-
     value = value.strip()
     if not value:
         return "choose a model: a built-in name, a .gguf file or a Hugging Face folder", ""
@@ -139,17 +101,13 @@ def check_out(value: str) -> str | None:
     path = os.path.expanduser(value)
     if os.path.exists(path) and not os.path.isdir(path):
         return f"{value}: exists and is not a folder"
-    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, m))
-                                   for m in ("config.yaml", "metrics.jsonl", "checkpoints")):
+    if is_run(path):
         return f"{value}: already holds a run; choose another folder"
     return None
 
 
 def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: dict) -> dict[str, Any]:
     """Parse the data and measure token lengths (worker thread). Raises UserError on bad data."""
-    from mlxtoy.errors import UserError
-    from mlxtoy.train.data import read_data
-
     raw = read_data(os.path.expanduser(data))
     records = raw.train
     out: dict[str, Any] = {"count": len(records), "kind": records[0].kind if records else "?",
@@ -160,14 +118,10 @@ def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: di
     tok = tokenizer_cache.get(model)
     if tok is None and check_model(model)[0] is None:
         try:
-            from mlxtoy.train.checkpoint import load_tokenizer
-
             tok = tokenizer_cache[model] = load_tokenizer(model)
         except (UserError, OSError, ValueError) as e:
             out["tokenizer_error"] = str(e)
     if tok is not None:
-        from mlxtoy.train.data import Renderer
-
         r = Renderer(tok)
         lengths = []
         for rec in records[:2000]:  # enough for the shape of the distribution
@@ -291,7 +245,7 @@ class SetupScreen(Screen):
 
     def _check_field(self, name: str, text: str) -> None:
         f = next(f for f in FIELDS if f.name == name)
-        value, err = parse_value(f.kind, text)
+        value, err = parse_value(f.name, text)
         if err is None:
             self.values[name] = value
         self._set_error(name, err)
@@ -322,8 +276,6 @@ class SetupScreen(Screen):
 
     @work(thread=True, exclusive=True, group="preview")
     def load_preview(self, data: str, model: str, seq_len: int | None) -> None:
-        from mlxtoy.errors import UserError
-
         try:
             result = data_preview(data, model, seq_len, self._tokenizers)
             error = None
@@ -435,9 +387,6 @@ class SetupScreen(Screen):
 
     def collect(self) -> dict[str, Any] | None:
         """The config for the trainer, or None (with the reasons shown) when something is wrong."""
-        from mlxtoy.config import TrainConfig
-        from mlxtoy.errors import UserError
-
         method = str(self.query_one("#f-method", Select).value)
         relevant = {"model", "data", "out"} | {f.name for f in FIELDS if method in f.methods}
         errors = {k: v for k, v in self.errors.items() if k in relevant}
@@ -496,6 +445,8 @@ class SetupScreen(Screen):
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, list):
+        return ",".join(map(str, v))
     if isinstance(v, float):
         return f"{v:g}"
     return str(v)

@@ -12,6 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxtoy.events import (PAUSED as STATUS_PAUSED, CheckpointEvent, DoneEvent, EvalEvent, Event,
+                           LogEvent, SampleEvent, StartEvent, StatusEvent, StepEvent, TapsEvent,
+                           event_from_dict)
+from mlxtoy.rundir import RunDir, find_runs
+
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
 
 # status of the run as the UI sees it
@@ -40,12 +45,12 @@ class RunState:
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
-    last_step: dict[str, Any] = field(default_factory=dict)
+    last_step: StepEvent | None = None
     # validation series
     val_steps: list[int] = field(default_factory=list)
     val_losses: list[float] = field(default_factory=list)
-    samples: list[dict[str, Any]] = field(default_factory=list)
-    taps: dict[str, Any] = field(default_factory=dict)  # the latest taps event
+    samples: list[SampleEvent] = field(default_factory=list)
+    taps: TapsEvent | None = None  # the latest taps event
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
     logs: list[LogLine] = field(default_factory=list)
     done_reason: str = ""
@@ -54,9 +59,11 @@ class RunState:
 
     # ------------------------------------------------------------------ folding events
 
-    def apply(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("event")
-        handler = getattr(self, f"_on_{kind}", None)
+    def apply(self, ev: Event | dict[str, Any]) -> None:
+        """Fold one event (typed, or its JSON dict) into the state."""
+        if isinstance(ev, dict):
+            ev = event_from_dict(ev)
+        handler = getattr(self, f"_on_{ev.event}", None) if ev is not None else None
         if handler is not None:
             handler(ev)
             self.version += 1
@@ -65,72 +72,72 @@ class RunState:
         self.logs.append(LogLine(when if when is not None else time.time(), level, message))
         self.version += 1
 
-    def _on_start(self, ev: dict[str, Any]) -> None:
-        self.run_dir = ev.get("run_dir", self.run_dir)
-        self.method = ev.get("method", "")
-        self.config = dict(ev.get("config") or {})
-        self.total_steps = int(ev.get("total_steps") or 0)
-        self.start_step = int(ev.get("start_step") or 0)
-        self.trainable_params = int(ev.get("trainable_params") or 0)
-        self.total_params = int(ev.get("total_params") or 0)
+    def _on_start(self, ev: StartEvent) -> None:
+        self.run_dir = ev.run_dir or self.run_dir
+        self.method = ev.method
+        self.config = dict(ev.config or {})
+        self.total_steps = int(ev.total_steps or 0)
+        self.start_step = int(ev.start_step or 0)
+        self.trainable_params = int(ev.trainable_params or 0)
+        self.total_params = int(ev.total_params or 0)
         if self.status in (IDLE, STARTING):
             self.status = RUNNING
         resumed = f", resumed at step {self.start_step}" if self.start_step else ""
-        self.logs.append(LogLine(ev.get("time", time.time()), "info",
+        self.logs.append(LogLine(ev.time, "info",
                                  f"started {self.method} run: {self.total_steps} steps, "
                                  f"{fmt_count(self.trainable_params)} of "
                                  f"{fmt_count(self.total_params)} parameters trained{resumed}"))
 
-    def _on_step(self, ev: dict[str, Any]) -> None:
-        step = int(ev["step"])
-        loss = float(ev["loss"])
+    def _on_step(self, ev: StepEvent) -> None:
+        step = int(ev.step)
         if self.steps and step <= self.steps[-1]:  # a resumed run replays nothing, but be safe
             cut = next(i for i, s in enumerate(self.steps) if s >= step)
             del self.steps[cut:], self.losses[cut:], self.lrs[cut:]
         self.steps.append(step)
-        self.losses.append(loss)
-        self.lrs.append(float(ev.get("lr") or 0.0))
+        self.losses.append(float(ev.loss) if ev.loss is not None else math.nan)
+        self.lrs.append(float(ev.lr or 0.0))
         self.last_step = ev
         if self.status == STARTING:
             self.status = RUNNING
 
-    def _on_eval(self, ev: dict[str, Any]) -> None:
-        self.val_steps.append(int(ev["step"]))
-        self.val_losses.append(float(ev["val_loss"]))
-        self.logs.append(LogLine(ev.get("time", time.time()), "info",
-                                 f"step {ev['step']}: val loss {float(ev['val_loss']):.4f} "
-                                 f"(ppl {float(ev.get('val_ppl') or 0):.4g})"))
+    def _on_eval(self, ev: EvalEvent) -> None:
+        self.val_steps.append(int(ev.step))
+        self.val_losses.append(float(ev.val_loss) if ev.val_loss is not None else math.nan)
+        self.logs.append(LogLine(ev.time, "info",
+                                 f"step {ev.step}: val loss {self.val_losses[-1]:.4f} "
+                                 f"(ppl {float(ev.val_ppl or 0):.4g})"))
 
-    def _on_sample(self, ev: dict[str, Any]) -> None:
+    def _on_sample(self, ev: SampleEvent) -> None:
         self.samples.append(ev)
         del self.samples[:-20]
 
-    def _on_taps(self, ev: dict[str, Any]) -> None:
+    def _on_taps(self, ev: TapsEvent) -> None:
         self.taps = ev
 
-    def _on_checkpoint(self, ev: dict[str, Any]) -> None:
-        self.checkpoints.append((int(ev["step"]), ev["path"]))
-        self.logs.append(LogLine(ev.get("time", time.time()), "info",
-                                 f"step {ev['step']}: checkpoint {ev['path']}"))
+    def _on_checkpoint(self, ev: CheckpointEvent) -> None:
+        self.checkpoints.append((int(ev.step), ev.path))
+        self.logs.append(LogLine(ev.time, "info", f"step {ev.step}: checkpoint {ev.path}"))
 
-    def _on_log(self, ev: dict[str, Any]) -> None:
-        level = ev.get("level", "info")
-        message = str(ev.get("message", ""))
-        self.logs.append(LogLine(ev.get("time", time.time()), level, message))
-        # The bridge confirms pause / resume with log events (the trainer pauses between steps).
-        low = message.lower()
-        if low.startswith("paused") and self.status in (RUNNING, STARTING):
-            self.status = PAUSED
-        elif low.startswith("resumed") and self.status == PAUSED:
-            self.status = RUNNING
+    def _on_status(self, ev: StatusEvent) -> None:
+        # the trainer confirms that it really paused or resumed (between steps)
+        if ev.state == STATUS_PAUSED:
+            if self.status in (RUNNING, STARTING, PAUSED):
+                self.status = PAUSED
+            self.logs.append(LogLine(ev.time, "info", f"paused at step {ev.step}"))
+        else:
+            if self.status == PAUSED:
+                self.status = RUNNING
+            self.logs.append(LogLine(ev.time, "info", f"resumed at step {ev.step}"))
 
-    def _on_done(self, ev: dict[str, Any]) -> None:
-        self.done_reason = str(ev.get("reason", ""))
-        self.final_path = ev.get("final_path")
+    def _on_log(self, ev: LogEvent) -> None:
+        self.logs.append(LogLine(ev.time, ev.level or "info", str(ev.message)))
+
+    def _on_done(self, ev: DoneEvent) -> None:
+        self.done_reason = str(ev.reason or "")
+        self.final_path = ev.final_path
         self.status = DONE
         where = f": {self.final_path}" if self.final_path else ""
-        self.logs.append(LogLine(ev.get("time", time.time()), "info",
-                                 f"done at step {ev.get('step')} ({self.done_reason}){where}"))
+        self.logs.append(LogLine(ev.time, "info", f"done at step {ev.step} ({self.done_reason}){where}"))
 
     # ------------------------------------------------------------------ derived values
 
@@ -150,18 +157,18 @@ class RunState:
             "step": f"{self.step}/{self.total_steps or '?'}",
             "loss": f"{self.losses[-1]:.4f}" if self.losses else "-",
             "val": f"{self.val_losses[-1]:.4f}" if self.val_losses else "-",
-            "lr": f"{float(s['lr']):.2e}" if s else "-",
-            "tok/s": f"{float(s['tokens_per_sec']):.0f}" if s else "-",
-            "eta": fmt_duration(float(s["eta"])) if s and self.status not in (DONE, FAILED) else "-",
-            "elapsed": fmt_duration(float(s["elapsed"])) if s else "-",
-            "mem": f"{float(s['peak_memory_gb']):.2f} GB" if s else "-",
+            "lr": f"{float(s.lr):.2e}" if s else "-",
+            "tok/s": f"{float(s.tokens_per_sec):.0f}" if s else "-",
+            "eta": fmt_duration(float(s.eta)) if s and self.status not in (DONE, FAILED) else "-",
+            "elapsed": fmt_duration(float(s.elapsed)) if s else "-",
+            "mem": f"{float(s.peak_memory_gb):.2f} GB" if s else "-",
         }
         return out
 
     def taps_grid(self, metric: str = "rms") -> tuple[int, list[str], dict[tuple[int, str], float]]:
         """-> (n_layers, sites, {(layer, site): value}) from the latest taps event."""
         values: dict[tuple[int, str], float] = {}
-        for row in self.taps.get("stats", []) or []:
+        for row in (self.taps.stats if self.taps is not None else []) or []:
             try:
                 values[(int(row["layer"]), str(row["site"]))] = float(row[metric])
             except (KeyError, TypeError, ValueError):
@@ -176,7 +183,7 @@ class RunState:
     # ------------------------------------------------------------------ from disk
 
     @classmethod
-    def from_events(cls, events: list[dict[str, Any]], run_dir: str = "") -> "RunState":
+    def from_events(cls, events: list[Event | dict[str, Any]], run_dir: str = "") -> "RunState":
         state = cls(run_dir=run_dir, status=STARTING)
         for ev in events:
             state.apply(ev)
@@ -188,9 +195,7 @@ class RunState:
 
     @classmethod
     def from_run_dir(cls, run_dir: str) -> "RunState":
-        from mlxtoy.events import read_metrics
-
-        return cls.from_events(read_metrics(os.path.join(run_dir, "metrics.jsonl")), run_dir)
+        return cls.from_events(RunDir(run_dir).read_events(), run_dir)
 
 
 def fmt_duration(seconds: float) -> str:
@@ -226,23 +231,16 @@ class RunInfo:
 def scan_runs(root: str) -> list[RunInfo]:
     """Run directories under `root` (those with a metrics.jsonl), newest first."""
     out: list[RunInfo] = []
-    if not root or not os.path.isdir(root):
-        return out
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        metrics = os.path.join(path, "metrics.jsonl")
-        if not os.path.isfile(metrics):
-            continue
+    for path in find_runs(root) if root else []:
         try:
             state = RunState.from_run_dir(path)
         except (OSError, ValueError, KeyError):
             continue
         out.append(RunInfo(
-            path=path, name=name, method=state.method or "?",
+            path=path, name=os.path.basename(path), method=state.method or "?",
             steps=f"{state.step}/{state.total_steps or '?'}",
             loss=f"{state.losses[-1]:.4f}" if state.losses else "-",
             val_loss=f"{state.val_losses[-1]:.4f}" if state.val_losses else "-",
             status=state.done_reason or state.status,
-            modified=os.path.getmtime(metrics)))
-    out.sort(key=lambda r: r.modified, reverse=True)
+            modified=os.path.getmtime(RunDir(path).metrics_path)))
     return out

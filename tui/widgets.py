@@ -199,7 +199,7 @@ class TapsHeatmap(Widget):
     def show(self, state: RunState) -> None:
         self.state = state
         n_layers, sites, _ = state.taps_grid()
-        title = (f"taps: rms per layer, step {state.taps.get('step', '?')}, {n_layers} layers"
+        title = (f"taps: rms per layer, step {state.taps.step if state.taps else '?'}, {n_layers} layers"
                  if n_layers else "taps")
         if title != self.border_title:
             self.border_title = title

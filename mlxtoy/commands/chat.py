@@ -14,6 +14,7 @@ import sys
 
 from mlxtoy.commands.generate import add_sampling_args, load_for_generation, sampling_from_args
 from mlxtoy.errors import UserError
+from mlxtoy.generate import ChatSession
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,8 +36,6 @@ def _drop_oldest_turn(session) -> bool:
 
 
 def run(args) -> int:
-    from mlxtoy.generate import ChatSession
-
     sampling = sampling_from_args(args)
     model, tokenizer = load_for_generation(args)
     if not tokenizer.chat_template:

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from mlxtoy.export import check_format, check_output, export_source, load_source
+
 FORMAT_HELP = {
     "gguf": "llama.cpp model GGUF (LoRA merged)",
     "adapter-gguf": "llama.cpp LoRA adapter GGUF (apply with --lora on the base GGUF)",
@@ -29,8 +31,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from mlxtoy.export import check_format, check_output, export_source, load_source
-
     fmt, dtype = check_format(args.format, args.dtype)  # bad flags fail before any loading
     check_output(args.out, fmt)
     src = load_source(args.source, fmt=fmt)

@@ -12,6 +12,8 @@ import argparse
 import sys
 
 from mlxtoy.errors import UserError
+from mlxtoy.generate import SamplingParams, encode_chat, stream_generate
+from mlxtoy.loading import load
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -39,8 +41,6 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def sampling_from_args(args):
-    from mlxtoy.generate import SamplingParams
-
     if args.max_tokens <= 0:
         raise UserError(f"--max-tokens must be > 0, got {args.max_tokens}")
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -49,14 +49,7 @@ def sampling_from_args(args):
 
 
 def load_for_generation(args):
-    from mlxtoy.loading import load
-
-    try:
-        return load(args.model, adapter=args.adapter)
-    except ModuleNotFoundError as e:
-        if args.adapter and e.name and e.name.startswith("mlxtoy.train"):
-            raise UserError("--adapter needs the training module, which this install lacks") from None
-        raise
+    return load(args.model, adapter=args.adapter)
 
 
 def clip_max_tokens(model, n_prompt: int, max_tokens: int) -> int:
@@ -83,8 +76,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from mlxtoy.generate import encode_chat, stream_generate
-
     if not args.prompt or not args.prompt.strip():
         raise UserError("--prompt is empty: give some text to continue")
     sampling = sampling_from_args(args)

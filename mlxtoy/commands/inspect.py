@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from mlxtoy import backend
+from mlxtoy.errors import UserError
+from mlxtoy.loading import build_model, describe, load_weights
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="architecture, dims, tensor types, tokenizer, chat template, backend")
@@ -15,8 +19,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def env_report() -> dict:
-    from mlxtoy import backend
-
     info = backend.INFO
     return {
         "device": info.device,
@@ -28,8 +30,6 @@ def env_report() -> dict:
 
 
 def run(args) -> int:
-    from mlxtoy.errors import UserError
-
     if args.env or not args.model:
         if not args.env:
             raise UserError("inspect needs MODEL (or --env)")
@@ -40,8 +40,6 @@ def run(args) -> int:
             for k, v in report.items():
                 print(f"{k:16s} {v}")
         return 0
-    from mlxtoy.loading import build_model, describe, load_weights
-
     cfg, weights, meta, tokenizer = load_weights(args.model)
     model = build_model(cfg, weights)
     report = describe(model, tokenizer, meta)

@@ -7,6 +7,15 @@ import json
 import os
 import sys
 
+import mlx.core as mx
+from rich.console import Console
+from rich.table import Table
+
+from mlxtoy.errors import UserError
+from mlxtoy.loading import load
+from mlxtoy.rundir import is_run_or_checkpoint
+from mlxtoy.taps import capture, drift, load_taps, save_taps, summarize
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("taps", help="per-layer activation taps; compare two models layer by layer")
@@ -24,20 +33,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _load_other(other: str, base: str):
-    from mlxtoy import load
-
-    if os.path.isdir(other) and os.path.exists(os.path.join(other, "config.yaml")):
+    """OTHER: a run or one of its checkpoints (applied to the base model), else a model."""
+    if is_run_or_checkpoint(other):
         return load(base, adapter=other)
     return load(other)
 
 
 def run(args) -> int:
-    import mlx.core as mx
-
-    from mlxtoy import load
-    from mlxtoy.errors import UserError
-    from mlxtoy.taps import capture, drift, load_taps, save_taps, summarize
-
     if not args.prompt:
         raise UserError("--prompt is empty")
     sites = [s.strip() for s in args.sites.split(",") if s.strip()] if args.sites else None
@@ -83,9 +85,6 @@ def run(args) -> int:
 
 
 def _print_stats(stats: list[dict], heads: list[dict], n_tokens: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"taps over {n_tokens} tokens", header_style="bold")
     for col in ("layer", "site", "mean", "rms", "max |x|", "near-zero", "histogram"):
         table.add_column(col, justify="right" if col not in ("site", "histogram") else "left")
@@ -103,9 +102,6 @@ def _print_stats(stats: list[dict], heads: list[dict], n_tokens: int) -> None:
 
 
 def _print_drift(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     sites = sorted({r["site"] for r in rows}, key=["attn_norm", "ffn_out", "resid_post"].index)
     table = Table(title="drift (relative L2 difference)", header_style="bold")
     table.add_column("layer", justify="right")

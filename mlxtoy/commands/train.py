@@ -16,20 +16,16 @@ import sys
 import typing
 from typing import Any
 
-from mlxtoy.config import LORA_TARGETS, TrainConfig
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-HELP = {
-    "model": "base model (.gguf, HF folder or built-in name); scratch: the tokenizer source",
-    "data": "a .jsonl/.txt file or a folder with train/valid(/test) files",
-    "out": "the run directory to create",
-    "method": "lora | full | scratch",
-    "steps": "total optimizer steps (a resumed run continues up to this)",
-    "lora_targets": f"comma-separated, from {','.join(LORA_TARGETS)}",
-    "lora_layers": "comma-separated block indices (negative from the end); default all",
-    "betas": "two comma-separated numbers",
-    "sample_prompts": "a prompt for sample generations (repeat the flag for more)",
-    "eval_accuracy": "greedy exact-match accuracy on the test split, before and after",
-}
+from mlxtoy.config import TrainConfig
+from mlxtoy.errors import UserError
+from mlxtoy.events import Event
+from mlxtoy.train import distributed
+from mlxtoy.train.control import TrainControl
+from mlxtoy.train.evaluate import AccuracyReport
+from mlxtoy.train.job import resume_config, run_job
 
 
 def _flag_type(tp: Any):
@@ -41,6 +37,21 @@ def _flag_type(tp: Any):
     if args:
         tp = args[0]
     return {int: int, float: float, str: str}.get(tp, str)
+
+
+def _flag_help(f: dataclasses.Field) -> str:
+    """Help text from the field's metadata, with its choices and default (argparse's %-format)."""
+    meta = f.metadata
+    text = meta.get("help", "")
+    methods = meta.get("methods")
+    if methods and len(methods) < 3:
+        text += f" [{'/'.join(methods)}]"
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if isinstance(default, list):
+        default = ",".join(map(str, default)) if default else None
+    if default not in (None, ""):
+        text += f" (default: {default})"
+    return text.replace("%", "%%")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -59,14 +70,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         tp = hints[f.name]
+        choices = f.metadata.get("choices")
         if tp is bool:
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=HELP.get(f.name))
+                           help=_flag_help(f))
         elif f.name == "sample_prompts":
-            p.add_argument(flag, dest=f.name, action="append", default=None, help=HELP[f.name])
+            p.add_argument(flag, dest=f.name, action="append", default=None, help=_flag_help(f))
         else:
+            # choices are shown, and checked by TrainConfig.validate (the one validator, whose
+            # messages name the field the same way for the CLI, YAML and the TUI)
+            metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
             p.add_argument(flag, dest=f.name, type=_flag_type(tp), default=None,
-                           help=HELP.get(f.name), metavar=f.name.upper())
+                           help=_flag_help(f), metavar=metavar)
     return p
 
 
@@ -87,9 +102,6 @@ def _overrides(args) -> dict[str, Any]:
 
 
 def build_config(args) -> tuple[TrainConfig, bool]:
-    from mlxtoy.errors import UserError
-    from mlxtoy.train.trainer import resume_config
-
     try:
         overrides = _overrides(args)
     except ValueError as e:
@@ -113,8 +125,6 @@ class ProgressView:
     """Events -> a rich progress bar on stderr (plain lines when stderr is not a terminal)."""
 
     def __init__(self, quiet: bool = False):
-        from rich.console import Console
-
         self.console = Console(stderr=True, highlight=False)
         self.tty = sys.stderr.isatty() and not quiet
         self.progress = None
@@ -123,8 +133,6 @@ class ProgressView:
         self.every = 1
 
     def _start_bar(self, ev) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
         self.total = ev.total_steps
         self.every = max(1, ev.total_steps // 20)
         if not self.tty:
@@ -140,7 +148,7 @@ class ProgressView:
     def print(self, msg: str) -> None:
         (self.progress.console if self.progress else self.console).print(msg, markup=False)
 
-    def __call__(self, ev) -> None:
+    def __call__(self, ev: Event) -> None:
         kind = ev.event
         if kind == "start":
             self.print(f"training {ev.method}: {ev.trainable_params:,} trainable of "
@@ -178,90 +186,37 @@ def _fmt_time(s: float) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
-def _print_accuracy(label: str, rep, n_samples: int = 5) -> None:
+def _print_accuracy(label: str, rep: AccuracyReport, n_samples: int = 5) -> None:
     print(f"{label}: held-out accuracy {rep.accuracy:.1%} ({rep.correct}/{rep.total})")
     for s in rep.samples[:n_samples]:
         mark = "ok " if s["ok"] else "bad"
         print(f"  [{mark}] {s['prompt']!r} -> {s['answer']!r} (expected {s['expected']!r})")
+    sys.stdout.flush()
 
 
 def run(args) -> int:
-    from mlxtoy.train import distributed
-    from mlxtoy.train.trainer import TrainControl, prepare, train
-
-    dist = distributed.setup(getattr(args, "distributed", False), getattr(args, "dist_timeout", None))
-    if dist is not None:  # rank 0 prints and writes; the other ranks train silently
-        try:
-            return _run_distributed(args, dist)
-        except distributed.DistributedError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            return 1
-    cfg, resume = build_config(args)
-    view = ProgressView()
-    p = prepare(cfg, resume)
-    before = None
-    if cfg.eval_accuracy:
-        from mlxtoy.train.evaluate import accuracy
-
-        view.print(f"measuring held-out accuracy before training ({len(p.dataset.test)} test examples)")
-        before = accuracy(p.model, p.tokenizer, p.dataset.test, limit=cfg.accuracy_examples)
-        _print_accuracy("before", before)
-        sys.stdout.flush()
-    control = TrainControl(stop_at=args.stop_at)
-    hook = None
-    if cfg.taps_every > 0:  # taps events into metrics.jsonl, as the TUI gets them
-        from mlxtoy.taps import make_taps_hook
-
-        hook = make_taps_hook(p.tokenizer, p.dataset, cfg.taps_every)
+    """One job, in this process or as one rank of a data-parallel group (mlx.launch)."""
     try:
-        result = train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, resolved=p.resolved,
-                       resume_from=p.resume_from, on_event=view, control=control, taps_hook=hook)
-    finally:
-        view.close()
-    if result.reason == "nan":
-        print(f"error: {result.message}", file=sys.stderr)
+        dist = distributed.setup(getattr(args, "distributed", False), getattr(args, "dist_timeout", None))
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
-    view.print(result.message)
-    summary = {"run": result.run_dir, "step": result.step, "reason": result.reason,
-               "result": result.final_path, "checkpoint": result.last_checkpoint,
-               "final_loss": result.losses[-1] if result.losses else None,
-               "val_loss": result.val_loss}
-    if cfg.eval_accuracy and result.reason == "finished":
-        from mlxtoy.train.checkpoint import write_text_atomic
-        from mlxtoy.train.evaluate import accuracy
-
-        after = accuracy(p.model, p.tokenizer, p.dataset.test, limit=cfg.accuracy_examples)
-        _print_accuracy("after", after)
-        summary["accuracy_before"], summary["accuracy_after"] = before.accuracy, after.accuracy
-        write_text_atomic(p.run.join("accuracy.json"), json.dumps(
-            {"before": before.to_dict(), "after": after.to_dict()}, indent=2))
-    print(json.dumps(summary))
-    return 130 if result.reason == "interrupted" else 0
-
-
-def _run_distributed(args, dist) -> int:
-    """`run` for one rank of a data-parallel job (mlxtoy.train.distributed)."""
-    from mlxtoy.train.trainer import TrainControl, train
-
-    p = dist.prepare(lambda: build_config(args))
-    view = ProgressView() if dist.is_main else None
-    if view is not None:
-        view.print(f"data-parallel over {dist.size} ranks: {p.cfg.batch_size // dist.size} of the "
-                   f"{p.cfg.batch_size} rows of every batch per rank")
+    main = dist is None or dist.is_main
+    view = ProgressView() if main else None  # rank 0 prints and writes; the others train silently
     try:
-        result = train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, resolved=p.resolved,
-                       resume_from=p.resume_from, on_event=view, control=TrainControl(stop_at=args.stop_at))
+        job = run_job(lambda: build_config(args), emit=view, control=TrainControl(stop_at=args.stop_at),
+                      parallel=dist, on_accuracy=_print_accuracy)
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if view is not None:
             view.close()
-    if not dist.is_main:
-        return 1 if result.reason == "nan" else 130 if result.reason == "interrupted" else 0
-    if result.reason == "nan":
-        print(f"error: {result.message}", file=sys.stderr)
+    if not main:
+        return job.exit_code
+    if job.result.reason == "nan":
+        print(f"error: {job.result.message}", file=sys.stderr)
         return 1
-    view.print(result.message)
-    print(json.dumps({"run": result.run_dir, "step": result.step, "reason": result.reason,
-                      "result": result.final_path, "checkpoint": result.last_checkpoint,
-                      "final_loss": result.losses[-1] if result.losses else None,
-                      "val_loss": result.val_loss, "world_size": dist.size}))
-    return 130 if result.reason == "interrupted" else 0
+    view.print(job.result.message)
+    print(json.dumps(job.summary))
+    return job.exit_code

@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from mlxtoy.errors import UserError
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("tui", help="the terminal UI: set up a run, watch it train, talk to the model")
@@ -26,8 +28,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from mlxtoy.errors import UserError
-
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UserError("the terminal UI needs an interactive terminal (use `mlxtoy train` for scripts)")
     try:

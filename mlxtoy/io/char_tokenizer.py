@@ -1,8 +1,9 @@
 """Character- and byte-level tokenizers for the reference TransformerLM.
 
-Same interface as `mlxtoy.io.tokenizer.Tokenizer` where the trainer, generation and the
-CLI touch it: encode / decode / decode_token_bytes / vocab_size / bos_id / eos_id / eos_ids /
-pad_id / chat_template (None: these models have no chat format).
+`CharTokenizer` has every member of `mlxtoy.io.tokenizer.TokenizerLike`, so the trainer,
+generation and the CLI use it like a model's tokenizer: no chat template (`chat_template` is
+None, `apply_chat_template` raises), no BOS or padding token (None), and no Hugging Face or
+GGUF form (the `to_*` exports raise UserError).
 
 - "char": one token per Unicode character seen in the training text (sorted, so the vocabulary
   is a pure function of the text), plus `<|endoftext|>` (id 0, end of a document) and `<unk>`
@@ -20,6 +21,7 @@ import json
 from typing import Any, Iterable
 
 from mlxtoy.errors import UserError
+from mlxtoy.fsutil import write_text_atomic
 
 EOT = "<|endoftext|>"
 UNK = "<unk>"
@@ -27,6 +29,8 @@ KINDS = ("char", "byte")
 
 
 class CharTokenizer:
+    """A character- or byte-level vocabulary (`kind` "char" or "byte"); see the module docstring."""
+
     def __init__(self, kind: str, chars: Iterable[str] = ()):
         if kind not in KINDS:
             raise UserError(f"unknown character tokenizer {kind!r} (choose from {', '.join(KINDS)})")
@@ -73,12 +77,7 @@ class CharTokenizer:
         return cls(d["type"], d.get("chars", ""))
 
     def save(self, path: str) -> None:
-        import os
-
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, ensure_ascii=False)
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(self.to_dict(), ensure_ascii=False))
 
     @classmethod
     def load(cls, path: str) -> "CharTokenizer":
@@ -148,9 +147,23 @@ class CharTokenizer:
         b = text.encode("utf-8")
         return b[0] + 1 if len(b) == 1 else None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         raise UserError(f"a {self.kind}-level tokenizer has no chat template; use plain text")
+
+    # ------------------------------------------------------------------ export
+
+    # Only the reference TransformerLM (arch tiny) uses these vocabularies, and it has no
+    # Hugging Face or llama.cpp equivalent to carry them.
+
+    def to_hf_tokenizer_json(self) -> str:
+        raise UserError(f"a {self.kind}-level tokenizer has no Hugging Face tokenizer.json form")
+
+    def to_hf_tokenizer_config(self) -> dict[str, Any]:
+        raise UserError(f"a {self.kind}-level tokenizer has no Hugging Face tokenizer_config.json form")
+
+    def to_gguf_metadata(self) -> dict[str, Any]:
+        raise UserError(f"this tokenizer cannot be written to GGUF metadata ({self.kind}-level vocabulary)")
 
     def describe(self) -> dict[str, Any]:
         return {"type": f"{self.kind}-level", "vocab": self.vocab_size, "eos": f"0 {EOT!r}"}

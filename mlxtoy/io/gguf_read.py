@@ -1,61 +1,22 @@
-"""Read llama / qwen2 GGUF files into our per-head layout, exactly.
+"""Read llama / qwen2 GGUF files into our per-head layout, exactly; `load_gguf` reads any GGUF
+we support (gpt2 files go to `mlxtoy.io.gpt2_io`).
 
-gguf-py memory-maps the file; each tensor is dequantized on its own (to float32, exactly as
-GGML's reference dequantizers do) and handed to MLX, so the weights are never held twice.
-`mx.load` is not used for the weights: it returns BF16 and K-quants as float16, which loses
-range (BF16 values can overflow float16).
+Each tensor is dequantized on its own (`mlxtoy.io.gguf_file`) and handed to MLX, so the
+weights are never held twice. `mx.load` is not used for the weights: it returns BF16 and
+K-quants as float16, which loses range (BF16 values can overflow float16).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import mlx.core as mx
-import numpy as np
 
 from mlxtoy.config import SUPPORTED_ARCHS, LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
-
-def _gguf():
-    import gguf  # gguf-py: imported lazily, it is only needed for GGUF files
-
-    return gguf
-
-
-def open_gguf(path: str):
-    if not os.path.exists(path):
-        raise UserError(f"{path}: no such file")
-    if os.path.isdir(path):
-        raise UserError(f"{path}: is a folder, not a GGUF file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise UserError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    try:
-        return _gguf().GGUFReader(path, "r")
-    except Exception as e:  # gguf-py raises ValueError/IndexError/etc on corrupt files
-        raise UserError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from None
-
-
-def read_metadata(reader) -> dict[str, Any]:
-    """GGUF key/values as plain Python (str, int, float, bool, lists)."""
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        try:
-            value = field.contents()
-        except Exception:
-            continue
-        if isinstance(value, np.generic):
-            value = value.item()
-        out[name] = value
-    return out
+from mlxtoy.io.gguf_file import dequantize_tensor, open_gguf, read_metadata
+from mlxtoy.io.gpt2_io import load_gpt2_gguf
+from mlxtoy.models.shapes import expected_shapes
 
 
 def config_from_metadata(md: dict[str, Any], path: str) -> ModelConfig:
@@ -128,38 +89,6 @@ GLOBAL_TENSORS = {
 }
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter name -> shape, for every weight the model needs."""
-    if cfg.arch in ("gpt2", "tiny"):  # learned-position models (mlxtoy.models.gpt2)
-        from mlxtoy.models.gpt2 import expected_shapes as learned_pos_shapes
-
-        return learned_pos_shapes(cfg)
-    d, h, kv, dh, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_ff
-    shapes: dict[str, tuple[int, ...]] = {
-        "tok_embeddings.weight": (cfg.vocab_size, d),
-        "norm.weight": (d,),
-    }
-    if not cfg.tie_embeddings:
-        shapes["output.weight"] = (cfg.vocab_size, d)
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (d,),
-            p + "attn.q.weight": (h, dh, d),
-            p + "attn.k.weight": (kv, dh, d),
-            p + "attn.v.weight": (kv, dh, d),
-            p + "attn.o.weight": (d, h * dh),
-            p + "ffn_norm.weight": (d,),
-            p + "ffn.gate.weight": (ff, d),
-            p + "ffn.up.weight": (ff, d),
-            p + "ffn.down.weight": (d, ff),
-        })
-        if cfg.qkv_bias:
-            shapes.update({p + "attn.q.bias": (h, dh), p + "attn.k.bias": (kv, dh),
-                           p + "attn.v.bias": (kv, dh)})
-    return shapes
-
-
 def gguf_to_param_name(name: str) -> str | None:
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
@@ -170,29 +99,6 @@ def gguf_to_param_name(name: str) -> str | None:
     return None
 
 
-def dequantize_tensor(tensor, path: str) -> np.ndarray:
-    """One GGUF tensor -> float32 numpy array with numpy shape (reversed ne)."""
-    gguf = _gguf()
-    qtype = tensor.tensor_type
-    if qtype.name not in SUPPORTED_TYPES:
-        raise UserError(f"{path}: tensor {tensor.name} has unsupported type {qtype.name} "
-                        f"(supported: {', '.join(SUPPORTED_TYPES)})")
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    try:
-        if qtype == gguf.GGMLQuantizationType.F32:
-            arr = np.asarray(tensor.data, dtype=np.float32)
-        elif qtype == gguf.GGMLQuantizationType.BF16:
-            raw = np.asarray(tensor.data).view(np.uint16).astype(np.uint32) << 16
-            arr = raw.view(np.float32)
-        else:
-            arr = gguf.quants.dequantize(tensor.data, qtype)
-        return arr.reshape(shape)
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"{path}: cannot read tensor {tensor.name} ({type(e).__name__}: {e})") from None
-
-
 def load_gguf(path: str, dtype: mx.Dtype | None = None,
               progress: Callable[[int, int], None] | None = None):
     """-> (ModelConfig, {param_name: mx.array}, LoadedMeta). Weights in `dtype` (default float32)."""
@@ -200,8 +106,6 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     reader = open_gguf(path)
     md = read_metadata(reader)
     if md.get("general.architecture") == "gpt2":  # learned positions, fused QKV: own reader
-        from mlxtoy.io.gpt2_io import load_gpt2_gguf
-
         return load_gpt2_gguf(reader, md, path, dtype, progress)
     cfg = config_from_metadata(md, path)
     tensors = {t.name: t for t in reader.tensors}

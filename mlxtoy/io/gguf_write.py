@@ -7,8 +7,8 @@ llama.cpp's fused tensors (`blk.N.attn_q.weight` ...), not a permutation.
 
 Tensors are converted and written one at a time (header and tensor table first, then the
 data), so a model is never held twice in memory. Everything goes to a temporary file in the
-target folder that is renamed into place at the end: an interrupted export never leaves a
-partial file at the target path.
+target folder that is renamed into place at the end (`mlxtoy.fsutil.atomic_path`): an
+interrupted export never leaves a partial file at the target path.
 """
 
 from __future__ import annotations
@@ -16,46 +16,21 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
 from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.fsutil import atomic_path
+from mlxtoy.io.gguf_file import gguf_lib
+from mlxtoy.io.gguf_read import BLOCK_TENSORS, GLOBAL_TENSORS
+from mlxtoy.io.gpt2_io import gguf_tensor_items
+from mlxtoy.models.llama import llama3_rope_freqs
+from mlxtoy.models.shapes import expected_shapes
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
-
-
-def _gguf():
-    import gguf
-
-    return gguf
-
-
-# --------------------------------------------------------------------------- atomic files
-
-@contextlib.contextmanager
-def atomic_file(path: str, suffix: str = "") -> Iterator[str]:
-    """Yield a temporary path next to `path`; rename it onto `path` only if the body succeeds."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    if os.path.isdir(path):
-        raise UserError(f"{path}: is a folder (give a file path for the output)")
-    try:
-        os.makedirs(parent, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp" + suffix, dir=parent)
-        os.close(fd)
-    except OSError as e:
-        raise UserError(f"{path}: cannot write here ({e.strerror or e})") from None
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------- metadata
@@ -63,7 +38,7 @@ def atomic_file(path: str, suffix: str = "") -> Iterator[str]:
 def _value_types(key: str, value: Any):
     """GGUF (type, sub_type) for a metadata value: llama.cpp checks types strictly, so the
     tokenizer keys get the types llama.cpp's converter writes; anything else is inferred."""
-    gguf = _gguf()
+    gguf = gguf_lib()
     T = gguf.GGUFValueType
     known = {
         "tokenizer.ggml.tokens": (T.ARRAY, T.STRING),
@@ -83,7 +58,7 @@ def _value_types(key: str, value: Any):
 
 
 def _infer_type(value: Any):
-    T = _gguf().GGUFValueType
+    T = gguf_lib().GGUFValueType
     if isinstance(value, (bool, np.bool_)):
         return T.BOOL
     if isinstance(value, (int, np.integer)):
@@ -98,7 +73,7 @@ def _infer_type(value: Any):
 
 
 def _infer_sub_type(value: Any):
-    T = _gguf().GGUFValueType
+    T = gguf_lib().GGUFValueType
     if not isinstance(value, (list, tuple, np.ndarray)):
         return None
     if isinstance(value, np.ndarray):
@@ -142,7 +117,7 @@ def carried_metadata(metadata: dict[str, Any] | None, arch: str) -> dict[str, An
 
 
 def _add_metadata(writer, metadata: dict[str, Any]) -> None:
-    T = _gguf().GGUFValueType
+    T = gguf_lib().GGUFValueType
     for key, value in metadata.items():
         if value is None:
             continue
@@ -154,7 +129,7 @@ def _add_metadata(writer, metadata: dict[str, Any]) -> None:
 
 
 def _add_arch_metadata(writer, cfg: ModelConfig) -> None:
-    gguf = _gguf()
+    gguf = gguf_lib()
     writer.add_context_length(int(cfg.context_length))
     writer.add_embedding_length(int(cfg.d_model))
     writer.add_block_count(int(cfg.n_layers))
@@ -201,8 +176,6 @@ def rope_freq_factors(cfg: ModelConfig) -> np.ndarray | None:
     if kind == "freq_factors":
         factors = np.asarray(cfg.rope_scaling["factors"], dtype=np.float32)
     else:
-        from mlxtoy.models.llama import llama3_rope_freqs
-
         freqs = np.array(llama3_rope_freqs(dims, cfg.rope_base, cfg.rope_scaling), dtype=np.float64)
         base = cfg.rope_base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
         factors = (freqs / base).astype(np.float32)
@@ -215,22 +188,17 @@ def rope_freq_factors(cfg: ModelConfig) -> np.ndarray | None:
 
 # --------------------------------------------------------------------------- tensors
 
-def _block_names() -> dict[str, str]:
-    from mlxtoy.io.gguf_read import BLOCK_TENSORS
-
-    return {ours: theirs for theirs, ours in BLOCK_TENSORS.items()}
+_BLOCK_NAMES = {ours: theirs for theirs, ours in BLOCK_TENSORS.items()}  # ours -> GGUF, per block
 
 
 def gguf_tensor_name(param: str) -> str:
     """Our parameter path ('layers.3.attn.q.weight') -> GGUF name ('blk.3.attn_q.weight')."""
-    from mlxtoy.io.gguf_read import GLOBAL_TENSORS
-
     for theirs, ours in GLOBAL_TENSORS.items():
         if ours == param:
             return theirs
     if param.startswith("layers."):
         _, idx, rest = param.split(".", 2)
-        name = _block_names().get(rest)
+        name = _BLOCK_NAMES.get(rest)
         if name is not None:
             return f"blk.{idx}.{name}"
     raise UserError(f"parameter {param} has no GGUF tensor name")
@@ -246,8 +214,6 @@ def to_numpy(w: mx.array) -> np.ndarray:
 def gguf_tensors(cfg: ModelConfig, weights: dict[str, mx.array]) -> list[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
     """(GGUF name, lazy float32 array in GGUF numpy shape, shape) for every tensor, in
     llama.cpp's converter order: rope_freqs, token_embd, blocks, output_norm, output."""
-    from mlxtoy.io.gguf_read import expected_shapes
-
     shapes = expected_shapes(cfg)
     missing = [p for p in shapes if p not in weights]
     if missing:
@@ -286,12 +252,10 @@ def arch_tensors(cfg: ModelConfig, weights: dict[str, mx.array]) -> list[tuple[s
     if cfg.arch in ("llama", "qwen2"):
         return gguf_tensors(cfg, weights)
     if cfg.arch == "gpt2":
-        from mlxtoy.io.gpt2_io import gguf_tensor_items
-
         out = []
         for name, make in gguf_tensor_items(cfg, weights):
-            arr = make()  # a lazy MLX graph: its shape is known, nothing is computed yet
-            out.append((name, lambda a=arr: to_numpy(a), tuple(arr.shape)))
+            shape = tuple(int(s) for s in make().shape)  # lazy arrays: shapes only, nothing computed
+            out.append((name, lambda f=make: to_numpy(f()), shape))  # built anew when written, not kept
         return out
     raise UserError(f"{cfg.arch} models have no llama.cpp GGUF equivalent (export llama, qwen2 or gpt2)")
 
@@ -300,7 +264,7 @@ def _tensor_type(name: str, shape: tuple[int, ...], dtype: str):
     """GGML type for one tensor: 1-D tensors (norms, biases, rope_freqs) and learned positions
     stay F32 as in llama.cpp's converter; Q8_0 rows must be a multiple of 32 wide, otherwise
     F16 (as its converter does)."""
-    Q = _gguf().GGMLQuantizationType
+    Q = gguf_lib().GGMLQuantizationType
     if dtype == "f32" or len(shape) < 2 or name.endswith("_norm.weight") or name == "position_embd.weight":
         return Q.F32
     if dtype == "q8_0" and shape[-1] % 32 == 0:
@@ -309,7 +273,7 @@ def _tensor_type(name: str, shape: tuple[int, ...], dtype: str):
 
 
 def _encode(arr: np.ndarray, qtype) -> np.ndarray:
-    gguf = _gguf()
+    gguf = gguf_lib()
     Q = gguf.GGMLQuantizationType
     if qtype == Q.F32:
         return np.ascontiguousarray(arr, dtype=np.float32)
@@ -319,7 +283,7 @@ def _encode(arr: np.ndarray, qtype) -> np.ndarray:
 
 
 def _nbytes(shape: tuple[int, ...], qtype) -> int:
-    gguf = _gguf()
+    gguf = gguf_lib()
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     return math.prod(shape) // block * size
 
@@ -336,8 +300,14 @@ def _check_dtype(dtype: str) -> str:
 
 def _write(path: str, arch: str, kv: Callable[[Any], None], tensors, dtype: str,
            progress: Callable[[int, int], None] | None) -> str:
-    gguf = _gguf()
-    with atomic_file(path) as tmp:
+    gguf = gguf_lib()
+    if os.path.isdir(path):
+        raise UserError(f"{os.path.abspath(path)}: is a folder (give a file path for the output)")
+    with contextlib.ExitStack() as stack:
+        try:
+            tmp = stack.enter_context(atomic_path(path))
+        except OSError as e:
+            raise UserError(f"{os.path.abspath(path)}: cannot write here ({e.strerror or e})") from None
         writer = gguf.GGUFWriter(tmp, arch)
         try:
             kv(writer)
@@ -356,8 +326,6 @@ def _write(path: str, arch: str, kv: Callable[[Any], None], tensors, dtype: str,
                 if progress:
                     progress(n + 1, len(tensors))
             writer.flush()
-            for f in writer.fout or []:
-                os.fsync(f.fileno())
         except OSError as e:
             raise UserError(f"{path}: write failed ({e.strerror or e})") from None
         finally:
@@ -375,7 +343,7 @@ def write_gguf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], metada
     are re-derived from `cfg`. dtype: f32 (lossless), f16 or q8_0 (norms and 1-D tensors F32).
     """
     dtype = _check_dtype(dtype)
-    gguf = _gguf()
+    gguf = gguf_lib()
     carried = carried_metadata(metadata, cfg.arch)
     if "tokenizer.ggml.model" not in carried:
         raise UserError("cannot export a GGUF without tokenizer metadata (tokenizer.ggml.*)")
@@ -403,7 +371,7 @@ def write_lora_gguf(path: str, cfg: ModelConfig, adapters: dict[str, tuple[np.nd
     rank read from each B; alpha 0 means a scale of exactly 1.
     """
     dtype = _check_dtype(dtype)
-    gguf = _gguf()
+    gguf = gguf_lib()
     if not adapters:
         raise UserError("nothing to export: the run has no LoRA adapters")
     tensors = []

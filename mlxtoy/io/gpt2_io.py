@@ -20,7 +20,9 @@ import numpy as np
 
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.models.gpt2 import expected_shapes
+from mlxtoy.io.gguf_file import dequantize_tensor
+from mlxtoy.io.hf import read_hf_config, read_hf_tensors, special_token_ids, write_hf_folder
+from mlxtoy.models.shapes import expected_shapes
 
 # GGUF per-block name -> ours (attn_qkv is split separately)
 GGUF_BLOCK = {
@@ -107,8 +109,6 @@ def config_from_gguf_metadata(md: dict[str, Any], path: str) -> ModelConfig:
 def load_gpt2_gguf(reader, md: dict[str, Any], path: str, dtype: mx.Dtype | None = None,
                    progress: Callable[[int, int], None] | None = None):
     """An opened gpt2 GGUF -> (ModelConfig, {param: mx.array}, LoadedMeta)."""
-    from mlxtoy.io.gguf_read import dequantize_tensor
-
     dtype = dtype or mx.float32
     cfg = config_from_gguf_metadata(md, path)
     tensors = {t.name: t for t in reader.tensors}
@@ -235,8 +235,6 @@ def config_from_hf(raw: dict[str, Any], path: str) -> ModelConfig:
 
 def load_gpt2_hf(path: str, dtype: mx.Dtype | None = None):
     """A transformers GPT-2 folder -> (ModelConfig, {param: mx.array}, LoadedMeta)."""
-    from mlxtoy.io.hf import read_hf_config, read_hf_tensors
-
     dtype = dtype or mx.float32
     raw_cfg = read_hf_config(path)
     cfg = config_from_hf(raw_cfg, path)
@@ -288,8 +286,6 @@ def hf_config(cfg: ModelConfig, tokenizer=None) -> dict[str, Any]:
         "activation_function": "gelu_new", "tie_word_embeddings": cfg.tie_embeddings,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "torch_dtype": "float32",
     }
-    from mlxtoy.io.hf import special_token_ids
-
     return out | special_token_ids(tokenizer)
 
 
@@ -318,6 +314,4 @@ def params_to_hf(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx
 def save_gpt2_hf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], tokenizer=None,
                  dtype: mx.Dtype = mx.float32) -> None:
     """Write a transformers GPT-2 folder (config.json, model.safetensors, tokenizer) atomically."""
-    from mlxtoy.io.hf import write_hf_folder
-
     write_hf_folder(path, params_to_hf(cfg, weights), hf_config(cfg, tokenizer), tokenizer, dtype)

@@ -17,6 +17,8 @@ import mlx.core as mx
 
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.fsutil import atomic_folder
+from mlxtoy.models.shapes import expected_shapes
 
 HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -126,8 +128,6 @@ def read_hf_tensors(path: str, strip_prefix: str = "") -> dict[str, mx.array]:
 
 def load_hf(path: str, dtype: mx.Dtype | None = None):
     """-> (ModelConfig, {param_name: mx.array}, LoadedMeta)."""
-    from mlxtoy.io.gguf_read import expected_shapes
-
     dtype = dtype or mx.float32
     raw_cfg = read_hf_config(path)
     cfg = config_from_hf(raw_cfg, path)
@@ -231,46 +231,17 @@ def save_hf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], tokenizer
 
 def write_hf_folder(path: str, tensors: dict[str, mx.array], config: dict[str, Any], tokenizer=None,
                     dtype: mx.Dtype = mx.float32) -> None:
-    """Write config.json, model.safetensors and the tokenizer files as one folder, atomically.
-
-    Written under a temporary name next to `path` and renamed; an existing `path` is moved
-    aside first and deleted only once the new folder is in place.
-    """
-    import shutil
-    import tempfile
-
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
-    old = None
-    try:
-        tensors = {k: mx.contiguous(v.astype(dtype)) for k, v in tensors.items()}
+    """Write config.json, model.safetensors and the tokenizer files as one folder, atomically
+    (`mlxtoy.fsutil.atomic_folder`: an existing `path` is replaced only once the new one is
+    complete)."""
+    tensors = {k: mx.contiguous(v.astype(dtype)) for k, v in tensors.items()}
+    with atomic_folder(path) as tmp:
         mx.save_safetensors(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        if tokenizer is not None and hasattr(tokenizer, "to_hf_tokenizer_json"):
+        if tokenizer is not None:
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 f.write(tokenizer.to_hf_tokenizer_json())
-            if hasattr(tokenizer, "to_hf_tokenizer_config"):
-                tok_cfg = tokenizer.to_hf_tokenizer_config()  # names the tokenizer class too
-            else:
-                tok_cfg = {"chat_template": tokenizer.chat_template,
-                           "add_bos_token": bool(getattr(tokenizer, "add_bos", False))}
-                for key, tid in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)):
-                    if tid is not None:
-                        tok_cfg[key] = tokenizer.decode([tid])
+            tok_cfg = tokenizer.to_hf_tokenizer_config()  # names the tokenizer class too
             with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
                 json.dump(tok_cfg, f, indent=2)
-        if os.path.isdir(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
-            os.replace(path, os.path.join(old, "previous"))
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not os.path.exists(path):
-            os.replace(os.path.join(old, "previous"), path)  # put the previous folder back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

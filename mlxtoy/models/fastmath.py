@@ -12,6 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxtoy import backend
+
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 split in two so n * ln2 stays exact in float32
 _LN2_LO = 1.428606765330187045e-06
@@ -54,8 +56,6 @@ def silu(x: mx.array) -> mx.array:
 
 
 def _on_cpu() -> bool:
-    from mlxtoy import backend
-
     return backend.INFO.device == "cpu" and backend.os.environ.get("MLXTOY_FAST_MATH", "1") != "0"
 
 

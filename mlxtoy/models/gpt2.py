@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.models.llama import Block as LlamaBlock
-from mlxtoy.models.llama import HeadProjection, LlamaModel, _explicit_attention
+from mlxtoy.models.llama import HeadProjection, LlamaModel, explicit_attention
 
 LEARNED_POS_ARCHS = ("gpt2", "tiny")
 
@@ -54,7 +54,7 @@ class Attention(nn.Module):
         if mask is None:
             mask = "causal" if T > 1 else None
         if head_taps is not None:
-            heads = _explicit_attention(q, k, v, self.scale, mask, head_taps)
+            heads = explicit_attention(q, k, v, self.scale, mask, head_taps)
         else:
             heads = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o(heads.transpose(0, 2, 1, 3).reshape(B, T, -1))
@@ -112,7 +112,7 @@ class GPT2Model(LearnedPosTransformer):
         super().__init__(cfg, norm=lambda: nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps), bias=True)
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def learned_pos_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter name -> shape for a learned-position model: GPT-2 (biases everywhere,
     LayerNorm) or the reference TransformerLM (arch "tiny": no biases, RMSNorm)."""
     bias = norm_bias = cfg.arch == "gpt2"

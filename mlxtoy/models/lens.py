@@ -9,7 +9,8 @@ unembedding. Export folds the lens exactly into a standard table (the seed's fol
 
 `ProjectionLens` replaces `model.tok_embeddings` and behaves like nn.Embedding (call on
 tokens, `as_linear`, and a read-only `weight` that is the folded table), so the model, the
-trainer, generation and the exporters need not know a lens is there.
+trainer, generation and the exporters need not know a lens is there. Reading a donor table
+from a model (`load_donor`, `attach_lens`) is assembly: `mlxtoy.loading`.
 
 W_proj starts as the donor's top-d_model principal directions, so E keeps as much of the
 donor's geometry as d_model dimensions can hold ("random": a random projection), scaled so
@@ -28,16 +29,14 @@ never uses. Measured (SmolLM2 donor, 256-wide 2-layer model, the bundled corpus,
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from mlxtoy.errors import UserError
+from mlxtoy.models.init import EMBED_STD
 
 LENS_INITS = ("pca", "random")
-EMBED_STD = 0.02  # the from-scratch init's embedding scale (mlxtoy.train.trainer.init_scratch)
 
 
 class ProjectionLens(nn.Module):
@@ -159,35 +158,3 @@ def fold_lens(model: nn.Module) -> nn.Module:
 
 def has_lens(model: nn.Module) -> bool:
     return isinstance(getattr(model, "tok_embeddings", None), ProjectionLens)
-
-
-def load_donor(model_arg: str) -> tuple[mx.array, Any]:
-    """MODEL (.gguf, HF folder or built-in name) -> (its token embedding table (vocab, d_in)
-    in float32, its tokenizer). Only that one tensor is read from a GGUF."""
-    from mlxtoy.io.registry import resolve_model
-
-    kind, path = resolve_model(model_arg)
-    if kind == "gguf":
-        from mlxtoy.io.gguf_read import dequantize_tensor, open_gguf, read_metadata
-        from mlxtoy.io.tokenizer import Tokenizer
-
-        reader = open_gguf(path)
-        md = read_metadata(reader)
-        t = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        if t is None:
-            raise UserError(f"{path}: no token_embd.weight tensor to use as a donor table")
-        table = mx.array(np.ascontiguousarray(dequantize_tensor(t, path), dtype=np.float32))
-        return table, Tokenizer.from_gguf_metadata(md, source=path)
-    from mlxtoy.loading import load_weights
-
-    _, weights, _, tokenizer = load_weights(model_arg, mx.float32)
-    return weights["tok_embeddings.weight"], tokenizer
-
-
-def attach_lens(model: nn.Module, donor_source: str, tokenizer=None, seed: int = 0,
-                init: str = "pca") -> dict[str, Any]:
-    """Load the donor table of `donor_source` and put a lens on `model`; -> facts to record
-    (so a run reloads the same lens: `attach_lens(model, info["donor"], ...)`)."""
-    donor, _ = load_donor(donor_source)
-    apply_lens(model, donor, tokenizer, init=init, seed=seed, source=donor_source)
-    return {"donor": donor_source, "d_in": int(donor.shape[1]), "init": init}

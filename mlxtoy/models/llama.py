@@ -129,14 +129,14 @@ class Attention(nn.Module):
         if mask is None:
             mask = "causal" if T > 1 else None
         if head_taps is not None:
-            heads = _explicit_attention(q, k, v, self.scale, mask, head_taps)
+            heads = explicit_attention(q, k, v, self.scale, mask, head_taps)
         else:
             # GQA is native: the kernel maps Q head h to KV head h // group_size.
             heads = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o(heads.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
-def _explicit_attention(q, k, v, scale, mask, head_taps: dict) -> mx.array:
+def explicit_attention(q, k, v, scale, mask, head_taps: dict) -> mx.array:
     """Attention with the weights materialized, for per-head taps (entropy, output norm)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
@@ -237,6 +237,34 @@ class LlamaModel(nn.Module):
 def _wants_layer(taps: dict, i: int) -> bool:
     layers = taps.get("_layers")
     return layers is None or i in layers
+
+
+def llama_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape for a llama / qwen2 model (`LlamaModel`)."""
+    d, h, kv, dh, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_ff
+    shapes: dict[str, tuple[int, ...]] = {
+        "tok_embeddings.weight": (cfg.vocab_size, d),
+        "norm.weight": (d,),
+    }
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (d,),
+            p + "attn.q.weight": (h, dh, d),
+            p + "attn.k.weight": (kv, dh, d),
+            p + "attn.v.weight": (kv, dh, d),
+            p + "attn.o.weight": (d, h * dh),
+            p + "ffn_norm.weight": (d,),
+            p + "ffn.gate.weight": (ff, d),
+            p + "ffn.up.weight": (ff, d),
+            p + "ffn.down.weight": (d, ff),
+        })
+        if cfg.qkv_bias:
+            shapes.update({p + "attn.q.bias": (h, dh), p + "attn.k.bias": (kv, dh),
+                           p + "attn.v.bias": (kv, dh)})
+    return shapes
 
 
 def block_causal_mask(segment_ids: mx.array) -> mx.array:

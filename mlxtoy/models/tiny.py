@@ -25,9 +25,6 @@ from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.models.gpt2 import LearnedPosTransformer
 
-CHAR_TOKENIZERS = ("char", "byte")  # tokenizer specs a scratch run may name instead of a model
-
-
 class TinyLM(LearnedPosTransformer):
     # generation may run past context_length: see the module docstring
     sliding_window = True
@@ -65,7 +62,6 @@ class TinyLM(LearnedPosTransformer):
         first.window_tokens = seen
         return h
 
-
 def scratch_model_config(vocab_size: int, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
                          d_ff: int | None = None, context_length: int = 128,
                          norm_eps: float = 1e-5) -> ModelConfig:
@@ -76,56 +72,3 @@ def scratch_model_config(vocab_size: int, d_model: int = 128, n_layers: int = 4,
                        n_heads=n_heads, n_kv_heads=n_heads, d_head=d_model // n_heads,
                        d_ff=d_ff or 4 * d_model, norm_eps=norm_eps, rope_dims=0,
                        tie_embeddings=True, context_length=context_length)
-
-
-def init_weights(model: LearnedPosTransformer, seed: int = 0, init_scale: float = 1.0) -> None:
-    """The seed's from-scratch init: norms 1, biases 0, embeddings (token and position)
-    N(0, 0.02), matmul weights N(0, init_scale / sqrt(fan_in)); deterministic from `seed`."""
-    import math
-
-    from mlx.utils import tree_flatten
-
-    params = sorted(tree_flatten(model.parameters()))
-    keys = mx.random.split(mx.random.key(seed), len(params))
-    new = []
-    for k, (name, p) in zip(keys, params):
-        if "norm." in name and name.endswith(".weight"):
-            v = mx.ones(p.shape)
-        elif name.endswith(".bias"):
-            v = mx.zeros(p.shape)
-        elif "embeddings" in name:
-            v = 0.02 * mx.random.normal(p.shape, key=k)
-        else:
-            v = (init_scale / math.sqrt(p.shape[-1])) * mx.random.normal(p.shape, key=k)
-        new.append((name, v.astype(p.dtype)))
-    model.load_weights(new)
-    mx.eval(model.parameters())
-
-
-def char_tokenizer_for(spec: str, data_path: str | None = None):
-    """`char` (vocabulary = the characters of the training text) or `byte` -> CharTokenizer."""
-    from mlxtoy.io.char_tokenizer import CharTokenizer
-
-    if spec == "byte":
-        return CharTokenizer("byte")
-    if spec != "char":
-        raise UserError(f"unknown character tokenizer {spec!r} (choose from {', '.join(CHAR_TOKENIZERS)})")
-    if not data_path:
-        raise UserError("a char tokenizer is built from the training text: give --data")
-    return CharTokenizer.from_text(corpus_text(data_path), "char")
-
-
-def corpus_text(path: str) -> str:
-    """Every string in the data (file or folder; .txt / .jsonl) joined, for a char vocabulary."""
-    from mlxtoy.train.data import read_data
-
-    raw = read_data(path)
-    parts: list[str] = []
-    for rec in raw.train + (raw.valid or []) + raw.test:
-        v = rec.value
-        if isinstance(v, str):
-            parts.append(v)
-        elif isinstance(v, (tuple, list)):
-            for item in v:
-                parts.append(item["content"] if isinstance(item, dict) else str(item))
-    return "".join(parts)

@@ -200,9 +200,9 @@ class Renderer:
     def __init__(self, tokenizer, mask_prompt: bool = True):
         self.tok = tokenizer
         self.mask_prompt = mask_prompt
-        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.has_template = bool(tokenizer.chat_template)
 
-    def _render(self, messages, add_generation_prompt: bool, where: str) -> list[int]:
+    def render(self, messages, add_generation_prompt: bool, where: str) -> list[int]:
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except UserError:
@@ -212,7 +212,7 @@ class Renderer:
         return self.tok.encode(text, add_bos=False)
 
     def _eos(self, ids: list[int]) -> list[int]:
-        eos = getattr(self.tok, "eos_id", None)
+        eos = self.tok.eos_id
         if eos is not None and (not ids or ids[-1] != eos):
             ids = ids + [eos]
         return ids
@@ -221,7 +221,7 @@ class Renderer:
         if not self.has_template:
             raise UserError(f"{where}: chat data needs a chat template, and this tokenizer has none "
                             f"(use {{\"text\"}} or {{\"prompt\",\"completion\"}})")
-        full = self._render(messages, False, where)
+        full = self.render(messages, False, where)
         loss = [not self.mask_prompt] * len(full)
         if self.mask_prompt:
             # Each assistant turn is what rendering messages[:i+1] adds to the rendering of
@@ -230,8 +230,8 @@ class Renderer:
             for i, m in enumerate(messages):
                 if m["role"] != "assistant":
                     continue
-                before = self._render(messages[:i], True, where) if i else []
-                through = full if i == len(messages) - 1 else self._render(messages[: i + 1], False, where)
+                before = self.render(messages[:i], True, where) if i else []
+                through = full if i == len(messages) - 1 else self.render(messages[: i + 1], False, where)
                 start, end = _common_prefix(before, full), _common_prefix(through, full)
                 for t in range(start, end):
                     loss[t] = True
@@ -256,12 +256,12 @@ class Renderer:
             msgs = rec.value
             last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
             if last is None:
-                return self._render(msgs, True, rec.where), None
-            return self._render(msgs[:last], True, rec.where), msgs[last]["content"]
+                return self.render(msgs, True, rec.where), None
+            return self.render(msgs[:last], True, rec.where), msgs[last]["content"]
         if rec.kind == "completion":
             prompt, answer = rec.value
             if self.has_template:
-                return self._render([{"role": "user", "content": prompt}], True, rec.where), answer
+                return self.render([{"role": "user", "content": prompt}], True, rec.where), answer
             return self.tok.encode(prompt), answer
         text = rec.value if isinstance(rec.value, str) else ""
         ids = self.tok.encode(text)

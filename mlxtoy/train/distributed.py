@@ -40,14 +40,20 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.train.checkpoint import RunDir
+from mlxtoy.events import Command
+from mlxtoy.rundir import RunDir
+from mlxtoy.train.checkpoint import flat_optimizer_state, restore_optimizer_state
+from mlxtoy.train.control import Control
+from mlxtoy.train.data import Batch
+from mlxtoy.train.job import Prepared, prepare
 
 TIMEOUT_ENV = "MLXTOY_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks
 _LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _BUCKET = 1 << 24  # elements per all-reduce (64 MB of float32): bounded extra memory
-_FLAGS = ("stop", "interrupted", "eval", "sample", "checkpoint")
+_FLAGS = ("stop", "interrupted", Command.EVAL, Command.SAMPLE, Command.CHECKPOINT)
 
 _ACTIVE: "Distributed | None" = None
 
@@ -101,23 +107,12 @@ def setup(requested: bool = False, timeout: float | None = None) -> "Distributed
 
 
 class PeerRunDir(RunDir):
-    """Rank > 0: rank 0 owns the run directory; this one writes nothing."""
+    """Rank > 0: rank 0 owns the run directory; this one reads its checkpoints list (for the
+    messages) but writes nothing (the writers check `read_only`)."""
 
     read_only = True
 
     def check_fresh(self) -> None:
-        pass
-
-    def create(self, cfg, resolved) -> None:
-        pass
-
-    def write_config(self, cfg, resolved) -> None:
-        pass
-
-    def append_event(self, line: str) -> None:
-        pass
-
-    def truncate_metrics(self, after_step: int) -> None:
         pass
 
     def clean_partial(self) -> None:
@@ -125,9 +120,6 @@ class PeerRunDir(RunDir):
 
     def checkpoints(self) -> list[tuple[int, str]]:
         return []
-
-    def save_checkpoint(self, state, trainable, optimizer_state, keep: int = 0) -> str:
-        return os.path.join(self.checkpoints_dir, f"step_{state.step}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +214,7 @@ class Distributed:
             raise UserError(f"--batch-size {batch_size} is not divisible by the {self.size} ranks "
                             f"(each rank trains batch_size / ranks rows of every global batch)")
 
-    def shard(self, batch):
+    def shard(self, batch: Batch) -> Batch:
         """This rank's rows of a global batch (rows may be none: a short last eval batch)."""
         n = batch.inputs.shape[0]
         lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
@@ -233,13 +225,10 @@ class Distributed:
                                    n_loss=int(w.sum()))
 
     # ---- setup
-    def prepare(self, build: Callable[[], tuple[Any, bool]]):
-        """trainer.prepare for every rank: rank 0 resolves the config (flags, --config, or
+    def prepare(self, build: Callable[[], tuple[TrainConfig, bool]]) -> Prepared:
+        """The job's prepare for every rank: rank 0 resolves the config (flags, --config, or
         the run's own config on --resume) and owns the run directory; the others receive the
         config and load the same model and data (the paths must exist on every machine)."""
-        from mlxtoy.config import TrainConfig
-        from mlxtoy.train import trainer
-
         err = None
         payload: dict[str, Any] = {}
         if self.is_main:
@@ -260,11 +249,12 @@ class Distributed:
         p, err = None, None
         try:
             if self.is_main:
-                p = trainer.prepare(cfg, resume)
-                p.resolved["world_size"] = self.size
-                p.run.write_config(p.cfg, p.resolved)
-            else:
-                p = self._prepare_peer(cfg)
+                p = prepare(cfg, resume)
+                p.facts.world_size = self.size
+                p.run.write_config(p.cfg, p.facts)
+            else:  # rank 0's checkpoint reaches this rank in sync_start
+                p = prepare(cfg, resume, run=PeerRunDir(cfg.out))
+                p.resume_from = None
         except UserError as e:
             err = e
         bad = self.all_ok(err is None, "setting up the ranks")
@@ -275,24 +265,10 @@ class Distributed:
                                    f"error above); stopping")
         return p
 
-    def _prepare_peer(self, cfg):
-        # trainer.prepare without the run directory (rank 0 owns it)
-        from mlxtoy.train import trainer
-        from mlxtoy.train.data import load_dataset, read_data
-
-        cfg.validate()
-        raw = read_data(cfg.data)
-        model, tokenizer, resolved = trainer.build_model(cfg)
-        dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
-                               cfg.seed, raw=raw)
-        return trainer.Prepared(cfg, PeerRunDir(cfg.out), model, tokenizer, dataset, resolved, None)
-
     def sync_start(self, model, optimizer, resumed: bool,
                    counters: tuple[int, int, float, int]) -> tuple[int, int, float, int]:
         """Give every rank rank 0's starting point: on resume its checkpoint (trainable
         weights, optimizer state, RNG key, data position); always check that the weights agree."""
-        from mlxtoy.train.checkpoint import flat_optimizer_state, restore_optimizer_state
-
         step, position, elapsed, tokens_seen = counters
         key = [int(v) for v in mx.random.state[0].tolist()]
         head = self.broadcast_json({"resumed": resumed, "step": step, "position": position,
@@ -319,10 +295,12 @@ class Distributed:
                                    f"model files or mlxtoy versions on the machines?)")
         return head["step"], head["position"], head["elapsed"], head["tokens_seen"]
 
-    def wrap(self, stepper, control, run: RunDir):
+    def attach(self, control: Control, run: RunDir) -> tuple["GradientAllReduce", "AgreedControl"]:
+        """The loop's hooks: a control whose decisions all ranks share, and the reducer that
+        shards batches and all-reduces gradients (carrying the control flags with them)."""
         self.run = run
         agreed = AgreedControl(control)
-        return DistributedStepper(stepper, self, agreed), agreed
+        return GradientAllReduce(self, agreed), agreed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,50 +309,26 @@ class Distributed:
 
 
 class AgreedControl:
-    """A TrainControl whose decisions (stop, eval/sample/checkpoint requests) are taken by all
+    """A Control whose decisions (stop, eval/sample/checkpoint requests) are taken by all
     ranks at the same step: local requests travel with the step's all-reduce."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: Control):
         self.inner = inner
+        self.stop_at = inner.stop_at
         self._stop: str | None = None
-        self._taken: set[str] = set()
+        self._taken: set[Command] = set()
 
-    # delegated
-    def pause(self) -> None:
-        self.inner.pause()
-
-    def resume(self) -> None:
-        self.inner.resume()
-
-    @property
-    def paused(self) -> bool:
-        return self.inner.paused
-
-    def wait_while_paused(self) -> None:
-        self.inner.wait_while_paused()
+    def wait_while_paused(self, step: int) -> None:
+        self.inner.wait_while_paused(step)
 
     def stop(self, reason: str = "stopped") -> None:
         self.inner.stop(reason)
 
-    def request_sample(self) -> None:
-        self.inner.request_sample()
-
-    def request_checkpoint(self) -> None:
-        self.inner.request_checkpoint()
-
-    def request_eval(self) -> None:
-        self.inner.request_eval()
-
-    @property
-    def stop_at(self):
-        return self.inner.stop_at
-
-    # agreed
     @property
     def stop_reason(self) -> str | None:
         return self._stop
 
-    def take(self, what: str) -> bool:
+    def take(self, what: Command) -> bool:
         if what in self._taken:
             self._taken.discard(what)
             return True
@@ -393,35 +347,27 @@ class AgreedControl:
         self._taken |= {w for w in _FLAGS[2:] if got[w] > 0}
 
 
-class DistributedStepper:
-    """Stepper over this rank's shard: local gradients, one all-reduce, the same update."""
+class GradientAllReduce:
+    """The Stepper's reducer across ranks: this rank's shard of each global batch, one
+    all-reduce of the gradients (with the loss and the control flags), the evaluation sums."""
 
-    def __init__(self, stepper, dist: Distributed, control: AgreedControl):
-        self.stepper, self.dist, self.control = stepper, dist, control
-        self.state = stepper.state
+    def __init__(self, dist: Distributed, control: AgreedControl):
+        self.dist, self.control = dist, control
         self.n_steps = 0
 
-    def __call__(self, batches: list) -> tuple[mx.array, mx.array]:
-        from mlxtoy.train.trainer import _batch_arrays
+    def shard(self, batch: Batch) -> Batch:
+        return self.dist.shard(batch)
 
-        s, dist = self.stepper, self.dist
+    def reduce(self, loss: mx.array, grads: Any) -> tuple[mx.array, Any]:
         self.n_steps += 1
-        # the one-process normalisation: trained tokens of the whole global batch
-        norm = mx.array(max(1, sum(b.n_loss for b in batches)), dtype=mx.float32)
-        total, grads = None, None
-        for b in batches:
-            inputs, targets, weights, segs = _batch_arrays(dist.shard(b), s.packed)
-            loss, g = s._micro(inputs, targets, weights, segs, norm)
-            total = loss if total is None else total + loss
-            grads = g if grads is None else _tree_add(grads, g)
-            mx.eval(total, grads)
         flat = tree_flatten(grads)
-        tail = mx.concatenate([total.reshape(1).astype(mx.float32), self.control.local_flags()])
+        tail = mx.concatenate([loss.reshape(1).astype(mx.float32), self.control.local_flags()])
         buckets = _buckets([v for _, v in flat] + [tail])
         t0 = time.perf_counter()
-        reduced = dist.all_sum([mx.concatenate([a.reshape(-1).astype(mx.float32) for a in bk])
-                                for bk in buckets], f"the gradient all-reduce (step {self.n_steps} of this process)")
-        dist.allreduce_seconds.append(time.perf_counter() - t0)
+        reduced = self.dist.all_sum([mx.concatenate([a.reshape(-1).astype(mx.float32) for a in bk])
+                                     for bk in buckets],
+                                    f"the gradient all-reduce (step {self.n_steps} of this process)")
+        self.dist.allreduce_seconds.append(time.perf_counter() - t0)
         values = []
         for bk, red in zip(buckets, reduced):
             off = 0
@@ -429,34 +375,16 @@ class DistributedStepper:
                 values.append(red[off: off + a.size].reshape(a.shape).astype(a.dtype))
                 off += a.size
         tail = values.pop()
-        grads = tree_unflatten([(k, v) for (k, _), v in zip(flat, values)])
         self.control.agree(tail[1:].tolist())
-        return tail[0], s._apply(grads)
+        return tail[0], tree_unflatten([(k, v) for (k, _), v in zip(flat, values)])
 
-    def evaluate(self, stream, n_batches: int) -> tuple[float, int]:
-        """The one-process mean: sums of token losses and token counts over all ranks."""
-        from mlxtoy.train.trainer import _batch_arrays
-
-        s, dist = self.stepper, self.dist
-        total, count = 0.0, 0
-        for b in stream.epoch_batches(n_batches):
-            part = dist.shard(b)
-            if part.inputs.shape[0] and part.n_loss:
-                inputs, targets, weights, segs = _batch_arrays(part, s.packed)
-                total += s._eval(inputs, targets, weights, segs).item()
-            count += part.n_loss
+    def reduce_eval(self, total: float, count: int) -> tuple[float, int]:
+        """The one-process mean's parts: sums of token losses and token counts over all ranks."""
         hi = np.float32(total)
         lo = np.float32(total - float(hi))  # float32 all-reduce without losing the float64 sum
-        sums, counts = dist.all_sum([mx.array([float(hi), float(lo)], dtype=mx.float32), mx.array([count], dtype=mx.int32)], "evaluation")
-        total = float(np.float64(sums[0].item()) + np.float64(sums[1].item()))
-        count = int(counts[0].item())
-        return (total / count if count else float("nan")), count
-
-
-def _tree_add(a, b):
-    from mlx.utils import tree_map
-
-    return tree_map(mx.add, a, b)
+        sums, counts = self.dist.all_sum([mx.array([float(hi), float(lo)], dtype=mx.float32),
+                                          mx.array([count], dtype=mx.int32)], "evaluation")
+        return float(np.float64(sums[0].item()) + np.float64(sums[1].item())), int(counts[0].item())
 
 
 def _buckets(arrays: list[mx.array]) -> list[list[mx.array]]:

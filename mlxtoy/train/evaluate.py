@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxtoy.errors import UserError
+from mlxtoy.generate import stream_generate
 from mlxtoy.train.data import Record, Renderer
 
 
@@ -44,8 +45,6 @@ def prompt_text(rec: Record) -> str:
 def _answer(model, tokenizer, ids: list[int], expected: str, max_tokens: int, full: bool) -> str:
     """Greedy answer; unless `full`, stop as soon as it can no longer equal `expected` (an
     exact-match score does not need the rest, and a wrong base model is slow to finish)."""
-    from mlxtoy.generate import stream_generate
-
     want = _normalize(expected)
     text = ""
     for chunk in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, temp=0.0):

@@ -1,17 +1,17 @@
 """The trainer as a child process: `python -m mlxtoy.train.remote --config JSON`.
 
-Protocol (what the TUI, or any other front end, speaks):
-- stdout: one mlxtoy.events object per line, as JSON (the same lines as metrics.jsonl, plus
-  `log` lines "paused at step N" / "resumed at step N" when the loop actually pauses).
-  Nothing else is ever written there: stray prints go to stderr.
-- stdin: one command per line, `{"cmd": "pause"}` (or just `pause`); commands: pause, resume,
-  stop, sample, checkpoint, eval. Samples, checkpoints and evals happen after the current step;
-  stop saves a checkpoint and ends the run. End of input (the front end went away) = stop.
+Protocol (what the TUI, or any other front end, speaks; the types live in mlxtoy.events):
+- stdout: one event per line, as JSON (the same lines as metrics.jsonl, plus `status` events
+  when the loop really pauses or resumes). Nothing else is ever written there: stray prints
+  go to stderr.
+- stdin: one `Command` per line, `{"cmd": "pause"}` (or just `pause`). Samples, checkpoints
+  and evals happen after the current step; stop saves a checkpoint and ends the run. End of
+  input (the front end went away) = stop.
 - exit code: 0 finished or stopped, 2 bad input (an `error` log event and `error: ...` on
   stderr), 1 internal error or a non-finite loss, 130 interrupted.
 
 `--config` is a JSON object of TrainConfig fields, or a path to a .json / .yaml file of them.
-Only the trainer's public API is used: `prepare`, `train`, `TrainControl`, `TapsProbe`.
+It runs the same job as `mlxtoy train` (mlxtoy.train.job).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import traceback
 from typing import Any, TextIO
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
-from mlxtoy.config import TrainConfig
+from mlxtoy.config import TrainConfig, load_yaml
 from mlxtoy.errors import UserError
-from mlxtoy.events import DoneEvent, Event, LogEvent
-from mlxtoy.taps import make_taps_hook
-from mlxtoy.train.trainer import TrainControl
+from mlxtoy.events import Command, Event, LogEvent
+from mlxtoy.train.control import TrainControl
+from mlxtoy.train.job import resume_config, run_job
 
-COMMANDS = ("pause", "resume", "stop", "sample", "checkpoint", "eval")
+
 class EventWriter:
     """Events -> JSON lines on the protocol stream, one whole line at a time."""
 
@@ -56,53 +56,22 @@ class EventWriter:
         self(LogEvent(message=message, level=level))
 
 
-class RemoteControl(TrainControl):
-    """TrainControl that reports when the loop really pauses and resumes."""
-
-    def __init__(self, writer: EventWriter):
-        super().__init__()
-        self.writer = writer
-
-    def wait_while_paused(self) -> None:
-        if not self.paused:
-            return
-        self.writer.log(f"paused at step {self.writer.step}")
-        super().wait_while_paused()
-        if not self.stop_reason:
-            self.writer.log(f"resumed at step {self.writer.step}")
-
-
 def read_commands(stream: TextIO, control: TrainControl, writer: EventWriter) -> None:
     """Apply commands from `stream` until it ends; then stop (the front end went away)."""
     for line in stream:
-        line = line.strip()
-        if not line:
+        if not line.strip():
             continue
-        try:
-            cmd = json.loads(line).get("cmd") if line.startswith("{") else line
-        except (json.JSONDecodeError, AttributeError):
-            cmd = None
-        if cmd == "pause":
-            control.pause()
-        elif cmd == "resume":
-            control.resume()
-        elif cmd == "stop":
-            control.stop("stopped")
-        elif cmd == "sample":
-            control.request_sample()
-        elif cmd == "checkpoint":
-            control.request_checkpoint()
-        elif cmd == "eval":
-            control.request_eval()
+        cmd = Command.parse(line)
+        if cmd is None:
+            writer.log(f"unknown command {line.strip()[:80]!r} "
+                       f"(commands: {', '.join(c.value for c in Command)})", "warning")
         else:
-            writer.log(f"unknown command {line[:80]!r} (commands: {', '.join(COMMANDS)})", "warning")
+            control.apply(cmd)
     control.stop("stopped")
 
 
 def load_config(text: str) -> dict[str, Any]:
     """--config (a JSON object, or a .json / .yaml file) -> the dict of TrainConfig fields."""
-    from mlxtoy.config import load_yaml
-
     if text.lstrip().startswith("{"):
         try:
             data = json.loads(text)
@@ -138,28 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
 
     writer = EventWriter(events_out)
-    control = RemoteControl(writer)
+    control = TrainControl(on_status=writer)
     threading.Thread(target=read_commands, args=(sys.stdin, control, writer), daemon=True,
                      name="commands").start()
-    try:
-        from mlxtoy.train.trainer import prepare, resume_config, train
 
+    def build() -> tuple[TrainConfig, bool]:
         data = load_config(args.config)
         if args.resume:  # the run's own config, with only the fields given here changed
             cfg = resume_config(data.get("out", ""), {k: v for k, v in data.items() if k != "out"})
         else:
             cfg = TrainConfig.from_dict(data, source="--config")
         writer.log(f"loading {cfg.model} and reading {cfg.data}")
-        p = prepare(cfg, resume=args.resume)
-        hook = make_taps_hook(p.tokenizer, p.dataset, cfg.taps_every) if cfg.taps_every > 0 else None
-        if control.stop_reason:  # stopped while loading: nothing trained, nothing to save
-            done = DoneEvent(step=0, reason="stopped")
-            p.run.append_event(done.to_json())
-            writer.log("stopped before training started")
-            writer(done)
-            return 0
-        result = train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, resolved=p.resolved,
-                       resume_from=p.resume_from, on_event=writer, control=control, taps_hook=hook)
+        return cfg, args.resume
+
+    try:
+        job = run_job(build, emit=writer, control=control)
     except UserError as e:
         writer.log(str(e), "error")
         print(f"error: {e}", file=sys.stderr)
@@ -173,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         sys.stderr.flush()
-    print(result.message, file=sys.stderr)
-    return {"finished": 0, "stopped": 0, "interrupted": 130}.get(result.reason, 1)
+    print(job.result.message, file=sys.stderr)
+    return job.exit_code
 
 
 if __name__ == "__main__":

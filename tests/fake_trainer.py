@@ -1,8 +1,9 @@
-"""A stand-in trainer that speaks the same protocol as `python -m mlxtoy.train.remote`.
+"""A test double that speaks the same protocol as `python -m mlxtoy.train.remote`.
 
-`fake_events()` is a deterministic event sequence (fixed times) for snapshot tests and demos;
-`python -m tui.fake_trainer --config JSON` streams such events on stdout at a chosen pace and
-obeys pause / resume / stop / sample / checkpoint commands on stdin, without MLX or a model.
+`fake_events()` is a deterministic event sequence (fixed times) for snapshot tests;
+`python tests/fake_trainer.py --config JSON` streams such events on stdout at a chosen pace and
+obeys the mlxtoy.events Commands on stdin, without a model. Its checkpoint paths are the real
+layout's (mlxtoy.rundir), so tests that follow them see what a real run writes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import sys
 import threading
 import time
 from typing import Any, Iterator
+
+from mlxtoy.events import PAUSED, RUNNING, Command
+from mlxtoy.rundir import CHECKPOINTS, checkpoint_name
 
 SITES = ("attn_norm", "ffn_out", "resid_post")
 T0 = 1_700_000_000.0  # a fixed clock so snapshots are identical run to run
@@ -63,9 +67,13 @@ def fake_events(steps: int = 30, n_layers: int = 6, eval_every: int = 10, taps_e
             yield ev("sample", step, step=step, prompt="What is the capital of France?",
                      text=f"The capital of France is Paris. (sample at step {step})")
         if save_every and step % save_every == 0:
-            yield ev("checkpoint", step, step=step, path=f"{run_dir}/checkpoints/step-{step:06d}")
+            yield ev("checkpoint", step, step=step, path=_ckpt(run_dir, step))
     if done:
         yield ev("done", steps, step=steps, reason="finished", final_path=run_dir)
+
+
+def _ckpt(run_dir: str, step: int) -> str:
+    return f"{run_dir}/{CHECKPOINTS}/{checkpoint_name(step)}"
 
 
 class _Control:
@@ -77,21 +85,15 @@ class _Control:
 
     def read_commands(self, stream) -> None:
         for line in stream:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                cmd = json.loads(line).get("cmd", "") if line.startswith("{") else line
-            except json.JSONDecodeError:
-                continue
-            if cmd == "pause":
+            cmd = Command.parse(line)
+            if cmd is Command.PAUSE:
                 self.paused.set()
-            elif cmd == "resume":
+            elif cmd is Command.RESUME:
                 self.paused.clear()
-            elif cmd == "stop":
+            elif cmd is Command.STOP:
                 self.stop.set()
                 self.paused.clear()
-            elif cmd in ("sample", "checkpoint"):
+            elif cmd in (Command.SAMPLE, Command.CHECKPOINT):
                 with self.lock:
                     self.requests.append(cmd)
         self.stop.set()  # the UI went away: stop (and save) like a real trainer would
@@ -132,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                           save_every=int(cfg.get("save_every", 20)), run_dir=run_dir, done=False):
         while ctl.paused.is_set() and not ctl.stop.is_set():
             if not was_paused:
-                emit({"event": "log", "message": f"paused at step {step}", "level": "info"})
+                emit({"event": "status", "step": step, "state": PAUSED})
                 was_paused = True
             for req in ctl.take():
                 emit(_serve(req, step, run_dir))
             time.sleep(0.02)
         if was_paused:
-            emit({"event": "log", "message": f"resumed at step {step}", "level": "info"})
+            emit({"event": "status", "step": step, "state": RUNNING})
             was_paused = False
         if ctl.stop.is_set():
             break
@@ -149,15 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         for req in ctl.take():
             emit(_serve(req, step, run_dir))
     reason = "stopped" if ctl.stop.is_set() else "finished"
-    emit({"event": "checkpoint", "step": step, "path": f"{run_dir}/checkpoints/step-{step:06d}"})
+    emit({"event": "checkpoint", "step": step, "path": _ckpt(run_dir, step)})
     emit({"event": "done", "step": step, "reason": reason, "final_path": run_dir})
     return 0
 
 
-def _serve(req: str, step: int, run_dir: str) -> dict[str, Any]:
-    if req == "sample":
+def _serve(req: Command, step: int, run_dir: str) -> dict[str, Any]:
+    if req is Command.SAMPLE:
         return {"event": "sample", "step": step, "prompt": "Hello", "text": f"Hello from step {step}."}
-    return {"event": "checkpoint", "step": step, "path": f"{run_dir}/checkpoints/step-{step:06d}"}
+    return {"event": "checkpoint", "step": step, "path": _ckpt(run_dir, step)}
 
 
 if __name__ == "__main__":

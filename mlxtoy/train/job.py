@@ -1,0 +1,199 @@
+"""The training job: the one orchestration that the CLI, data-parallel ranks and the TUI's
+trainer process all run.
+
+    prepare (validate, read data, build the model, create or reopen the run directory)
+    -> taps hook -> held-out accuracy before -> train -> accuracy after -> summary, exit code
+
+`run_job` takes where its events go (`emit`), what controls it (`control`) and, for
+data-parallel training, the `Parallel` group; it returns a `JobResult` whose `exit_code`
+follows the CLI contract (0 finished or stopped, 1 non-finite loss, 130 interrupted). Bad
+input raises UserError before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import mlx.nn as nn
+
+from mlxtoy.config import TrainConfig
+from mlxtoy.errors import UserError
+from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
+from mlxtoy.rundir import ACCURACY, RunDir, RunFacts
+from mlxtoy.taps import PROBE_TEXT, TapsProbe
+from mlxtoy.train.build import build_model
+from mlxtoy.train.control import Control, TrainControl
+from mlxtoy.train.data import Dataset, Renderer, load_dataset, read_data
+from mlxtoy.train.evaluate import AccuracyReport, accuracy
+from mlxtoy.train.loop import Parallel, TrainResult, train
+
+# fields that change the shape of what a checkpoint holds; a resume may not change them
+STRUCTURAL = ("method", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
+              "lora_layers", "train_embeddings", "train_norm", "train_output", "d_model",
+              "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "tie_embeddings")
+EXIT_CODES = {"finished": 0, "stopped": 0, "interrupted": 130, "nan": 1}
+
+
+def resume_config(run_path: str, overrides: dict[str, Any]) -> TrainConfig:
+    """The config of an existing run with `overrides` applied (structural changes refused)."""
+    run = RunDir(run_path)
+    if not run.is_run():
+        raise UserError(f"{run_path}: not a training run (nothing to resume)")
+    cfg, _ = run.read_config()
+    for k, v in overrides.items():
+        if k == "out":
+            if v and RunDir(v).path != run.path:
+                raise UserError(f"--resume continues the run in place; --out {v} differs from {run_path}")
+            continue
+        if k in STRUCTURAL and v != getattr(cfg, k):
+            raise UserError(f"cannot change {k} when resuming ({getattr(cfg, k)!r} -> {v!r})")
+        setattr(cfg, k, v)
+    cfg.out = run.path
+    cfg.__post_init__()
+    return cfg
+
+
+@dataclass
+class Prepared:
+    cfg: TrainConfig
+    run: RunDir
+    model: nn.Module
+    tokenizer: Any
+    dataset: Dataset
+    facts: RunFacts
+    resume_from: str | None
+
+
+def load_parts(cfg: TrainConfig) -> tuple[nn.Module, Any, Dataset, RunFacts]:
+    """Validate, read the data (format errors, file:line, before the model loads), build the
+    model and tokenize: everything but the run directory."""
+    cfg.validate()
+    raw = read_data(cfg.data)
+    model, tokenizer, facts = build_model(cfg)
+    dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
+                           cfg.seed, raw=raw)
+    facts.data = {"train_examples": len(dataset.train), "valid_examples": len(dataset.valid),
+                  "test_examples": len(dataset.test), "truncated": dataset.train_stats.truncated}
+    return model, tokenizer, dataset, facts
+
+
+def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -> Prepared:
+    """Validate, read data, build the model; create the run directory only when all is well."""
+    cfg.validate()
+    run = run or RunDir(cfg.out)
+    resume_from = None
+    if resume:
+        run.clean_partial()
+        resume_from = run.latest_checkpoint()
+        if resume_from is None and not run.read_only:
+            raise UserError(f"{run.path}: no complete checkpoint to resume from")
+    else:
+        run.check_fresh()
+    model, tokenizer, dataset, facts = load_parts(cfg)
+    if resume and not run.read_only:  # what the checkpoints were written for stays as it was
+        _, old = run.read_config()
+        facts = old.merged(facts, keep=("lora", "model_config"))
+    if not run.read_only:
+        run.create(cfg, facts)
+    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from)
+
+
+class JobParallel(Parallel, Protocol):
+    """Data-parallel training as the job sees it: every rank prepares (rank 0 owns the run)."""
+
+    is_main: bool
+    size: int
+
+    def prepare(self, build: Callable[[], tuple[TrainConfig, bool]]) -> Prepared: ...
+
+
+@dataclass
+class JobResult:
+    result: TrainResult
+    summary: dict[str, Any]
+    exit_code: int
+    accuracy_before: AccuracyReport | None = None
+    accuracy_after: AccuracyReport | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_job(build: Callable[[], tuple[TrainConfig, bool]], *, emit: Callable[[Event], None] | None = None,
+            control: Control | None = None, parallel: JobParallel | None = None,
+            on_accuracy: Callable[[str, AccuracyReport], None] | None = None,
+            handle_sigint: bool = True) -> JobResult:
+    """Build the config (`build` -> (config, resume?)), prepare, train, report.
+
+    emit: every event, besides metrics.jsonl (the run's own sink, rank 0 only).
+    on_accuracy("before" | "after", report): with --eval-accuracy, as soon as each is known.
+    """
+    if parallel is not None:
+        p = parallel.prepare(build)
+    else:
+        cfg, resume = build()
+        p = prepare(cfg, resume)
+    cfg, run = p.cfg, p.run
+    send = fan_out(None if run.read_only else MetricsSink(run), emit)
+    if parallel is not None:
+        send(LogEvent(message=f"data-parallel over {parallel.size} ranks: {cfg.batch_size // parallel.size} "
+                              f"of the {cfg.batch_size} rows of every batch per rank"))
+    control = control or TrainControl()
+    if control.stop_reason:  # stopped while loading: nothing trained, nothing to save
+        send(LogEvent(message="stopped before training started"))
+        done = DoneEvent(step=0, reason="stopped")
+        send(done)
+        result = TrainResult(run.path, 0, "stopped", message="stopped before training started")
+        return JobResult(result, _summary(result, parallel), 0)
+    main = parallel is None or parallel.is_main
+    hook = make_taps_hook(p.tokenizer, p.dataset, cfg.taps_every) if cfg.taps_every > 0 and main else None
+
+    def measure(label: str) -> AccuracyReport:
+        # every rank measures (the same greedy answers), so none waits at a collective
+        if label == "before":
+            send(LogEvent(message=f"measuring held-out accuracy before training "
+                                  f"({len(p.dataset.test)} test examples)"))
+        rep = accuracy(p.model, p.tokenizer, p.dataset.test, limit=cfg.accuracy_examples)
+        send(LogEvent(message=f"{label}: held-out accuracy {rep.accuracy:.1%} ({rep.correct}/{rep.total})"))
+        if on_accuracy is not None and main:
+            on_accuracy(label, rep)
+        return rep
+
+    before = measure("before") if cfg.eval_accuracy else None
+    result = train(cfg, p.model, p.tokenizer, p.dataset, run, facts=p.facts, resume_from=p.resume_from,
+                   emit=send, control=control, taps_hook=hook, handle_sigint=handle_sigint,
+                   parallel=parallel)
+    summary = _summary(result, parallel)
+    after = None
+    if cfg.eval_accuracy and result.reason == "finished":
+        after = measure("after")
+        summary["accuracy_before"], summary["accuracy_after"] = before.accuracy, after.accuracy
+        if not run.read_only:
+            run.write_json(ACCURACY, {"before": before.to_dict(), "after": after.to_dict()})
+    return JobResult(result, summary, EXIT_CODES.get(result.reason, 1), before, after)
+
+
+def make_taps_hook(tokenizer, dataset: Dataset, every: int) -> TapsProbe:
+    """A TapsProbe over a fixed text (the first validation prompt, else PROBE_TEXT)."""
+    tokens: list[int] = []
+    for rec in dataset.valid_records[:1]:
+        try:
+            tokens = Renderer(tokenizer).prompt_of(rec)[0]
+        except UserError:
+            tokens = []
+    if len(tokens) < 8:
+        tokens = tokenizer.encode(PROBE_TEXT)
+    return TapsProbe(tokens[:64], every, heads=False)
+
+
+def _summary(result: TrainResult, parallel: JobParallel | None) -> dict[str, Any]:
+    out = {"run": result.run_dir, "step": result.step, "reason": result.reason,
+           "result": result.final_path, "checkpoint": result.last_checkpoint,
+           "final_loss": result.losses[-1] if result.losses else None, "val_loss": result.val_loss}
+    if parallel is not None:
+        out["world_size"] = parallel.size
+    return out
+
+
+def summary_json(job: JobResult) -> str:
+    return json.dumps(job.summary)
