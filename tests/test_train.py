@@ -691,6 +691,6 @@ def test_every_choice_field_refuses_an_unknown_value(name):
     method = f.metadata["methods"][0]
     good = TrainConfig(method=method)
     good.validate()  # positive control: the defaults pass
-    bad = TrainConfig(method=method, **{name: ["q", "zz"] if isinstance(getattr(good, name), list) else "zz"})
+    bad = TrainConfig(**{"method": method, name: ["q", "zz"] if isinstance(getattr(good, name), list) else "zz"})
     with pytest.raises(UserError, match=r"zz"):
         bad.validate()
