@@ -34,6 +34,7 @@ import yaml
 from mlxtoy.config import TrainConfig, load_yaml
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_folder, clean_temp, write_text_atomic
+from mlxtoy.textio import iter_lines, parse_json, read_json
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -91,11 +92,16 @@ class CheckpointState:
     @classmethod
     def read(cls, ckpt: str) -> "CheckpointState":
         path = os.path.join(ckpt, CKPT_STATE)
+        d = read_json(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                return cls(**json.load(f))
-        except (OSError, ValueError, TypeError) as e:
+            state = cls(**d)
+            ok = (isinstance(state.step, int) and state.step >= 0 and isinstance(state.data_position, int)
+                  and len(state.rng) == 2 and all(isinstance(v, int) for v in state.rng))
+        except TypeError as e:
             raise UserError(f"{path}: unreadable checkpoint state ({e})") from None
+        if not ok:
+            raise UserError(f"{path}: unreadable checkpoint state (bad values)")
+        return state
 
 
 @dataclass
@@ -220,17 +226,13 @@ class RunDir:
         if not os.path.exists(self.metrics_path):
             return
         kept = []
-        with open(self.metrics_path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a torn last line from a crash
-                if obj.get("step") is not None and obj["step"] > after_step:
-                    continue
-                if obj.get("event") == "done":
-                    continue
-                kept.append(line if line.endswith("\n") else line + "\n")
+        for obj in read_metrics(self.metrics_path):  # a torn or foreign line ends the history
+            step = obj.get("step")
+            if isinstance(step, (int, float)) and step > after_step:
+                continue
+            if obj.get("event") == "done":
+                continue
+            kept.append(json.dumps(obj, separators=(",", ":")) + "\n")
         write_text_atomic(self.metrics_path, "".join(kept))
 
     # ---- checkpoints
@@ -287,17 +289,16 @@ def locate(path: str) -> tuple[RunDir, str | None]:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """metrics.jsonl -> list of event dicts (tolerates a torn last line from a crash)."""
     out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
+    try:
+        for _, line in iter_lines(path):
+            if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
+            obj = parse_json(line, path)
+            if not isinstance(obj, dict):
                 break
-            if isinstance(obj, dict):
-                out.append(obj)
+            out.append(obj)
+    except UserError:  # not UTF-8 or not JSON: the history ends before that line
+        pass
     return out
 
 

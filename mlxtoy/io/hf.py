@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.textio import read_json
 from mlxtoy.fsutil import atomic_folder
 from mlxtoy.models.shapes import expected_shapes
 
@@ -103,11 +104,10 @@ def config_from_hf(cfg: dict[str, Any], path: str) -> ModelConfig:
 
 def read_hf_config(path: str) -> dict[str, Any]:
     cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{cfg_path}: cannot read ({e})") from None
+    cfg = read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def read_hf_tensors(path: str, strip_prefix: str = "") -> dict[str, mx.array]:

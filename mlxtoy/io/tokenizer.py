@@ -40,6 +40,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, processors
 
 from mlxtoy.errors import UserError
+from mlxtoy.textio import check_string
 from mlxtoy.io.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mlxtoy.io.llama_vocab import (BYTE_TOKEN, EOG_TEXTS, SPIECE_SPACE, TT_BYTE, TT_CONTROL,
                                    TT_NORMAL, TT_UNKNOWN, TT_UNUSED, TT_USER_DEFINED,
@@ -365,7 +366,11 @@ class Tokenizer:
         tokenized as plain text; user-defined tokens are still matched.
         """
         hf = self._hf if parse_special else self._literal()
-        ids = hf.encode(text, add_special_tokens=False).ids if text else []
+        try:
+            ids = hf.encode(text, add_special_tokens=False).ids if text else []
+        except TypeError:  # the Rust side refuses str it cannot encode: say which text
+            check_string(text, "text to tokenize")
+            raise
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if (self.add_eos if add_eos is None else add_eos) and self.eos_id is not None:

@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from mlxtoy.errors import UserError
+from mlxtoy.textio import check_string, iter_lines, parse_json, read_text
 
 PAD_MULTIPLE = 32  # batch widths are rounded up to this (few distinct shapes to compile)
 
@@ -53,6 +54,7 @@ def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
             raise UserError(f"{where}: message {i} needs 'role' and 'content'")
         if not isinstance(m["content"], str):
             raise UserError(f"{where}: message {i} 'content' must be a string")
+        check_string(m["content"], f"{where}: message {i}")
         out.append({"role": str(m["role"]), "content": m["content"]})
     return out
 
@@ -60,52 +62,41 @@ def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
 def parse_jsonl(path: str) -> list[Record]:
     records: list[Record] = []
     kind_seen: str | None = None
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if "messages" in obj:
-                rec = Record(where, "chat", _check_messages(obj["messages"], where))
-            elif "prompt" in obj or "completion" in obj:
-                for key in ("prompt", "completion"):
-                    if key not in obj:
-                        raise UserError(f"{where}: missing field '{key}'")
-                    if not isinstance(obj[key], str):
-                        raise UserError(f"{where}: field '{key}' must be a string")
-                rec = Record(where, "completion", (obj["prompt"], obj["completion"]))
-            elif "text" in obj:
-                if not isinstance(obj["text"], str):
-                    raise UserError(f"{where}: field 'text' must be a string")
-                rec = Record(where, "text", obj["text"])
-            else:
-                raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion' "
-                                f"or 'messages' (got {', '.join(sorted(obj)) or 'an empty object'})")
-            if kind_seen is not None and rec.kind != kind_seen:
-                raise UserError(f"{where}: mixes formats ({rec.kind} after {kind_seen})")
-            kind_seen = rec.kind
-            records.append(rec)
+    # one record per line; decoding and JSON errors name the line (mlxtoy.textio)
+    for lineno, line in iter_lines(path):
+        where = f"{path}:{lineno}"
+        if not line.strip():
+            continue
+        obj = parse_json(line, where)
+        if not isinstance(obj, dict):
+            raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if "messages" in obj:
+            rec = Record(where, "chat", _check_messages(obj["messages"], where))
+        elif "prompt" in obj or "completion" in obj:
+            for key in ("prompt", "completion"):
+                if key not in obj:
+                    raise UserError(f"{where}: missing field '{key}'")
+                if not isinstance(obj[key], str):
+                    raise UserError(f"{where}: field '{key}' must be a string")
+                check_string(obj[key], f"{where}: field '{key}'")
+            rec = Record(where, "completion", (obj["prompt"], obj["completion"]))
+        elif "text" in obj:
+            if not isinstance(obj["text"], str):
+                raise UserError(f"{where}: field 'text' must be a string")
+            check_string(obj["text"], f"{where}: field 'text'")
+            rec = Record(where, "text", obj["text"])
+        else:
+            raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion' "
+                            f"or 'messages' (got {', '.join(sorted(obj)) or 'an empty object'})")
+        if kind_seen is not None and rec.kind != kind_seen:
+            raise UserError(f"{where}: mixes formats ({rec.kind} after {kind_seen})")
+        kind_seen = rec.kind
+        records.append(rec)
     return records
 
 
 def parse_txt(path: str) -> list[Record]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = read_text(path)
     return [Record(f"{path}:1", "stream", text)] if text.strip() else []
 
 

@@ -13,6 +13,7 @@ input raises UserError before anything is written.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -92,12 +93,45 @@ def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -
     else:
         run.check_fresh()
     model, tokenizer, dataset, facts = load_parts(cfg)
+    check_fits(cfg, model)
     if resume and not run.read_only:  # what the checkpoints were written for stays as it was
         _, old = run.read_config()
         facts = old.merged(facts, keep=("lora", "model_config"))
     if not run.read_only:
         run.create(cfg, facts)
     return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from)
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def activation_bytes(cfg: TrainConfig, model: nn.Module) -> int:
+    """A floor for one micro-batch's activation memory kept for the backward pass: per layer
+    the residual-width tensors and the (rows, heads, T, T) attention scores, plus the logits
+    and their gradient. Real use is higher; this only has to catch what can never fit."""
+    m = model.config
+    rows, t = cfg.batch_size, cfg.seq_len
+    per_layer = rows * t * (8 * m.d_model + 3 * m.d_ff) + rows * m.n_heads * t * t
+    # with gradient checkpointing only each block's input is kept, and one block is redone
+    kept = m.n_layers * rows * t * m.d_model + per_layer if cfg.grad_checkpoint else m.n_layers * per_layer
+    return 4 * (kept + 2 * rows * t * m.vocab_size)
+
+
+def check_fits(cfg: TrainConfig, model: nn.Module) -> None:
+    """Refuse, before anything is written, shapes the model or the machine cannot take."""
+    context = model.config.context_length
+    if cfg.method != "scratch" and context and cfg.seq_len > context:
+        raise UserError(f"seq_len {cfg.seq_len} is longer than the model's context ({context} tokens)")
+    need, have = activation_bytes(cfg, model), physical_memory()
+    if have and need > have:
+        raise UserError(f"batch_size {cfg.batch_size} x seq_len {cfg.seq_len} needs at least "
+                        f"{need / 2**30:.1f} GiB for activations; this machine has "
+                        f"{have / 2**30:.1f} GiB (lower --batch-size or --seq-len, or use "
+                        f"--grad-accum / --grad-checkpoint)")
 
 
 class JobParallel(Parallel, Protocol):

@@ -35,6 +35,7 @@ from mlxtoy.train.step import Reducer, Stepper, make_optimizer
 
 # A taps hook gets (model, step) and returns an event (or events, or None) to emit.
 TapsHook = Callable[[nn.Module, int], "Event | list[Event] | None"]
+MAX_SKIPPED = 10  # --nonfinite skip: a run this many non-finite steps in a row stops anyway
 Counters = tuple[int, int, float, int]  # step, data position, elapsed seconds, tokens seen
 
 
@@ -125,7 +126,6 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     model.train()
     mx.eval(model.parameters(), optimizer.state)
     stepper = Stepper(model, optimizer, cfg, packed, reducer)
-    clip_off = cfg.grad_clip <= 0
 
     losses: list[float] = []
     last_ckpt = run.latest_checkpoint()
@@ -179,6 +179,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     reason = "finished"
     t_start = time.perf_counter()
     window: list[float] = []
+    skipped = 0  # non-finite steps in a row (--nonfinite skip)
     in_update = False
     old_handler = None
     if handle_sigint and threading.current_thread() is threading.main_thread():
@@ -204,15 +205,21 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
             step += 1
             position += cfg.grad_accum
             in_update = False
-            loss_v = loss.item()
+            loss_v, gnorm_v = loss.item(), gnorm.item()
             dt = time.perf_counter() - t0
             n_tokens = sum(b.n_tokens for b in batches)
             tokens_seen += n_tokens
-            if not math.isfinite(loss_v):
+            if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):  # the step was not applied
+                skipped += 1
+                what = f"loss {loss_v}, gradient norm {gnorm_v}"
+                if cfg.nonfinite == "skip" and skipped <= MAX_SKIPPED:
+                    log(f"step {step} skipped ({what}); its update was not applied", "warning")
+                    continue
                 reason = "nan"
-                log(f"loss is {loss_v} at step {step}: stopping; the last good checkpoint is "
-                    f"{last_ckpt or 'none'} (try a lower --lr or --grad-clip)", "error")
+                log(f"{what} at step {step}: stopping without applying it; the last good "
+                    f"checkpoint is {last_ckpt or 'none'} (try a lower --lr or --grad-clip)", "error")
                 break
+            skipped = 0
             losses.append(loss_v)
             window = (window + [dt])[-20:]
             lr = float(optimizer.learning_rate.item()) if isinstance(optimizer.learning_rate, mx.array) else float(optimizer.learning_rate)
@@ -220,7 +227,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
                            tokens_per_sec=n_tokens / dt if dt > 0 else 0.0,
                            elapsed=elapsed_before + time.perf_counter() - t_start,
                            eta=(cfg.steps - step) * (sum(window) / len(window)),
-                           peak_memory_gb=mx.get_peak_memory() / 1e9, grad_norm=None if clip_off else gnorm.item()))
+                           peak_memory_gb=mx.get_peak_memory() / 1e9, grad_norm=gnorm_v))
             last = step == cfg.steps
             if (cfg.eval_every and step % cfg.eval_every == 0) or control.take(Command.EVAL) or (last and cfg.eval_every >= 0):
                 evaluate(step)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from mlxtoy.config import TrainConfig
 from mlxtoy.models.llama import block_causal_mask
@@ -115,6 +115,17 @@ def batch_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
     return mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.weights), segs
 
 
+def keep_if(ok: mx.array, tree: Any, old: Any) -> None:
+    """In place: each array of `tree` (nested dicts / lists) becomes where(ok, new, old). In
+    place because the compiled step reads its state back from these very containers."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for k, v in list(items):
+        if isinstance(v, (dict, list)):
+            keep_if(ok, v, old[k])
+        elif isinstance(v, mx.array):
+            tree[k] = mx.where(ok, v, old[k])
+
+
 class Stepper:
     """The compiled training step (and evaluation), built once per model and optimizer."""
 
@@ -140,12 +151,21 @@ class Stepper:
 
         loss_and_grad = nn.value_and_grad(model, loss_fn)
 
-        def finish(grads):
+        def finish(grads, loss):
+            # A step whose loss or gradients are not finite is never applied: the update is
+            # computed, then every weight and optimizer value is selected back to its old
+            # value in the same graph (no extra copy held; the loop then stops or skips).
             if clip > 0:
                 grads, gnorm = optim.clip_grad_norm(grads, clip)
-            else:  # no clipping: skip the norm too (a pass over every gradient; not free on CPU)
-                gnorm = mx.array(float("nan"))
+            else:
+                gnorm = mx.sqrt(sum(mx.sum(mx.square(g.astype(mx.float32))) for _, g in tree_flatten(grads)))
+            ok = mx.isfinite(loss) & mx.isfinite(gnorm)
+            old_params = model.trainable_parameters()
+            old_state = tree_map(lambda v: v, optimizer.state)  # the same arrays, new containers
             optimizer.update(model, grads)
+            model.update(tree_map(lambda new, old: mx.where(ok, new, old), model.trainable_parameters(),
+                                  old_params))
+            keep_if(ok, optimizer.state, old_state)
             return gnorm
 
         state = [model.state, optimizer.state, mx.random.state]
@@ -153,15 +173,15 @@ class Stepper:
         @partial(mx.compile, inputs=state, outputs=state)
         def step(inputs, targets, weights, segments, norm):
             loss, grads = loss_and_grad(model, inputs, targets, weights, segments, norm)
-            return loss, finish(grads)
+            return loss, finish(grads, loss)
 
         @partial(mx.compile, inputs=state, outputs=state)
         def micro(inputs, targets, weights, segments, norm):
             return loss_and_grad(model, inputs, targets, weights, segments, norm)
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def apply(grads):
-            return finish(grads)
+        def apply(grads, loss):
+            return finish(grads, loss)
 
         @partial(mx.compile, inputs=state)
         def eval_sum(inputs, targets, weights, segments):
@@ -191,7 +211,7 @@ class Stepper:
             mx.eval(total, grads)  # bound memory: one micro-batch graph at a time
         if self.reducer is not None:
             total, grads = self.reducer.reduce(total, grads)
-        return total, self.apply(grads)
+        return total, self.apply(grads, total)
 
     def evaluate(self, stream: BatchStream, n_batches: int) -> tuple[float, int]:
         """Mean token loss over the first `n_batches` validation batches (-1: all)."""
