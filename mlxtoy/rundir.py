@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -48,6 +49,7 @@ ACCURACY = "accuracy.json"
 CKPT_TRAINABLE = "trainable.safetensors"
 CKPT_OPTIMIZER = "optimizer.safetensors"
 CKPT_STATE = "state.json"
+LOCK = ".lock"  # the pid (and host) of the process writing the run
 RUN_MARKERS = (CONFIG, METRICS, CHECKPOINTS, ADAPTERS, MODEL_WEIGHTS)
 
 
@@ -176,12 +178,83 @@ class RunDir:
         return is_run(self.path)
 
     def check_fresh(self) -> None:
-        """Refuse a folder that already holds a run (nothing of it must be overwritten)."""
+        """Refuse a folder that holds a run with something to keep (a checkpoint or a result)
+        or anything that is not ours: nothing of it must be overwritten. A run that stopped
+        before its first checkpoint starts again in place."""
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise UserError(f"{self.path}: exists and is not a folder")
         if self.is_run():
-            raise UserError(f"{self.path}: already holds a training run; choose another --out "
-                            f"or continue it with --resume {self.path}")
+            if self.checkpoints() or self.final_path:
+                raise UserError(f"{self.path}: already holds a training run; choose another --out "
+                                f"or continue it with --resume {self.path}")
+            return
+        others = [n for n in os.listdir(self.path) if n != LOCK] if os.path.isdir(self.path) else []
+        if others:
+            raise UserError(f"{self.path}: a folder that is not a run and not empty ({len(others)} "
+                            f"entries, e.g. {sorted(others)[0]!r}); choose a new or empty folder")
+
+    # ---- the lock: one writer per run
+    def lock(self) -> None:
+        """Take the run for this process (released by `unlock`, or found stale later: a lock
+        whose process is gone on this host is taken over)."""
+        if self.read_only:
+            return
+        self._created = not os.path.exists(self.path)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"{self.path}: cannot create the run folder ({e.strerror or e})") from None
+        me = f"{os.getpid()} {socket.gethostname()}"
+        path = self.join(LOCK)
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._lock_holder()
+                if holder is not None:
+                    raise UserError(f"{self.path}: in use by another trainer (process {holder}); "
+                                    f"wait for it to finish or stop it first") from None
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # stale: its process is gone
+                continue
+            except OSError as e:
+                raise UserError(f"{self.path}: cannot write here ({e.strerror or e})") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            self._locked = True
+            return
+        raise UserError(f"{self.path}: could not take the run's lock")
+
+    def _lock_holder(self) -> int | None:
+        """The pid holding the lock, if that process is alive (None: free or stale)."""
+        try:
+            with open(self.join(LOCK), encoding="utf-8", errors="replace") as f:
+                pid_s, _, host = f.read().strip().partition(" ")
+            pid = int(pid_s)
+        except (OSError, ValueError):
+            return None
+        if host and host != socket.gethostname():
+            return pid  # another machine's process: cannot tell, so respect it
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+
+    def unlock(self, failed: bool = False) -> None:
+        """Release the lock; `failed`: the job never started, so a folder that `lock` created
+        and nothing else has written into is removed again (bad input leaves no trace)."""
+        if getattr(self, "_locked", False):
+            with contextlib.suppress(OSError):
+                os.unlink(self.join(LOCK))
+            self._locked = False
+            if failed and getattr(self, "_created", False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.path)  # only if empty
 
     def create(self, cfg: TrainConfig, facts: RunFacts) -> None:
         os.makedirs(self.checkpoints_dir, exist_ok=True)
@@ -217,6 +290,11 @@ class RunDir:
     def append_event(self, line: str) -> None:
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
+
+    def reset_metrics(self) -> None:
+        """A run starting at step 0 begins a new history."""
+        if os.path.exists(self.metrics_path):
+            os.unlink(self.metrics_path)
 
     def read_events(self) -> list[dict[str, Any]]:
         return read_metrics(self.metrics_path)

@@ -75,14 +75,19 @@ def train_dtype(cfg: TrainConfig) -> mx.Dtype:
     return backend.compute_dtype() if cfg.dtype == "auto" else getattr(mx, cfg.dtype)
 
 
-def build_model(cfg: TrainConfig) -> tuple[nn.Module, Any, RunFacts]:
-    """-> (model ready to train, tokenizer, resolved facts for config.yaml)."""
+def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
+                ) -> tuple[nn.Module, Any, RunFacts]:
+    """-> (model ready to train, tokenizer, resolved facts for config.yaml).
+
+    char_tokenizer: a resumed scratch run's character vocabulary (rebuilding it from data
+    that changed would shift every id past the embedding table)."""
     mx.random.seed(cfg.seed)
     facts = RunFacts(mlxtoy_version=mlxtoy.__version__, backend=backend.INFO.describe())
     if cfg.method == "scratch":
         source = cfg.tokenizer or ("char" if cfg.arch == "tiny" else cfg.model)
         if source in CHAR_TOKENIZERS:  # character / byte vocabulary (the reference LM's)
-            tokenizer = char_tokenizer_for(source, cfg.data)
+            tokenizer = (CharTokenizer.from_dict(char_tokenizer) if char_tokenizer
+                         else char_tokenizer_for(source, cfg.data))
             facts.char_tokenizer = tokenizer.to_dict()
         else:
             tokenizer = load_tokenizer(source)

@@ -19,7 +19,6 @@ The order is a pure function of (seed, batch index), so a checkpoint only record
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field

@@ -25,6 +25,7 @@ from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
 from mlxtoy.rundir import ACCURACY, RunDir, RunFacts
 from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
+from mlxtoy.train.checkpoint import pick_checkpoint
 from mlxtoy.train.control import Control, TrainControl
 from mlxtoy.train.data import Dataset, Renderer, load_dataset, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
@@ -65,14 +66,16 @@ class Prepared:
     dataset: Dataset
     facts: RunFacts
     resume_from: str | None
+    notes: list[str] = field(default_factory=list)  # what the job should tell the user
 
 
-def load_parts(cfg: TrainConfig) -> tuple[nn.Module, Any, Dataset, RunFacts]:
+def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module, Any, Dataset, RunFacts]:
     """Validate, read the data (format errors, file:line, before the model loads), build the
-    model and tokenize: everything but the run directory."""
+    model and tokenize: everything but the run directory. `old`: a resumed run's facts (its
+    character vocabulary is kept, whatever the data holds now)."""
     cfg.validate()
     raw = read_data(cfg.data)
-    model, tokenizer, facts = build_model(cfg)
+    model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
                            cfg.seed, raw=raw)
     facts.data = {"train_examples": len(dataset.train), "valid_examples": len(dataset.valid),
@@ -84,22 +87,36 @@ def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -
     """Validate, read data, build the model; create the run directory only when all is well."""
     cfg.validate()
     run = run or RunDir(cfg.out)
-    resume_from = None
-    if resume:
-        run.clean_partial()
-        resume_from = run.latest_checkpoint()
-        if resume_from is None and not run.read_only:
-            raise UserError(f"{run.path}: no complete checkpoint to resume from")
-    else:
+    if not resume:
         run.check_fresh()
-    model, tokenizer, dataset, facts = load_parts(cfg)
-    check_fits(cfg, model)
-    if resume and not run.read_only:  # what the checkpoints were written for stays as it was
+    run.lock()  # one trainer per run folder, from here until the job ends
+    try:
+        return _prepare_locked(cfg, resume, run)
+    except BaseException:
+        run.unlock(failed=True)
+        raise
+
+
+def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
+    old = None
+    if resume and not run.read_only:
+        run.clean_partial()
         _, old = run.read_config()
-        facts = old.merged(facts, keep=("lora", "model_config"))
+    model, tokenizer, dataset, facts = load_parts(cfg, old)
+    check_fits(cfg, model)
+    resume_from, notes = None, []
+    if resume and not run.read_only:
+        resume_from, notes = pick_checkpoint(run, model)
+        if resume_from is None:
+            notes.append(f"{run.path} has no usable checkpoint: training again from step 0")
+        facts = old.merged(facts, keep=("lora", "model_config"))  # what checkpoints were written for
     if not run.read_only:
+        if not resume and run.is_run():  # stopped before its first checkpoint: start again here
+            notes.append(f"{run.path} held a run with no checkpoint: training again from step 0")
+        if resume_from is None:
+            run.reset_metrics()
         run.create(cfg, facts)
-    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from)
+    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from, notes)
 
 
 def physical_memory() -> int | None:
@@ -167,8 +184,17 @@ def run_job(build: Callable[[], tuple[TrainConfig, bool]], *, emit: Callable[[Ev
     else:
         cfg, resume = build()
         p = prepare(cfg, resume)
+    try:
+        return _run_prepared(p, emit, control, parallel, on_accuracy, handle_sigint)
+    finally:
+        p.run.unlock()
+
+
+def _run_prepared(p: Prepared, emit, control, parallel, on_accuracy, handle_sigint) -> JobResult:
     cfg, run = p.cfg, p.run
     send = fan_out(None if run.read_only else MetricsSink(run), emit)
+    for note in p.notes:
+        send(LogEvent(message=note, level="warning"))
     if parallel is not None:
         send(LogEvent(message=f"data-parallel over {parallel.size} ranks: {cfg.batch_size // parallel.size} "
                               f"of the {cfg.batch_size} rows of every batch per rank"))

@@ -181,14 +181,16 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     window: list[float] = []
     skipped = 0  # non-finite steps in a row (--nonfinite skip)
     in_update = False
-    old_handler = None
+    old_handlers = {}
     if handle_sigint and threading.current_thread() is threading.main_thread():
-        def on_sigint(signum, frame):
-            if control.stop_reason == "interrupted":
+        # Ctrl-C and SIGTERM (a scheduler, `kill`) stop after the current step with a
+        # checkpoint; a second Ctrl-C raises at once.
+        def on_signal(signum, frame):
+            if control.stop_reason == "interrupted" and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             control.stop("interrupted")
 
-        old_handler = signal.signal(signal.SIGINT, on_sigint)
+        old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if step == 0 and cfg.eval_every > 0:
             evaluate(0)
@@ -248,8 +250,8 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         if in_update:  # the model may be half-way through an update: keep the last checkpoint
             in_update = None
     finally:
-        if old_handler is not None:
-            signal.signal(signal.SIGINT, old_handler)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
 
     final_path = None
     if reason != "nan" and in_update is not None and last_saved_step != step and step > 0:
