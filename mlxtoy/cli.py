@@ -36,18 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _guard_streams() -> bool:
-    """A closed stdout or stderr (`>&-`, `2>&-`) becomes /dev/null, so nothing (least of all a
-    traceback) ends up on the other stream; True when stdout was closed."""
+    """Closed standard streams (`<&-`, `>&-`, `2>&-`) become /dev/null: at the fd level, or the
+    next file we open would get fd 0-2 (C code writing to "stdout" would then write into a
+    checkpoint, and MLX refuses to read from fd 0), and at the Python level, so nothing (least
+    of all a traceback) lands on the other stream. True when stdout was closed."""
     closed = False
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         try:
-            ok = stream is not None and os.fstat(stream.fileno()) is not None
-        except (OSError, ValueError, AttributeError):
-            ok = False
-        if not ok:
-            setattr(sys, name, open(os.devnull, "w"))
-            closed = closed or name == "stdout"
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+            closed = closed or fd == 1
     return closed
 
 

@@ -81,6 +81,22 @@ class ModelConfig:
         return cls(**d)
 
 
+def metadata_number(value: Any, where: str, kind: type = int, minimum: int = 1) -> Any:
+    """A number from a model file's metadata (GGUF key or config.json field), checked: finite,
+    a whole number >= `minimum` (kind int) or > 0 (kind float); `where` names the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{where} must be a number, got {value!r}")
+    if kind is float and not (math.isfinite(value) and value > 0):
+        raise UserError(f"{where} must be > 0, got {value!r}")
+    if kind is int and not (math.isfinite(value) and value >= minimum):
+        raise UserError(f"{where} must be >= {minimum}, got {value!r}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise UserError(f"{where} must be a whole number, got {value!r}")
+        return int(value)
+    return float(value)
+
+
 @dataclass
 class LoadedMeta:
     """What a loader learned besides weights: where it came from and the raw metadata."""

@@ -36,8 +36,8 @@ from mlxtoy.models.lora import apply_lora, lora_config_dict, lora_modules, lora_
 from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
 from mlxtoy.train.checkpoint import save_checkpoint, write_final
 
-gguf = pytest.importorskip("gguf")
-llama_cpp = pytest.importorskip("llama_cpp")
+import gguf
+import llama_cpp
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -242,7 +242,7 @@ def test_per_head_q_adapter_is_exact_block_diagonal():
     ("llama3_rope", True, ("q", "v", "up"), [1]),
 ])
 def test_mlx_lm_loads_adapters(tmp_path, name, per_head, targets, layers):
-    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx_lm
 
     base, model, tok = _lora_model(name, targets, per_head, layers)
     tokens = tokens_128()
@@ -262,9 +262,9 @@ def test_mlx_lm_loads_adapters(tmp_path, name, per_head, targets, layers):
     ("llama_untied", True, ("q", "k", "down"), [0]),
 ])
 def test_peft_loads_adapters(tmp_path, name, per_head, targets, layers):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+    import peft
 
     base, model, tok = _lora_model(name, targets, per_head, layers)
     tokens = tokens_128()
@@ -284,8 +284,8 @@ def test_peft_loads_adapters(tmp_path, name, per_head, targets, layers):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hf_export_round_trip_and_transformers(tmp_path, name):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     model = tiny_model(name)
     tok = _tokenizer(model)
     path = export_model(model, tok, str(tmp_path / "hf"), "hf", "f32")

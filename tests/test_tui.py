@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-pytest.importorskip("textual")
-pytest.importorskip("textual_plotext")
+import textual  # noqa: F401,E402  (declared test dependency)
+import textual_plotext  # noqa: F401,E402  (declared test dependency)
 
 os.environ["TZ"] = "UTC"  # log timestamps and file times in snapshots
 time.tzset()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from mlxtoy.config import SUPPORTED_ARCHS, LoadedMeta, ModelConfig
+from mlxtoy.config import SUPPORTED_ARCHS, LoadedMeta, ModelConfig, metadata_number
 from mlxtoy.errors import UserError
 from mlxtoy.io.gguf_file import dequantize_tensor, open_gguf, read_metadata
 from mlxtoy.io.gpt2_io import load_gpt2_gguf
@@ -32,10 +32,13 @@ def config_from_metadata(md: dict[str, Any], path: str) -> ModelConfig:
             raise UserError(f"{path}: missing metadata key {full}")
         return default
 
-    d_model = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
-    n_kv = get("attention.head_count_kv", n_heads)
-    d_head = int(get("attention.key_length", d_model // n_heads))
+    def num(key: str, default: Any = None, kind: type = int, minimum: int = 1) -> Any:
+        return metadata_number(get(key, default), f"{path}: metadata {arch}.{key}", kind, minimum)
+
+    d_model = num("embedding_length")
+    n_heads = num("attention.head_count")
+    n_kv = num("attention.head_count_kv", n_heads)
+    d_head = num("attention.key_length", d_model // n_heads)
     vocab = get("vocab_size", None, required=False)
     if vocab is None:
         vocab = len(md.get("tokenizer.ggml.tokens", [])) or None
@@ -44,27 +47,28 @@ def config_from_metadata(md: dict[str, Any], path: str) -> ModelConfig:
     scaling = None
     kind = get("rope.scaling.type", "none", required=False)
     if kind == "linear":
-        scaling = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+        scaling = {"type": "linear", "factor": num("rope.scaling.factor", kind=float)}
     elif kind not in ("none", None):
         raise UserError(f"{path}: unsupported rope scaling type {kind!r}")
     return ModelConfig(
         arch=arch,
-        vocab_size=int(vocab),
+        vocab_size=metadata_number(vocab, f"{path}: vocabulary size"),
         d_model=d_model,
-        n_layers=int(get("block_count")),
+        n_layers=num("block_count"),
         n_heads=n_heads,
-        n_kv_heads=int(n_kv),
+        n_kv_heads=n_kv,
         d_head=d_head,
-        d_ff=int(get("feed_forward_length")),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(get("rope.freq_base", 10000.0)),
-        rope_dims=int(get("rope.dimension_count", d_head)),
+        d_ff=num("feed_forward_length"),
+        norm_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
+        rope_base=num("rope.freq_base", 10000.0, float),
+        rope_dims=num("rope.dimension_count", d_head, int, 0),
         rope_traditional=(arch == "llama"),
         rope_scaling=scaling,
         qkv_bias=False,  # set by the loader when the bias tensors are present
         tie_embeddings=True,  # set by the loader when output.weight is present
-        context_length=int(get("context_length", 2048)),
+        context_length=num("context_length", 2048),
     )
+
 
 
 # GGUF tensor name (per block, without "blk.N.") -> (our parameter path, reshape kind)

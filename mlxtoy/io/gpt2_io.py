@@ -20,6 +20,7 @@ import numpy as np
 
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.textio import read_json
 from mlxtoy.io.gguf_file import dequantize_tensor
 from mlxtoy.io.hf import read_hf_config, read_hf_tensors, special_token_ids, write_hf_folder
 from mlxtoy.models.shapes import expected_shapes
@@ -202,9 +203,10 @@ def gguf_tensor_items(cfg: ModelConfig, weights: dict[str, mx.array]
 
 def is_gpt2_hf_folder(path: str) -> bool:
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError):
+        cfg = read_json(os.path.join(path, "config.json"))
+    except UserError:
+        return False  # the loader reads it again and says what is wrong
+    if not isinstance(cfg, dict):
         return False
     return cfg.get("model_type") == "gpt2" or "GPT2LMHeadModel" in (cfg.get("architectures") or [])
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxtoy.config import LoadedMeta, ModelConfig
+from mlxtoy.config import LoadedMeta, ModelConfig, metadata_number
 from mlxtoy.errors import UserError
 from mlxtoy.textio import read_json
 from mlxtoy.fsutil import atomic_folder
@@ -71,10 +71,18 @@ def config_from_hf(cfg: dict[str, Any], path: str) -> ModelConfig:
     if arch is None:
         raise UserError(f"{path}/config.json: unknown architecture {archs or cfg.get('model_type')!r} "
                         f"(supported: {', '.join(HF_ARCHS)})")
+    def num(key: str, default: Any = None, kind: type = int, minimum: int = 1) -> Any:
+        if key not in cfg and default is None:
+            raise UserError(f"{path}/config.json: missing key {key}")
+        value = cfg.get(key) if cfg.get(key) is not None else default
+        return metadata_number(value, f"{path}/config.json: {key}", kind, minimum)
+
     try:
-        d_model = int(cfg["hidden_size"])
-        n_heads = int(cfg["num_attention_heads"])
+        d_model = num("hidden_size")
+        n_heads = num("num_attention_heads")
         scaling = cfg.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise UserError(f"{path}/config.json: rope_scaling must be a mapping, got {scaling!r}")
         if scaling:
             kind = scaling.get("rope_type") or scaling.get("type")
             if kind == "default":
@@ -83,20 +91,20 @@ def config_from_hf(cfg: dict[str, Any], path: str) -> ModelConfig:
                 scaling = dict(scaling, type=kind)
         return ModelConfig(
             arch=arch,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=num("vocab_size"),
             d_model=d_model,
-            n_layers=int(cfg["num_hidden_layers"]),
+            n_layers=num("num_hidden_layers"),
             n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            d_head=int(cfg.get("head_dim") or d_model // n_heads),
-            d_ff=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_base=float(cfg.get("rope_theta", 10000.0)),
+            n_kv_heads=num("num_key_value_heads", n_heads),
+            d_head=num("head_dim", d_model // n_heads),
+            d_ff=num("intermediate_size"),
+            norm_eps=num("rms_norm_eps", 1e-6, float),
+            rope_base=num("rope_theta", 10000.0, float),
             rope_traditional=(arch == "llama"),
             rope_scaling=scaling,
             qkv_bias=(arch == "qwen2") or bool(cfg.get("attention_bias", False)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "qwen2")),
-            context_length=int(cfg.get("max_position_embeddings", 2048)),
+            context_length=num("max_position_embeddings", 2048),
         )
     except KeyError as e:
         raise UserError(f"{path}/config.json: missing key {e.args[0]}") from None

@@ -40,7 +40,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, processors
 
 from mlxtoy.errors import UserError
-from mlxtoy.textio import check_string
+from mlxtoy.textio import check_string, read_json
 from mlxtoy.io.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mlxtoy.io.llama_vocab import (BYTE_TOKEN, EOG_TEXTS, SPIECE_SPACE, TT_BYTE, TT_CONTROL,
                                    TT_NORMAL, TT_UNKNOWN, TT_UNUSED, TT_USER_DEFINED,
@@ -254,9 +254,8 @@ class Tokenizer:
         tj = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tj):
             raise UserError(f"{path}: no tokenizer.json")
+        data = read_json(tj)
         try:
-            with open(tj, encoding="utf-8") as f:
-                data = json.load(f)
             hf = HFTokenizer.from_str(json.dumps(data))
         except Exception as e:  # json errors, or tokenizers' own parse errors
             raise UserError(f"{tj}: not a valid tokenizer.json ({type(e).__name__}: {e})") from None
@@ -563,9 +562,5 @@ class Tokenizer:
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            v = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable JSON ({e})") from None
+    v = read_json(path)
     return v if isinstance(v, dict) else {}
