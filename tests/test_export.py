@@ -37,7 +37,7 @@ from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
 from mlxtoy.train.checkpoint import save_checkpoint, write_final
 
 import gguf
-import llama_cpp
+import llama_cpp  # noqa: F401  (declared test dependency: fail, not skip, without it)
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 

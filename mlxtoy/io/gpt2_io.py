@@ -11,7 +11,6 @@ Our layout (mlxtoy.models.gpt2): q/k/v per head (heads, d_head, d_model) with bi
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable
 
