@@ -11,7 +11,7 @@ from mlxtoy.config import ModelConfig
 from mlxtoy.io.llama_vocab import bytes_to_unicode
 
 # llama.cpp's file types (enum llama_ftype) for llama_model_quantize
-LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "Q5_K": 17,
+LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "Q5_K": 17,
                 "Q3_K": 12, "Q2_K": 10}
 
 
