@@ -25,7 +25,7 @@ from mlxtoy.rundir import ACCURACY, RunDir, RunFacts
 from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import Dataset, Renderer, load_dataset, read_data
+from mlxtoy.train.data import DataOptions, Dataset, Renderer, load_dataset, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, train
 
@@ -70,7 +70,7 @@ def load_parts(cfg: TrainConfig) -> tuple[nn.Module, Any, Dataset, RunFacts]:
     """Validate, read the data (format errors, file:line, before the model loads), build the
     model and tokenize: everything but the run directory."""
     cfg.validate()
-    raw = read_data(cfg.data)
+    raw = read_data(cfg.data, DataOptions.of(cfg))
     model, tokenizer, facts = build_model(cfg)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
                            cfg.seed, raw=raw)
