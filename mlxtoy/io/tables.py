@@ -83,8 +83,10 @@ def _read(label: str, call, *args, **kw):
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 (a third-party reader: any failure is the data's)
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise UserError(f"{label}: cannot read ({type(e).__name__}: {first})") from None
+        while e.__cause__ is not None:  # "An error occurred while generating the dataset": why
+            e = e.__cause__
+        why = " ".join(str(e).split())
+        raise UserError(f"{label}: cannot read ({type(e).__name__}: {why[:300]})") from None
     finally:
         datasets.logging.set_verbosity(level)
         if bars:
@@ -139,6 +141,26 @@ def _text_csv(source: str) -> dict[str, Any]:
             "na_filter": False}
 
 
+def _no_rows(path: str, builder: str) -> bool:
+    """Whether a table file holds a header / schema and no rows (False when it cannot tell:
+    then datasets reads it and says what is wrong)."""
+    import pyarrow as pa  # comes with datasets
+    import pyarrow.parquet as pq
+
+    try:
+        if builder == "parquet":
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        if builder == "csv":
+            with open(path, newline="", encoding="utf-8") as f:
+                rows = csv.reader(f)
+                next(rows, None)
+                return not any(any(cell.strip() for cell in row) for row in rows)
+        with pa.OSFile(path, "rb") as f:
+            return pa.ipc.open_stream(f).read_all().num_rows == 0
+    except Exception:  # noqa: BLE001 (unreadable: datasets gives the reason)
+        return False
+
+
 def _pick(dd: Any, split: str, label: str) -> TableSplits:
     """train = `split`; valid = the first of validation/valid/val/dev; test = test."""
     datasets = _datasets()
@@ -161,6 +183,8 @@ def read_tables(source: str, split: str = "train", subset: str | None = None) ->
     datasets = _datasets()
     if os.path.isfile(source):
         builder = TABLE_BUILDERS[os.path.splitext(source)[1].lower()]
+        if _no_rows(source, builder):  # datasets fails on these ("corresponds to no data")
+            return TableSplits(Table(source, []), None, None)
         ds = _read(source, datasets.load_dataset, builder, data_files=source, split="train",
                    **_text_csv(source))
         return TableSplits(Table(source, ds.to_list()), None, None)
