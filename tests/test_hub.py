@@ -19,6 +19,7 @@ from helpers_export import tiny_model
 from helpers_hub import folder_files, hub_repo, offline_env
 from helpers_train import qa_rows, run_cli, write_tiny_model_folder
 from mlxtoy.export import export_model
+from mlxtoy.io.hub import HubRef, hub_error, parse_id
 
 README = """---
 configs:
@@ -161,3 +162,43 @@ def test_dataset_subset_by_id(hub, tmp_path):
     # the chat subset: 10 conversations, no validation split, so 20% held out
     assert cfg["run"]["data"]["train_examples"] == 8 and cfg["run"]["data"]["valid_examples"] == 2
     assert cfg["run"]["data"]["test_examples"] == 0
+
+
+def test_parse_id_shapes():
+    assert parse_id("Qwen/Qwen3-0.6B") == HubRef("Qwen/Qwen3-0.6B")
+    assert parse_id("Qwen/Qwen3-0.6B@refs/pr/1") == HubRef("Qwen/Qwen3-0.6B", "refs/pr/1")
+    assert parse_id("org/name/sub/m-Q4_K_M.gguf@v1") == HubRef("org/name", "v1", "sub/m-Q4_K_M.gguf")
+    for not_an_id in ("./a/b", "/a/b", "~/a/b", "a/b/c", "a--b/c", "name", "a/b/c.safetensors", "-a/b"):
+        assert parse_id(not_an_id) is None, not_an_id
+
+
+def test_hub_errors_say_what_to_do(monkeypatch):
+    """Each huggingface_hub failure the network can produce (not reachable from these offline
+    tests) becomes one line naming the cause and the way out."""
+    import importlib
+
+    import huggingface_hub.constants
+    from huggingface_hub import errors as E
+
+    http = importlib.import_module(E.Response.__module__.split(".")[0])
+
+    def response(code):
+        return http.Response(code, request=http.Request("GET", "https://huggingface.co/api/models/acme/x"))
+
+    ref = HubRef("acme/x", "v9", None)
+    cases = [
+        (E.GatedRepoError("gated", response=response(403)), "model", "acme/x is a gated model: accept its terms at "
+         "https://huggingface.co/acme/x, then log in with `hf auth login` or set HF_TOKEN"),
+        (E.RepositoryNotFoundError("nf", response=response(404)), "dataset",
+         "no such local path, and no dataset acme/x on the Hugging Face Hub (private? log in"),
+        (E.RevisionNotFoundError("rev", response=response(404)), "model", "acme/x has no revision 'v9'"),
+        (E.DisabledRepoError("off", response=response(403)), "model", "acme/x is disabled"),
+    ]
+    for err, kind, expected in cases:
+        msg = str(hub_error(err, ref, kind))
+        assert msg.startswith("acme/x@v9: ") and expected in msg and "\n" not in msg, msg
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    msg = str(hub_error(E.LocalEntryNotFoundError("x"), ref, "model"))
+    assert "cannot be reached" in msg and "check the network" in msg
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert "HF_HUB_OFFLINE=1" in str(hub_error(E.LocalEntryNotFoundError("x"), ref, "model"))

@@ -74,7 +74,7 @@ def hub_error(e: Exception, ref: HubRef, kind: str) -> UserError:
         msg = f"no such local path, and no {kind} {ref.repo_id} on the Hugging Face Hub (private? {login})"
     elif isinstance(e, E.RevisionNotFoundError):
         msg = f"{ref.repo_id} has no revision {ref.revision!r} (a branch, tag or commit)"
-    elif isinstance(e, E.LocalEntryNotFoundError):
+    elif isinstance(e, (E.LocalEntryNotFoundError, E.OfflineModeIsEnabled)):
         if offline():
             msg = (f"no such local path, and not in the Hugging Face cache ({cache_location()}) with "
                    f"HF_HUB_OFFLINE=1 set: download it once with the network on (unset HF_HUB_OFFLINE)")
@@ -104,7 +104,7 @@ def _download(call, ref: HubRef, kind: str, **kw) -> str:
 
 def _announce(ref: HubRef, kind: str) -> None:
     if not offline():
-        print(f"mlxtoy: {kind} {ref} from the Hugging Face Hub (cache: {cache_location()})", file=sys.stderr)
+        print(f"mlxtoy: {kind} {ref}: checking the Hugging Face Hub (cache: {cache_location()})", file=sys.stderr)
 
 
 def fetch_model(ref: HubRef) -> str:
