@@ -79,16 +79,23 @@ def test_tiny_quantized_export_is_llama_cpps_own(tmp_path, tiny, dtype):
     assert set(big.values()) <= allowed, big
     assert big["blk.0.attn_q.weight"] == name  # the type asked for, where llama.cpp keeps it
     assert all(t == "F32" for n, t in types.items() if "norm" in n)
+    # the tokenizer and chat template carry over unchanged
+    fields = gguf.GGUFReader(out).fields
+    for key, value in tiny_tokenizer_metadata().items():
+        if key.startswith("tokenizer."):
+            got = fields[key].contents()
+            assert got == value, key
     q = llama_cpp_logits(out, tokens)
     assert argmax_agreement(q, ref) >= 0.95
     assert max_rel_diff(q, ref) <= 0.03  # measured 0.5-0.7% of the largest logit
 
 
-def test_cli_export_q4_k_m_stdout_and_size(tmp_path, tiny, capsys):
+def test_cli_export_q4_k_m_stdout_and_size(tmp_path, tiny, capfd):
     model, f32, *_ = tiny
     out = str(tmp_path / "q.gguf")
+    capfd.readouterr()
     assert cli_main(["export", f32, "--out", out, "--dtype", "q4_k_m"]) == 0
-    captured = capsys.readouterr()
+    captured = capfd.readouterr()  # file descriptors too: llama.cpp's C code writes there
     assert captured.out == out + "\n"  # stdout: the product only
     assert "q4_k_m" in captured.err
     # Q4_K is 4.5 bits a weight: a quarter of F16 give or take the F32 norms and Q6_K layers
