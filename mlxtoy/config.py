@@ -150,9 +150,10 @@ class TrainConfig:
     """
 
     # what to train on
-    model: str = option("smollm2-135m", "base model (.gguf, HF folder or built-in name); "
-                        "scratch: the tokenizer source")
-    data: str = option("", "a .jsonl/.txt file or a folder with train/valid(/test) files")
+    model: str = option("smollm2-135m", "base model (.gguf, HF folder, Hugging Face id org/name[@rev], "
+                        "or built-in name); scratch: the tokenizer source")
+    data: str = option("", "a .jsonl/.txt/.parquet/.csv/.arrow file, a folder with train/valid(/test) "
+                       "files, or a Hugging Face dataset id (org/name[@rev])")
     out: str = option("", "the run directory to create")
     method: str = option("lora", "what is trained: LoRA adapters, every block weight, or a new model",
                          choices=TRAIN_METHODS)
@@ -218,6 +219,13 @@ class TrainConfig:
                               methods=("scratch",))
 
     # data
+    data_split: str = option("train", "the split to train on (folders of tables, Hugging Face datasets); "
+                             "a validation/valid/dev split evaluates, a test split scores accuracy")
+    data_subset: str | None = option(None, "the dataset's subset (its configuration name)")
+    text_column: str | None = option(None, "read this column as 'text'")
+    prompt_column: str | None = option(None, "read this column as 'prompt'")
+    completion_column: str | None = option(None, "read this column as 'completion'")
+    messages_column: str | None = option(None, "read this column as 'messages' (a list of role/content)")
     pack: bool = option(True, "several examples per row with a block-causal mask (--no-pack: padding)")
     mask_prompt: bool = option(True, "loss only on completions / assistant turns")
     valid_fraction: float = option(0.1, "held out when --data is a single file (seeded split)", check="frac")
@@ -281,6 +289,8 @@ class TrainConfig:
             raise bad(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.lens and self.method != "scratch":
             raise bad("lens (a projection-lens warm start) needs method scratch")
+        if not self.data_split.strip():
+            raise bad("data_split is empty (e.g. train)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

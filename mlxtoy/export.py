@@ -1,6 +1,9 @@
 """`mlxtoy export`: models and runs out to GGUF (merged or as a llama.cpp LoRA adapter),
 Hugging Face folders, mlx-lm adapters and PEFT adapters.
 
+GGUF types: f32, f16 and q8_0 are written by our writer (io.gguf_write); the K-quants and
+Q4_0 / Q5_0 by llama.cpp's own quantizer (io.quantize) from an F16 GGUF we write first.
+
 Every LoRA we train is first turned into one neutral form, a standard low-rank update per
 weight in our fused layout (GGUF's row order):
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,18 +34,19 @@ from safetensors.numpy import save as safetensors_bytes
 
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.fsutil import atomic_folder
-from mlxtoy.io.gguf_write import write_gguf, write_lora_gguf
+from mlxtoy.fsutil import atomic_folder, atomic_path
+from mlxtoy.io.gguf_write import GGUF_DTYPES, write_gguf, write_lora_gguf
 from mlxtoy.io.gguf_write_gpt2 import write_gpt2_gguf
 from mlxtoy.io.gpt2_io import save_gpt2_hf
 from mlxtoy.io.hf import interleaved_to_neox, save_hf
+from mlxtoy.io.quantize import QUANT_TYPES, find_quantizer, quantize_gguf
 from mlxtoy.loading import load_run_model, load_weights
 from mlxtoy.models.lora import LORA_TYPES, TARGET_PATHS, LoRAHeadProjection, lora_modules
 from mlxtoy.models.shapes import expected_shapes
 from mlxtoy.rundir import is_run_or_checkpoint, locate
 
 FORMATS = ("gguf", "adapter-gguf", "hf", "mlx-lm", "peft")
-DTYPES = ("f32", "f16", "q8_0")
+DTYPES = GGUF_DTYPES + tuple(QUANT_TYPES)  # the last ones through llama.cpp's quantizer
 FILE_FORMATS = ("gguf", "adapter-gguf")  # one file; the others write a folder
 
 # our adapter target -> (GGUF tensor in a block, HF module in a layer)
@@ -275,7 +280,28 @@ def write_model_gguf(path: str, src: Source, dtype: str = "f32",
                         "use its run directory (mlxtoy generate --model RUN)")
     # gpt2 (fused QKV, biases, learned positions) has its own writer
     write = write_gpt2_gguf if src.cfg.arch == "gpt2" else write_gguf
-    return write(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
+    if dtype not in QUANT_TYPES:
+        return write(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
+    # llama.cpp quantizes from the F16 GGUF we write beside the target (same filesystem, so
+    # the space is checked where it matters); the result lands atomically; the F16 goes away
+    find_quantizer(dtype)
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a folder (give a file path for the output)")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, f16 = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.", suffix=".f16.gguf",
+                               dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        write(f16, src.cfg, src.weights, gguf_metadata(src), dtype="f16", progress=progress)
+        with atomic_path(path) as tmp:
+            quantize_gguf(f16, tmp, dtype)
+    except OSError as e:
+        raise UserError(f"{path}: write failed ({e.strerror or e})") from None
+    finally:
+        if os.path.exists(f16):
+            os.unlink(f16)
+    return path
 
 
 def gguf_metadata(src: Source) -> dict[str, Any]:
@@ -443,6 +469,10 @@ def check_format(fmt: str, dtype: str | None) -> tuple[str, str]:
         raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if fmt not in FILE_FORMATS and dtype not in ("f32", "f16"):
         raise UserError(f"--dtype {dtype} is not available for --format {fmt} (choose f32 or f16)")
+    if dtype in QUANT_TYPES:
+        if fmt != "gguf":
+            raise UserError(f"--dtype {dtype} is for --format gguf (adapters: f32, f16 or q8_0)")
+        find_quantizer(dtype)  # say so before loading anything
     return fmt, dtype
 
 

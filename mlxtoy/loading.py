@@ -1,4 +1,5 @@
-"""The assembly layer: models from a model path, a run or a checkpoint, tokenizers, lens donors.
+"""The assembly layer: models from a model path, a Hugging Face id (io.registry resolves
+MODEL), a run or a checkpoint; tokenizers; lens donors.
 
 `load(MODEL, adapter=None) -> (model, tokenizer)` is the one way in for every front end;
 `load_run_model(RUN)` builds a run's model (the final result, else its newest checkpoint; RUN
@@ -64,7 +65,7 @@ def load_weights(model_arg: str, dtype: mx.Dtype | None = None):
 
 
 def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None):
-    """MODEL (.gguf, HF folder or built-in name) -> (model, tokenizer).
+    """MODEL (.gguf, HF folder, Hugging Face id or built-in name) -> (model, tokenizer).
 
     `adapter`: a run directory; its adapters (LoRA) or weights (full / scratch) are applied.
     """
@@ -116,7 +117,7 @@ def load_tokenizer(model_arg: str):
 
 
 def load_donor(model_arg: str) -> tuple[mx.array, Any]:
-    """MODEL (.gguf, HF folder or built-in name) -> (its token embedding table (vocab, d_in)
+    """MODEL (.gguf, HF folder, Hugging Face id or built-in name) -> (its token embedding table (vocab, d_in)
     in float32, its tokenizer). Only that one tensor is read from a GGUF."""
     kind, path = resolve_model(model_arg)
     if kind == "gguf":

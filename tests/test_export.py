@@ -20,7 +20,7 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from helpers_export import (CONFIGS, VOCAB, argmax_agreement, llama_cpp_logits, llama_cpp_tokenize, max_rel_diff,
+from helpers_export import (CONFIGS, TEXT, VOCAB, argmax_agreement, llama_cpp_logits, llama_cpp_tokenize, max_rel_diff,
                             our_logits, randomize, tiny_model, tiny_tokenizer_metadata, tokens_128)
 from helpers_parity import llama_quantize
 from mlxtoy.cli import main as cli_main
@@ -501,15 +501,6 @@ def test_killed_export_leaves_no_partial_file(tmp_path, existing):
 
 
 # ---- the real model -------------------------------------------------------------------------
-
-TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-        "combined a screw press with movable metal type. Books became cheaper, literacy spread across "
-        "Europe, and scientists could share their results far more quickly than before. Within fifty "
-        "years, presses were running in more than two hundred cities, and millions of volumes had been "
-        "printed. Historians still argue about how much the press changed religion, politics and "
-        "science, but few doubt that it changed how ideas travel from one mind to another. Newspapers "
-        "followed in the seventeenth century, pamphlets carried arguments through every market town, "
-        "and printers themselves became a new kind of merchant, selling knowledge by the sheet.")
 
 
 @pytest.fixture(scope="module")

@@ -293,6 +293,45 @@ async def test_setup_data_preview(in_assets):
 
 
 @run_async
+async def test_setup_model_by_hugging_face_id(in_assets, tmp_path, monkeypatch):
+    """The model field takes an id; Enter fetches it (here from an offline local HF cache) and
+    the status line says where it is; a missing id is an inline error; a parquet file and a
+    dataset id pass the data field's check."""
+    import huggingface_hub.constants
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers_hub import folder_files, hub_repo
+    from helpers_train import write_tiny_model_folder
+
+    home = str(tmp_path / "hf")
+    snap = hub_repo(home, "acme/tiny", folder_files(write_tiny_model_folder(str(tmp_path / "tiny"))))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", os.path.join(home, "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    pq.write_table(pa.Table.from_pylist([{"text": w} for w in WORDS]), "words.parquet")
+    app = MlxtoyApp(model="tiny.gguf", data="data.jsonl", runs_dir="runs")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "data" not in app.screen.errors, 30, "the data preview")
+        info = app.screen.query_one("#model-info", Static)
+        await set_field(pilot, app, "model", "acme/tiny")
+        assert error_text(app, "model") == "" and "Hugging Face id" in str(info.render())
+        app.screen.query_one("#f-model", Input).focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "fetched" in str(info.render()), 30, "the fetched model")
+        assert os.path.basename(snap) in str(info.render()).replace("\n", "")
+        assert "model" not in app.screen.errors
+        await set_field(pilot, app, "model", "acme/nope")
+        assert error_text(app, "model") == ""  # id-shaped: only fetching can tell
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "HF_HUB_OFFLINE" in error_text(app, "model"), 30, "the fetch error")
+        await set_field(pilot, app, "data", "words.parquet")
+        await wait_for(pilot, lambda: app.screen.preview is not None and app.screen.preview["count"] == len(WORDS),
+                       30, "the parquet preview")
+        await set_field(pilot, app, "data", "acme/nope-data")
+        await wait_for(pilot, lambda: "acme/nope-data" in error_text(app, "data"), 30, "the dataset id error")
+
+
+@run_async
 async def test_file_picker_sets_the_field(in_assets):
     app = MlxtoyApp(model="tiny.gguf", runs_dir="runs")
     async with app.run_test(size=SIZE) as pilot:

@@ -22,7 +22,9 @@ from textual.widgets import Button, Footer, Input, Label, Select, Static
 
 from mlxtoy.config import TrainConfig, field_default, parse_text, train_field
 from mlxtoy.errors import UserError
-from mlxtoy.io.registry import BUILTIN
+from mlxtoy.io.hub import parse_id
+from mlxtoy.io.registry import BUILTIN, resolve_model
+from mlxtoy.io.tables import dataset_id, is_table_file
 from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
 from mlxtoy.train.data import Renderer, read_data
@@ -67,7 +69,10 @@ def check_model(value: str) -> tuple[str | None, str]:
         return None, f"built-in: {BUILTIN[value].filename}"
     path = os.path.expanduser(value)
     if not os.path.exists(path):
-        return f"{value}: no such file or folder (built-in: {', '.join(BUILTIN)})", ""
+        if parse_id(value) is not None:  # what resolve_model would fetch from the Hub
+            return None, "Hugging Face id: Enter fetches it now (else it is fetched when first used)"
+        return (f"{value}: no such file or folder (built-in: {', '.join(BUILTIN)}; or a Hugging Face "
+                f"id, org/name)"), ""
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             return f"{value}: a folder without config.json (not a Hugging Face model)", ""
@@ -85,12 +90,14 @@ def check_model(value: str) -> tuple[str | None, str]:
 def check_data_path(value: str) -> str | None:
     value = value.strip()
     if not value:
-        return "choose the training data (.jsonl, .txt, or a folder with train.jsonl)"
+        return "choose the training data (.jsonl, .txt, .parquet, .csv, .arrow, a folder or a dataset id)"
     path = os.path.expanduser(value)
     if not os.path.exists(path):
+        if dataset_id(value) is not None and "." not in os.path.basename(value):
+            return None  # a Hugging Face dataset id: the preview fetches and reads it
         return f"{value}: no such file or folder"
-    if os.path.isfile(path) and not path.endswith((".jsonl", ".txt")):
-        return f"{value}: use a .jsonl or .txt file"
+    if os.path.isfile(path) and not (path.endswith((".jsonl", ".txt")) or is_table_file(path)):
+        return f"{value}: use a .jsonl, .txt, .parquet, .csv or .arrow file"
     return None
 
 
@@ -333,6 +340,33 @@ class SetupScreen(Screen):
         else:
             self._check_field(name, event.value)
         self.query_one("#form-error", Static).display = False
+
+    @on(Input.Submitted, "#f-model")
+    def _submit_model(self, event: Input.Submitted) -> None:
+        value = event.value.strip()
+        if check_model(value)[0] is None and parse_id(value) is not None and not os.path.exists(value):
+            self.errors["model"] = "still fetching the model"  # Start waits for it
+            self.query_one("#model-info", Static).update(
+                f"[b]Model[/b] {escape(value)}  [dim]fetching from the Hugging Face Hub…[/dim]")
+            self.fetch_model(value)
+
+    @work(thread=True, exclusive=True, group="fetch")
+    def fetch_model(self, value: str) -> None:
+        try:
+            path, error = resolve_model(value)[1], None
+        except UserError as e:
+            path, error = None, str(e)
+        except Exception as e:  # a download must never take the app down
+            path, error = None, f"{type(e).__name__}: {e}"
+        self.app.call_from_thread(self._fetched, value, path, error)
+
+    def _fetched(self, value: str, path: str | None, error: str | None) -> None:
+        if self.query_one("#f-model", Input).value.strip() != value:
+            return  # typed on since
+        self._set_error("model", error)
+        if path:
+            self.query_one("#model-info", Static).update(
+                f"[b]Model[/b] {escape(value)}  [dim]fetched: {escape(path)}[/dim]")
 
     @on(Select.Changed, "#f-method")
     def _method_changed(self, event: Select.Changed) -> None:

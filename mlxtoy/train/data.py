@@ -9,7 +9,10 @@ Formats (mlx-lm's three JSONL formats, plus plain text):
 - `.txt`: one continuous stream, cut into windows of `seq_len` tokens.
 
 `data` is one file (split into train/valid deterministically from the seed) or a folder with
-`train.jsonl|train.txt` and optionally `valid.*` and `test.*`.
+`train.jsonl|train.txt` and optionally `valid.*` and `test.*`. Also a `.parquet`, `.csv` or
+`.arrow` file or folder, or a Hugging Face dataset id, whose rows (io.tables, through `datasets`)
+go through the same checks as JSONL objects, named "<file> row N". `DataOptions` picks the
+split / subset and renames columns (`--prompt-column question` ...) for every format.
 
 Batches: by default several examples are packed into one row; `segments` holds each token's
 document index in its row (-1 for padding) for `block_causal_mask`, so a token only sees
@@ -28,6 +31,7 @@ import numpy as np
 
 from mlxtoy.errors import UserError
 from mlxtoy.textio import check_string, iter_lines, parse_json, read_text
+from mlxtoy.io.tables import Table, dataset_id, is_table_file, is_table_folder, read_tables
 
 PAD_MULTIPLE = 32  # batch widths are rounded up to this (few distinct shapes to compile)
 
@@ -58,40 +62,93 @@ def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
     return out
 
 
-def parse_jsonl(path: str) -> list[Record]:
+COLUMN_ROLES = ("text", "prompt", "completion", "messages")  # the fields a record reads
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Which part of the data to read: the split to train on and the subset (tables and
+    Hugging Face datasets), and columns to read as our fields ({"prompt": "question"})."""
+
+    split: str = "train"
+    subset: str | None = None
+    columns: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, cfg: Any) -> "DataOptions":
+        """From a TrainConfig: data_split, data_subset and the *_column fields."""
+        cols = tuple((role, getattr(cfg, f"{role}_column")) for role in COLUMN_ROLES
+                     if getattr(cfg, f"{role}_column", None))
+        return cls(cfg.data_split, cfg.data_subset, cols)
+
+    def rename(self, obj: dict[str, Any], where: str) -> dict[str, Any]:
+        if not self.columns:
+            return obj
+        obj = dict(obj)
+        for role, column in self.columns:
+            if column not in obj:
+                raise UserError(f"{where}: no column {column!r} (named by --{role}-column; "
+                                f"has {', '.join(sorted(obj)) or 'none'})")
+            obj[role] = obj.pop(column)
+        return obj
+
+
+def parse_object(obj: Any, where: str) -> Record:
+    """One JSON object or table row -> Record, checked; errors name `where`."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        return Record(where, "chat", _check_messages(obj["messages"], where))
+    if "prompt" in obj or "completion" in obj:
+        for key in ("prompt", "completion"):
+            if key not in obj:
+                raise UserError(f"{where}: missing field '{key}'")
+            if not isinstance(obj[key], str):
+                raise UserError(f"{where}: field '{key}' must be a string")
+            check_string(obj[key], f"{where}: field '{key}'")
+        return Record(where, "completion", (obj["prompt"], obj["completion"]))
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise UserError(f"{where}: field 'text' must be a string")
+        check_string(obj["text"], f"{where}: field 'text'")
+        return Record(where, "text", obj["text"])
+    raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion' "
+                    f"or 'messages' (got {', '.join(sorted(obj)) or 'an empty object'})")
+
+
+def _one_format(records: list[Record]) -> list[Record]:
+    for prev, rec in zip(records, records[1:]):
+        if rec.kind != prev.kind:
+            raise UserError(f"{rec.where}: mixes formats ({rec.kind} after {prev.kind})")
+    return records
+
+
+def parse_jsonl(path: str, opts: DataOptions | None = None) -> list[Record]:
+    opts = opts or DataOptions()
     records: list[Record] = []
-    kind_seen: str | None = None
     # one record per line; decoding and JSON errors name the line (mlxtoy.textio)
     for lineno, line in iter_lines(path):
         where = f"{path}:{lineno}"
         if not line.strip():
             continue
         obj = parse_json(line, where)
-        if not isinstance(obj, dict):
-            raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        if "messages" in obj:
-            rec = Record(where, "chat", _check_messages(obj["messages"], where))
-        elif "prompt" in obj or "completion" in obj:
-            for key in ("prompt", "completion"):
-                if key not in obj:
-                    raise UserError(f"{where}: missing field '{key}'")
-                if not isinstance(obj[key], str):
-                    raise UserError(f"{where}: field '{key}' must be a string")
-                check_string(obj[key], f"{where}: field '{key}'")
-            rec = Record(where, "completion", (obj["prompt"], obj["completion"]))
-        elif "text" in obj:
-            if not isinstance(obj["text"], str):
-                raise UserError(f"{where}: field 'text' must be a string")
-            check_string(obj["text"], f"{where}: field 'text'")
-            rec = Record(where, "text", obj["text"])
-        else:
-            raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion' "
-                            f"or 'messages' (got {', '.join(sorted(obj)) or 'an empty object'})")
-        if kind_seen is not None and rec.kind != kind_seen:
-            raise UserError(f"{where}: mixes formats ({rec.kind} after {kind_seen})")
-        kind_seen = rec.kind
+        if isinstance(obj, dict):
+            obj = opts.rename(obj, where)
+        rec = parse_object(obj, where)
+        if records and rec.kind != records[-1].kind:
+            raise UserError(f"{where}: mixes formats ({rec.kind} after {records[-1].kind})")
         records.append(rec)
     return records
+
+
+def parse_rows(table: Table, opts: DataOptions | None = None) -> list[Record]:
+    """A table's rows (io.tables) -> Records, with JSONL's checks; `where` is "<label> row N"."""
+    opts = opts or DataOptions()
+    records = []
+    for i, row in enumerate(table.rows, 1):
+        where = f"{table.label} row {i}"
+        records.append(parse_object(opts.rename(row, where), where))
+    return _one_format(records)
 
 
 def parse_txt(path: str) -> list[Record]:
@@ -99,12 +156,14 @@ def parse_txt(path: str) -> list[Record]:
     return [Record(f"{path}:1", "stream", text)] if text.strip() else []
 
 
-def parse_file(path: str) -> list[Record]:
+def parse_file(path: str, opts: DataOptions | None = None) -> list[Record]:
     if path.endswith(".jsonl"):
-        return parse_jsonl(path)
+        return parse_jsonl(path, opts)
     if path.endswith(".txt"):
         return parse_txt(path)
-    raise UserError(f"{path}: unsupported data file (use .jsonl or .txt)")
+    if is_table_file(path):
+        return parse_rows(read_tables(path).train, opts)
+    raise UserError(f"{path}: unsupported data file (use .jsonl, .txt, .parquet, .csv or .arrow)")
 
 
 def _find_split(folder: str, name: str) -> str | None:
@@ -123,25 +182,39 @@ class RawSplits:
     train_path: str
 
 
-def read_data(path: str) -> RawSplits:
-    """Parse the data (file or folder); errors name file:line. No tokenizer needed."""
+def read_data(path: str, opts: DataOptions | None = None) -> RawSplits:
+    """Parse the data (file, folder or dataset id); errors name file:line or file row N.
+    No tokenizer needed."""
+    opts = opts or DataOptions()
     if not path:
         raise UserError("no training data (--data PATH)")
-    if os.path.isdir(path):
-        train = _find_split(path, "train")
-        if train is None:
-            raise UserError(f"{path}: no train.jsonl or train.txt")
+    train = _find_split(path, "train") if os.path.isdir(path) else None
+    if train is not None:
         valid = _find_split(path, "valid")
         test = _find_split(path, "test")
-        splits = RawSplits(parse_file(train), parse_file(valid) if valid else None,
-                           parse_file(test) if test else [], train)
+        splits = RawSplits(parse_file(train, opts), parse_file(valid, opts) if valid else None,
+                           parse_file(test, opts) if test else [], train)
+    elif os.path.isdir(path) and not is_table_folder(path):
+        raise UserError(f"{path}: no train.jsonl or train.txt (or parquet, csv or arrow files)")
+    elif os.path.isfile(path):
+        splits = RawSplits(parse_file(path, opts), None, [], path)
+    elif os.path.isdir(path) or (dataset_id(path) and not _looks_like_file(path)):
+        tables = read_tables(path, opts.split, opts.subset)
+        splits = RawSplits(parse_rows(tables.train, opts),
+                           parse_rows(tables.valid, opts) if tables.valid else None,
+                           parse_rows(tables.test, opts) if tables.test else [], tables.train.label)
     elif os.path.exists(path):
-        splits = RawSplits(parse_file(path), None, [], path)
+        raise UserError(f"{path}: not a regular file or folder")
     else:
-        raise UserError(f"{path}: no such file or folder")
+        raise UserError(f"{path}: no such file or folder" + ("" if _looks_like_file(path) else
+                                                             " (nor a Hugging Face dataset id, org/name)"))
     if not splits.train:
         raise UserError(f"{splits.train_path}: empty dataset (no examples)")
     return splits
+
+
+def _looks_like_file(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() in (".jsonl", ".txt", ".json", ".parquet", ".csv", ".arrow")
 
 
 # ---------------------------------------------------------------------------------------------

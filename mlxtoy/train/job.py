@@ -27,7 +27,7 @@ from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
 from mlxtoy.train.checkpoint import pick_checkpoint
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import Dataset, Renderer, load_dataset, read_data
+from mlxtoy.train.data import DataOptions, Dataset, Renderer, load_dataset, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, train
 
@@ -74,7 +74,7 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
     model and tokenize: everything but the run directory. `old`: a resumed run's facts (its
     character vocabulary is kept, whatever the data holds now)."""
     cfg.validate()
-    raw = read_data(cfg.data)
+    raw = read_data(cfg.data, DataOptions.of(cfg))
     model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
                            cfg.seed, raw=raw)
