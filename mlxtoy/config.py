@@ -117,6 +117,8 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "sgd")
 QLORA_MODES = ("auto", "on", "off")
+OBJECTIVES = ("sft", "dpo", "orpo")  # the loss; `method` is what is trained
+PREFERENCE_OBJECTIVES = ("dpo", "orpo")  # trained on {prompt, chosen, rejected} pairs
 ALL_METHODS = TRAIN_METHODS
 
 # What a number must be (the `check` of a field): one rule shared by validate(), the CLI and
@@ -157,6 +159,12 @@ class TrainConfig:
     out: str = option("", "the run directory to create")
     method: str = option("lora", "what is trained: LoRA adapters, every block weight, or a new model",
                          choices=TRAIN_METHODS)
+    objective: str = option("sft", "the loss: supervised next-token (sft), or preference pairs with DPO "
+                            "(against the frozen starting point) or ORPO (no reference)", choices=OBJECTIVES)
+    beta: float = option(0.1, "dpo: the KL strength beta; orpo: the weight of the odds-ratio term",
+                         check="pos")
+    label_smoothing: float = option(0.0, "dpo: the share of pairs assumed mislabelled (conservative DPO)",
+                                    check="frac", label="label smoothing")
     tokenizer: str | None = option(None, "scratch: take the tokenizer from this model (or char, byte) "
                                    "instead of --model", methods=("scratch",))
 
@@ -292,6 +300,11 @@ class TrainConfig:
         if not self.data_split.strip():
             raise bad("data_split is empty (e.g. train)")
         return self
+
+    @property
+    def preference(self) -> bool:
+        """Trained on preference pairs (DPO, ORPO) rather than on text."""
+        return self.objective in PREFERENCE_OBJECTIVES
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,6 +13,8 @@
       model.safetensors + model_config.json          final result of a full / scratch run
       tokenizer.json + tokenizer_config.json         scratch runs: the tokenizer used
       accuracy.json          --eval-accuracy: held-out accuracy before and after
+      reference_logps.safetensors   DPO without LoRA: the starting model's log-probs of every
+                             train / valid pair, computed once before step 1 (resume reuses them)
 
 `locate(path)` turns any path a user may give (a run, one of its checkpoints) into a `RunDir`
 and the checkpoint meant; `is_run_or_checkpoint(path)` is the one test of "is this ours".
@@ -45,6 +47,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 MODEL_WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
 ACCURACY = "accuracy.json"
+REFERENCE_LOGPS = "reference_logps.safetensors"  # DPO without LoRA (see the layout above)
 # inside checkpoints/step_N
 CKPT_TRAINABLE = "trainable.safetensors"
 CKPT_OPTIMIZER = "optimizer.safetensors"

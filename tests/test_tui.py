@@ -140,6 +140,14 @@ def test_run_state_folds_events():
     assert len(state.samples) == 2 and state.checkpoints
 
 
+def test_run_state_folds_preference_metrics():
+    state = RunState.from_events(list(fake_events(steps=30, n_layers=4, objective="dpo")))
+    assert state.preference and len(state.margins) == 30 and state.val_pref_steps == [10, 20, 30]
+    assert state.summary()["acc"] == "100%" and state.summary()["margin"] == f"{state.margins[-1]:.3f}"
+    plain = RunState.from_events(list(fake_events(steps=30, n_layers=4)))  # control: an SFT run
+    assert not plain.preference and "margin" not in plain.summary() and not plain.margins
+
+
 def test_scan_runs(assets):
     runs = scan_runs(str(assets / "runs"))
     assert [r.name for r in runs] == ["demo-a", "demo-b"]
@@ -572,9 +580,9 @@ async def test_theme_toggle(in_assets):
 # --------------------------------------------------------------------------- snapshots
 
 
-def _fake_state(steps: int = 40, n_layers: int = 30, done: bool = False) -> RunState:
+def _fake_state(steps: int = 40, n_layers: int = 30, done: bool = False, objective: str = "sft") -> RunState:
     state = RunState.from_events(list(fake_events(steps=steps, n_layers=n_layers, done=done,
-                                                  run_dir="runs/demo")))
+                                                  run_dir="runs/demo", objective=objective)))
     if not done:
         state.status = RUNNING
     return state
@@ -631,9 +639,9 @@ def test_snapshot_file_picker(in_assets, snap_compare):
     assert snap_compare(_app(), terminal_size=SIZE, run_before=run_before)
 
 
-def _dashboard(theme: str):
+def _dashboard(theme: str, objective: str = "sft"):
     async def run_before(pilot):
-        pilot.app.run_state = _fake_state()
+        pilot.app.run_state = _fake_state(objective=objective)
         await pilot.press("f2")
         await pilot.pause(0.6)
         await _steady(pilot)
@@ -647,6 +655,11 @@ def test_snapshot_dashboard(in_assets, snap_compare):
 
 def test_snapshot_dashboard_80x24_light(in_assets, snap_compare):
     assert snap_compare(_app("textual-light", data=None), terminal_size=(80, 24), run_before=_dashboard("light"))
+
+
+def test_snapshot_dashboard_preference(in_assets, snap_compare):
+    """A DPO run: reward margin and pair accuracy beside the loss, margin and acc in the stats."""
+    assert snap_compare(_app(data=None), terminal_size=SIZE, run_before=_dashboard("dark", "dpo"))
 
 
 def test_snapshot_chat(in_assets, snap_compare):

@@ -27,7 +27,7 @@ from mlxtoy.io.registry import BUILTIN, resolve_model
 from mlxtoy.io.tables import dataset_id, is_table_file
 from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
-from mlxtoy.train.data import Renderer, read_data
+from mlxtoy.train.data import PREF_KIND, Renderer, read_data
 from tui.widgets import FilePicker, NavBar
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Field:
 
 
 FIELDS = tuple(Field(name) for name in (
-    "steps", "batch_size", "seq_len", "lr", "lora_rank", "lora_alpha", "lora_targets", "d_model",
+    "steps", "batch_size", "seq_len", "lr", "beta", "lora_rank", "lora_alpha", "lora_targets", "d_model",
     "n_layers", "n_heads", "eval_every", "eval_batches", "save_every", "sample_every", "taps_every"))
 
 # The form starts from TrainConfig's defaults, except that samples and taps are on so the
@@ -137,6 +137,8 @@ def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: di
                     ids = r.chat(rec.value, rec.where)[0]
                 elif rec.kind == "completion":
                     ids = r.completion(*rec.value, rec.where)[0]
+                elif rec.kind == PREF_KIND:  # the longer side of a preference pair
+                    ids = max((r.pair_side(rec.value[0], c, rec.where)[0] for c in rec.value[1:]), key=len)
                 else:
                     ids = r.text(rec.value)[0]
             except UserError as e:
@@ -160,6 +162,10 @@ def _describe_record(rec) -> str:
         return f"[dim]prompt[/dim] {escape(clip(rec.value[0], 60))} [dim]→[/dim] {escape(clip(rec.value[1], 60))}"
     if rec.kind == "chat":
         return " ".join(f"[dim]{escape(m['role'])}:[/dim] {escape(clip(m['content'], 50))}" for m in rec.value[:3])
+    if rec.kind == PREF_KIND:
+        prompt, chosen, rejected = rec.value
+        return (f"[dim]prompt[/dim] {escape(clip(prompt[-1]['content'], 50))} [dim]chosen[/dim] "
+                f"{escape(clip(chosen, 30))} [dim]rejected[/dim] {escape(clip(rejected, 30))}")
     return escape(clip(str(rec.value), 140))
 
 
@@ -199,6 +205,11 @@ class SetupScreen(Screen):
                     yield Label("method", classes="flabel")
                     yield Select([("lora", "lora"), ("full", "full"), ("scratch", "scratch")],
                                  value="lora", allow_blank=False, id="f-method", compact=True)
+                with Horizontal(classes="row"):
+                    yield Label("objective", classes="flabel")
+                    yield Select([(o, o) for o in train_field("objective").metadata["choices"]],
+                                 value=field_default("objective"), allow_blank=False, id="f-objective",
+                                 compact=True)
                 with Horizontal(classes="row"):
                     yield Label("run folder", classes="flabel")
                     yield Input(self._default_out(), id="f-out", compact=True,
@@ -443,6 +454,7 @@ class SetupScreen(Screen):
             "data": os.path.abspath(os.path.expanduser(self.query_one("#f-data", Input).value.strip())),
             "out": os.path.abspath(os.path.expanduser(self.query_one("#f-out", Input).value.strip())),
             "method": method,
+            "objective": str(self.query_one("#f-objective", Select).value),
         }
         for f in FIELDS:
             if method in f.methods:

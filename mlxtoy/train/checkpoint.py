@@ -13,6 +13,7 @@ import struct
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from mlxtoy.config import TrainConfig
@@ -21,7 +22,7 @@ from mlxtoy.fsutil import atomic_path, write_text_atomic
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.lora import lora_parameters
 from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_OPTIMIZER, CKPT_STATE, CKPT_TRAINABLE,
-                           MODEL_CONFIG, MODEL_WEIGHTS, CheckpointState, RunDir, RunFacts)
+                           MODEL_CONFIG, MODEL_WEIGHTS, REFERENCE_LOGPS, CheckpointState, RunDir, RunFacts)
 
 # Tests set this to make the writer pause between files, so a kill lands mid-write.
 WRITE_DELAY_ENV = "MLXTOY_CKPT_WRITE_DELAY"
@@ -114,6 +115,30 @@ def load_checkpoint(path: str) -> tuple[CheckpointState, dict[str, mx.array], di
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"{path}: unreadable checkpoint ({e})") from None
     return state, trainable, opt
+
+
+def save_reference(run: RunDir, logps: dict[str, np.ndarray]) -> None:
+    """DPO's reference log-probs per split ({"train": (pairs, 2), ...}), written once."""
+    if not run.read_only:
+        save_safetensors_atomic(run.join(REFERENCE_LOGPS), {k: mx.array(v) for k, v in logps.items()},
+                                {"format": "mlxtoy-reference-logps"})
+
+
+def load_reference(run: RunDir, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+    """The stored reference log-probs (None when there are none); refused when they do not
+    fit the data (`shapes`: what each split needs)."""
+    path = run.join(REFERENCE_LOGPS)
+    if not os.path.exists(path):
+        return None
+    try:
+        got = {k: np.array(v) for k, v in mx.load(path).items()}
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"{path}: unreadable ({e})") from None
+    for k, shape in shapes.items():
+        if k not in got or got[k].shape != tuple(shape):
+            raise UserError(f"{path}: holds reference log-probs for other data ({k}: "
+                            f"{got[k].shape if k in got else 'none'}, the data has {tuple(shape)})")
+    return got
 
 
 def flat_optimizer_state(optimizer) -> dict[str, mx.array]:

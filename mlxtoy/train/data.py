@@ -7,6 +7,10 @@ Formats (mlx-lm's three JSONL formats, plus plain text):
 - `{"messages": [{"role", "content"}, ...]}`: rendered with the model's chat template;
   loss on every assistant turn (found by rendering prefixes of the conversation).
 - `.txt`: one continuous stream, cut into windows of `seq_len` tokens.
+- Preference pairs (DPO, ORPO; tokenized and batched by mlxtoy.train.pairs):
+  `{"prompt", "chosen", "rejected"}` strings (optional `"system"`), or TRL's conversational
+  `{"chosen": [messages], "rejected": [messages]}` whose shared prefix is the prompt and whose
+  differing final assistant turns are the completions. Both become kind "pref".
 
 `data` is one file (split into train/valid deterministically from the seed) or a folder with
 `train.jsonl|train.txt` and optionally `valid.*` and `test.*`. Also a `.parquet`, `.csv` or
@@ -25,10 +29,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from mlxtoy.config import PREFERENCE_OBJECTIVES
 from mlxtoy.errors import UserError
 from mlxtoy.textio import check_string, iter_lines, parse_json, read_text
 from mlxtoy.io.tables import Table, dataset_id, is_table_file, is_table_folder, read_tables
@@ -44,8 +49,42 @@ PAD_MULTIPLE = 32  # batch widths are rounded up to this (few distinct shapes to
 @dataclass
 class Record:
     where: str  # "file:line"
-    kind: str  # "text" | "completion" | "chat" | "stream"
-    value: Any  # str | (prompt, completion) | list of messages
+    kind: str  # "text" | "completion" | "chat" | "stream" | "pref"
+    value: Any  # str | (prompt, completion) | list of messages | (prompt messages, chosen, rejected)
+
+
+PREF_KIND = "pref"
+
+
+def _check_pref(obj: dict, where: str) -> Record:
+    """A preference row -> Record("pref", (prompt messages, chosen text, rejected text))."""
+    for key in ("chosen", "rejected"):
+        if key not in obj:
+            raise UserError(f"{where}: missing field '{key}' (a preference pair needs 'chosen' and 'rejected')")
+    chosen, rejected = obj["chosen"], obj["rejected"]
+    if isinstance(chosen, list) or isinstance(rejected, list):
+        c, r = _check_messages(chosen, where), _check_messages(rejected, where)
+        for name, msgs in (("chosen", c), ("rejected", r)):
+            if msgs[-1]["role"] != "assistant":
+                raise UserError(f"{where}: '{name}' must end with an assistant turn (the completion)")
+        if c[:-1] != r[:-1]:
+            raise UserError(f"{where}: 'chosen' and 'rejected' must share every message but the "
+                            f"final assistant turn (the prompt)")
+        prompt, chosen, rejected = c[:-1], c[-1]["content"], r[-1]["content"]
+    else:
+        if "prompt" not in obj:
+            raise UserError(f"{where}: missing field 'prompt' (string 'chosen'/'rejected' need one)")
+        for key in ("prompt", "chosen", "rejected") + (("system",) if "system" in obj else ()):
+            if not isinstance(obj[key], str):
+                raise UserError(f"{where}: field '{key}' must be a string")
+        prompt = ([{"role": "system", "content": obj["system"]}] if "system" in obj else []) + [
+            {"role": "user", "content": obj["prompt"]}]
+    for name, text in (("chosen", chosen), ("rejected", rejected)):
+        if not text.strip():
+            raise UserError(f"{where}: empty completion in '{name}'")
+    if chosen == rejected:
+        raise UserError(f"{where}: 'chosen' and 'rejected' are identical (nothing to prefer)")
+    return Record(where, PREF_KIND, (prompt, chosen, rejected))
 
 
 def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
@@ -97,6 +136,8 @@ def parse_object(obj: Any, where: str) -> Record:
     """One JSON object or table row -> Record, checked; errors name `where`."""
     if not isinstance(obj, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "chosen" in obj or "rejected" in obj:
+        return _check_pref(obj, where)
     if "messages" in obj:
         return Record(where, "chat", _check_messages(obj["messages"], where))
     if "prompt" in obj or "completion" in obj:
@@ -112,8 +153,8 @@ def parse_object(obj: Any, where: str) -> Record:
             raise UserError(f"{where}: field 'text' must be a string")
         check_string(obj["text"], f"{where}: field 'text'")
         return Record(where, "text", obj["text"])
-    raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion' "
-                    f"or 'messages' (got {', '.join(sorted(obj)) or 'an empty object'})")
+    raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion', 'messages' "
+                    f"or 'chosen'/'rejected' (got {', '.join(sorted(obj)) or 'an empty object'})")
 
 
 def _one_format(records: list[Record]) -> list[Record]:
@@ -217,6 +258,21 @@ def _looks_like_file(path: str) -> bool:
     return os.path.splitext(path)[1].lower() in (".jsonl", ".txt", ".json", ".parquet", ".csv", ".arrow")
 
 
+def check_objective(raw: RawSplits, objective: str) -> None:
+    """Preference objectives train on pairs, SFT on everything else: say which file:line has
+    the other kind (each file holds one format; the test split only needs prompts/answers)."""
+    pairs = objective in PREFERENCE_OBJECTIVES
+    for recs in (raw.train, raw.valid or []):
+        for rec in recs[:1]:
+            if pairs and rec.kind != PREF_KIND:
+                raise UserError(f"{rec.where}: --objective {objective} needs preference pairs "
+                                f"({{\"prompt\",\"chosen\",\"rejected\"}} or {{\"chosen\": [messages], "
+                                f"\"rejected\": [messages]}}), not {rec.kind} data")
+            if not pairs and rec.kind == PREF_KIND:
+                raise UserError(f"{rec.where}: preference pairs need --objective dpo or orpo "
+                                f"(the objective is {objective})")
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizing: records -> examples with a per-token loss mask
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +287,10 @@ class Example:
     def __len__(self) -> int:  # (input, target) pairs
         return len(self.tokens) - 1
 
+    @property
+    def trained(self) -> int:
+        return int(self.loss[1:].sum())
+
 
 @dataclass
 class DataStats:
@@ -239,13 +299,14 @@ class DataStats:
     dropped: int = 0  # nothing left to learn from (no target tokens)
     tokens: int = 0
     loss_tokens: int = 0
+    dropped_why: str = "no trained tokens"
 
     def describe(self) -> str:
         s = f"{self.examples} examples, {self.tokens} tokens ({self.loss_tokens} trained)"
         if self.truncated:
             s += f", {self.truncated} truncated"
         if self.dropped:
-            s += f", {self.dropped} dropped (no trained tokens)"
+            s += f", {self.dropped} dropped ({self.dropped_why})"
         return s
 
 
@@ -300,6 +361,26 @@ class Renderer:
                     loss[t] = True
         return full, loss
 
+    def final_turn(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+        """Like `chat`, but only the final assistant turn (and the end-of-turn tokens the
+        template adds after it) is trained: a preference pair's completion. For a one-turn
+        conversation this is `chat`'s mask."""
+        if not self.has_template:
+            raise UserError(f"{where}: chat data needs a chat template, and this tokenizer has none")
+        full = self.render(messages, False, where)
+        start = _common_prefix(self.render(messages[:-1], True, where), full)
+        return full, [t >= start for t in range(len(full))]
+
+    def pair_side(self, prompt: list[dict], completion: str, where: str) -> tuple[list[int], list[bool]]:
+        """One completion of a preference pair after its prompt messages: ids and loss mask
+        (the completion only), as SFT renders the same conversation."""
+        if self.has_template:
+            return self.final_turn(prompt + [{"role": "assistant", "content": completion}], where)
+        if len(prompt) != 1 or prompt[0]["role"] != "user":
+            raise UserError(f"{where}: a system message or a conversation needs a chat template, "
+                            f"and this tokenizer has none")
+        return Renderer(self.tok, True).completion(prompt[0]["content"], completion, where)
+
     def completion(self, prompt: str, completion: str, where: str) -> tuple[list[int], list[bool]]:
         if self.has_template:
             return self.chat([{"role": "user", "content": prompt},
@@ -321,6 +402,11 @@ class Renderer:
             if last is None:
                 return self.render(msgs, True, rec.where), None
             return self.render(msgs[:last], True, rec.where), msgs[last]["content"]
+        if rec.kind == PREF_KIND:
+            prompt_msgs, chosen, _ = rec.value
+            if self.has_template:
+                return self.render(prompt_msgs, True, rec.where), chosen
+            return self.tok.encode(prompt_msgs[-1]["content"]), chosen
         if rec.kind == "completion":
             prompt, answer = rec.value
             if self.has_template:
@@ -373,7 +459,7 @@ def tokenize(records: list[Record], tokenizer, seq_len: int, mask_prompt: bool =
                         f"({stats.dropped} without any completion / assistant tokens)")
     stats.examples = len(out)
     stats.tokens = sum(len(e) for e in out)
-    stats.loss_tokens = int(sum(e.loss[1:].sum() for e in out))
+    stats.loss_tokens = sum(e.trained for e in out)
     return out, stats
 
 
@@ -400,20 +486,24 @@ class Dataset:
 
 
 def load_dataset(path: str, tokenizer, seq_len: int, mask_prompt: bool = True,
-                 valid_fraction: float = 0.1, seed: int = 0, raw: RawSplits | None = None) -> Dataset:
+                 valid_fraction: float = 0.1, seed: int = 0, raw: RawSplits | None = None,
+                 tokenize_fn: Callable = tokenize) -> Dataset:
+    """Read and tokenize the splits (`tokenize_fn`: mlxtoy.train.pairs.tokenize_pairs for
+    preference objectives); a single file's valid split is held out after tokenizing."""
     raw = raw or read_data(path)
-    train, train_stats = tokenize(raw.train, tokenizer, seq_len, mask_prompt, name=raw.train_path)
+    train, train_stats = tokenize_fn(raw.train, tokenizer, seq_len, mask_prompt, name=raw.train_path)
     valid_records = raw.valid or []
     if raw.valid is None:
         train, valid = split_examples(train, valid_fraction, seed)
         valid_stats = DataStats(examples=len(valid), tokens=sum(len(e) for e in valid),
-                                loss_tokens=int(sum(e.loss[1:].sum() for e in valid)))
+                                loss_tokens=sum(e.trained for e in valid))
         train_stats.examples -= len(valid)
         # keep the records of the held-out examples for sample prompts
         held = {e.where for e in valid}
         valid_records = [r for r in raw.train if r.where in held and r.kind != "stream"]
     else:
-        valid, valid_stats = tokenize(raw.valid, tokenizer, seq_len, mask_prompt, name="valid") if raw.valid else ([], DataStats())
+        valid, valid_stats = (tokenize_fn(raw.valid, tokenizer, seq_len, mask_prompt, name="valid")
+                              if raw.valid else ([], DataStats()))
     return Dataset(train, valid, raw.test, valid_records, train_stats, valid_stats)
 
 
@@ -455,6 +545,12 @@ class Batch:
     n_tokens: int = 0  # non-padding input tokens
     n_loss: int = 0  # trained targets
     index: int = 0  # global batch index (the data position)
+    # preference pairs (mlxtoy.train.pairs): pair j of the batch is sequences 2j (chosen) and
+    # 2j + 1 (rejected); `seq` says which sequence each target belongs to (-1: none)
+    seq: np.ndarray | None = None  # (B, T) int32
+    ref: np.ndarray | None = None  # (pairs, 2) float32: reference log-probs (chosen, rejected)
+    pairs: np.ndarray | None = None  # (pairs,) int32: the pairs' indices in the dataset
+    n_chosen: int = 0  # trained targets of the chosen completions
 
 
 @dataclass

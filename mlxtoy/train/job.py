@@ -27,12 +27,14 @@ from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
 from mlxtoy.train.checkpoint import pick_checkpoint
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import DataOptions, Dataset, Renderer, load_dataset, read_data
+from mlxtoy.train.data import (DataOptions, Dataset, Renderer, check_objective, load_dataset, read_data,
+                               tokenize)
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, train
+from mlxtoy.train.pairs import tokenize_pairs
 
 # fields that change the shape of what a checkpoint holds; a resume may not change them
-STRUCTURAL = ("method", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
+STRUCTURAL = ("method", "objective", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
               "lora_layers", "train_embeddings", "train_norm", "train_output", "d_model",
               "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "tie_embeddings")
 EXIT_CODES = {"finished": 0, "stopped": 0, "interrupted": 130, "nan": 1}
@@ -75,9 +77,10 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
     character vocabulary is kept, whatever the data holds now)."""
     cfg.validate()
     raw = read_data(cfg.data, DataOptions.of(cfg))
+    check_objective(raw, cfg.objective)
     model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
-                           cfg.seed, raw=raw)
+                           cfg.seed, raw=raw, tokenize_fn=tokenize_pairs if cfg.preference else tokenize)
     facts.data = {"train_examples": len(dataset.train), "valid_examples": len(dataset.valid),
                   "test_examples": len(dataset.test), "truncated": dataset.train_stats.truncated}
     return model, tokenizer, dataset, facts
