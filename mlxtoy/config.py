@@ -11,7 +11,7 @@ import yaml
 from mlxtoy.errors import UserError
 
 # One spec each (mlxtoy/arch/<name>.py, registered in mlxtoy.arch.registry, which checks this list)
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "tiny")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gpt2", "tiny")
 
 
 @dataclass

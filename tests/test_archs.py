@@ -56,11 +56,27 @@ VARIANTS = {
                                              tie_word_embeddings=False)),
     "mistral_full": ("MistralConfig", dict(num_hidden_layers=2, head_dim=32, sliding_window=None,
                                            tie_word_embeddings=True)),
+    "phi3_partial_rotary": ("Phi3Config", dict(num_hidden_layers=2, partial_rotary_factor=0.5,
+                                                tie_word_embeddings=False, pad_token_id=0)),
+    "phi3_tied_gqa": ("Phi3Config", dict(num_hidden_layers=2, partial_rotary_factor=0.75,
+                                         tie_word_embeddings=True, pad_token_id=0)),
+    # 6 layers: llama.cpp's pattern puts the one global layer last; query_pre_attn_scalar = head_dim
+    "gemma3_window": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=32, num_key_value_heads=1,
+                                               sliding_window=16, query_pre_attn_scalar=32,
+                                               hidden_activation="gelu_pytorch_tanh", pad_token_id=0)),
 }
 
 
 def _windowed(name: str) -> int | None:
     return VARIANTS[name][1].get("sliding_window")
+
+
+def _gguf_tokens(name: str, tokens: list[int]) -> list[int]:
+    """The tokens llama.cpp can check: all of them where its GGUF arch has the window (gemma3),
+    else those within the window (Mistral's GGUF is llama: ours declares context = window)."""
+    if _windowed(name) and not name.startswith("gemma3"):
+        return tokens[:_windowed(name)]
+    return tokens
 
 
 def _randomize(model, seed: int) -> None:
@@ -71,7 +87,8 @@ def _randomize(model, seed: int) -> None:
         emb = None
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                v = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+                gemma = isinstance(model, transformers.Gemma3ForCausalLM)  # stores w of 1 + w
+                v = (0.0 if gemma else 1.0) + 0.1 * torch.randn(p.shape, generator=g)
             elif "embed_tokens" in name:
                 v = torch.randn(p.shape, generator=g)
                 emb = v
@@ -96,7 +113,7 @@ def hf_case(request, tmp_path_factory):
     """(variant name, HF folder written by transformers, transformers model, tokens)."""
     name = request.param
     cls, kw = VARIANTS[name]
-    config = getattr(transformers, cls)(**BASE, **kw)
+    config = getattr(transformers, cls)(**{**BASE, **kw})
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(ref, seed=1)
@@ -142,16 +159,14 @@ def test_gguf_export_runs_in_llama_cpp(hf_case, tmp_path):
     names = [re.sub(r"^blk\.\d+\.", "blk.{bid}.", t.name.rsplit(".", 1)[0])
              for t in gguf.GGUFReader(out).tensors]
     assert set(names) <= allowed, set(names) - allowed
-    n_ctx = len(tokens)
-    if _windowed(name):  # llama.cpp's llama has no window: our GGUF declares a context = window
-        n_ctx = _windowed(name)
-        tokens = tokens[:n_ctx]
+    short = len(_gguf_tokens(name, tokens)) < len(tokens)
+    tokens = _gguf_tokens(name, tokens)
     theirs = _theirs(ref, tokens)
     cpp = llama_cpp_logits(out, tokens)
     assert max_rel_diff(cpp, theirs) <= 1e-3, name
     assert argmax_agreement(cpp, theirs) == 1.0, name
     cfg, weights, meta = load_gguf(out)
-    assert meta.metadata[f"{gguf_arch}.context_length"] == (n_ctx if _windowed(name) else 256)
+    assert meta.metadata[f"{gguf_arch}.context_length"] == (len(tokens) if short else 256)
     assert set(weights) == set(hf_weights)
     for k, v in weights.items():
         assert mx.array_equal(v, hf_weights[k]).item(), k
@@ -182,8 +197,7 @@ def test_peft_and_llama_cpp_adapters(hf_case, tmp_path, targets):
     with torch.no_grad():
         lora_logits = peft.PeftModel.from_pretrained(fresh, adapter)(torch.tensor([tokens])).logits[0].numpy()
     assert max_rel_diff(lora_logits, ours) <= 1e-4, name
-    if _windowed(name):
-        tokens = tokens[:_windowed(name)]
+    tokens = _gguf_tokens(name, tokens)
     base_gguf = export_model(base, tok, str(tmp_path / "base.gguf"), "gguf", "f32")
     merged = export_model(model, tok, str(tmp_path / "merged.gguf"), "gguf", "f32")
     lora_gguf = export_model(model, tok, str(tmp_path / "adapter.gguf"), "adapter-gguf", "f32")
