@@ -23,6 +23,7 @@ import pytest
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import gguf
 import mlx.core as mx
+import mlx_lm
 import peft
 import torch
 import transformers
@@ -206,6 +207,19 @@ def test_peft_and_llama_cpp_adapters(hf_case, tmp_path, targets):
     assert max_rel_diff(with_lora, _ours(model, tokens)) <= 1e-3, name
 
 
+def test_mlx_lm_loads_our_hf_export_and_adapters(hf_case, tmp_path):
+    name, folder, _, tokens = hf_case
+    if name == "mistral_window":
+        pytest.skip("mlx-lm's llama windows no layer of a Mistral config (full attention)")
+    base, model, tok = _lora_copy(folder, ("q", "k", "v", "o", "gate", "up", "down"))
+    hf = export_model(base, tok, str(tmp_path / "hf"), "hf", "f32")
+    adapters = export_model(model, tok, str(tmp_path / "mlx-lm"), "mlx-lm", "f32")
+    theirs, _ = mlx_lm.load(hf)
+    assert max_rel_diff(np.array(theirs(mx.array([tokens]))[0]), _ours(base, tokens)) <= 1e-4, name
+    theirs, _ = mlx_lm.load(hf, adapter_path=adapters)
+    assert max_rel_diff(np.array(theirs(mx.array([tokens]))[0]), _ours(model, tokens)) <= 1e-4, name
+
+
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_fine_tuning_lowers_the_loss(hf_case, tmp_path, method):
     name, folder, _, _ = hf_case
@@ -234,3 +248,51 @@ def test_cached_decoding_equals_uncached(hf_case):
     model(mx.array([prompt]), cache=cache)
     stepped = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in seq[len(prompt):]]
     assert np.abs(np.stack(stepped) - full[len(prompt):]).max() <= 1e-4 * np.abs(full).max()
+
+
+def test_taps_keep_their_meaning(hf_case):
+    """attn_norm / ffn_out / resid_post on every architecture; Gemma's ffn_out is after its
+    post-FFN norm (unit RMS once its weight is divided out); per-head taps (explicit attention,
+    windows included) leave the logits unchanged."""
+    name, folder, _, tokens = hf_case
+    model, _ = load(folder)
+    taps: dict = {"_heads": True}
+    with_taps = np.array(model(mx.array([tokens]), taps=taps)[0])
+    np.testing.assert_allclose(with_taps, _ours(model, tokens), rtol=0, atol=1e-4 * np.abs(with_taps).max())
+    n = model.config.n_layers
+    assert {(i, s) for i in range(n) for s in ("attn_norm", "ffn_out", "resid_post", "attn_entropy")} <= set(taps)
+    for i in range(1, n):  # resid_post = previous stream + attention part + ffn_out
+        attn_part = taps[(i, "resid_post")] - taps[(i - 1, "resid_post")] - taps[(i, "ffn_out")]
+        assert float(mx.abs(attn_part).max()) > 0
+    if name.startswith("gemma3"):
+        w = model.layers[0].post_ffn_norm.weight
+        rms = mx.sqrt(((taps[(0, "ffn_out")] / w) ** 2).mean(-1))
+        assert float(mx.abs(rms - 1).max()) < 1e-2
+
+
+def test_unknown_architecture_and_missing_field_exit_2(hf_case, tmp_path):
+    name, folder, _, _ = hf_case
+    if not name.startswith("qwen3_untied"):
+        pytest.skip("one variant is enough")
+    import shutil
+    import subprocess
+    import sys
+
+    with open(os.path.join(folder, "config.json")) as f:
+        raw = json.load(f)
+    for label, edit, needles in [
+        ("unknown", lambda c: c | {"architectures": ["FalconForCausalLM"], "model_type": "falcon"},
+         ("unknown architecture", "FalconForCausalLM", "Gemma3ForCausalLM", "Qwen3ForCausalLM")),
+        ("missing", lambda c: {k: v for k, v in c.items() if k != "hidden_size"},
+         ("config.json", "missing field hidden_size")),
+    ]:
+        bad = str(tmp_path / label)
+        shutil.copytree(folder, bad)
+        with open(os.path.join(bad, "config.json"), "w") as f:
+            json.dump(edit(raw), f)
+        proc = subprocess.run([sys.executable, "-m", "mlxtoy", "inspect", bad], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+        assert all(n in lines[0] for n in needles), lines[0]

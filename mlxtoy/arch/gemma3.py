@@ -69,13 +69,16 @@ def hf_in(f: Fields, raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def hf_out(cfg: ModelConfig) -> dict[str, Any]:
+    scalar = (cfg.attn_scale or cfg.d_head ** -0.5) ** -2
+    if abs(scalar - round(scalar)) < 1e-6 * scalar:  # transformers wants the int it was given
+        scalar = int(round(scalar))
     out = llama.hf_out(cfg, "Gemma3ForCausalLM", "gemma3_text")
     full = {"rope_type": "default", "rope_theta": cfg.rope_base} | (
         {k: v for k, v in out.pop("rope_scaling").items()} if "rope_scaling" in out else {})
     for legacy in ("rope_theta", "hidden_act", "attention_bias"):
         out.pop(legacy, None)
     return out | {
-        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": cfg.attn_scale ** -2,
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
         "sliding_window": cfg.sliding_window, "layer_types": cfg.layer_types, "tie_word_embeddings": True,
         "rope_parameters": {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": cfg.rope_local_base or cfg.rope_base}},

@@ -52,8 +52,9 @@ def hf_in(f: Fields, raw: dict[str, Any]) -> dict[str, Any]:
 def hf_out(cfg: ModelConfig) -> dict[str, Any]:
     out = llama.hf_out(cfg, "Phi3ForCausalLM", "phi3")
     out.pop("attention_bias")
+    # pad_token_id: transformers' Phi3Config defaults to 32000, past a small vocabulary
     return out | {"partial_rotary_factor": (cfg.rope_dims or cfg.d_head) / cfg.d_head,
-                  "sliding_window": cfg.sliding_window}
+                  "sliding_window": cfg.sliding_window, "pad_token_id": None}
 
 
 def gguf_in(f: Fields, md: dict[str, Any]) -> dict[str, Any]:

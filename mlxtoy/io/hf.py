@@ -118,6 +118,8 @@ def special_token_ids(tokenizer) -> dict[str, int]:
             out["bos_token_id"] = tokenizer.bos_id
         if tokenizer.eos_id is not None:
             out["eos_token_id"] = tokenizer.eos_id
+        if getattr(tokenizer, "pad_id", None) is not None:
+            out["pad_token_id"] = tokenizer.pad_id
     return out
 
 
