@@ -12,12 +12,13 @@ import yaml
 from mlxtoy.errors import UserError
 from mlxtoy.textio import read_text
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gpt2", "tiny")  # gpt2/tiny: mlxtoy.models.gpt2, .tiny
+# One spec each (mlxtoy/arch/<name>.py, registered in mlxtoy.arch.registry, which checks this list)
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gpt2", "tiny")
 
 
 @dataclass
 class ModelConfig:
-    arch: str = "llama"  # "llama", "qwen2", "gpt2" or "tiny" (the reference TransformerLM)
+    arch: str = "llama"  # a name in SUPPORTED_ARCHS ("tiny": the reference TransformerLM)
     vocab_size: int = 32000
     d_model: int = 512
     n_layers: int = 4
@@ -35,6 +36,13 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = True
     context_length: int = 2048
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3, gemma3)
+    sliding_window: int | None = None  # a sliding layer sees the last `sliding_window` positions
+    # per layer "sliding_attention" / "full_attention" (HF's words); None: every layer slides
+    # when sliding_window is set
+    layer_types: list[str] | None = None
+    rope_local_base: float | None = None  # RoPE base of sliding layers (gemma3); None: rope_base
+    attn_scale: float | None = None  # softmax scale; None: d_head ** -0.5
 
     def __post_init__(self) -> None:
         # Values come from a stranger's GGUF or config.json: check types and ranges before
@@ -60,8 +68,19 @@ class ModelConfig:
                             f"got {self.rope_dims!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise UserError(f"model config: rope_scaling must be a mapping, got {self.rope_scaling!r}")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise UserError(f"model config: layer_types has {len(self.layer_types)} entries for "
+                            f"{self.n_layers} layers")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"model config: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None for a full-attention layer."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return int(self.sliding_window)
+        return None
 
     @property
     def group_size(self) -> int:

@@ -11,9 +11,12 @@ weight in our fused layout (GGUF's row order):
 
 A per-head adapter on q/k/v (A_h (r, d_in), B_h (d_head, r) for each head h) converts
 exactly: A stacks the heads' A_h (rank heads*r) and B is block-diagonal with B_h on the
-diagonal, so head h's rows get B_h @ A_h and nothing else. Each writer then only renames,
-re-lays-out (llama's q/k rows are GGML adjacent-pair in GGUF and NEOX in HF / mlx-lm / PEFT)
-and folds `scale` into B so that the consumer's own scale convention gives exactly ours:
+diagonal, so head h's rows get B_h @ A_h and nothing else. Where the outside formats fuse
+several of our weights into one tensor (Phi-3's qkv_proj, GPT-2's c_attn) the updates of its
+parts join the same way: A stacked, B block-diagonal at each part's rows (`outside_updates`).
+Each writer then only renames (the spec's name table), re-lays-out (the row's HF transform:
+llama's q/k rows are GGML adjacent-pair in GGUF and NEOX in HF / mlx-lm / PEFT) and folds
+`scale` into B so that the consumer's own scale convention gives exactly ours:
 
     llama.cpp:  alpha / rank, rank read from each B    PEFT: lora_alpha / r (rank_pattern)
     mlx-lm:     one `scale` for every adapted layer, one rank (narrower adapters zero-padded)
@@ -32,34 +35,21 @@ import mlx.nn as nn
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
+from mlxtoy.arch.registry import SPECS, expected_shapes, spec_of
+from mlxtoy.arch.spec import Tensor, flat_shape
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_folder, atomic_path
-from mlxtoy.io.gguf_write import GGUF_DTYPES, write_gguf, write_lora_gguf
-from mlxtoy.io.gguf_write_gpt2 import write_gpt2_gguf
-from mlxtoy.io.gpt2_io import save_gpt2_hf
-from mlxtoy.io.hf import interleaved_to_neox, save_hf
+from mlxtoy.io.gguf_write import GGUF_DTYPES, gguf_spec, write_gguf, write_lora_gguf
+from mlxtoy.io.hf import save_hf
 from mlxtoy.io.quantize import QUANT_TYPES, find_quantizer, quantize_gguf
 from mlxtoy.loading import load_run_model, load_weights
-from mlxtoy.models.lora import LORA_TYPES, TARGET_PATHS, LoRAHeadProjection, lora_modules
-from mlxtoy.models.shapes import expected_shapes
+from mlxtoy.models.lora import LORA_TYPES, LoRAHeadProjection, lora_modules
 from mlxtoy.rundir import is_run_or_checkpoint, locate
 
 FORMATS = ("gguf", "adapter-gguf", "hf", "mlx-lm", "peft")
 DTYPES = GGUF_DTYPES + tuple(QUANT_TYPES)  # the last ones through llama.cpp's quantizer
 FILE_FORMATS = ("gguf", "adapter-gguf")  # one file; the others write a folder
-
-# our adapter target -> (GGUF tensor in a block, HF module in a layer)
-TARGETS = {
-    "q": ("attn_q.weight", "self_attn.q_proj"),
-    "k": ("attn_k.weight", "self_attn.k_proj"),
-    "v": ("attn_v.weight", "self_attn.v_proj"),
-    "o": ("attn_output.weight", "self_attn.o_proj"),
-    "gate": ("ffn_gate.weight", "mlp.gate_proj"),
-    "up": ("ffn_up.weight", "mlp.up_proj"),
-    "down": ("ffn_down.weight", "mlp.down_proj"),
-}
-
 
 @dataclass
 class LoraUpdate:
@@ -85,10 +75,6 @@ class LoraSet:
     rank: int
     alpha: float
     base: str | None = None  # the base MODEL the run was trained on
-
-    @property
-    def targets(self) -> list[str]:
-        return [t for t in TARGETS if any(k[1] == t for k in self.updates)]
 
     @property
     def nominal_scale(self) -> float:
@@ -124,12 +110,58 @@ def per_head_to_fused(A_h: np.ndarray, B_h: np.ndarray) -> tuple[np.ndarray, np.
 
 # --------------------------------------------------------------------------- layouts
 
-def _hf_rows(cfg: ModelConfig, target: str, B: np.ndarray) -> np.ndarray:
-    """B's rows in Hugging Face order: llama's q/k rows go from adjacent-pair to NEOX."""
-    if cfg.arch != "llama" or target not in ("q", "k"):
-        return B
-    heads = cfg.n_heads if target == "q" else cfg.n_kv_heads
-    return np.array(interleaved_to_neox(mx.array(B), heads))
+@dataclass
+class Adapted:
+    """One outside tensor's LoRA: delta = B @ A (scale folded into B), B's rows in our (GGUF)
+    order; `row` is the spec's name-table row (GGUF name, HF module, HF transform)."""
+
+    layer: int
+    row: Tensor
+    A: np.ndarray
+    B: np.ndarray
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+    @property
+    def hf_module(self) -> str:
+        return self.row.hf.removesuffix(".weight")
+
+
+def outside_updates(lora: LoraSet, cfg: ModelConfig) -> list[Adapted]:
+    """The run's updates per outside tensor, in the name table's order. Updates of weights the
+    outside formats fuse (q | k | v, gate | up) join exactly: A stacked, B block-diagonal at
+    each part's rows (parts without an adapter get zero rows)."""
+    spec = spec_of(cfg.arch)
+    shapes = expected_shapes(cfg)
+    groups: dict[tuple[int, int], dict[int, LoraUpdate]] = {}
+    for (layer, target), u in lora.updates.items():
+        row, part = spec.tensor_of(spec.lora_targets[target] + ".weight")
+        groups.setdefault((layer, spec.tensors.index(row)), {})[part] = u
+    out = []
+    for (layer, k), parts in sorted(groups.items()):
+        row = spec.tensors[k]
+        rows = [flat_shape(p, shapes[f"layers.{layer}.{p}"])[0] for p in row.ours]
+        A = np.concatenate([parts[i].A for i in sorted(parts)], axis=0).astype(np.float32)
+        B = np.zeros((sum(rows), A.shape[0]), dtype=np.float32)
+        col = 0
+        for i in sorted(parts):
+            u, start = parts[i], sum(rows[:i])
+            B[start:start + rows[i], col:col + u.rank] = u.B * np.float32(u.scale)
+            col += u.rank
+        out.append(Adapted(layer, row, A, B))
+    return out
+
+
+def _hf_rows(cfg: ModelConfig, a: Adapted) -> np.ndarray:
+    """B's rows in Hugging Face order (the row's transform; llama's q/k: adjacent-pair -> NEOX)."""
+    tf = a.row.hf_transform
+    if tf is None:
+        return a.B
+    if not tf.rows:
+        raise UserError(f"{cfg.arch}: adapters on {a.row.hf} have no row-wise HF layout")
+    return np.array(tf.to_hf(mx.array(a.B), cfg))
 
 
 def _np_dtype(dtype: str):
@@ -142,20 +174,19 @@ def _np_dtype(dtype: str):
 
 # --------------------------------------------------------------------------- writers
 
-def lora_to_llama_cpp(lora: LoraSet) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
+def lora_to_llama_cpp(lora: LoraSet, cfg: ModelConfig) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], float]:
     """-> ({GGUF base tensor name: (A, B)}, alpha) such that llama.cpp's alpha/rank gives ours."""
     alpha = float(lora.alpha) if lora.alpha else 0.0
     out = {}
-    for (layer, target), u in sorted(lora.updates.items(), key=lambda kv: (kv[0][0], list(TARGETS).index(kv[0][1]))):
+    for a in outside_updates(lora, cfg):
         # llama.cpp scales by alpha / rank (rank = this B's width), or by 1 when alpha is 0
-        theirs = alpha / u.rank if alpha else 1.0
-        B = u.B * np.float32(u.scale / theirs)
-        out[f"blk.{layer}.{TARGETS[target][0]}"] = (u.A, B)
+        theirs = alpha / a.rank if alpha else 1.0
+        out[f"blk.{a.layer}.{a.row.gguf}"] = (a.A, a.B / np.float32(theirs))
     return out, alpha
 
 
 def write_adapter_gguf(path: str, src: Source, dtype: str = "f32") -> str:
-    adapters, alpha = lora_to_llama_cpp(_need_lora(src))
+    adapters, alpha = lora_to_llama_cpp(_need_lora(src), src.cfg)
     return write_lora_gguf(path, src.cfg, adapters, alpha, metadata=src.meta.metadata if src.meta else None,
                            dtype=dtype)
 
@@ -170,33 +201,38 @@ def write_mlx_lm(path: str, src: Source, dtype: str = "f32") -> str:
     lora = _need_lora(src)
     cfg = src.cfg
     np_dtype = _np_dtype(dtype)
-    rank = max(u.rank for u in lora.updates.values())
+    items = outside_updates(lora, cfg)
+    rank = max(a.rank for a in items)
     scale = lora.nominal_scale or 1.0
-    targets = lora.targets
-    first = min(layer for layer, _ in lora.updates)
+    by_key = {(a.layer, a.hf_module): a for a in items}
+    dims = {a.hf_module: (a.B.shape[0], a.A.shape[1]) for a in items}
+    first = min(a.layer for a in items)
     tensors: dict[str, np.ndarray] = {}
-    dims = _target_dims(cfg)
     for layer in range(first, cfg.n_layers):
-        for t in targets:
-            d_out, d_in = dims[t]
+        for module, (d_out, d_in) in dims.items():
             a = np.zeros((d_in, rank), dtype=np.float32)
             b = np.zeros((rank, d_out), dtype=np.float32)
-            u = lora.updates.get((layer, t))
+            u = by_key.get((layer, module))
             if u is not None:
                 a[:, :u.rank] = u.A.T
-                b[:u.rank, :] = (_hf_rows(cfg, t, u.B) * np.float32(u.scale / scale)).T
-            name = f"model.layers.{layer}.{TARGETS[t][1]}"
+                b[:u.rank, :] = (_hf_rows(cfg, u) / np.float32(scale)).T
+            name = src_hf_block(cfg, layer) + module
             tensors[f"{name}.lora_a"] = a.astype(np_dtype)
             tensors[f"{name}.lora_b"] = b.astype(np_dtype)
     config = {
         "fine_tune_type": "lora",
         "num_layers": cfg.n_layers - first,
         "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0,
-                            "keys": [TARGETS[t][1] for t in targets]},
+                            "keys": list(dims)},
     }
     if lora.base:
         config["model"] = lora.base
     return _write_adapter_folder(path, "adapters.safetensors", tensors, config)
+
+
+def src_hf_block(cfg: ModelConfig, layer: int) -> str:
+    """The HF name prefix of block `layer` ("model.layers.3.")."""
+    return spec_of(cfg.arch).hf_block.format(i=layer)
 
 
 def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
@@ -209,19 +245,21 @@ def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
     cfg = src.cfg
     np_dtype = _np_dtype(dtype)
     alpha = float(lora.alpha) if lora.alpha else float(lora.rank)
-    ranks = [u.rank for u in lora.updates.values()]
+    items = outside_updates(lora, cfg)
+    ranks = [a.rank for a in items]
     r = max(set(ranks), key=ranks.count)
     tensors: dict[str, np.ndarray] = {}
     rank_pattern: dict[str, int] = {}
     modules: dict[str, set[int]] = {}
-    for (layer, t), u in lora.updates.items():
-        module = f"model.layers.{layer}.{TARGETS[t][1]}"
-        B = _hf_rows(cfg, t, u.B) * np.float32(u.scale * u.rank / alpha)
-        tensors[f"base_model.model.{module}.lora_A.weight"] = u.A.astype(np_dtype)
+    dims = {a.hf_module: (a.B.shape[0], a.A.shape[1]) for a in items}
+    for a in items:
+        module = src_hf_block(cfg, a.layer) + a.hf_module
+        B = _hf_rows(cfg, a) * np.float32(a.rank / alpha)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.A.astype(np_dtype)
         tensors[f"base_model.model.{module}.lora_B.weight"] = B.astype(np_dtype)
-        modules.setdefault(TARGETS[t][1].split(".")[-1], set()).add(u.rank)
-        if u.rank != r:
-            rank_pattern[module] = u.rank
+        modules.setdefault(a.hf_module.split(".")[-1], set()).add(a.rank)
+        if a.rank != r:
+            rank_pattern[module] = a.rank
     # one entry per projection when all its layers share a rank (PEFT matches by suffix)
     for short, rs in modules.items():
         if len(rs) == 1 and next(iter(rs)) != r:
@@ -248,26 +286,24 @@ def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
         "modules_to_save": None,
         "init_lora_weights": True,
     }
-    missing = [(layer, t) for layer in layers for t in lora.targets if (layer, t) not in lora.updates]
-    for layer, t in missing:  # PEFT adapts every target in every listed layer: write zeros
-        d_out, d_in = _target_dims(cfg)[t]
-        module = f"model.layers.{layer}.{TARGETS[t][1]}"
+    have = {(a.layer, a.hf_module) for a in items}
+    missing = [(layer, m) for layer in layers for m in dims if (layer, m) not in have]
+    for layer, m in missing:  # PEFT adapts every target in every listed layer: write zeros
+        d_out, d_in = dims[m]
+        module = src_hf_block(cfg, layer) + m
         tensors[f"base_model.model.{module}.lora_A.weight"] = np.zeros((r, d_in), np_dtype)
         tensors[f"base_model.model.{module}.lora_B.weight"] = np.zeros((d_out, r), np_dtype)
     return _write_adapter_folder(path, "adapter_model.safetensors", tensors, config, also_ours=("README.md",))
 
 
 def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
-    if src.cfg.arch not in ("gpt2", "llama", "qwen2"):
-        raise UserError(f"{src.cfg.arch} models have no Hugging Face equivalent (export llama, qwen2 or gpt2)")
-    save = save_gpt2_hf if src.cfg.arch == "gpt2" else save_hf
     mx_dtype = {"f32": mx.float32, "f16": mx.float16}.get(dtype)
     if mx_dtype is None:
         raise UserError(f"--dtype {dtype} is not available for --format hf (choose f32 or f16)")
     _check_replaceable_dir(path, ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                                   "generation_config.json", "special_tokens_map.json"))
     try:
-        save(path, src.cfg, src.weights, src.tokenizer, dtype=mx_dtype)
+        save_hf(path, src.cfg, src.weights, src.tokenizer, dtype=mx_dtype)
     except OSError as e:
         raise UserError(f"{path}: cannot write ({e.strerror or e})") from None
     return path
@@ -275,13 +311,9 @@ def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
 
 def write_model_gguf(path: str, src: Source, dtype: str = "f32",
                      progress: Callable[[int, int], None] | None = None) -> str:
-    if src.cfg.arch == "tiny":
-        raise UserError("the reference TransformerLM (arch tiny) has no llama.cpp GGUF equivalent; "
-                        "use its run directory (mlxtoy generate --model RUN)")
-    # gpt2 (fused QKV, biases, learned positions) has its own writer
-    write = write_gpt2_gguf if src.cfg.arch == "gpt2" else write_gguf
+    gguf_spec(src.cfg)  # refuse an architecture llama.cpp cannot run before anything else
     if dtype not in QUANT_TYPES:
-        return write(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
+        return write_gguf(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
     # llama.cpp quantizes from the F16 GGUF we write beside the target (same filesystem, so
     # the space is checked where it matters); the result lands atomically; the F16 goes away
     find_quantizer(dtype)
@@ -293,7 +325,7 @@ def write_model_gguf(path: str, src: Source, dtype: str = "f32",
                                dir=os.path.dirname(path))
     os.close(fd)
     try:
-        write(f16, src.cfg, src.weights, gguf_metadata(src), dtype="f16", progress=progress)
+        write_gguf(f16, src.cfg, src.weights, gguf_metadata(src), dtype="f16", progress=progress)
         with atomic_path(path) as tmp:
             quantize_gguf(f16, tmp, dtype)
     except OSError as e:
@@ -320,20 +352,14 @@ def gguf_metadata(src: Source) -> dict[str, Any]:
 # --------------------------------------------------------------------------- sources
 
 def _need_lora(src: Source) -> LoraSet:
-    if src.cfg.arch not in ("llama", "qwen2"):
-        raise UserError(f"adapter formats support llama and qwen2 models, not {src.cfg.arch} "
+    if not spec_of(src.cfg.arch).adapters:
+        able = ", ".join(n for n, s in SPECS.items() if s.adapters)
+        raise UserError(f"adapter formats support {able} models, not {src.cfg.arch} "
                         "(export the merged model with --format gguf or hf)")
     if src.lora is None or not src.lora.updates:
         raise UserError(f"{src.label or 'source'}: no LoRA adapters to export "
                         "(adapter formats need a LoRA run; use --format gguf or hf for a merged model)")
     return src.lora
-
-
-def _target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    d, ff = cfg.d_model, cfg.d_ff
-    return {"q": (cfg.n_heads * cfg.d_head, d), "k": (cfg.n_kv_heads * cfg.d_head, d),
-            "v": (cfg.n_kv_heads * cfg.d_head, d), "o": (d, cfg.n_heads * cfg.d_head),
-            "gate": (ff, d), "up": (ff, d), "down": (d, ff)}
 
 
 def _module(model, path: str):
@@ -371,7 +397,7 @@ def merged_weights(model) -> dict[str, mx.array]:
 
 def lora_from_model(model, alpha: float | None = None, base: str | None = None) -> LoraSet | None:
     """The model's LoRA wrappers (mlxtoy.models.lora) as standard fused updates, or None."""
-    by_path = {".".join(p): t for t, p in TARGET_PATHS.items()}
+    by_path = {p: t for t, p in spec_of(model.config.arch).lora_targets.items()}
     updates: dict[tuple[int, str], LoraUpdate] = {}
     ranks, scales = [], []
     for name, m in lora_modules(model):

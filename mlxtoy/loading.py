@@ -22,26 +22,24 @@ from mlxtoy import backend
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.io.char_tokenizer import CharTokenizer
+from mlxtoy.arch.registry import build_module, spec_of
 from mlxtoy.io.gguf_read import dequantize_tensor, load_gguf, open_gguf, read_metadata
-from mlxtoy.io.gpt2_io import is_gpt2_hf_folder, load_gpt2_hf
 from mlxtoy.io.hf import load_hf
 from mlxtoy.io.registry import resolve_model
 from mlxtoy.io.tokenizer import Tokenizer
-from mlxtoy.models.gpt2 import GPT2Model
 from mlxtoy.models.lens import apply_lens, fold_lens
 from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import apply_lora, merge_lora
-from mlxtoy.models.tiny import TinyLM
 from mlxtoy.rundir import ADAPTER_CONFIG, ADAPTERS, CKPT_STATE, CKPT_TRAINABLE, MODEL_WEIGHTS, RunDir, is_run, locate
 
 
 def model_class(arch: str):
     """The module class that implements `arch` (all share LlamaModel's call signature)."""
-    return {"gpt2": GPT2Model, "tiny": TinyLM}.get(arch, LlamaModel)
+    return spec_of(arch).model
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, mx.array] | None = None) -> LlamaModel:
-    model = model_class(cfg.arch)(cfg)
+    model = build_module(cfg)
     if weights is not None:
         model.update(tree_unflatten(list(weights.items())))
     mx.eval(model.parameters())
@@ -56,8 +54,7 @@ def load_weights(model_arg: str, dtype: mx.Dtype | None = None):
         cfg, weights, meta = load_gguf(path, dtype)
         tokenizer = Tokenizer.from_gguf_metadata(meta.metadata, source=path)
     else:
-        load_folder = load_gpt2_hf if is_gpt2_hf_folder(path) else load_hf
-        cfg, weights, meta = load_folder(path, dtype)
+        cfg, weights, meta = load_hf(path, dtype)
         if not os.path.exists(os.path.join(path, "tokenizer.json")):
             raise UserError(f"{path}: no tokenizer.json")
         tokenizer = Tokenizer.from_hf_folder(path)
@@ -185,7 +182,7 @@ def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None
             lora = facts.lora or {}
             apply_lora(model, lora.get("targets", cfg.lora_targets), lora.get("rank", cfg.lora_rank),
                        lora.get("alpha", cfg.lora_alpha), 0.0, lora.get("per_head_q", cfg.lora_per_head_q),
-                       lora.get("layers", cfg.lora_layers))
+                       lora.get("layers", cfg.lora_layers), paths=spec_of(mcfg.arch).lora_targets)
     load_partial(model, weights, source)
     if cfg.method == "lora" and merge:
         merge_lora(model)

@@ -124,7 +124,7 @@ def test_gpt2_transformers_parity(tmp_path, gpt2_gguf):
     HF loader: transformers agrees to float32 precision, and our two loaders agree exactly."""
     import torch
     import transformers
-    from mlxtoy.io.gpt2_io import load_gpt2_hf, save_gpt2_hf
+    from mlxtoy.io.hf import load_hf as load_gpt2_hf, save_hf as save_gpt2_hf
     from mlxtoy.loading import build_model
 
     from mlxtoy.io.tokenizer import Tokenizer
@@ -155,7 +155,7 @@ def test_gpt2_hf_folder_from_transformers(tmp_path):
     """A folder written by transformers itself (its own naming, Conv1D layout, tied head)."""
     import torch
     import transformers
-    from mlxtoy.io.gpt2_io import load_gpt2_hf
+    from mlxtoy.io.hf import load_hf as load_gpt2_hf
     from mlxtoy.loading import build_model
 
     torch.manual_seed(0)
@@ -242,7 +242,7 @@ def test_gpt2_unsupported_hf_activation(tmp_path):
     import json
 
     from mlxtoy.errors import UserError
-    from mlxtoy.io.gpt2_io import load_gpt2_hf
+    from mlxtoy.io.hf import load_hf as load_gpt2_hf
 
     os.makedirs(tmp_path / "hf")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(
@@ -295,7 +295,7 @@ def test_gpt2_fine_tunes_and_exports(tmp_path, gpt2_gguf, method):
 
 
 def test_gpt2_gguf_round_trip_is_lossless(tmp_path, gpt2_gguf):
-    from mlxtoy.io.gguf_write_gpt2 import write_gpt2_gguf
+    from mlxtoy.io.gguf_write import write_gguf as write_gpt2_gguf
 
     model, cfg, weights, meta = _load(gpt2_gguf)
     out = write_gpt2_gguf(str(tmp_path / "rt.gguf"), cfg, weights, meta.metadata, dtype="f32")

@@ -1,9 +1,10 @@
-"""Write standard llama.cpp GGUF files (models and LoRA adapters) with gguf-py's GGUFWriter.
+"""Write standard llama.cpp GGUF files (models and LoRA adapters) with gguf-py's GGUFWriter,
+for any architecture whose spec (`mlxtoy.arch`) has a GGUF side.
 
-Our per-head q/k/v weights (heads, d_head, d_model) are already in GGUF's row order: heads
-concatenated head-major, with llama's rows in GGML's adjacent-pair RoPE layout and qwen2's in
-NEOX, exactly as llama.cpp's converter stores them. Writing is therefore a reshape to
-llama.cpp's fused tensors (`blk.N.attn_q.weight` ...), not a permutation.
+Our per-head weights are already in GGUF's row order (heads concatenated head-major, RoPE rows
+as llama.cpp's converter stores them), so writing is the spec's name table: a reshape to
+llama.cpp's fused tensors (`blk.N.attn_q.weight` ...) or a row concatenation (GPT-2's
+`attn_qkv`), never a permutation. Architecture keys come from the spec's `gguf_out`.
 
 Tensors are converted and written one at a time (header and tensor table first, then the
 data), so a model is never held twice in memory. Everything goes to a temporary file in the
@@ -21,14 +22,13 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from mlxtoy.arch.registry import SPECS, expected_shapes, spec_of
+from mlxtoy.arch.spec import ArchSpec, expand, fuse, rope_kind
 from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_path
 from mlxtoy.io.gguf_file import gguf_lib
-from mlxtoy.io.gguf_read import BLOCK_TENSORS, GLOBAL_TENSORS
-from mlxtoy.io.gpt2_io import gguf_tensor_items
 from mlxtoy.models.llama import llama3_rope_freqs
-from mlxtoy.models.shapes import expected_shapes
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 
@@ -100,6 +100,7 @@ def _plain(value: Any) -> Any:
 # Keys we never copy from a source file: the writer re-derives them from the config and the
 # tensors it writes (or they describe the source's quantization, not ours).
 _SKIP_PREFIXES = ("GGUF.", "split.", "quantize.", "adapter.")
+_ARCH_PREFIXES = {s.gguf_arch for s in SPECS.values() if s.gguf_arch}
 _SKIP_KEYS = {"general.architecture", "general.type", "general.file_type", "general.quantization_version",
               "general.alignment"}
 
@@ -110,7 +111,7 @@ def carried_metadata(metadata: dict[str, Any] | None, arch: str) -> dict[str, An
     for key, value in (metadata or {}).items():
         if key in _SKIP_KEYS or key.startswith(_SKIP_PREFIXES):
             continue
-        if key.startswith(f"{arch}.") or key.split(".", 1)[0] in ("llama", "qwen2", "gpt2"):
+        if key.startswith(f"{arch}.") or key.split(".", 1)[0] in _ARCH_PREFIXES:
             continue
         out[key] = value
     return out
@@ -128,45 +129,13 @@ def _add_metadata(writer, metadata: dict[str, Any]) -> None:
         writer.add_key_value(key, list(value) if vtype == T.ARRAY else value, vtype, sub_type=sub)
 
 
-def _add_arch_metadata(writer, cfg: ModelConfig) -> None:
-    gguf = gguf_lib()
-    writer.add_context_length(int(cfg.context_length))
-    writer.add_embedding_length(int(cfg.d_model))
-    writer.add_block_count(int(cfg.n_layers))
-    writer.add_feed_forward_length(int(cfg.d_ff))
-    writer.add_head_count(int(cfg.n_heads))
-    if cfg.arch == "gpt2":  # learned positions, LayerNorm: no RoPE keys
-        writer.add_layer_norm_eps(float(cfg.norm_eps))
-        writer.add_vocab_size(int(cfg.vocab_size))
-        return
-    writer.add_head_count_kv(int(cfg.n_kv_heads))
-    if cfg.d_head * cfg.n_heads != cfg.d_model:
-        # llama.cpp assumes d_head = d_model / n_heads unless told otherwise.
-        writer.add_key_length(int(cfg.d_head))
-        writer.add_value_length(int(cfg.d_head))
-    writer.add_rope_freq_base(float(cfg.rope_base))
-    writer.add_rope_dimension_count(int(cfg.rope_dims or cfg.d_head))
-    writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
-    writer.add_vocab_size(int(cfg.vocab_size))
-    kind = _rope_kind(cfg)
-    if kind == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
-
-
-def _rope_kind(cfg: ModelConfig) -> str | None:
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("type") or scaling.get("rope_type")
-    return None if kind in (None, "none", "default") else kind
-
-
 def rope_freq_factors(cfg: ModelConfig) -> np.ndarray | None:
     """llama.cpp's `rope_freqs` tensor: per-frequency divisors of RoPE's theta, or None.
 
     llama.cpp rotates by pos * base^(-2i/d) / factor[i]; our RoPE divides positions by
     `freqs` = base^(2i/d) * factor[i], so factor = freqs / base^(2i/d).
     """
-    kind = _rope_kind(cfg)
+    kind = rope_kind(cfg)
     if kind not in ("llama3", "freq_factors"):
         if kind not in (None, "linear"):
             raise UserError(f"RoPE scaling {kind!r} has no llama.cpp GGUF equivalent here "
@@ -181,28 +150,12 @@ def rope_freq_factors(cfg: ModelConfig) -> np.ndarray | None:
         factors = (freqs / base).astype(np.float32)
     if factors.shape != (dims // 2,):
         raise UserError(f"RoPE frequency factors: expected {dims // 2} values, got {factors.shape[0]}")
-    if cfg.arch != "llama":
+    if not spec_of(cfg.arch).rope_freqs:
         raise UserError(f"{cfg.arch} GGUFs have no rope_freqs tensor; cannot export this RoPE scaling")
     return factors
 
 
 # --------------------------------------------------------------------------- tensors
-
-_BLOCK_NAMES = {ours: theirs for theirs, ours in BLOCK_TENSORS.items()}  # ours -> GGUF, per block
-
-
-def gguf_tensor_name(param: str) -> str:
-    """Our parameter path ('layers.3.attn.q.weight') -> GGUF name ('blk.3.attn_q.weight')."""
-    for theirs, ours in GLOBAL_TENSORS.items():
-        if ours == param:
-            return theirs
-    if param.startswith("layers."):
-        _, idx, rest = param.split(".", 2)
-        name = _BLOCK_NAMES.get(rest)
-        if name is not None:
-            return f"blk.{idx}.{name}"
-    raise UserError(f"parameter {param} has no GGUF tensor name")
-
 
 def to_numpy(w: mx.array) -> np.ndarray:
     """float32 numpy copy (bf16 has no numpy dtype, so everything goes through float32)."""
@@ -211,53 +164,40 @@ def to_numpy(w: mx.array) -> np.ndarray:
     return np.array(w, copy=True)
 
 
-def gguf_tensors(cfg: ModelConfig, weights: dict[str, mx.array]) -> list[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
+def gguf_spec(cfg: ModelConfig) -> ArchSpec:
+    """The spec of `cfg`, refusing what llama.cpp cannot run."""
+    spec = spec_of(cfg.arch)
+    if spec.gguf_arch is None:
+        raise UserError(spec.no_gguf or f"{cfg.arch} models have no llama.cpp GGUF equivalent")
+    if spec.check_gguf is not None:
+        spec.check_gguf(cfg)
+    return spec
+
+
+def arch_tensors(cfg: ModelConfig, weights: dict[str, mx.array]
+                 ) -> list[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
     """(GGUF name, lazy float32 array in GGUF numpy shape, shape) for every tensor, in
-    llama.cpp's converter order: rope_freqs, token_embd, blocks, output_norm, output."""
+    llama.cpp's converter order (rope_freqs first)."""
+    spec = gguf_spec(cfg)
     shapes = expected_shapes(cfg)
     missing = [p for p in shapes if p not in weights]
     if missing:
         raise UserError(f"cannot export: missing parameter {missing[0]}"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for param, shape in shapes.items():
+        if tuple(weights[param].shape) != shape:
+            raise UserError(f"cannot export: parameter {param} has shape "
+                            f"{list(weights[param].shape)}, expected {list(shape)}")
     out: list[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]] = []
     factors = rope_freq_factors(cfg)
     if factors is not None:
         out.append(("rope_freqs.weight", lambda f=factors: f, factors.shape))
-
-    def add(param: str) -> None:
-        shape = shapes[param]
-        # per-head (heads, d_head, d_model) -> fused (heads * d_head, d_model); biases flatten
-        np_shape = (shape[0] * shape[1], shape[2]) if len(shape) == 3 else \
-            ((shape[0] * shape[1],) if param.endswith("bias") else shape)
-        got = tuple(weights[param].shape)
-        if got != shape:
-            raise UserError(f"cannot export: parameter {param} has shape {list(got)}, expected {list(shape)}")
-        out.append((gguf_tensor_name(param), lambda p=param, s=np_shape: to_numpy(weights[p]).reshape(s), np_shape))
-
-    add("tok_embeddings.weight")
-    for i in range(cfg.n_layers):
-        for leaf in ("attn_norm.weight", "attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias",
-                     "attn.v.weight", "attn.v.bias", "attn.o.weight", "ffn_norm.weight", "ffn.gate.weight",
-                     "ffn.up.weight", "ffn.down.weight"):
-            if f"layers.{i}.{leaf}" in shapes:
-                add(f"layers.{i}.{leaf}")
-    add("norm.weight")
-    if not cfg.tie_embeddings:
-        add("output.weight")  # a tied model writes none: llama.cpp reuses token_embd
+    for name, params, _ in expand(spec, cfg, shapes, "gguf"):
+        parts = [weights[p] for p in params]
+        shape = tuple(int(n) for n in fuse(parts, params).shape)  # lazy: shapes only, nothing computed
+        # built anew when written, not kept
+        out.append((name, lambda parts=parts, params=params: to_numpy(fuse(parts, params)), shape))
     return out
-
-
-def arch_tensors(cfg: ModelConfig, weights: dict[str, mx.array]) -> list[tuple[str, Callable[[], np.ndarray], tuple[int, ...]]]:
-    """The model's GGUF tensors for any architecture llama.cpp and we share."""
-    if cfg.arch in ("llama", "qwen2"):
-        return gguf_tensors(cfg, weights)
-    if cfg.arch == "gpt2":
-        out = []
-        for name, make in gguf_tensor_items(cfg, weights):
-            shape = tuple(int(s) for s in make().shape)  # lazy arrays: shapes only, nothing computed
-            out.append((name, lambda f=make: to_numpy(f()), shape))  # built anew when written, not kept
-        return out
-    raise UserError(f"{cfg.arch} models have no llama.cpp GGUF equivalent (export llama, qwen2 or gpt2)")
 
 
 def _tensor_type(name: str, shape: tuple[int, ...], dtype: str):
@@ -344,7 +284,8 @@ def write_gguf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], metada
     """
     dtype = _check_dtype(dtype)
     gguf = gguf_lib()
-    carried = carried_metadata(metadata, cfg.arch)
+    spec = gguf_spec(cfg)
+    carried = carried_metadata(metadata, spec.gguf_arch)
     if "tokenizer.ggml.model" not in carried:
         raise UserError("cannot export a GGUF without tokenizer metadata (tokenizer.ggml.*)")
     tensors = arch_tensors(cfg, weights)
@@ -353,13 +294,13 @@ def write_gguf(path: str, cfg: ModelConfig, weights: dict[str, mx.array], metada
         writer.add_type(gguf.GGUFType.MODEL)
         if name and "general.name" not in carried:
             carried["general.name"] = name
-        _add_arch_metadata(writer, cfg)
+        _add_metadata(writer, {f"{spec.gguf_arch}.{k}": v for k, v in spec.gguf_out(cfg).items()})
         writer.add_file_type(FILE_TYPES[dtype])
         if dtype == "q8_0":
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _add_metadata(writer, carried)
 
-    return _write(path, cfg.arch, kv, tensors, dtype, progress)
+    return _write(path, spec.gguf_arch, kv, tensors, dtype, progress)
 
 
 def write_lora_gguf(path: str, cfg: ModelConfig, adapters: dict[str, tuple[np.ndarray, np.ndarray]],
@@ -382,7 +323,8 @@ def write_lora_gguf(path: str, cfg: ModelConfig, adapters: dict[str, tuple[np.nd
             raise UserError(f"LoRA pair for {base}: A {list(a.shape)} and B {list(b.shape)} do not chain")
         tensors.append((base + ".lora_a", lambda x=a: x, a.shape))
         tensors.append((base + ".lora_b", lambda x=b: x, b.shape))
-    general = {k: v for k, v in carried_metadata(metadata, cfg.arch).items() if k.startswith("general.")}
+    arch = gguf_spec(cfg).gguf_arch
+    general = {k: v for k, v in carried_metadata(metadata, arch).items() if k.startswith("general.")}
 
     def kv(writer) -> None:
         writer.add_type(gguf.GGUFType.ADAPTER)
@@ -393,4 +335,4 @@ def write_lora_gguf(path: str, cfg: ModelConfig, adapters: dict[str, tuple[np.nd
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _add_metadata(writer, general)
 
-    return _write(path, cfg.arch, kv, tensors, dtype, None)
+    return _write(path, arch, kv, tensors, dtype, None)

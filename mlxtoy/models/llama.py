@@ -1,8 +1,16 @@
-"""The Llama per-head transformer block (llama and qwen2 architectures).
+"""The shared decoder: per-head attention, RoPE, the pre-norm block and the model, for every
+architecture (the specs in `mlxtoy.arch` pick the options; GPT-2 / TinyLM / Gemma 3 subclass).
 
 Mirrors the seed design: per KV head, K = RoPE(W_k[h] x + b_k), V = W_v[h] x + b_v; per Q head
 q, kv = q // group_size, scores = K[kv].Q / sqrt(d_head) with a causal (or block-causal) mask,
 softmax, head = V.attn; heads concatenated -> W_o; residual; RMSNorm; SwiGLU FFN; residual.
+
+Options every spec reads from `ModelConfig`: QKV bias (qwen2), per-head RMSNorm on q and k
+before RoPE (`qk_norm`: qwen3, gemma3), partial rotary (`rope_dims`), sliding-window layers with
+their own RoPE base (`sliding_window`, `layer_types`, `rope_local_base`), the attention scale
+(`attn_scale`, Gemma's query_pre_attn_scalar). A sliding-window layer masks keys more than
+`window - 1` positions back; the KV cache keeps every position, so cached decoding computes
+exactly what the uncached forward does.
 
 Heads stay addressable (q/k/v weights are stored per head, shape (heads, d_head, d_model)) but
 are computed as one batched head axis: one GEMM per projection, one attention call per layer.
@@ -11,7 +19,7 @@ are computed as one batched head axis: one GEMM per projection, one attention ca
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -75,13 +83,14 @@ def llama3_rope_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.arr
 
 
 class RoPE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, base: float | None = None, scaled: bool = True):
         super().__init__()
         self.dims = cfg.rope_dims or cfg.d_head
         self.traditional = cfg.rope_traditional
-        self.base = cfg.rope_base
+        self.base = base or cfg.rope_base
         self.scale = 1.0
-        scaling = cfg.rope_scaling or {}
+        # Gemma 3's sliding layers keep their own base, unscaled (`scaled=False`)
+        scaling = (cfg.rope_scaling or {}) if scaled else {}
         kind = scaling.get("type") or scaling.get("rope_type")
         self._freqs = None
         if kind == "linear":
@@ -105,28 +114,45 @@ class RoPE(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Per-head q/k/v, optional q/k RMSNorm, RoPE (none when `rope_dims` is 0: learned
+    positions), causal attention over a sliding window or everything, then W_o."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0, bias: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        self.q = HeadProjection(cfg.d_model, cfg.n_heads, cfg.d_head, bias=cfg.qkv_bias)
-        self.k = HeadProjection(cfg.d_model, cfg.n_kv_heads, cfg.d_head, bias=cfg.qkv_bias)
-        self.v = HeadProjection(cfg.d_model, cfg.n_kv_heads, cfg.d_head, bias=cfg.qkv_bias)
-        self.o = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=False)
-        self.rope = RoPE(cfg)
-        self.scale = cfg.d_head**-0.5
+        qkv_bias = cfg.qkv_bias or bias
+        self.q = HeadProjection(cfg.d_model, cfg.n_heads, cfg.d_head, bias=qkv_bias)
+        self.k = HeadProjection(cfg.d_model, cfg.n_kv_heads, cfg.d_head, bias=qkv_bias)
+        self.v = HeadProjection(cfg.d_model, cfg.n_kv_heads, cfg.d_head, bias=qkv_bias)
+        self.o = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(cfg.d_head, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.d_head, eps=cfg.norm_eps)
+        self.window = cfg.window_of(layer)
+        if cfg.rope_dims != 0:
+            local = self.window is not None and cfg.rope_local_base is not None
+            self.rope = RoPE(cfg, cfg.rope_local_base if local else None, scaled=not local)
+        self.scale = cfg.attn_scale or cfg.d_head**-0.5
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
                  head_taps: dict | None = None) -> mx.array:
         B, T, _ = x.shape
-        q = self.q(x).transpose(0, 2, 1, 3)  # (B, H, T, Dh)
-        k = self.k(x).transpose(0, 2, 1, 3)  # (B, KV, T, Dh)
+        q = self.q(x)
+        k = self.k(x)
+        if "q_norm" in self:  # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(0, 2, 1, 3)  # (B, H, T, Dh)
+        k = k.transpose(0, 2, 1, 3)  # (B, KV, T, Dh)
         v = self.v(x).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset)
-        k = self.rope(k, offset)
+        if "rope" in self:
+            q = self.rope(q, offset)
+            k = self.rope(k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if mask is None:
+        if self.window is not None:
+            mask = window_mask(mask, offset, T, k.shape[2], self.window)
+        elif mask is None:
             mask = "causal" if T > 1 else None
         if head_taps is not None:
             heads = explicit_attention(q, k, v, self.scale, mask, head_taps)
@@ -134,6 +160,20 @@ class Attention(nn.Module):
             # GQA is native: the kernel maps Q head h to KV head h // group_size.
             heads = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o(heads.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+def window_mask(mask: Any, offset: int | mx.array, T: int, S: int, window: int) -> mx.array:
+    """Causal and within `window` (key position > query position - window), combined with
+    `mask` (None, "causal", boolean or additive). Query positions are offset .. offset+T-1, key
+    positions 0 .. S-1 (the cache keeps every position; a traced offset works too)."""
+    q_pos = (mx.arange(T) + offset)[:, None]
+    k_pos = mx.arange(S)[None, :]
+    keep = (k_pos <= q_pos) & (q_pos - k_pos < window)
+    if mask is None or isinstance(mask, str):
+        return keep
+    if mask.dtype == mx.bool_:
+        return mask & keep
+    return mask + mx.where(keep, 0.0, -mx.inf).astype(mask.dtype)
 
 
 def explicit_attention(q, k, v, scale, mask, head_taps: dict) -> mx.array:
@@ -158,30 +198,47 @@ def explicit_attention(q, k, v, scale, mask, head_taps: dict) -> mx.array:
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Gated FFN: down(act(gate x) * up x), act SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+
+    def __init__(self, cfg: ModelConfig, act: Callable[[mx.array], mx.array] = silu):
         super().__init__()
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.act = act
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down(silu(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm block; with `post_norms` (Gemma) the attention output and the FFN output are
+    normed again before their residual adds. Taps: `attn_norm` the normed input to attention,
+    `ffn_out` the FFN's contribution just before the residual add, `resid_post` the stream after."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0, norm: Callable[[], nn.Module] | None = None,
+                 bias: bool = False, ffn: nn.Module | None = None, post_norms: bool = False):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.ffn = FeedForward(cfg)
+        norm = norm or (lambda: nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps))
+        self.attn_norm = norm()
+        self.attn = Attention(cfg, layer, bias)
+        self.ffn_norm = norm()
+        self.ffn = ffn if ffn is not None else FeedForward(cfg)
+        if post_norms:
+            self.post_attn_norm = norm()
+            self.post_ffn_norm = norm()
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
                  taps: dict | None = None) -> mx.array:
         h = self.attn_norm(x)
         head_taps = {} if taps is not None and taps.get("_heads") else None
-        x = x + self.attn(h, mask, cache, head_taps)
+        a = self.attn(h, mask, cache, head_taps)
+        if "post_attn_norm" in self:
+            a = self.post_attn_norm(a)
+        x = x + a
         ffn_out = self.ffn(self.ffn_norm(x))
+        if "post_ffn_norm" in self:
+            ffn_out = self.post_ffn_norm(ffn_out)
         x = x + ffn_out
         if taps is not None:
             taps["attn_norm"], taps["ffn_out"], taps["resid_post"] = h, ffn_out, x
@@ -195,10 +252,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = [Block(cfg) for _ in range(cfg.n_layers)]
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.layers = [self.make_block(cfg, i) for i in range(cfg.n_layers)]
+        self.norm = self.make_norm(cfg)
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def make_norm(self, cfg: ModelConfig) -> nn.Module:
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+    def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s block: the hook a variant overrides (with `make_norm`, `embed`)."""
+        return Block(cfg, layer)
 
     def embed(self, tokens: mx.array, offset: int | mx.array = 0) -> mx.array:
         # positions enter through RoPE here; models with learned positions use `offset`
@@ -237,34 +301,6 @@ class LlamaModel(nn.Module):
 def _wants_layer(taps: dict, i: int) -> bool:
     layers = taps.get("_layers")
     return layers is None or i in layers
-
-
-def llama_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter name -> shape for a llama / qwen2 model (`LlamaModel`)."""
-    d, h, kv, dh, ff = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_ff
-    shapes: dict[str, tuple[int, ...]] = {
-        "tok_embeddings.weight": (cfg.vocab_size, d),
-        "norm.weight": (d,),
-    }
-    if not cfg.tie_embeddings:
-        shapes["output.weight"] = (cfg.vocab_size, d)
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (d,),
-            p + "attn.q.weight": (h, dh, d),
-            p + "attn.k.weight": (kv, dh, d),
-            p + "attn.v.weight": (kv, dh, d),
-            p + "attn.o.weight": (d, h * dh),
-            p + "ffn_norm.weight": (d,),
-            p + "ffn.gate.weight": (ff, d),
-            p + "ffn.up.weight": (ff, d),
-            p + "ffn.down.weight": (d, ff),
-        })
-        if cfg.qkv_bias:
-            shapes.update({p + "attn.q.bias": (h, dh), p + "attn.k.bias": (kv, dh),
-                           p + "attn.v.bias": (kv, dh)})
-    return shapes
 
 
 def block_causal_mask(segment_ids: mx.array) -> mx.array:

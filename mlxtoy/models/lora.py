@@ -23,10 +23,11 @@ from mlx.utils import tree_flatten
 from mlxtoy.errors import UserError
 from mlxtoy.models.llama import HeadProjection
 
-# target name -> attribute path inside a Block
+# target name -> module path inside the shared Block (`mlxtoy.models.llama`); each spec
+# (`mlxtoy.arch`) lists the targets its architecture has
 TARGET_PATHS = {
-    "q": ("attn", "q"), "k": ("attn", "k"), "v": ("attn", "v"), "o": ("attn", "o"),
-    "gate": ("ffn", "gate"), "up": ("ffn", "up"), "down": ("ffn", "down"),
+    "q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o",
+    "gate": "ffn.gate", "up": "ffn.up", "down": "ffn.down",
 }
 
 
@@ -168,12 +169,14 @@ def resolve_layers(layers: Iterable[int] | None, n_layers: int) -> list[int]:
 
 def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float,
                dropout: float = 0.0, per_head_q: bool = False,
-               layers: Iterable[int] | None = None) -> nn.Module:
+               layers: Iterable[int] | None = None, paths: dict[str, str] | None = None) -> nn.Module:
     """Freeze `model` and wrap the targeted projections of the chosen blocks in LoRA.
 
-    Afterwards only the adapters (`lora_a`, `lora_b`) are trainable. Returns the model.
+    paths: target -> module path in a block (the spec's `lora_targets`; default the shared
+    block's). Afterwards only the adapters (`lora_a`, `lora_b`) are trainable. Returns the model.
     """
     targets = list(targets)
+    paths = paths or TARGET_PATHS
     for t in targets:
         if t not in TARGET_PATHS:
             raise UserError(f"unknown LoRA target {t!r} (choose from {', '.join(TARGET_PATHS)})")
@@ -183,9 +186,9 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
     for i in resolve_layers(layers, len(model.layers)):
         block = model.layers[i]
         for t in targets:
-            parent_name, name = TARGET_PATHS[t]
+            parent_name, _, name = paths.get(t, TARGET_PATHS[t]).rpartition(".")
             parent = getattr(block, parent_name)
-            base = getattr(parent, name, None)
+            base = getattr(parent, name, None) if t in paths else None
             if base is None:  # e.g. gate on GPT-2 / the tiny LM (up -> GELU -> down)
                 raise UserError(f"LoRA target {t!r}: this model ({model.config.arch}) has no "
                                 f"{parent_name}.{name} projection")
@@ -211,12 +214,12 @@ def lora_parameters(model: nn.Module) -> dict[str, mx.array]:
 
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (W += scale * B @ A) and drop the wrappers."""
-    for block in model.layers:
-        for parent_name, name in TARGET_PATHS.values():
-            parent = getattr(block, parent_name)
-            layer = getattr(parent, name, None)  # None: the model has no such projection
-            if isinstance(layer, LORA_TYPES):
-                setattr(parent, name, layer.merged())
+    for path, layer in lora_modules(model):
+        parent_path, _, name = path.rpartition(".")
+        parent = model
+        for part in parent_path.split("."):
+            parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+        setattr(parent, name, layer.merged())
     mx.eval(model.parameters())
     return model
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
@@ -28,9 +27,8 @@ from mlxtoy.models.gpt2 import LearnedPosTransformer
 class TinyLM(LearnedPosTransformer):
     # generation may run past context_length: see the module docstring
     sliding_window = True
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, norm=lambda: nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps), bias=False)
+    bias = False
+    layer_norm = False  # RMSNorm
 
     def hidden(self, tokens: mx.array, mask: Any = None, cache: list | None = None,
                taps: dict | None = None) -> mx.array:

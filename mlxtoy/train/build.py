@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 
 import mlxtoy
 from mlxtoy import backend
+from mlxtoy.arch.registry import spec_of
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.io.char_tokenizer import CharTokenizer
@@ -84,7 +85,7 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
     mx.random.seed(cfg.seed)
     facts = RunFacts(mlxtoy_version=mlxtoy.__version__, backend=backend.INFO.describe())
     if cfg.method == "scratch":
-        source = cfg.tokenizer or ("char" if cfg.arch == "tiny" else cfg.model)
+        source = cfg.tokenizer or spec_of(cfg.arch).tokenizer or cfg.model
         if source in CHAR_TOKENIZERS:  # character / byte vocabulary (the reference LM's)
             tokenizer = (CharTokenizer.from_dict(char_tokenizer) if char_tokenizer
                          else char_tokenizer_for(source, cfg.data, DataOptions.of(cfg)))
@@ -108,7 +109,7 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
         quantized = any(t.startswith(("Q", "IQ")) for t in meta.tensor_types.values())
         if cfg.method == "lora":
             apply_lora(model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                       cfg.lora_per_head_q, cfg.lora_layers)
+                       cfg.lora_per_head_q, cfg.lora_layers, paths=spec_of(mcfg.arch).lora_targets)
             facts.lora = lora_config_dict(cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha,
                                                 cfg.lora_dropout, cfg.lora_per_head_q,
                                                 cfg.lora_layers, mcfg.n_layers)
