@@ -87,7 +87,7 @@ def test_tiny_quantized_export_is_llama_cpps_own(tmp_path, tiny, dtype):
             assert got == value, key
     q = llama_cpp_logits(out, tokens)
     assert argmax_agreement(q, ref) >= 0.95
-    assert max_rel_diff(q, ref) <= 0.03  # measured 0.5-0.7% of the largest logit
+    assert max_rel_diff(q, ref) <= 0.03  # measured 0.7-1.0% of the largest logit
 
 
 def test_cli_export_q4_k_m_stdout_and_size(tmp_path, tiny, capfd):

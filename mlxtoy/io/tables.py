@@ -99,7 +99,10 @@ def _card_files(ref: HubRef, subset: str | None) -> list[str] | None:
     from huggingface_hub.repocard import metadata_load
 
     card = fetch_dataset_card(ref)
-    configs = (metadata_load(card) or {}).get("configs") if card else None
+    try:
+        configs = (metadata_load(card) or {}).get("configs") if card else None
+    except Exception as e:  # noqa: BLE001 (the card's YAML header, whatever is wrong with it)
+        raise UserError(f"{ref}: its dataset card (README.md) cannot be read ({type(e).__name__})") from None
     if not configs:
         return None
     names = [c.get("config_name", "default") for c in configs]
