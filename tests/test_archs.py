@@ -47,6 +47,9 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attenti
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
             bos_token_id=0, eos_token_id=0, pad_token_id=None)
 
+LONGROPE = dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.5],
+                             "long_factor": [1.0, 2.0, 4.0, 8.0]})
+
 # name -> (transformers config class, its keywords)
 VARIANTS = {
     "qwen3_tied_wide_heads": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32, tie_word_embeddings=True,
@@ -64,6 +67,11 @@ VARIANTS = {
     "gemma3_window": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=32, num_key_value_heads=1,
                                                sliding_window=16, query_pre_attn_scalar=32,
                                                hidden_activation="gelu_pytorch_tanh", pad_token_id=0)),
+    # LongRoPE within the original context (96 tokens < 512; llama.cpp's 256 < 512): short
+    # factors, attention factor sqrt(1 + ln 2 / ln 512) from max_position_embeddings 1024 / 512
+    "phi3_longrope": ("Phi3Config", dict(num_hidden_layers=2, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                                         pad_token_id=0, **LONGROPE, original_max_position_embeddings=512,
+                                         max_position_embeddings=1024)),
 }
 
 
@@ -166,7 +174,7 @@ def test_gguf_export_runs_in_llama_cpp(hf_case, tmp_path):
     assert max_rel_diff(cpp, theirs) <= 1e-3, name
     assert argmax_agreement(cpp, theirs) == 1.0, name
     cfg, weights, meta = load_gguf(out)
-    assert meta.metadata[f"{gguf_arch}.context_length"] == (len(tokens) if short else 256)
+    assert meta.metadata[f"{gguf_arch}.context_length"] == (len(tokens) if short else ref.config.max_position_embeddings)
     assert set(weights) == set(hf_weights)
     for k, v in weights.items():
         assert mx.array_equal(v, hf_weights[k]).item(), k
@@ -210,6 +218,8 @@ def test_mlx_lm_loads_our_hf_export_and_adapters(hf_case, tmp_path):
     name, folder, _, tokens = hf_case
     if name == "mistral_window":
         pytest.skip("mlx-lm's llama windows no layer of a Mistral config (full attention)")
+    if name == "phi3_longrope":
+        pytest.skip("mlx-lm's SuScaledRoPE applies the long factors within the original context")
     base, model, tok = _lora_copy(folder, ("q", "k", "v", "o", "gate", "up", "down"))
     hf = export_model(base, tok, str(tmp_path / "hf"), "hf", "f32")
     adapters = export_model(model, tok, str(tmp_path / "mlx-lm"), "mlx-lm", "f32")
@@ -295,3 +305,25 @@ def test_unknown_architecture_and_missing_field_exit_2(hf_case, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
         assert all(n in lines[0] for n in needles), lines[0]
+
+
+def test_longrope_past_the_original_context(tmp_path):
+    """96 tokens past a 64-token original context: long factors in transformers (by the
+    sequence) and in llama.cpp (by its context), and in our export's round trip."""
+    config = transformers.Phi3Config(**{**BASE, **LONGROPE, "num_hidden_layers": 2, "partial_rotary_factor": 0.5,
+                                        "pad_token_id": 0, "original_max_position_embeddings": 64})
+    ref = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(ref, seed=4)
+    ref.eval()
+    folder = str(tmp_path / "hf")
+    ref.save_pretrained(folder)
+    _write_tokenizer(folder)
+    tokens = np.random.default_rng(5).integers(0, VOCAB, SEQ).tolist()
+    theirs = _theirs(ref, tokens)
+    model, _ = load(folder)
+    assert max_rel_diff(_ours(model, tokens), theirs) <= 1e-4
+    out = export(folder, str(tmp_path / "m.gguf"), "gguf", "f32")
+    cpp = llama_cpp_logits(out, tokens)
+    assert max_rel_diff(cpp, theirs) <= 1e-3 and argmax_agreement(cpp, theirs) == 1.0
+    back, _ = load(out)
+    assert max_rel_diff(_ours(back, tokens), cpp) <= 1e-4

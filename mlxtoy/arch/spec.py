@@ -118,6 +118,8 @@ class ArchSpec:
     rope_freqs: whether llama.cpp reads a `rope_freqs` tensor for this architecture.
     fix_config(cfg, {our param: shape in the file}): settle what the tensors say (GPT-2's
     context is its position table). tokenizer: the default tokenizer source ("char").
+    gguf_extra_in(cfg, read) / gguf_extra_out(cfg) -> {name: float32 array}: GGUF tensors that
+    are config, not parameters (Phi-3's LongRoPE factors); `read(name)` is None when absent.
     """
 
     name: str
@@ -139,6 +141,8 @@ class ArchSpec:
     rope_freqs: bool = False
     no_gguf: str = ""
     fix_config: Callable[[ModelConfig, dict[str, tuple[int, ...]]], None] | None = None
+    gguf_extra_in: Callable[[ModelConfig, Callable[[str], Any]], None] | None = None
+    gguf_extra_out: Callable[[ModelConfig], dict[str, Any]] | None = None
     tokenizer: str | None = None
 
     def tensor_of(self, leaf: str) -> tuple[Tensor, int]:

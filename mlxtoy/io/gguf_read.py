@@ -58,6 +58,8 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     if "rope_freqs.weight" in tensors:
         factors = dequantize_tensor(tensors["rope_freqs.weight"], path).reshape(-1)
         cfg.rope_scaling = {"type": "freq_factors", "factors": [float(f) for f in factors]}
+    if spec.gguf_extra_in is not None:
+        spec.gguf_extra_in(cfg, lambda n: dequantize_tensor(tensors[n], path) if n in tensors else None)
     if spec.fix_config is not None:
         single = {t.ours[0]: tuple(int(n) for n in reversed(tensors[t.gguf].shape.tolist()))
                   for t in spec.tensors if not t.block and t.gguf in tensors}

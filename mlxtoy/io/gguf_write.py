@@ -136,6 +136,8 @@ def rope_freq_factors(cfg: ModelConfig) -> np.ndarray | None:
     `freqs` = base^(2i/d) * factor[i], so factor = freqs / base^(2i/d).
     """
     kind = rope_kind(cfg)
+    if kind == "longrope" and spec_of(cfg.arch).gguf_extra_out is not None:
+        return None  # the spec's own tensors (Phi-3's rope_factors_long / _short)
     if kind not in ("llama3", "freq_factors"):
         if kind not in (None, "linear"):
             raise UserError(f"RoPE scaling {kind!r} has no llama.cpp GGUF equivalent here "
@@ -192,6 +194,9 @@ def arch_tensors(cfg: ModelConfig, weights: dict[str, mx.array]
     factors = rope_freq_factors(cfg)
     if factors is not None:
         out.append(("rope_freqs.weight", lambda f=factors: f, factors.shape))
+    for name, arr in (spec.gguf_extra_out(cfg) if spec.gguf_extra_out else {}).items():
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        out.append((name, lambda a=arr: a, arr.shape))
     for name, params, _ in expand(spec, cfg, shapes, "gguf"):
         parts = [weights[p] for p in params]
         shape = tuple(int(n) for n in fuse(parts, params).shape)  # lazy: shapes only, nothing computed

@@ -93,6 +93,8 @@ class RoPE(nn.Module):
         scaling = (cfg.rope_scaling or {}) if scaled else {}
         kind = scaling.get("type") or scaling.get("rope_type")
         self._freqs = None
+        self._long = None  # LongRoPE: frequencies past `original_max_position_embeddings`
+        self.mscale = 1.0
         if kind == "linear":
             self.scale = 1.0 / float(scaling["factor"])
         elif kind == "llama3":
@@ -101,16 +103,45 @@ class RoPE(nn.Module):
             # GGUF's rope_freqs tensor: llama.cpp divides each frequency by its factor.
             base_freqs = self.base ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
             self._freqs = base_freqs * mx.array(scaling["factors"], dtype=mx.float32)
+        elif kind == "longrope":
+            # Phi-3: per-frequency factors (short within the original context, long past it),
+            # and cos/sin scaled by attention_factor (the rotated dims only)
+            base_freqs = self.base ** (mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
+            self._freqs = base_freqs * mx.array(scaling["short_factor"], dtype=mx.float32)
+            self._long = base_freqs * mx.array(scaling["long_factor"], dtype=mx.float32)
+            self._original = int(scaling["original_max_position_embeddings"])
+            self.mscale = float(scaling["attention_factor"])
         elif kind not in (None, "none", "default"):
             raise ValueError(f"unsupported rope scaling {kind!r}")
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         # x: (B, heads, T, d_head)
+        if self._long is not None:
+            return self.longrope(x, offset)
         if self._freqs is not None:
             return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None,
                                 scale=self.scale, offset=offset, freqs=self._freqs)
         return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
                             scale=self.scale, offset=offset)
+
+
+    def longrope(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        """Short factors while the positions fit the original context, long ones past it (as
+        transformers decides per call: by the last position); then the attention factor."""
+        def rotate(freqs: mx.array) -> mx.array:
+            return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0,
+                                offset=offset, freqs=freqs)
+
+        last = offset + x.shape[2]
+        if isinstance(last, int):
+            y = rotate(self._long if last > self._original else self._freqs)
+        else:  # a traced offset (compiled decoding): both, then select
+            y = mx.where(last > self._original, rotate(self._long), rotate(self._freqs))
+        if self.mscale == 1.0:
+            return y
+        if self.dims == x.shape[-1]:
+            return y * self.mscale
+        return mx.concatenate([y[..., :self.dims] * self.mscale, y[..., self.dims:]], axis=-1)
 
 
 class Attention(nn.Module):
