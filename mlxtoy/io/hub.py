@@ -50,22 +50,30 @@ def parse_id(text: str) -> HubRef | None:
     return HubRef(m["repo"], m["rev"], file)
 
 
-def offline() -> bool:
-    from huggingface_hub import constants
+def hub_lib():
+    """huggingface_hub, imported on first use: importing its download API costs ~0.8 s
+    (measured here), and most commands (a local file, the built-in model) never reach the hub."""
+    import huggingface_hub
+    import huggingface_hub.constants  # noqa: F401  (submodules are not loaded by the package)
+    import huggingface_hub.errors  # noqa: F401
+    import huggingface_hub.repocard  # noqa: F401
 
+    return huggingface_hub
+
+
+def offline() -> bool:
+    constants = hub_lib().constants
     return bool(constants.HF_HUB_OFFLINE)
 
 
 def cache_location() -> str:
-    from huggingface_hub import constants
-
+    constants = hub_lib().constants
     return constants.HF_HUB_CACHE
 
 
 def hub_error(e: Exception, ref: HubRef, kind: str) -> UserError:
     """One line for a huggingface_hub failure: what went wrong and what to do."""
-    from huggingface_hub import errors as E
-
+    E = hub_lib().errors
     page = f"https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{ref.repo_id}"
     login = "log in with `hf auth login` or set HF_TOKEN"
     if isinstance(e, E.GatedRepoError):
@@ -92,8 +100,7 @@ def hub_error(e: Exception, ref: HubRef, kind: str) -> UserError:
 
 def _download(call, ref: HubRef, kind: str, **kw) -> str:
     """Run one huggingface_hub download; map its failures to UserError."""
-    from huggingface_hub import errors as E
-
+    E = hub_lib().errors
     try:
         return call(repo_id=ref.repo_id, revision=ref.revision, **kw)
     except (E.HfHubHTTPError, E.EntryNotFoundError, E.OfflineModeIsEnabled, E.HFValidationError) as e:
@@ -109,8 +116,7 @@ def _announce(ref: HubRef, kind: str) -> None:
 
 def fetch_model(ref: HubRef) -> str:
     """The local path of a model repo's snapshot folder, or of its named .gguf file."""
-    from huggingface_hub import hf_hub_download, snapshot_download
-
+    hf_hub_download, snapshot_download = hub_lib().hf_hub_download, hub_lib().snapshot_download
     _announce(ref, "model")
     if ref.filename:
         return _download(hf_hub_download, ref, "model", filename=ref.filename)
@@ -120,8 +126,7 @@ def fetch_model(ref: HubRef) -> str:
 
 def fetch_dataset(ref: HubRef, patterns: list[str]) -> str:
     """The local snapshot folder of a dataset repo, holding the files matching `patterns`."""
-    from huggingface_hub import snapshot_download
-
+    snapshot_download = hub_lib().snapshot_download
     _announce(ref, "dataset")
     return _download(snapshot_download, ref, "dataset", repo_type="dataset", allow_patterns=patterns)
 
@@ -129,8 +134,8 @@ def fetch_dataset(ref: HubRef, patterns: list[str]) -> str:
 def fetch_dataset_card(ref: HubRef) -> str | None:
     """A dataset repo's README.md (its card: subsets and their files), or None when the repo has
     none or, offline, the cache has none (the data files may still be cached)."""
-    from huggingface_hub import errors as E
-    from huggingface_hub import hf_hub_download
+    hub = hub_lib()
+    E, hf_hub_download = hub.errors, hub.hf_hub_download
 
     try:
         return hf_hub_download(repo_id=ref.repo_id, revision=ref.revision, repo_type="dataset",

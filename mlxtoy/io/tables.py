@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxtoy.errors import UserError
-from mlxtoy.io.hub import HubRef, fetch_dataset, fetch_dataset_card, parse_id
+from mlxtoy.io.hub import HubRef, fetch_dataset, fetch_dataset_card, hub_lib, parse_id
 
 TABLE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 # data files a dataset repo may hold (fetched when its card does not say which)
@@ -96,7 +96,7 @@ def _read(label: str, call, *args, **kw):
 def _card_files(ref: HubRef, subset: str | None) -> list[str] | None:
     """The data files the dataset card lists for `subset` (or its default subset); None when
     the card does not list any. A subset the card does not name is an error."""
-    from huggingface_hub.repocard import metadata_load
+    metadata_load = hub_lib().repocard.metadata_load
 
     card = fetch_dataset_card(ref)
     try:
