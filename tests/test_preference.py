@@ -264,6 +264,32 @@ def test_two_ranks_equal_one_process_for_dpo(work, tmp_path):
     assert os.path.exists(os.path.join(two, REFERENCE_LOGPS))
 
 
+def test_taps_samples_accuracy_checkpoints_and_export_with_dpo(work, tmp_path):
+    """Everything around training works with a preference objective: samples and taps from
+    the pairs' prompts, held-out exact-match accuracy on a test split of pairs (the chosen
+    answer is the expected one), checkpoints, and an export that transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    data = tmp_path / "data"
+    for split, seed in (("train", 1), ("valid", 2), ("test", 3)):
+        write_jsonl(str(data / f"{split}.jsonl"), pair_rows(16 if split == "train" else 4, seed))
+    out = tmp_path / "run"
+    r = run_cli("train", "--model", work["model"], "--data", str(data), "--out", str(out), "--objective", "dpo",
+                "--steps", "4", "--batch-size", "2", "--seq-len", "64", "--sample-every", "2", "--sample-tokens", "4",
+                "--taps-every", "2", "--save-every", "2", "--eval-every", "2", "--eval-accuracy")
+    assert r.returncode == 0, r.stderr
+    assert "held-out accuracy" in r.stdout and "margin" in r.stderr and "acc" in r.stderr
+    assert len(events(out, "sample")) >= 2 and len(events(out, "taps")) == 2
+    assert [e["step"] for e in events(out, "checkpoint")] == [2, 4]
+    acc = json.load(open(out / "accuracy.json"))
+    assert acc["before"]["total"] == 4 and acc["before"]["samples"][0]["expected"] == pair_rows(4, 3)[0]["chosen"]
+    hf = tmp_path / "hf"
+    r = run_cli("export", str(out), "--out", str(hf), "--format", "hf")
+    assert r.returncode == 0, r.stderr
+    model = AutoModelForCausalLM.from_pretrained(str(hf))
+    assert model.config.num_hidden_layers == 2
+
+
 # ------------------------------------------------------------------ data
 
 
@@ -320,6 +346,8 @@ def test_bad_input_one_error_line_exit_2(work, tmp_path):
         "beta": ([good], ["--beta", "0"], "beta must be > 0"),
         "beta_neg": ([good], ["--beta=-0.5"], "beta must be > 0"),
         "smoothing": ([good], ["--label-smoothing", "1"], "label_smoothing must be in [0, 1)"),
+        "smoothing_orpo": ([good], ["--label-smoothing", "0.1", "--objective", "orpo"],
+                           "label_smoothing applies to objective dpo only"),
     }
     for name, (rows, extra, msg) in cases.items():
         path = write_jsonl(str(d / f"{name}.jsonl"), rows)
