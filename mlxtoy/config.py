@@ -314,6 +314,8 @@ class TrainConfig:
                 raise bad("lora_per_head_q needs 'q' in lora_targets")
         if self.method == "scratch" and self.n_heads % self.n_kv_heads:
             raise bad(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.label_smoothing and self.objective != "dpo":
+            raise bad(f"label_smoothing applies to objective dpo only (the objective is {self.objective})")
         if self.lens and self.method != "scratch":
             raise bad("lens (a projection-lens warm start) needs method scratch")
         if not self.data_split.strip():

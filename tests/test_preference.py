@@ -263,6 +263,32 @@ def test_two_ranks_equal_one_process_for_dpo(work, tmp_path):
     assert os.path.exists(os.path.join(two, REFERENCE_LOGPS))
 
 
+def test_taps_samples_accuracy_checkpoints_and_export_with_dpo(work, tmp_path):
+    """Everything around training works with a preference objective: samples and taps from
+    the pairs' prompts, held-out exact-match accuracy on a test split of pairs (the chosen
+    answer is the expected one), checkpoints, and an export that transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    data = tmp_path / "data"
+    for split, seed in (("train", 1), ("valid", 2), ("test", 3)):
+        write_jsonl(str(data / f"{split}.jsonl"), pair_rows(16 if split == "train" else 4, seed))
+    out = tmp_path / "run"
+    r = run_cli("train", "--model", work["model"], "--data", str(data), "--out", str(out), "--objective", "dpo",
+                "--steps", "4", "--batch-size", "2", "--seq-len", "64", "--sample-every", "2", "--sample-tokens", "4",
+                "--taps-every", "2", "--save-every", "2", "--eval-every", "2", "--eval-accuracy")
+    assert r.returncode == 0, r.stderr
+    assert "held-out accuracy" in r.stdout and "margin" in r.stderr and "acc" in r.stderr
+    assert len(events(out, "sample")) >= 2 and len(events(out, "taps")) == 2
+    assert [e["step"] for e in events(out, "checkpoint")] == [2, 4]
+    acc = json.load(open(out / "accuracy.json"))
+    assert acc["before"]["total"] == 4 and acc["before"]["samples"][0]["expected"] == pair_rows(4, 3)[0]["chosen"]
+    hf = tmp_path / "hf"
+    r = run_cli("export", str(out), "--out", str(hf), "--format", "hf")
+    assert r.returncode == 0, r.stderr
+    model = AutoModelForCausalLM.from_pretrained(str(hf))
+    assert model.config.num_hidden_layers == 2
+
+
 # ------------------------------------------------------------------ data
 
 
@@ -319,6 +345,8 @@ def test_bad_input_one_error_line_exit_2(work, tmp_path):
         "beta": ([good], ["--beta", "0"], "beta must be > 0"),
         "beta_neg": ([good], ["--beta=-0.5"], "beta must be > 0"),
         "smoothing": ([good], ["--label-smoothing", "1"], "label_smoothing must be in [0, 1)"),
+        "smoothing_orpo": ([good], ["--label-smoothing", "0.1", "--objective", "orpo"],
+                           "label_smoothing applies to objective dpo only"),
     }
     for name, (rows, extra, msg) in cases.items():
         path = write_jsonl(str(d / f"{name}.jsonl"), rows)
@@ -378,18 +406,24 @@ def pairwise_accuracy(model, tok, rows: list[dict]) -> float:
     return float(np.mean([scores[2 * k] > scores[2 * k + 1] for k in range(len(rows))]))
 
 
-@pytest.mark.real
-@pytest.mark.slow
-@pytest.mark.parametrize("objective,lr", [("dpo", 1e-3), ("orpo", 1e-3)])
-def test_smollm2_pairs_raise_held_out_pair_accuracy(tmp_path, smollm2_path, objective, lr):
-    """LoRA DPO / ORPO on assets/pref lifts held-out pairwise accuracy to >= 90%."""
+@pytest.fixture(scope="module")
+def held_out(smollm2_path):
+    """The first 40 pairs of assets/pref/test.jsonl and the base model's pairwise accuracy."""
     rows = [json.loads(line) for line in open(os.path.join(REPO, "assets", "pref", "test.jsonl"))][:40]
     model, tok = load(smollm2_path)
-    before = pairwise_accuracy(model, tok, rows)
+    return rows, pairwise_accuracy(model, tok, rows)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_smollm2_pairs_raise_held_out_pair_accuracy(tmp_path, smollm2_path, held_out, objective):
+    """LoRA DPO / ORPO on assets/pref lifts held-out pairwise accuracy to >= 90% in 8 steps."""
+    rows, before = held_out
     out = tmp_path / objective
     t0 = time.time()
     r = run_cli("train", "--model", smollm2_path, "--data", os.path.join(REPO, "assets", "pref"), "--out", str(out),
-                "--objective", objective, "--steps", "8", "--batch-size", "4", "--seq-len", "64", "--lr", str(lr),
+                "--objective", objective, "--steps", "8", "--batch-size", "4", "--seq-len", "64", "--lr", "1e-3",
                 "--lora-targets", "q,v,o,down", "--eval-every", "0", "--save-every", "0", timeout=1200)
     wall = time.time() - t0
     assert r.returncode == 0, r.stderr[-2000:]
