@@ -27,7 +27,6 @@ import mlx_lm
 import peft
 import torch
 import transformers
-from mlx.utils import tree_flatten
 
 from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_diff,
                             tiny_tokenizer_metadata)
@@ -328,3 +327,23 @@ def test_longrope_past_the_original_context(tmp_path):
     assert max_rel_diff(cpp, theirs) <= 1e-3 and argmax_agreement(cpp, theirs) == 1.0
     back, _ = load(out)
     assert max_rel_diff(_ours(back, tokens), cpp) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "phi3", "gemma3"])
+def test_scratch_model_exports_as_its_architecture(hf_case, tmp_path, arch):
+    """A model trained from scratch takes the fields its architecture fixes (RoPE layout, q/k
+    norm, tied output) and so runs in llama.cpp as that architecture."""
+    name, folder, _, tokens = hf_case
+    if not name.startswith("qwen3_untied"):
+        pytest.skip("one tokenizer source is enough")
+    data = write_jsonl(str(tmp_path / "d" / "train.jsonl"), [{"text": "the rain in spain"}] * 8)
+    run = str(tmp_path / "run")
+    cfg = TrainConfig(method="scratch", arch=arch, tokenizer=folder, data=data, out=run, steps=2,
+                      batch_size=2, seq_len=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      d_head=16, d_ff=128, eval_every=0, save_every=0, seed=0)
+    run_training(cfg)
+    model, _ = load(run)
+    assert model.config.arch == arch and spec_of(arch).scratch.items() <= model.config.to_dict().items()
+    out = export(run, str(tmp_path / "m.gguf"), "gguf", "f32")
+    tokens = tokens[:32]
+    assert max_rel_diff(llama_cpp_logits(out, tokens), _ours(model, tokens)) <= 1e-3

@@ -122,4 +122,5 @@ SPEC = ArchSpec(
     name="gemma3", model=Gemma3Model, tensors=TENSORS, lora_targets=llama.LORA_TARGETS,
     gguf_arch="gemma3", gguf_in=gguf_in, gguf_out=gguf_out, check_gguf=check_gguf,
     hf_classes=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",), hf_in=hf_in, hf_out=hf_out,
+    scratch={"rope_traditional": False, "qk_norm": True, "tie_embeddings": True},
 )
