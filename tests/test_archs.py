@@ -27,6 +27,7 @@ import mlx_lm
 import peft
 import torch
 import transformers
+from safetensors import safe_open
 
 from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_diff,
                             tiny_tokenizer_metadata)
@@ -164,9 +165,15 @@ def test_gguf_export_runs_in_llama_cpp(hf_case, tmp_path):
     # llama.cpp's own names for this architecture (gguf-py's tables are llama.cpp's)
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == gguf_arch)
     allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_enum]}
-    names = [re.sub(r"^blk\.\d+\.", "blk.{bid}.", t.name.rsplit(".", 1)[0])
-             for t in gguf.GGUFReader(out).tensors]
-    assert set(names) <= allowed, set(names) - allowed
+    ours = {t.name for t in gguf.GGUFReader(out).tensors}
+    names = {re.sub(r"^blk\.\d+\.", "blk.{bid}.", n.rsplit(".", 1)[0]) for n in ours}
+    assert names <= allowed, names - allowed
+    # and each HF tensor becomes the GGUF tensor llama.cpp's converter maps it to
+    tmap = gguf.get_tensor_name_map(arch_enum, spec_cfg.n_layers)
+    with safe_open(os.path.join(folder, "model.safetensors"), "np") as f:
+        hf_names = list(f.keys())
+    mapped = {tmap.get_name(n, try_suffixes=(".weight", ".bias")) for n in hf_names}
+    assert mapped == ours - {n for n in ours if n.startswith("rope_factors")}, mapped ^ ours
     short = len(_gguf_tokens(name, tokens)) < len(tokens)
     tokens = _gguf_tokens(name, tokens)
     theirs = _theirs(ref, tokens)
