@@ -64,10 +64,17 @@ VARIANTS = {
                                                 tie_word_embeddings=False, pad_token_id=0)),
     "phi3_tied_gqa": ("Phi3Config", dict(num_hidden_layers=2, partial_rotary_factor=0.75,
                                          tie_word_embeddings=True, pad_token_id=0)),
-    # 6 layers: llama.cpp's pattern puts the one global layer last; query_pre_attn_scalar = head_dim
+    # the default pattern (every 6th layer global, local base 10000); query_pre_attn_scalar =
+    # head_dim, the one scale llama.cpp's gemma3 has
     "gemma3_window": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=32, num_key_value_heads=1,
                                                sliding_window=16, query_pre_attn_scalar=32,
                                                hidden_activation="gelu_pytorch_tanh", pad_token_id=0)),
+    # an own layer pattern, sliding base and linear scaling on the global layers
+    "gemma3_pattern": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=12, query_pre_attn_scalar=16, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}})),
     # LongRoPE within the original context (96 tokens < 512; llama.cpp's 256 < 512): short
     # factors, attention factor sqrt(1 + ln 2 / ln 512) from max_position_embeddings 1024 / 512
     "phi3_longrope": ("Phi3Config", dict(num_hidden_layers=2, partial_rotary_factor=0.5, tie_word_embeddings=False,
@@ -230,6 +237,9 @@ def test_mlx_lm_loads_our_hf_export_and_adapters(hf_case, tmp_path):
     base, model, tok = _lora_copy(folder, ("q", "k", "v", "o", "gate", "up", "down"))
     hf = export_model(base, tok, str(tmp_path / "hf"), "hf", "f32")
     adapters = export_model(model, tok, str(tmp_path / "mlx-lm"), "mlx-lm", "f32")
+    with torch.no_grad():  # our HF export in transformers
+        back = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        assert max_rel_diff(back(torch.tensor([tokens])).logits[0].numpy(), _ours(base, tokens)) <= 1e-4, name
     theirs, _ = mlx_lm.load(hf)
     assert max_rel_diff(np.array(theirs(mx.array([tokens]))[0]), _ours(base, tokens)) <= 1e-4, name
     theirs, _ = mlx_lm.load(hf, adapter_path=adapters)
