@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 
 def load(model: str, adapter: str | None = None):
-    """Load MODEL (a .gguf file, a Hugging Face folder, or a built-in name) -> (model, tokenizer).
+    """Load MODEL (a .gguf file, a Hugging Face folder or id, or a built-in name) ->
+    (model, tokenizer).
 
     `adapter` is a run directory whose adapters or weights are applied on top.
     """

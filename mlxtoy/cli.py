@@ -8,6 +8,9 @@ Each subcommand lives in `mlxtoy/commands/<name>.py` with `add_parser(sub)` and 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
 import sys
 import traceback
 
@@ -32,25 +35,68 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _guard_streams() -> bool:
+    """Closed standard streams (`<&-`, `>&-`, `2>&-`) become /dev/null: at the fd level, or the
+    next file we open would get fd 0-2 (C code writing to "stdout" would then write into a
+    checkpoint, and MLX refuses to read from fd 0), and at the Python level, so nothing (least
+    of all a traceback) lands on the other stream. True when stdout was closed."""
+    closed = False
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+            closed = closed or fd == 1
+    return closed
+
+
+def _flush_quietly() -> bool:
+    """Flush stdout and stderr; False when one of them cannot take the output (a full disk,
+    a closed pipe). Either way Python's own flush at exit will find nothing left to fail on."""
+    ok = True
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            ok = False
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
+    stdout_closed = _guard_streams()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
+        code = 130
+    except BrokenPipeError:  # `mlxtoy generate ... | head`: the reader has what it wanted
+        _flush_quietly()
         return 0
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EPIPE, errno.EBADF, errno.EIO):
+            traceback.print_exc()
+            return 1
+        code = 1  # an output stream is full or gone: end quietly
     except Exception:
         traceback.print_exc()
-        return 1
+        code = 1
+    if not _flush_quietly() or stdout_closed:
+        return code or 1
+    return code
 
 
 if __name__ == "__main__":

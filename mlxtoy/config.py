@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 import math
+import typing
 from typing import Any
 
 import yaml
 
 from mlxtoy.errors import UserError
+from mlxtoy.textio import read_text
 
 # One spec each (mlxtoy/arch/<name>.py, registered in mlxtoy.arch.registry, which checks this list)
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gpt2", "tiny")
@@ -43,11 +45,29 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale; None: d_head ** -0.5
 
     def __post_init__(self) -> None:
+        # Values come from a stranger's GGUF or config.json: check types and ranges before
+        # anything divides by them or allocates from them.
         if self.arch not in SUPPORTED_ARCHS:
             raise UserError(f"unknown architecture {self.arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff"):
-            if int(getattr(self, name)) <= 0:
-                raise UserError(f"model config: {name} must be > 0, got {getattr(self, name)}")
+        for name, top in (("vocab_size", 2**24), ("d_model", 2**17), ("n_layers", 4096), ("n_heads", 4096),
+                          ("n_kv_heads", 4096), ("d_head", 2**14), ("d_ff", 2**20),
+                          ("context_length", 2**24)):
+            v = getattr(self, name)
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+                setattr(self, name, v)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= top:
+                raise UserError(f"model config: {name} must be a whole number in 1..{top}, got {v!r}")
+        for name in ("norm_eps", "rope_base"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise UserError(f"model config: {name} must be a number > 0, got {v!r}")
+        if self.rope_dims is not None and (not isinstance(self.rope_dims, int) or isinstance(self.rope_dims, bool)
+                                           or not 0 <= self.rope_dims <= self.d_head or self.rope_dims % 2):
+            raise UserError(f"model config: rope_dims must be an even number in 0..d_head ({self.d_head}), "
+                            f"got {self.rope_dims!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise UserError(f"model config: rope_scaling must be a mapping, got {self.rope_scaling!r}")
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             raise UserError(f"model config: layer_types has {len(self.layer_types)} entries for "
                             f"{self.n_layers} layers")
@@ -71,11 +91,29 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise UserError(f"model config: expected a mapping, got {type(d).__name__}")
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known
         if unknown:
             raise UserError(f"model config: unknown keys {sorted(unknown)}")
         return cls(**d)
+
+
+def metadata_number(value: Any, where: str, kind: type = int, minimum: int = 1) -> Any:
+    """A number from a model file's metadata (GGUF key or config.json field), checked: finite,
+    a whole number >= `minimum` (kind int) or > 0 (kind float); `where` names the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{where} must be a number, got {value!r}")
+    if kind is float and not (math.isfinite(value) and value > 0):
+        raise UserError(f"{where} must be > 0, got {value!r}")
+    if kind is int and not (math.isfinite(value) and value >= minimum):
+        raise UserError(f"{where} must be >= {minimum}, got {value!r}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise UserError(f"{where} must be a whole number, got {value!r}")
+        return int(value)
+    return float(value)
 
 
 @dataclass
@@ -98,6 +136,8 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "sgd")
 QLORA_MODES = ("auto", "on", "off")
+OBJECTIVES = ("sft", "dpo", "orpo")  # the loss; `method` is what is trained
+PREFERENCE_OBJECTIVES = ("dpo", "orpo")  # trained on {prompt, chosen, rejected} pairs
 ALL_METHODS = TRAIN_METHODS
 
 # What a number must be (the `check` of a field): one rule shared by validate(), the CLI and
@@ -131,12 +171,19 @@ class TrainConfig:
     """
 
     # what to train on
-    model: str = option("smollm2-135m", "base model (.gguf, HF folder or built-in name); "
-                        "scratch: the tokenizer source")
-    data: str = option("", "a .jsonl/.txt file or a folder with train/valid(/test) files")
+    model: str = option("smollm2-135m", "base model (.gguf, HF folder, Hugging Face id org/name[@rev], "
+                        "or built-in name); scratch: the tokenizer source")
+    data: str = option("", "a .jsonl/.txt/.parquet/.csv/.arrow file, a folder with train/valid(/test) "
+                       "files, or a Hugging Face dataset id (org/name[@rev])")
     out: str = option("", "the run directory to create")
     method: str = option("lora", "what is trained: LoRA adapters, every block weight, or a new model",
                          choices=TRAIN_METHODS)
+    objective: str = option("sft", "the loss: supervised next-token (sft), or preference pairs with DPO "
+                            "(against the frozen starting point) or ORPO (no reference)", choices=OBJECTIVES)
+    beta: float = option(0.1, "dpo: the KL strength beta; orpo: the weight of the odds-ratio term",
+                         check="pos")
+    label_smoothing: float = option(0.0, "dpo: the share of pairs assumed mislabelled (conservative DPO)",
+                                    check="frac", label="label smoothing")
     tokenizer: str | None = option(None, "scratch: take the tokenizer from this model (or char, byte) "
                                    "instead of --model", methods=("scratch",))
 
@@ -155,6 +202,8 @@ class TrainConfig:
     eps: float = option(1e-8, "Adam epsilon", check="pos")
     weight_decay: float = option(0.0, "decoupled weight decay", check="nat")
     grad_clip: float = option(1.0, "max global gradient norm; 0 = off", check="nat")
+    nonfinite: str = option("stop", "a step whose loss or gradients are not finite is never applied: "
+                            "stop the run (exit 1) or skip the step", choices=("stop", "skip"))
     grad_accum: int = option(1, "micro-batches per optimizer step", check="pos")
     grad_checkpoint: bool = option(False, "recompute each block in the backward pass (memory for time)")
     dtype: str = option("auto", "compute dtype (auto: the backend's; float32 on CPU)", choices=DTYPES)
@@ -197,6 +246,13 @@ class TrainConfig:
                               methods=("scratch",))
 
     # data
+    data_split: str = option("train", "the split to train on (folders of tables, Hugging Face datasets); "
+                             "a validation/valid/dev split evaluates, a test split scores accuracy")
+    data_subset: str | None = option(None, "the dataset's subset (its configuration name)")
+    text_column: str | None = option(None, "read this column as 'text'")
+    prompt_column: str | None = option(None, "read this column as 'prompt'")
+    completion_column: str | None = option(None, "read this column as 'completion'")
+    messages_column: str | None = option(None, "read this column as 'messages' (a list of role/content)")
     pack: bool = option(True, "several examples per row with a block-causal mask (--no-pack: padding)")
     mask_prompt: bool = option(True, "loss only on completions / assistant turns")
     valid_fraction: float = option(0.1, "held out when --data is a single file (seeded split)", check="frac")
@@ -245,6 +301,8 @@ class TrainConfig:
             err = check_value(f.name, value)
             if err:
                 raise bad(err if err.startswith("unknown") else f"{f.name} {err}, got {value!r}")
+        if self.warmup > self.steps:
+            raise bad(f"warmup ({self.warmup}) is longer than the run (steps {self.steps})")
         if self.min_lr > self.lr:
             raise bad(f"min_lr must be in [0, lr], got {self.min_lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -258,22 +316,28 @@ class TrainConfig:
             raise bad(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.lens and self.method != "scratch":
             raise bad("lens (a projection-lens warm start) needs method scratch")
+        if not self.data_split.strip():
+            raise bad("data_split is empty (e.g. train)")
         return self
+
+    @property
+    def preference(self) -> bool:
+        """Trained on preference pairs (DPO, ORPO) rather than on text."""
+        return self.objective in PREFERENCE_OBJECTIVES
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "TrainConfig":
+        if not isinstance(d, dict):
+            raise UserError(f"{source}: expected a mapping of config keys, got {type(d).__name__}")
         known = set(cls.__dataclass_fields__)
         d = {k: v for k, v in d.items() if k != "run"}  # a run's config.yaml: resolved extras
         unknown = sorted(set(d) - known)
         if unknown:
             raise UserError(f"{source}: unknown key {unknown[0]!r}")
-        try:
-            return cls(**d)
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{source}: {e}") from None
+        return cls(**{k: typed_value(k, v, source) for k, v in d.items()})
 
     @classmethod
     def from_yaml(cls, path: str) -> "TrainConfig":
@@ -289,11 +353,11 @@ class TrainConfig:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    text = read_text(path)
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+        data = yaml.safe_load(text)
+    except RecursionError:
+        raise UserError(f"{path}: YAML nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path
@@ -312,6 +376,69 @@ def train_field(name: str) -> Field:
     raise KeyError(name)
 
 
+MAX_INT = 2**31 - 1  # beyond any sensible count, and what MLX's int32 indices hold
+
+
+def _field_type(name: str) -> tuple[type, type | None, bool]:
+    """(base type, list item type or None, optional?) of TrainConfig field `name`."""
+    tp = typing.get_type_hints(TrainConfig)[name]
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    if optional:
+        tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is list:
+        return list, typing.get_args(tp)[0], optional
+    return tp, None, optional
+
+
+def _scalar(item_type: type, v: Any, what: str) -> Any:
+    if item_type is bool:
+        if isinstance(v, bool):
+            return v
+        raise UserError(f"{what} must be true or false, got {v!r}")
+    if isinstance(v, bool):
+        raise UserError(f"{what} must be a number, got {v!r}")
+    if item_type in (int, float) and isinstance(v, str):
+        try:  # YAML reads `1e-4` (no dot) as a string
+            v = float(v.strip()) if item_type is float else int(v.strip())
+        except ValueError:
+            kind = "a number" if item_type is float else "a whole number"
+            raise UserError(f"{what} must be {kind}, got {v!r}") from None
+    if item_type is int:
+        if isinstance(v, float) and v.is_integer() and abs(v) <= MAX_INT:
+            v = int(v)
+        if not isinstance(v, int):
+            raise UserError(f"{what} must be a whole number, got {v!r}")
+        return v
+    if item_type is float:
+        if not isinstance(v, (int, float)):
+            raise UserError(f"{what} must be a number, got {v!r}")
+        return float(v)
+    if not isinstance(v, str):
+        raise UserError(f"{what} must be a string, got {v!r}")
+    return v
+
+
+def typed_value(name: str, value: Any, source: str = "config") -> Any:
+    """A value from YAML / JSON / the TUI, checked against TrainConfig field `name`'s type
+    (lists may be comma-separated strings; numbers written as strings are read as numbers)."""
+    base, item, optional = _field_type(name)
+    what = f"{source}: {name}"
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{what} needs a value (got null)")
+    if base is list:
+        if isinstance(value, str):
+            value = [t.strip() for t in value.split(",") if t.strip()]
+        elif item is int and isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, list):
+            raise UserError(f"{what} must be a list, got {value!r}")
+        return [_scalar(item, v, what) for v in value]
+    return _scalar(base, value, what)
+
+
 def check_value(name: str, value: Any) -> str | None:
     """Why `value` is not valid for TrainConfig field `name` (None when it is), from the
     field's metadata: its choices (every item, for lists) and its range check."""
@@ -324,6 +451,8 @@ def check_value(name: str, value: Any) -> str | None:
                 if noun:
                     return f"unknown {noun} {item!r} (choose from {','.join(choices)})"
                 return f"must be one of {', '.join(choices)}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"must be at most {MAX_INT}"
     check = meta.get("check")
     if check and value is not None:
         ok, why = CHECKS[check]

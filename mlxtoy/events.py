@@ -75,6 +75,12 @@ class StepEvent(Event):
     eta: float
     peak_memory_gb: float
     grad_norm: float | None = None
+    # preference objectives (dpo, orpo): batch means; accuracy = share of pairs whose chosen
+    # reward is above the rejected one's
+    reward_chosen: float | None = None
+    reward_rejected: float | None = None
+    reward_margin: float | None = None
+    pref_accuracy: float | None = None
 
     def __post_init__(self):
         self.event = "step"
@@ -85,7 +91,9 @@ class EvalEvent(Event):
     step: int
     val_loss: float
     val_ppl: float
-    val_tokens: int
+    val_tokens: int  # tokens (sft) or pairs (dpo, orpo) the mean is over
+    pref_accuracy: float | None = None  # preference objectives, over the validation pairs
+    reward_margin: float | None = None
 
     def __post_init__(self):
         self.event = "eval"

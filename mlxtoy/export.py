@@ -1,6 +1,9 @@
 """`mlxtoy export`: models and runs out to GGUF (merged or as a llama.cpp LoRA adapter),
 Hugging Face folders, mlx-lm adapters and PEFT adapters.
 
+GGUF types: f32, f16 and q8_0 are written by our writer (io.gguf_write); the K-quants and
+Q4_0 / Q5_0 by llama.cpp's own quantizer (io.quantize) from an F16 GGUF we write first.
+
 Every LoRA we train is first turned into one neutral form, a standard low-rank update per
 weight in our fused layout (GGUF's row order):
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -35,15 +39,16 @@ from mlxtoy.arch.registry import SPECS, expected_shapes, spec_of
 from mlxtoy.arch.spec import Tensor, flat_shape
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.fsutil import atomic_folder
-from mlxtoy.io.gguf_write import gguf_spec, write_gguf, write_lora_gguf
+from mlxtoy.fsutil import atomic_folder, atomic_path
+from mlxtoy.io.gguf_write import GGUF_DTYPES, gguf_spec, write_gguf, write_lora_gguf
 from mlxtoy.io.hf import save_hf
+from mlxtoy.io.quantize import QUANT_TYPES, find_quantizer, quantize_gguf
 from mlxtoy.loading import load_run_model, load_weights
 from mlxtoy.models.lora import LORA_TYPES, LoRAHeadProjection, lora_modules
 from mlxtoy.rundir import is_run_or_checkpoint, locate
 
 FORMATS = ("gguf", "adapter-gguf", "hf", "mlx-lm", "peft")
-DTYPES = ("f32", "f16", "q8_0")
+DTYPES = GGUF_DTYPES + tuple(QUANT_TYPES)  # the last ones through llama.cpp's quantizer
 FILE_FORMATS = ("gguf", "adapter-gguf")  # one file; the others write a folder
 
 @dataclass
@@ -307,7 +312,28 @@ def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
 def write_model_gguf(path: str, src: Source, dtype: str = "f32",
                      progress: Callable[[int, int], None] | None = None) -> str:
     gguf_spec(src.cfg)  # refuse an architecture llama.cpp cannot run before anything else
-    return write_gguf(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
+    if dtype not in QUANT_TYPES:
+        return write_gguf(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
+    # llama.cpp quantizes from the F16 GGUF we write beside the target (same filesystem, so
+    # the space is checked where it matters); the result lands atomically; the F16 goes away
+    find_quantizer(dtype)
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a folder (give a file path for the output)")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, f16 = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.", suffix=".f16.gguf",
+                               dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        write_gguf(f16, src.cfg, src.weights, gguf_metadata(src), dtype="f16", progress=progress)
+        with atomic_path(path) as tmp:
+            quantize_gguf(f16, tmp, dtype)
+    except OSError as e:
+        raise UserError(f"{path}: write failed ({e.strerror or e})") from None
+    finally:
+        if os.path.exists(f16):
+            os.unlink(f16)
+    return path
 
 
 def gguf_metadata(src: Source) -> dict[str, Any]:
@@ -469,6 +495,10 @@ def check_format(fmt: str, dtype: str | None) -> tuple[str, str]:
         raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if fmt not in FILE_FORMATS and dtype not in ("f32", "f16"):
         raise UserError(f"--dtype {dtype} is not available for --format {fmt} (choose f32 or f16)")
+    if dtype in QUANT_TYPES:
+        if fmt != "gguf":
+            raise UserError(f"--dtype {dtype} is for --format gguf (adapters: f32, f16 or q8_0)")
+        find_quantizer(dtype)  # say so before loading anything
     return fmt, dtype
 
 

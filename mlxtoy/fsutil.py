@@ -48,6 +48,37 @@ def _usual_mode() -> int:
     return 0o666 & ~_umask()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def clean_stale(parent: str, basename: str) -> None:
+    """Remove what killed writers of `basename` left in `parent` (their temp names carry
+    their pid; a live writer's are kept)."""
+    prefix = f".{basename}."
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and is_temp_name(name)):
+            continue
+        pid = name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            p = os.path.join(parent, name)
+            if os.path.isdir(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str, suffix: str | None = None) -> Iterator[str]:
     """Yield a temp file name beside `path`; on success it is fsynced and renamed to `path`.
@@ -61,6 +92,7 @@ def atomic_path(path: str, suffix: str | None = None) -> Iterator[str]:
     os.makedirs(parent, exist_ok=True)
     if suffix is None:
         suffix = os.path.splitext(path)[1]
+    clean_stale(parent, os.path.basename(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.",
                                suffix=".tmp" + suffix, dir=parent)
     os.close(fd)
@@ -93,6 +125,7 @@ def atomic_folder(path: str) -> Iterator[str]:
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
+    clean_stale(parent, os.path.basename(path))
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.", suffix=".tmp", dir=parent)
     try:
         yield tmp

@@ -1,4 +1,5 @@
-"""The assembly layer: models from a model path, a run or a checkpoint, tokenizers, lens donors.
+"""The assembly layer: models from a model path, a Hugging Face id (io.registry resolves
+MODEL), a run or a checkpoint; tokenizers; lens donors.
 
 `load(MODEL, adapter=None) -> (model, tokenizer)` is the one way in for every front end;
 `load_run_model(RUN)` builds a run's model (the final result, else its newest checkpoint; RUN
@@ -61,7 +62,7 @@ def load_weights(model_arg: str, dtype: mx.Dtype | None = None):
 
 
 def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None):
-    """MODEL (.gguf, HF folder or built-in name) -> (model, tokenizer).
+    """MODEL (.gguf, HF folder, Hugging Face id or built-in name) -> (model, tokenizer).
 
     `adapter`: a run directory; its adapters (LoRA) or weights (full / scratch) are applied.
     """
@@ -91,6 +92,19 @@ def describe(model: LlamaModel, tokenizer, meta: LoadedMeta) -> dict:
     }
 
 
+def load_partial(model, weights: dict[str, mx.array], source: str) -> None:
+    """Put `weights` (a subset: adapters, trainable weights) into `model`, refusing any name
+    the model does not have and any shape that differs (MLX's non-strict load checks neither)."""
+    have = dict(tree_flatten(model.parameters()))
+    for name, value in weights.items():
+        if name not in have:
+            raise UserError(f"{source}: holds {name}, which the model does not have")
+        if tuple(value.shape) != tuple(have[name].shape):
+            raise UserError(f"{source}: {name} has shape {list(value.shape)}, the model's is "
+                            f"{list(have[name].shape)}")
+    model.load_weights(list(weights.items()), strict=False)
+
+
 def load_tokenizer(model_arg: str):
     """Just the tokenizer of MODEL (GGUF metadata or an HF folder); no weights read."""
     kind, path = resolve_model(model_arg)
@@ -100,7 +114,7 @@ def load_tokenizer(model_arg: str):
 
 
 def load_donor(model_arg: str) -> tuple[mx.array, Any]:
-    """MODEL (.gguf, HF folder or built-in name) -> (its token embedding table (vocab, d_in)
+    """MODEL (.gguf, HF folder, Hugging Face id or built-in name) -> (its token embedding table (vocab, d_in)
     in float32, its tokenizer). Only that one tensor is read from a GGUF."""
     kind, path = resolve_model(model_arg)
     if kind == "gguf":
@@ -169,10 +183,7 @@ def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None
             apply_lora(model, lora.get("targets", cfg.lora_targets), lora.get("rank", cfg.lora_rank),
                        lora.get("alpha", cfg.lora_alpha), 0.0, lora.get("per_head_q", cfg.lora_per_head_q),
                        lora.get("layers", cfg.lora_layers), paths=spec_of(mcfg.arch).lora_targets)
-    try:
-        model.load_weights(list(weights.items()), strict=False)
-    except ValueError as e:
-        raise UserError(f"{source}: does not fit the model ({e})") from None
+    load_partial(model, weights, source)
     if cfg.method == "lora" and merge:
         merge_lora(model)
     if merge:  # a projection lens becomes the plain embedding table it equals

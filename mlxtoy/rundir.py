@@ -13,6 +13,8 @@
       model.safetensors + model_config.json          final result of a full / scratch run
       tokenizer.json + tokenizer_config.json         scratch runs: the tokenizer used
       accuracy.json          --eval-accuracy: held-out accuracy before and after
+      reference_logps.safetensors   DPO without LoRA: the starting model's log-probs of every
+                             train / valid pair, computed once before step 1 (resume reuses them)
 
 `locate(path)` turns any path a user may give (a run, one of its checkpoints) into a `RunDir`
 and the checkpoint meant; `is_run_or_checkpoint(path)` is the one test of "is this ours".
@@ -26,6 +28,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -34,6 +37,7 @@ import yaml
 from mlxtoy.config import TrainConfig, load_yaml
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_folder, clean_temp, write_text_atomic
+from mlxtoy.textio import iter_lines, parse_json, read_json
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -43,10 +47,12 @@ ADAPTER_CONFIG = "adapter_config.json"
 MODEL_WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
 ACCURACY = "accuracy.json"
+REFERENCE_LOGPS = "reference_logps.safetensors"  # DPO without LoRA (see the layout above)
 # inside checkpoints/step_N
 CKPT_TRAINABLE = "trainable.safetensors"
 CKPT_OPTIMIZER = "optimizer.safetensors"
 CKPT_STATE = "state.json"
+LOCK = ".lock"  # the pid (and host) of the process writing the run
 RUN_MARKERS = (CONFIG, METRICS, CHECKPOINTS, ADAPTERS, MODEL_WEIGHTS)
 
 
@@ -91,11 +97,16 @@ class CheckpointState:
     @classmethod
     def read(cls, ckpt: str) -> "CheckpointState":
         path = os.path.join(ckpt, CKPT_STATE)
+        d = read_json(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                return cls(**json.load(f))
-        except (OSError, ValueError, TypeError) as e:
+            state = cls(**d)
+            ok = (isinstance(state.step, int) and state.step >= 0 and isinstance(state.data_position, int)
+                  and len(state.rng) == 2 and all(isinstance(v, int) for v in state.rng))
+        except TypeError as e:
             raise UserError(f"{path}: unreadable checkpoint state ({e})") from None
+        if not ok:
+            raise UserError(f"{path}: unreadable checkpoint state (bad values)")
+        return state
 
 
 @dataclass
@@ -170,12 +181,83 @@ class RunDir:
         return is_run(self.path)
 
     def check_fresh(self) -> None:
-        """Refuse a folder that already holds a run (nothing of it must be overwritten)."""
+        """Refuse a folder that holds a run with something to keep (a checkpoint or a result)
+        or anything that is not ours: nothing of it must be overwritten. A run that stopped
+        before its first checkpoint starts again in place."""
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise UserError(f"{self.path}: exists and is not a folder")
         if self.is_run():
-            raise UserError(f"{self.path}: already holds a training run; choose another --out "
-                            f"or continue it with --resume {self.path}")
+            if self.checkpoints() or self.final_path:
+                raise UserError(f"{self.path}: already holds a training run; choose another --out "
+                                f"or continue it with --resume {self.path}")
+            return
+        others = [n for n in os.listdir(self.path) if n != LOCK] if os.path.isdir(self.path) else []
+        if others:
+            raise UserError(f"{self.path}: a folder that is not a run and not empty ({len(others)} "
+                            f"entries, e.g. {sorted(others)[0]!r}); choose a new or empty folder")
+
+    # ---- the lock: one writer per run
+    def lock(self) -> None:
+        """Take the run for this process (released by `unlock`, or found stale later: a lock
+        whose process is gone on this host is taken over)."""
+        if self.read_only:
+            return
+        self._created = not os.path.exists(self.path)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"{self.path}: cannot create the run folder ({e.strerror or e})") from None
+        me = f"{os.getpid()} {socket.gethostname()}"
+        path = self.join(LOCK)
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._lock_holder()
+                if holder is not None:
+                    raise UserError(f"{self.path}: in use by another trainer (process {holder}); "
+                                    f"wait for it to finish or stop it first") from None
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # stale: its process is gone
+                continue
+            except OSError as e:
+                raise UserError(f"{self.path}: cannot write here ({e.strerror or e})") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(me)
+            self._locked = True
+            return
+        raise UserError(f"{self.path}: could not take the run's lock")
+
+    def _lock_holder(self) -> int | None:
+        """The pid holding the lock, if that process is alive (None: free or stale)."""
+        try:
+            with open(self.join(LOCK), encoding="utf-8", errors="replace") as f:
+                pid_s, _, host = f.read().strip().partition(" ")
+            pid = int(pid_s)
+        except (OSError, ValueError):
+            return None
+        if host and host != socket.gethostname():
+            return pid  # another machine's process: cannot tell, so respect it
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+
+    def unlock(self, failed: bool = False) -> None:
+        """Release the lock; `failed`: the job never started, so a folder that `lock` created
+        and nothing else has written into is removed again (bad input leaves no trace)."""
+        if getattr(self, "_locked", False):
+            with contextlib.suppress(OSError):
+                os.unlink(self.join(LOCK))
+            self._locked = False
+            if failed and getattr(self, "_created", False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.path)  # only if empty
 
     def create(self, cfg: TrainConfig, facts: RunFacts) -> None:
         os.makedirs(self.checkpoints_dir, exist_ok=True)
@@ -212,6 +294,11 @@ class RunDir:
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
+    def reset_metrics(self) -> None:
+        """A run starting at step 0 begins a new history."""
+        if os.path.exists(self.metrics_path):
+            os.unlink(self.metrics_path)
+
     def read_events(self) -> list[dict[str, Any]]:
         return read_metrics(self.metrics_path)
 
@@ -220,17 +307,13 @@ class RunDir:
         if not os.path.exists(self.metrics_path):
             return
         kept = []
-        with open(self.metrics_path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a torn last line from a crash
-                if obj.get("step") is not None and obj["step"] > after_step:
-                    continue
-                if obj.get("event") == "done":
-                    continue
-                kept.append(line if line.endswith("\n") else line + "\n")
+        for obj in read_metrics(self.metrics_path):  # a torn or foreign line ends the history
+            step = obj.get("step")
+            if isinstance(step, (int, float)) and step > after_step:
+                continue
+            if obj.get("event") == "done":
+                continue
+            kept.append(json.dumps(obj, separators=(",", ":")) + "\n")
         write_text_atomic(self.metrics_path, "".join(kept))
 
     # ---- checkpoints
@@ -287,17 +370,16 @@ def locate(path: str) -> tuple[RunDir, str | None]:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """metrics.jsonl -> list of event dicts (tolerates a torn last line from a crash)."""
     out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
+    try:
+        for _, line in iter_lines(path):
+            if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
+            obj = parse_json(line, path)
+            if not isinstance(obj, dict):
                 break
-            if isinstance(obj, dict):
-                out.append(obj)
+            out.append(obj)
+    except UserError:  # not UTF-8 or not JSON: the history ends before that line
+        pass
     return out
 
 

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 set +e
-.venv/bin/python -m pytest -q -rs "$@"
+.venv/bin/python -m pytest -q -rs --durations=15 "$@"
 rc=$?
 set -e
 # pytest exits 5 when nothing was collected (e.g. a -k filter that matches nothing).

@@ -43,24 +43,30 @@ def _taps(step: int, n_layers: int) -> list[dict[str, Any]]:
 
 def fake_events(steps: int = 30, n_layers: int = 6, eval_every: int = 10, taps_every: int = 10,
                 sample_every: int = 15, save_every: int = 20, run_dir: str = "runs/demo",
-                done: bool = True, t0: float = T0) -> Iterator[dict[str, Any]]:
-    """A realistic, fully deterministic run: start, steps, evals, taps, samples, checkpoints, done."""
+                done: bool = True, t0: float = T0, objective: str = "sft") -> Iterator[dict[str, Any]]:
+    """A realistic, fully deterministic run: start, steps, evals, taps, samples, checkpoints, done.
+    objective dpo / orpo: step and eval events carry rewards and pair accuracy too."""
     def ev(kind: str, at: int, **kw) -> dict[str, Any]:
         return {"event": kind, "time": t0 + at * 2.0, **kw}
 
     yield ev("start", 0, run_dir=run_dir, method="lora", total_steps=steps, start_step=0,
              trainable_params=460_800, total_params=134_975_808,
              config={"model": "smollm2-135m", "method": "lora", "steps": steps, "batch_size": 4,
-                     "seq_len": 256, "lr": 1e-4, "lora_rank": 8})
+                     "seq_len": 256, "lr": 1e-4, "lora_rank": 8, "objective": objective})
+    pref = objective != "sft"
     yield ev("taps", 0, step=0, stats=_taps(0, n_layers), heads=[])
     for step in range(1, steps + 1):
         lr = 1e-4 * 0.5 * (1 + math.cos(math.pi * step / steps))
+        margin = round(2.0 * (1 - math.exp(-step / 10)), 4)
+        extra = {"reward_chosen": margin / 2, "reward_rejected": -margin / 2, "reward_margin": margin,
+                 "pref_accuracy": round(min(1.0, 0.5 + step / 40), 4)} if pref else {}
         yield ev("step", step, step=step, loss=round(_loss(step), 4), lr=lr, tokens=1024,
                  tokens_per_sec=512.0, elapsed=2.0 * step, eta=2.0 * (steps - step),
-                 peak_memory_gb=2.61, grad_norm=1.0)
+                 peak_memory_gb=2.61, grad_norm=1.0, **extra)
         if eval_every and step % eval_every == 0:
             v = _loss(step) + 0.15
-            yield ev("eval", step, step=step, val_loss=round(v, 4), val_ppl=math.exp(v), val_tokens=4096)
+            extra = {"pref_accuracy": round(min(1.0, 0.45 + step / 40), 4), "reward_margin": margin} if pref else {}
+            yield ev("eval", step, step=step, val_loss=round(v, 4), val_ppl=math.exp(v), val_tokens=4096, **extra)
         if taps_every and step % taps_every == 0:
             yield ev("taps", step, step=step, stats=_taps(step, n_layers), heads=[])
         if sample_every and step % sample_every == 0:

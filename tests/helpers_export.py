@@ -17,6 +17,17 @@ from mlxtoy.models.llama import LlamaModel
 from helpers_parity import tiny_bpe_vocab
 
 
+# 128 SmolLM2 tokens of English prose, for the real-model checks
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+        "combined a screw press with movable metal type. Books became cheaper, literacy spread across "
+        "Europe, and scientists could share their results far more quickly than before. Within fifty "
+        "years, presses were running in more than two hundred cities, and millions of volumes had been "
+        "printed. Historians still argue about how much the press changed religion, politics and "
+        "science, but few doubt that it changed how ideas travel from one mind to another. Newspapers "
+        "followed in the seventeenth century, pamphlets carried arguments through every market town, "
+        "and printers themselves became a new kind of merchant, selling knowledge by the sheet.")
+
+
 def tiny_tokenizer_metadata() -> dict:
     """GGUF tokenizer keys for the tiny byte-level BPE vocab (267 tokens)."""
     tokens, merges, types = tiny_bpe_vocab()

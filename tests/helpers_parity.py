@@ -11,8 +11,8 @@ from mlxtoy.config import ModelConfig
 from mlxtoy.io.llama_vocab import bytes_to_unicode
 
 # llama.cpp's file types (enum llama_ftype) for llama_model_quantize
-LLAMA_FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "Q5_K": 17,
-                "Q3_K": 12, "Q2_K": 10}
+LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
+                "Q4_K": 15, "Q6_K": 18, "Q5_K": 17, "Q3_K": 12, "Q2_K": 10}
 
 
 def tiny_bpe_vocab() -> tuple[list[str], list[str], list[int]]:
@@ -123,11 +123,13 @@ def finish_tiny_gguf(w, path: str, tensors: dict[str, np.ndarray]) -> str:
 
 
 def llama_quantize(src: str, dst: str, qtype: str) -> str:
-    """Re-type an F32 GGUF with llama.cpp's own quantizer (K-quants included)."""
+    """Re-type a GGUF with llama.cpp's own quantizer (K-quants included); "F32" from a
+    quantized file is llama.cpp's own dequantization of every tensor."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_FTYPES[qtype]
+    params.allow_requantize = True
     params.nthread = 2
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
     assert rc == 0, f"llama_model_quantize({qtype}) failed with {rc}"

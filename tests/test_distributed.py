@@ -27,7 +27,7 @@ LAUNCH = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
 # make from Python (rank 0 and single processes are untouched).
 AUDIT = r'''
 import os, sys
-if os.environ.get("MLX_RANK", "0") != "0" and os.environ.get("AUDIT_LOG"):
+if (os.environ.get("MLX_RANK", "0") != "0" or os.environ.get("AUDIT_ALL_RANKS")) and os.environ.get("AUDIT_LOG"):
     _fd = os.open(os.environ["AUDIT_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     _root = os.environ["AUDIT_ROOT"]
     def _hook(ev, args):
@@ -87,10 +87,11 @@ def common(work, method: str, **kw) -> list[str]:
 
 
 def launch(work, args: list[str], n: int = 2, timeout: float = 120, audit: str | None = None,
-           wait: bool = True):
+           wait: bool = True, env_extra: dict | None = None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([work["site"], os.environ.get("PYTHONPATH", "")]))
     if audit:
         env.update(AUDIT_LOG=audit, AUDIT_ROOT=str(work["root"]))
+    env.update(env_extra or {})
     cmd = [LAUNCH, "--backend", "ring", "-n", str(n), "--starting-port", str(free_port_pair()),
            "--python", sys.executable, "--", "-m", "mlxtoy", "train", *args]
     if not wait:
@@ -169,6 +170,18 @@ def test_two_ranks_write_taps_events_and_the_accuracy_report(work, tmp_path):
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2 and summary["accuracy_after"] == report["after"]["accuracy"]
     assert not os.path.exists(audit) or open(audit).read() == "", open(audit).read()
+
+
+def test_the_write_audit_sees_writes(work, tmp_path):
+    """Positive control for the "rank 1 wrote nothing" audits: with the audit on every rank,
+    rank 0's writes of the same job are logged."""
+    run = str(work["root"] / "audited")
+    audit = str(tmp_path / "audit.log")
+    opts = common(work, "lora", steps=1, **{"eval-every": 0, "save-every": 0})
+    r = launch(work, [*opts, "--out", run], audit=audit, env_extra={"AUDIT_ALL_RANKS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    logged = open(audit).read()
+    assert "metrics.jsonl" in logged and "config.yaml" in logged, logged
 
 
 def test_resume_with_two_ranks_or_one_equals_uninterrupted(work, single):

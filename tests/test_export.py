@@ -20,7 +20,7 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from helpers_export import (CONFIGS, VOCAB, argmax_agreement, llama_cpp_logits, llama_cpp_tokenize, max_rel_diff,
+from helpers_export import (CONFIGS, TEXT, VOCAB, argmax_agreement, llama_cpp_logits, llama_cpp_tokenize, max_rel_diff,
                             our_logits, randomize, tiny_model, tiny_tokenizer_metadata, tokens_128)
 from helpers_parity import llama_quantize
 from mlxtoy.cli import main as cli_main
@@ -36,8 +36,8 @@ from mlxtoy.models.lora import apply_lora, lora_config_dict, lora_modules, lora_
 from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
 from mlxtoy.train.checkpoint import save_checkpoint, write_final
 
-gguf = pytest.importorskip("gguf")
-llama_cpp = pytest.importorskip("llama_cpp")
+import gguf
+import llama_cpp  # noqa: F401  (declared test dependency: fail, not skip, without it)
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -242,7 +242,7 @@ def test_per_head_q_adapter_is_exact_block_diagonal():
     ("llama3_rope", True, ("q", "v", "up"), [1]),
 ])
 def test_mlx_lm_loads_adapters(tmp_path, name, per_head, targets, layers):
-    mlx_lm = pytest.importorskip("mlx_lm")
+    import mlx_lm
 
     base, model, tok = _lora_model(name, targets, per_head, layers)
     tokens = tokens_128()
@@ -262,9 +262,9 @@ def test_mlx_lm_loads_adapters(tmp_path, name, per_head, targets, layers):
     ("llama_untied", True, ("q", "k", "down"), [0]),
 ])
 def test_peft_loads_adapters(tmp_path, name, per_head, targets, layers):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+    import peft
 
     base, model, tok = _lora_model(name, targets, per_head, layers)
     tokens = tokens_128()
@@ -284,8 +284,8 @@ def test_peft_loads_adapters(tmp_path, name, per_head, targets, layers):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hf_export_round_trip_and_transformers(tmp_path, name):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     model = tiny_model(name)
     tok = _tokenizer(model)
     path = export_model(model, tok, str(tmp_path / "hf"), "hf", "f32")
@@ -501,15 +501,6 @@ def test_killed_export_leaves_no_partial_file(tmp_path, existing):
 
 
 # ---- the real model -------------------------------------------------------------------------
-
-TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-        "combined a screw press with movable metal type. Books became cheaper, literacy spread across "
-        "Europe, and scientists could share their results far more quickly than before. Within fifty "
-        "years, presses were running in more than two hundred cities, and millions of volumes had been "
-        "printed. Historians still argue about how much the press changed religion, politics and "
-        "science, but few doubt that it changed how ideas travel from one mind to another. Newspapers "
-        "followed in the seventeenth century, pamphlets carried arguments through every market town, "
-        "and printers themselves became a new kind of merchant, selling knowledge by the sheet.")
 
 
 @pytest.fixture(scope="module")

@@ -122,8 +122,8 @@ def test_gpt2_llama_cpp_parity_without_gelu(tmp_path):
 def test_gpt2_transformers_parity(tmp_path, gpt2_gguf):
     """Same weights in transformers' GPT2LMHeadModel (via our HF export), and back through our
     HF loader: transformers agrees to float32 precision, and our two loaders agree exactly."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from mlxtoy.io.hf import load_hf as load_gpt2_hf, save_hf as save_gpt2_hf
     from mlxtoy.loading import build_model
 
@@ -153,8 +153,8 @@ def test_gpt2_transformers_parity(tmp_path, gpt2_gguf):
 
 def test_gpt2_hf_folder_from_transformers(tmp_path):
     """A folder written by transformers itself (its own naming, Conv1D layout, tied head)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from mlxtoy.io.hf import load_hf as load_gpt2_hf
     from mlxtoy.loading import build_model
 

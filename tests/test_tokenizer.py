@@ -17,8 +17,8 @@ import pytest
 from mlxtoy.errors import UserError
 from mlxtoy.io.tokenizer import Tokenizer
 
-llama_cpp = pytest.importorskip("llama_cpp")
-gguf = pytest.importorskip("gguf")
+import llama_cpp
+import gguf
 
 SMOLLM2_CACHE = Path("/root/.cache/mlxtoy/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 

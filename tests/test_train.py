@@ -259,6 +259,42 @@ def test_formats_and_loss_masks(tmp_path, tok):
     assert sum(len(e) for e in exs) == 300  # every token predicted once (301 with EOS, minus 1)
 
 
+@pytest.mark.real
+def test_loss_masks_with_a_real_bpe_tokenizer(smollm2_path):
+    """With SmolLM2's byte-level BPE (merges, and a template whose turns merge across
+    boundaries), the trained tokens are exactly each assistant turn and its end-of-turn, and
+    the untrained ones exactly the rest: checked by decoding both parts independently."""
+    from mlxtoy.loading import load_tokenizer
+
+    tok = load_tokenizer(smollm2_path)
+    chat = [{"role": "user", "content": "What is the capital of France? Answer briefly."},
+            {"role": "assistant", "content": " Paris, the capital since 987."},
+            {"role": "user", "content": "And of Italy?"},
+            {"role": "assistant", "content": "Rome.\n\nIt has been since 1871!"}]
+    ids, loss = Renderer(tok).chat(chat, "x:1")
+    full = tok.decode(ids)
+    assert full == tok.apply_chat_template(chat, add_generation_prompt=False)
+    assert len(ids) > 40 and any(len(tok.decode([t])) > 2 for t in ids)  # real merges at work
+    runs, cur = [], []
+    for t, m in zip(ids, loss):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tok.decode(cur))
+    assert runs == [" Paris, the capital since 987.<|im_end|>\n", "Rome.\n\nIt has been since 1871!<|im_end|>\n"]
+    # where BPE merges across the boundary ("\n" + " " is one token here, since digits split
+    # alone), that one token is trained: it carries the completion's first character
+    ids, loss = Renderer(tok).completion("2+2=", " 4", "x:2")
+    cut = loss.index(True)
+    assert all(loss[cut:]) and not any(loss[:cut])
+    prompt, trained = tok.decode(ids[:cut]), tok.decode(ids[cut:])
+    assert prompt + trained == tok.decode(ids)
+    assert trained in (" 4<|im_end|>\n", "\n 4<|im_end|>\n"), trained
+
+
 def test_single_file_split_is_deterministic(tmp_path, tok):
     p = write_jsonl(str(tmp_path / "all.jsonl"), qa_rows(50))
     a = load_dataset(p, tok, 64, seed=3)
@@ -694,3 +730,25 @@ def test_every_choice_field_refuses_an_unknown_value(name):
     bad = TrainConfig(**{"method": method, name: ["q", "zz"] if isinstance(getattr(good, name), list) else "zz"})
     with pytest.raises(UserError, match=r"zz"):
         bad.validate()
+
+
+# Golden loss curves: the first six losses of a fixed tiny run (tests/helpers_train.py's tiny
+# llama with the byte tokenizer, seed 0, the `work` data, batch 4 x 64, packed).
+# Provenance: recorded on 2026-11-22 from mlxtoy at commit d8c2006 on Linux x86_64, MLX CPU,
+# float32, by running this very config once. Step 1 is the untrained model's mean token loss:
+# near ln(259) = 5.557, as it must be for a near-uniform random model over 259 tokens (a loss
+# summed instead of averaged would be hundreds). The later steps pin the optimizer, schedule
+# and update (an update applied twice, or a changed normalisation, cannot pass).
+GOLDEN = {
+    "lora": [5.53186, 5.478509, 5.484188, 5.456271, 5.455787, 5.418136],
+    "full": [5.53186, 5.448748, 5.420957, 5.378108, 5.362946, 5.345584],
+}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_golden_loss_curve(tmp_path, work, method):
+    cfg = tiny_cfg(work, tmp_path / method, method=method, steps=6, batch_size=4, seq_len=64,
+                   lr=5e-3 if method == "lora" else 1e-3, eval_every=0, save_every=0)
+    res = run_training(cfg, handle_sigint=False)
+    assert abs(res.losses[0] - math.log(259)) < 0.1  # the untrained model is near uniform
+    np.testing.assert_allclose(res.losses, GOLDEN[method], atol=1e-5, rtol=0)

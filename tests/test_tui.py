@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-pytest.importorskip("textual")
-pytest.importorskip("textual_plotext")
+import textual  # noqa: F401,E402  (declared test dependency)
+import textual_plotext  # noqa: F401,E402  (declared test dependency)
 
 os.environ["TZ"] = "UTC"  # log timestamps and file times in snapshots
 time.tzset()
@@ -138,6 +138,14 @@ def test_run_state_folds_events():
     n_layers, sites, values = state.taps_grid()
     assert n_layers == 4 and sites == ["attn_norm", "ffn_out", "resid_post"] and len(values) == 12
     assert len(state.samples) == 2 and state.checkpoints
+
+
+def test_run_state_folds_preference_metrics():
+    state = RunState.from_events(list(fake_events(steps=30, n_layers=4, objective="dpo")))
+    assert state.preference and len(state.margins) == 30 and state.val_pref_steps == [10, 20, 30]
+    assert state.summary()["acc"] == "100%" and state.summary()["margin"] == f"{state.margins[-1]:.3f}"
+    plain = RunState.from_events(list(fake_events(steps=30, n_layers=4)))  # control: an SFT run
+    assert not plain.preference and "margin" not in plain.summary() and not plain.margins
 
 
 def test_scan_runs(assets):
@@ -290,6 +298,45 @@ async def test_setup_data_preview(in_assets):
         assert len(preview["examples"]) == 3
         text = str(app.screen.query_one("#data-info", Static).render())
         assert "60 examples" in text and "tokens per example" in text
+
+
+@run_async
+async def test_setup_model_by_hugging_face_id(in_assets, tmp_path, monkeypatch):
+    """The model field takes an id; Enter fetches it (here from an offline local HF cache) and
+    the status line says where it is; a missing id is an inline error; a parquet file and a
+    dataset id pass the data field's check."""
+    import huggingface_hub.constants
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers_hub import folder_files, hub_repo
+    from helpers_train import write_tiny_model_folder
+
+    home = str(tmp_path / "hf")
+    snap = hub_repo(home, "acme/tiny", folder_files(write_tiny_model_folder(str(tmp_path / "tiny"))))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", os.path.join(home, "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    pq.write_table(pa.Table.from_pylist([{"text": w} for w in WORDS]), "words.parquet")
+    app = MlxtoyApp(model="tiny.gguf", data="data.jsonl", runs_dir="runs")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "data" not in app.screen.errors, 30, "the data preview")
+        info = app.screen.query_one("#model-info", Static)
+        await set_field(pilot, app, "model", "acme/tiny")
+        assert error_text(app, "model") == "" and "Hugging Face id" in str(info.render())
+        app.screen.query_one("#f-model", Input).focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "fetched" in str(info.render()), 30, "the fetched model")
+        assert os.path.basename(snap) in str(info.render()).replace("\n", "")
+        assert "model" not in app.screen.errors
+        await set_field(pilot, app, "model", "acme/nope")
+        assert error_text(app, "model") == ""  # id-shaped: only fetching can tell
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "HF_HUB_OFFLINE" in error_text(app, "model"), 30, "the fetch error")
+        await set_field(pilot, app, "data", "words.parquet")
+        await wait_for(pilot, lambda: app.screen.preview is not None and app.screen.preview["count"] == len(WORDS),
+                       30, "the parquet preview")
+        await set_field(pilot, app, "data", "acme/nope-data")
+        await wait_for(pilot, lambda: "acme/nope-data" in error_text(app, "data"), 30, "the dataset id error")
 
 
 @run_async
@@ -533,9 +580,9 @@ async def test_theme_toggle(in_assets):
 # --------------------------------------------------------------------------- snapshots
 
 
-def _fake_state(steps: int = 40, n_layers: int = 30, done: bool = False) -> RunState:
+def _fake_state(steps: int = 40, n_layers: int = 30, done: bool = False, objective: str = "sft") -> RunState:
     state = RunState.from_events(list(fake_events(steps=steps, n_layers=n_layers, done=done,
-                                                  run_dir="runs/demo")))
+                                                  run_dir="runs/demo", objective=objective)))
     if not done:
         state.status = RUNNING
     return state
@@ -592,9 +639,9 @@ def test_snapshot_file_picker(in_assets, snap_compare):
     assert snap_compare(_app(), terminal_size=SIZE, run_before=run_before)
 
 
-def _dashboard(theme: str):
+def _dashboard(theme: str, objective: str = "sft"):
     async def run_before(pilot):
-        pilot.app.run_state = _fake_state()
+        pilot.app.run_state = _fake_state(objective=objective)
         await pilot.press("f2")
         await pilot.pause(0.6)
         await _steady(pilot)
@@ -608,6 +655,11 @@ def test_snapshot_dashboard(in_assets, snap_compare):
 
 def test_snapshot_dashboard_80x24_light(in_assets, snap_compare):
     assert snap_compare(_app("textual-light", data=None), terminal_size=(80, 24), run_before=_dashboard("light"))
+
+
+def test_snapshot_dashboard_preference(in_assets, snap_compare):
+    """A DPO run: reward margin and pair accuracy beside the loss, margin and acc in the stats."""
+    assert snap_compare(_app(data=None), terminal_size=SIZE, run_before=_dashboard("dark", "dpo"))
 
 
 def test_snapshot_chat(in_assets, snap_compare):

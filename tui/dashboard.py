@@ -1,4 +1,5 @@
-"""The training dashboard: stats, loss curves, the taps heat map, samples and the log.
+"""The training dashboard: stats, loss curves (with DPO / ORPO, the reward margin and pair
+accuracy beside them), the taps heat map, samples and the log.
 
 It renders the app's RunState; it never talks to the trainer except through the app's
 commands (pause / resume / stop / sample / checkpoint). Re-rendering is throttled: events mark
@@ -18,7 +19,7 @@ from textual.widgets import Footer, RichLog
 
 from mlxtoy.events import Command
 from tui.state import RunState
-from tui.widgets import LossChart, NavBar, StatsPanel, TapsHeatmap
+from tui.widgets import LossChart, NavBar, PrefChart, StatsPanel, TapsHeatmap
 
 LEVEL_STYLE = {"error": "red", "warning": "yellow", "stderr": "dim"}
 
@@ -43,7 +44,9 @@ class DashboardScreen(Screen):
         yield NavBar("train")
         with Vertical(id="dash"):
             yield StatsPanel(id="stats")
-            yield LossChart(id="loss-chart")
+            with Horizontal(id="charts"):
+                yield LossChart(id="loss-chart")
+                yield PrefChart(id="pref-chart")  # shown for DPO / ORPO runs only
             yield TapsHeatmap(id="taps")
             with Horizontal(id="dash-bottom"):
                 yield RichLog(id="samples", wrap=True, markup=True, max_lines=200, min_width=20)
@@ -81,6 +84,10 @@ class DashboardScreen(Screen):
         # plotext redraws the whole chart: at most once a second (steps on CPU take seconds anyway)
         if force or (changed and now - self._chart_time >= 1.0):
             chart.set_series(state.steps, state.losses, state.val_steps, state.val_losses)
+            pref = self.query_one(PrefChart)
+            pref.display = state.preference
+            if state.preference:
+                pref.show(state)
             self._chart_time = now
         elif changed:
             self._shown_version = -1  # come back for the chart on the next tick

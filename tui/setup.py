@@ -22,10 +22,12 @@ from textual.widgets import Button, Footer, Input, Label, Select, Static
 
 from mlxtoy.config import TrainConfig, field_default, parse_text, train_field
 from mlxtoy.errors import UserError
-from mlxtoy.io.registry import BUILTIN
+from mlxtoy.io.hub import parse_id
+from mlxtoy.io.registry import BUILTIN, resolve_model
+from mlxtoy.io.tables import dataset_id, is_table_file
 from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
-from mlxtoy.train.data import Renderer, read_data
+from mlxtoy.train.data import PREF_KIND, Renderer, read_data
 from tui.widgets import FilePicker, NavBar
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Field:
 
 
 FIELDS = tuple(Field(name) for name in (
-    "steps", "batch_size", "seq_len", "lr", "lora_rank", "lora_alpha", "lora_targets", "d_model",
+    "steps", "batch_size", "seq_len", "lr", "beta", "lora_rank", "lora_alpha", "lora_targets", "d_model",
     "n_layers", "n_heads", "eval_every", "eval_batches", "save_every", "sample_every", "taps_every"))
 
 # The form starts from TrainConfig's defaults, except that samples and taps are on so the
@@ -67,7 +69,10 @@ def check_model(value: str) -> tuple[str | None, str]:
         return None, f"built-in: {BUILTIN[value].filename}"
     path = os.path.expanduser(value)
     if not os.path.exists(path):
-        return f"{value}: no such file or folder (built-in: {', '.join(BUILTIN)})", ""
+        if parse_id(value) is not None:  # what resolve_model would fetch from the Hub
+            return None, "Hugging Face id: Enter fetches it now (else it is fetched when first used)"
+        return (f"{value}: no such file or folder (built-in: {', '.join(BUILTIN)}; or a Hugging Face "
+                f"id, org/name)"), ""
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             return f"{value}: a folder without config.json (not a Hugging Face model)", ""
@@ -85,12 +90,14 @@ def check_model(value: str) -> tuple[str | None, str]:
 def check_data_path(value: str) -> str | None:
     value = value.strip()
     if not value:
-        return "choose the training data (.jsonl, .txt, or a folder with train.jsonl)"
+        return "choose the training data (.jsonl, .txt, .parquet, .csv, .arrow, a folder or a dataset id)"
     path = os.path.expanduser(value)
     if not os.path.exists(path):
+        if dataset_id(value) is not None and "." not in os.path.basename(value):
+            return None  # a Hugging Face dataset id: the preview fetches and reads it
         return f"{value}: no such file or folder"
-    if os.path.isfile(path) and not path.endswith((".jsonl", ".txt")):
-        return f"{value}: use a .jsonl or .txt file"
+    if os.path.isfile(path) and not (path.endswith((".jsonl", ".txt")) or is_table_file(path)):
+        return f"{value}: use a .jsonl, .txt, .parquet, .csv or .arrow file"
     return None
 
 
@@ -130,6 +137,8 @@ def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: di
                     ids = r.chat(rec.value, rec.where)[0]
                 elif rec.kind == "completion":
                     ids = r.completion(*rec.value, rec.where)[0]
+                elif rec.kind == PREF_KIND:  # the longer side of a preference pair
+                    ids = max((r.pair_side(rec.value[0], c, rec.where)[0] for c in rec.value[1:]), key=len)
                 else:
                     ids = r.text(rec.value)[0]
             except UserError as e:
@@ -153,6 +162,10 @@ def _describe_record(rec) -> str:
         return f"[dim]prompt[/dim] {escape(clip(rec.value[0], 60))} [dim]→[/dim] {escape(clip(rec.value[1], 60))}"
     if rec.kind == "chat":
         return " ".join(f"[dim]{escape(m['role'])}:[/dim] {escape(clip(m['content'], 50))}" for m in rec.value[:3])
+    if rec.kind == PREF_KIND:
+        prompt, chosen, rejected = rec.value
+        return (f"[dim]prompt[/dim] {escape(clip(prompt[-1]['content'], 50))} [dim]chosen[/dim] "
+                f"{escape(clip(chosen, 30))} [dim]rejected[/dim] {escape(clip(rejected, 30))}")
     return escape(clip(str(rec.value), 140))
 
 
@@ -192,6 +205,11 @@ class SetupScreen(Screen):
                     yield Label("method", classes="flabel")
                     yield Select([("lora", "lora"), ("full", "full"), ("scratch", "scratch")],
                                  value="lora", allow_blank=False, id="f-method", compact=True)
+                with Horizontal(classes="row"):
+                    yield Label("objective", classes="flabel")
+                    yield Select([(o, o) for o in train_field("objective").metadata["choices"]],
+                                 value=field_default("objective"), allow_blank=False, id="f-objective",
+                                 compact=True)
                 with Horizontal(classes="row"):
                     yield Label("run folder", classes="flabel")
                     yield Input(self._default_out(), id="f-out", compact=True,
@@ -334,6 +352,33 @@ class SetupScreen(Screen):
             self._check_field(name, event.value)
         self.query_one("#form-error", Static).display = False
 
+    @on(Input.Submitted, "#f-model")
+    def _submit_model(self, event: Input.Submitted) -> None:
+        value = event.value.strip()
+        if check_model(value)[0] is None and parse_id(value) is not None and not os.path.exists(value):
+            self.errors["model"] = "still fetching the model"  # Start waits for it
+            self.query_one("#model-info", Static).update(
+                f"[b]Model[/b] {escape(value)}  [dim]fetching from the Hugging Face Hub…[/dim]")
+            self.fetch_model(value)
+
+    @work(thread=True, exclusive=True, group="fetch")
+    def fetch_model(self, value: str) -> None:
+        try:
+            path, error = resolve_model(value)[1], None
+        except UserError as e:
+            path, error = None, str(e)
+        except Exception as e:  # a download must never take the app down
+            path, error = None, f"{type(e).__name__}: {e}"
+        self.app.call_from_thread(self._fetched, value, path, error)
+
+    def _fetched(self, value: str, path: str | None, error: str | None) -> None:
+        if self.query_one("#f-model", Input).value.strip() != value:
+            return  # typed on since
+        self._set_error("model", error)
+        if path:
+            self.query_one("#model-info", Static).update(
+                f"[b]Model[/b] {escape(value)}  [dim]fetched: {escape(path)}[/dim]")
+
     @on(Select.Changed, "#f-method")
     def _method_changed(self, event: Select.Changed) -> None:
         self._apply_method(str(event.value))
@@ -409,6 +454,7 @@ class SetupScreen(Screen):
             "data": os.path.abspath(os.path.expanduser(self.query_one("#f-data", Input).value.strip())),
             "out": os.path.abspath(os.path.expanduser(self.query_one("#f-out", Input).value.strip())),
             "method": method,
+            "objective": str(self.query_one("#f-objective", Select).value),
         }
         for f in FIELDS:
             if method in f.methods:

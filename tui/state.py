@@ -49,6 +49,12 @@ class RunState:
     # validation series
     val_steps: list[int] = field(default_factory=list)
     val_losses: list[float] = field(default_factory=list)
+    # preference objectives (dpo, orpo): reward margin and pair accuracy per step / evaluation
+    pref_steps: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    pref_accs: list[float] = field(default_factory=list)
+    val_pref_steps: list[int] = field(default_factory=list)
+    val_pref_accs: list[float] = field(default_factory=list)
     samples: list[SampleEvent] = field(default_factory=list)
     taps: TapsEvent | None = None  # the latest taps event
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
@@ -93,9 +99,15 @@ class RunState:
         if self.steps and step <= self.steps[-1]:  # a resumed run replays nothing, but be safe
             cut = next(i for i, s in enumerate(self.steps) if s >= step)
             del self.steps[cut:], self.losses[cut:], self.lrs[cut:]
+            keep = sum(1 for s in self.pref_steps if s < step)
+            del self.pref_steps[keep:], self.margins[keep:], self.pref_accs[keep:]
         self.steps.append(step)
         self.losses.append(float(ev.loss) if ev.loss is not None else math.nan)
         self.lrs.append(float(ev.lr or 0.0))
+        if ev.reward_margin is not None and ev.pref_accuracy is not None:
+            self.pref_steps.append(step)
+            self.margins.append(float(ev.reward_margin))
+            self.pref_accs.append(float(ev.pref_accuracy))
         self.last_step = ev
         if self.status == STARTING:
             self.status = RUNNING
@@ -103,6 +115,13 @@ class RunState:
     def _on_eval(self, ev: EvalEvent) -> None:
         self.val_steps.append(int(ev.step))
         self.val_losses.append(float(ev.val_loss) if ev.val_loss is not None else math.nan)
+        if ev.pref_accuracy is not None:
+            self.val_pref_steps.append(int(ev.step))
+            self.val_pref_accs.append(float(ev.pref_accuracy))
+            self.logs.append(LogLine(ev.time, "info",
+                                     f"step {ev.step}: val loss {self.val_losses[-1]:.4f}, pair accuracy "
+                                     f"{ev.pref_accuracy:.0%}, margin {float(ev.reward_margin or 0):.3f}"))
+            return
         self.logs.append(LogLine(ev.time, "info",
                                  f"step {ev.step}: val loss {self.val_losses[-1]:.4f} "
                                  f"(ppl {float(ev.val_ppl or 0):.4g})"))
@@ -163,7 +182,15 @@ class RunState:
             "elapsed": fmt_duration(float(s.elapsed)) if s else "-",
             "mem": f"{float(s.peak_memory_gb):.2f} GB" if s else "-",
         }
+        if self.preference:
+            out["margin"] = f"{self.margins[-1]:.3f}" if self.margins else "-"
+            out["acc"] = f"{self.pref_accs[-1]:.0%}" if self.pref_accs else "-"
         return out
+
+    @property
+    def preference(self) -> bool:
+        """A DPO / ORPO run: it has reward margins and pair accuracies to show."""
+        return bool(self.pref_steps or self.val_pref_steps) or self.config.get("objective") in ("dpo", "orpo")
 
     def taps_grid(self, metric: str = "rms") -> tuple[int, list[str], dict[tuple[int, str], float]]:
         """-> (n_layers, sites, {(layer, site): value}) from the latest taps event."""

@@ -82,6 +82,8 @@ class StatsPanel(Static):
 
         line1 = [item("status", s["status"], style), item("step", s["step"]), item("loss", s["loss"]),
                  item("val", s["val"]), item("lr", s["lr"])]
+        if "margin" in s:  # a preference objective
+            line1 += [item("margin", s["margin"]), item("acc", s["acc"])]
         line2 = [item("tok/s", s["tok/s"]), item("eta", s["eta"]), item("elapsed", s["elapsed"]),
                  item("mem", s["mem"])]
         if state.run_dir:
@@ -146,6 +148,51 @@ class LossChart(PlotextPlot):
         else:
             xs = [p[0] for p in pts + vpts]
             ticks = nice_ticks(min(xs), max(xs))  # whole steps, not plotext's 34.2
+            plt.xticks(ticks, [str(t) for t in ticks])
+        self.refresh()
+
+
+PREF_LEGEND = "pairs  [#0087ff]━ margin[/]  [#00a050]━ accuracy[/]  [#e67800]● valid acc[/]"
+ACC_RGB = (0, 160, 80)
+
+
+class PrefChart(PlotextPlot):
+    """Preference objectives: the reward margin and the pair accuracy (train, line; valid,
+    points) against the step, beside the loss chart."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        # steps, margins, accuracies; validation steps, accuracies
+        self._series: tuple[list, ...] = ([], [], [], [], [])
+
+    def show(self, state: RunState) -> None:
+        self._series = (list(state.pref_steps), list(state.margins), list(state.pref_accs),
+                        list(state.val_pref_steps), list(state.val_pref_accs))
+        self.replot()
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.border_title = PREF_LEGEND
+        self.replot()
+
+    def replot(self) -> None:
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        steps, margins, accs, vsteps, vaccs = self._series
+        m = _decimate([(s, v) for s, v in zip(steps, margins) if math.isfinite(v)], MAX_POINTS)
+        a = _decimate([(s, v) for s, v in zip(steps, accs) if math.isfinite(v)], MAX_POINTS)
+        if m:
+            plt.plot([p[0] for p in m], [p[1] for p in m], marker="braille", color=TRAIN_RGB)
+        if a:
+            plt.plot([p[0] for p in a], [p[1] for p in a], marker="braille", color=ACC_RGB)
+        if vsteps:
+            plt.scatter(vsteps, vaccs, marker="●", color=VALID_RGB)
+        if not m and not vsteps:
+            plt.title("pairs: waiting for the first step")
+        else:
+            xs = [p[0] for p in m] + list(vsteps)
+            ticks = nice_ticks(min(xs), max(xs))
             plt.xticks(ticks, [str(t) for t in ticks])
         self.refresh()
 

@@ -63,12 +63,12 @@ def hf_in(f: Fields, raw: dict[str, Any]) -> dict[str, Any]:
         local = float(rp.get("sliding_attention", {}).get("rope_theta", LLAMA_CPP_LOCAL_BASE))
     else:
         base, scaling = out["rope_base"], out["rope_scaling"]
-        local = float(f("rope_local_base_freq", LLAMA_CPP_LOCAL_BASE))
-    layer_types = f("layer_types", None) or pattern(out["n_layers"], int(f("sliding_window_pattern", 6)))
+        local = f.positive("rope_local_base_freq", LLAMA_CPP_LOCAL_BASE)
+    layer_types = f("layer_types", None) or pattern(out["n_layers"], f.count("sliding_window_pattern", 6))
     return out | {"rope_traditional": False, "qk_norm": True, "qkv_bias": False, "tie_embeddings": True,
                   "rope_base": base, "rope_scaling": scaling, "rope_local_base": local,
-                  "sliding_window": int(f("sliding_window")), "layer_types": list(layer_types),
-                  "attn_scale": float(f("query_pre_attn_scalar")) ** -0.5}
+                  "sliding_window": f.count("sliding_window"), "layer_types": list(layer_types),
+                  "attn_scale": f.positive("query_pre_attn_scalar") ** -0.5}
 
 
 def hf_out(cfg: ModelConfig) -> dict[str, Any]:

@@ -43,16 +43,16 @@ TENSORS = (
 
 
 def gguf_in(f: Fields, md: dict[str, Any]) -> dict[str, Any]:
-    d_model = int(f("embedding_length"))
-    n_heads = int(f("attention.head_count"))
+    d_model = f.count("embedding_length")
+    n_heads = f.count("attention.head_count")
     vocab = f("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", [])) or None
     if vocab is None:
         raise UserError(f"{f.where}: cannot tell the vocabulary size (no gpt2.vocab_size, no tokens)")
-    return dict(vocab_size=int(vocab), d_model=d_model, n_layers=int(f("block_count")),
+    return dict(vocab_size=int(vocab), d_model=d_model, n_layers=f.count("block_count"),
                 n_heads=n_heads, n_kv_heads=n_heads, d_head=d_model // n_heads,
-                d_ff=int(f("feed_forward_length", 4 * d_model)),
-                norm_eps=float(f("attention.layer_norm_epsilon", 1e-5)), rope_dims=0, qkv_bias=True,
-                context_length=int(f("context_length")))
+                d_ff=f.count("feed_forward_length", 4 * d_model),
+                norm_eps=f.positive("attention.layer_norm_epsilon", 1e-5), rope_dims=0, qkv_bias=True,
+                context_length=f.count("context_length"))
 
 
 def gguf_out(cfg: ModelConfig) -> dict[str, Any]:
@@ -72,12 +72,12 @@ def hf_in(f: Fields, raw: dict[str, Any]) -> dict[str, Any]:
             raise UserError(f"{f.where}: {flag} is not supported")
     if f("scale_attn_weights", True) is False:
         raise UserError(f"{f.where}: scale_attn_weights=false is not supported")
-    d_model = int(f("n_embd"))
-    n_heads = int(f("n_head"))
-    return dict(vocab_size=int(f("vocab_size")), d_model=d_model, n_layers=int(f("n_layer")),
+    d_model = f.count("n_embd")
+    n_heads = f.count("n_head")
+    return dict(vocab_size=f.count("vocab_size"), d_model=d_model, n_layers=f.count("n_layer"),
                 n_heads=n_heads, n_kv_heads=n_heads, d_head=d_model // n_heads,
-                d_ff=int(f("n_inner", None) or 4 * d_model),
-                norm_eps=float(f("layer_norm_epsilon", 1e-5)), rope_dims=0, qkv_bias=True,
+                d_ff=f.count("n_inner", 4 * d_model),
+                norm_eps=f.positive("layer_norm_epsilon", 1e-5), rope_dims=0, qkv_bias=True,
                 tie_embeddings=bool(f("tie_word_embeddings", True)),
                 context_length=int(f("n_positions", None) or f("n_ctx", 1024)))
 

@@ -49,27 +49,27 @@ def llama_table(permute: bool) -> tuple:
 
 def gguf_in(f: Fields, md: dict[str, Any]) -> dict[str, Any]:
     """The keys every RoPE decoder in llama.cpp shares -> ModelConfig keywords."""
-    d_model = int(f("embedding_length"))
-    n_heads = int(f("attention.head_count"))
-    d_head = int(f("attention.key_length", d_model // n_heads))
+    d_model = f.count("embedding_length")
+    n_heads = f.count("attention.head_count")
+    d_head = f.count("attention.key_length", d_model // n_heads)
     vocab = f("vocab_size", None) or len(md.get("tokenizer.ggml.tokens", [])) or None
     if vocab is None:
         raise UserError(f"{f.where}: cannot tell the vocabulary size (no {f.prefix}vocab_size, no tokens)")
     scaling = None
     kind = f("rope.scaling.type", "none")
     if kind == "linear":
-        scaling = {"type": "linear", "factor": float(f("rope.scaling.factor"))}
+        scaling = {"type": "linear", "factor": f.positive("rope.scaling.factor")}
     elif kind not in ("none", None):
         raise UserError(f"{f.where}: unsupported rope scaling type {kind!r}")
     window = f("attention.sliding_window", None)
-    return dict(vocab_size=int(vocab), d_model=d_model, n_layers=int(f("block_count")),
-                n_heads=n_heads, n_kv_heads=int(f("attention.head_count_kv", n_heads)), d_head=d_head,
-                d_ff=int(f("feed_forward_length")),
-                norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
-                rope_base=float(f("rope.freq_base", 10000.0)),
-                rope_dims=int(f("rope.dimension_count", d_head)), rope_scaling=scaling,
+    return dict(vocab_size=int(vocab), d_model=d_model, n_layers=f.count("block_count"),
+                n_heads=n_heads, n_kv_heads=f.count("attention.head_count_kv", n_heads), d_head=d_head,
+                d_ff=f.count("feed_forward_length"),
+                norm_eps=f.positive("attention.layer_norm_rms_epsilon", 1e-5),
+                rope_base=f.positive("rope.freq_base", 10000.0),
+                rope_dims=f.count("rope.dimension_count", d_head, 0), rope_scaling=scaling,
                 sliding_window=int(window) if window else None,
-                context_length=int(f("context_length", 2048)))
+                context_length=f.count("context_length", 2048))
 
 
 def gguf_out(cfg: ModelConfig) -> dict[str, Any]:
@@ -97,24 +97,26 @@ def gguf_out(cfg: ModelConfig) -> dict[str, Any]:
 
 def hf_in(f: Fields, raw: dict[str, Any]) -> dict[str, Any]:
     """config.json fields every Llama-family model shares -> ModelConfig keywords."""
-    d_model = int(f("hidden_size"))
-    n_heads = int(f("num_attention_heads"))
+    d_model = f.count("hidden_size")
+    n_heads = f.count("num_attention_heads")
     base, scaling = hf_rope(f)
-    return dict(vocab_size=int(f("vocab_size")), d_model=d_model, n_layers=int(f("num_hidden_layers")),
-                n_heads=n_heads, n_kv_heads=int(f("num_key_value_heads", None) or n_heads),
-                d_head=int(f("head_dim", None) or d_model // n_heads), d_ff=int(f("intermediate_size")),
-                norm_eps=float(f("rms_norm_eps", 1e-6)), rope_base=base,
+    return dict(vocab_size=f.count("vocab_size"), d_model=d_model, n_layers=f.count("num_hidden_layers"),
+                n_heads=n_heads, n_kv_heads=f.count("num_key_value_heads", n_heads),
+                d_head=f.count("head_dim", d_model // n_heads), d_ff=f.count("intermediate_size"),
+                norm_eps=f.positive("rms_norm_eps", 1e-6), rope_base=base,
                 rope_scaling=scaling, qkv_bias=bool(f("attention_bias", False)),
                 tie_embeddings=bool(f("tie_word_embeddings", False)),
-                context_length=int(f("max_position_embeddings", 2048)))
+                context_length=f.count("max_position_embeddings", 2048))
 
 
 def hf_rope(f: Fields, params: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None]:
     """(RoPE base, scaling or None) from `rope_theta` / `rope_scaling` (checkpoints on the hub)
     or transformers 5's `rope_parameters` (or `params`, one layer type's entry of it)."""
     rp = params if params is not None else (f("rope_parameters", None) or {})
-    base = float(f("rope_theta", None) or rp.get("rope_theta") or 10000.0)
+    base = f.positive("rope_theta", rp.get("rope_theta") or 10000.0)
     scaling = f("rope_scaling", None) or {k: v for k, v in rp.items() if k != "rope_theta"}
+    if not isinstance(scaling, dict):
+        raise UserError(f"{f.where}: rope_scaling must be a mapping, got {scaling!r}")
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return base, None

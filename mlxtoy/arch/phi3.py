@@ -56,7 +56,7 @@ def longrope(scaling: dict[str, Any], context: int, original: Any, where: str) -
 def hf_in(f: Fields, raw: dict[str, Any]) -> dict[str, Any]:
     out = llama.hf_in(f, raw)
     rp = f("rope_parameters", None) or {}
-    factor = float(f("partial_rotary_factor", None) or rp.get("partial_rotary_factor") or 1.0)
+    factor = f.positive("partial_rotary_factor", rp.get("partial_rotary_factor") or 1.0)
     scaling = out["rope_scaling"]
     if scaling:
         scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}

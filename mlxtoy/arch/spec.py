@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from mlxtoy.config import ModelConfig
+from mlxtoy.config import ModelConfig, metadata_number
 from mlxtoy.errors import UserError
 
 REQUIRED = object()
@@ -91,6 +91,15 @@ class Fields:
         if default is REQUIRED:
             raise UserError(f"{self.where}: missing {self.noun} {self.prefix}{key}")
         return default
+
+    def count(self, key: str, default: Any = REQUIRED, minimum: int = 1) -> int:
+        """A whole number >= minimum (a stranger's file may hold 0, -1, "abc" or 1e30)."""
+        return metadata_number(self(key, default), f"{self.where}: {self.noun} {self.prefix}{key}",
+                               int, minimum)
+
+    def positive(self, key: str, default: Any = REQUIRED) -> float:
+        """A finite number > 0 (epsilons, RoPE bases, scales)."""
+        return metadata_number(self(key, default), f"{self.where}: {self.noun} {self.prefix}{key}", float)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ def run(args) -> int:
     if interactive:
         print("chat: /reset for a new conversation, /quit to leave", file=sys.stderr)
     ctx = model.config.context_length
+    refused = 0  # messages that could not be answered: the exit code says so
     while True:
         if interactive:
             print(">>> ", end="", file=sys.stderr, flush=True)
@@ -74,6 +75,7 @@ def run(args) -> int:
         if max_tokens <= 0:
             print(f"error: that message alone does not fit the model's context ({ctx} tokens)",
                   file=sys.stderr)
+            refused += 1
             continue
         for chunk in session.send(message, max_tokens=max_tokens):
             if chunk.text:
@@ -84,4 +86,4 @@ def run(args) -> int:
         if not args.quiet and session.last_stats is not None:
             print(f"[{session.last_stats.describe()} | reused {session.last_reused} cached tokens]",
                   file=sys.stderr)
-    return 0
+    return 2 if refused else 0

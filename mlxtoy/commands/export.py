@@ -1,4 +1,4 @@
-"""`mlxtoy export SOURCE --out PATH [--format gguf|adapter-gguf|hf|mlx-lm|peft] [--dtype f32|f16|q8_0]`."""
+"""`mlxtoy export SOURCE --out PATH [--format gguf|adapter-gguf|hf|mlx-lm|peft] [--dtype DTYPE]`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from mlxtoy.export import check_format, check_output, export_source, load_source
+from mlxtoy.export import DTYPES, check_format, check_output, export_source, load_source
 
 FORMAT_HELP = {
     "gguf": "llama.cpp model GGUF (LoRA merged)",
@@ -23,10 +23,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "any checkpoint: RUN/checkpoints/step_N). Formats: " +
                                    "; ".join(f"{k}: {v}" for k, v in FORMAT_HELP.items()))
     p.add_argument("source", help="a run directory, a checkpoint directory, or a model "
-                                  "(.gguf, Hugging Face folder, built-in name)")
+                                  "(.gguf, Hugging Face folder or id, built-in name)")
     p.add_argument("--out", required=True, help="output file (gguf, adapter-gguf) or folder (hf, mlx-lm, peft)")
     p.add_argument("--format", default="gguf", help="gguf (default), adapter-gguf, hf, mlx-lm or peft")
-    p.add_argument("--dtype", default=None, help="f32 (default, lossless), f16 or q8_0 (GGUF only)")
+    p.add_argument("--dtype", default=None, metavar="DTYPE",
+                   help=f"one of {', '.join(DTYPES)}: f32 (default, lossless) and f16 for every format; "
+                        f"q8_0 for GGUF; the K-quants (q4_k_m, q5_k_m, q6_k) and q4_0, q5_0 for a model "
+                        f"GGUF, through llama.cpp's quantizer (pip install 'mlxtoy[gguf]', or "
+                        f"llama-quantize on PATH)")
     return p
 
 

@@ -19,7 +19,8 @@ from mlxtoy.loading import load
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """Model and sampling flags shared by `generate` and `chat`."""
     p.add_argument("--model", default="smollm2-135m",
-                   help="a .gguf file, a Hugging Face folder, or a built-in name (default: smollm2-135m)")
+                   help="a .gguf file, a Hugging Face folder or id (org/name[@rev], org/name/file.gguf), "
+                        "or a built-in name (default: smollm2-135m)")
     p.add_argument("--adapter", metavar="RUN", help="a training run directory to apply")
     p.add_argument("--system", metavar="S", help="system message for the chat template")
     p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",

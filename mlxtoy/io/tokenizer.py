@@ -40,6 +40,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, processors
 
 from mlxtoy.errors import UserError
+from mlxtoy.textio import check_string, read_json
 from mlxtoy.io.chat_template import CHATML_TEMPLATE, ChatTemplate
 from mlxtoy.io.llama_vocab import (BYTE_TOKEN, EOG_TEXTS, SPIECE_SPACE, TT_BYTE, TT_CONTROL,
                                    TT_NORMAL, TT_UNKNOWN, TT_UNUSED, TT_USER_DEFINED,
@@ -253,9 +254,8 @@ class Tokenizer:
         tj = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tj):
             raise UserError(f"{path}: no tokenizer.json")
+        data = read_json(tj)
         try:
-            with open(tj, encoding="utf-8") as f:
-                data = json.load(f)
             hf = HFTokenizer.from_str(json.dumps(data))
         except Exception as e:  # json errors, or tokenizers' own parse errors
             raise UserError(f"{tj}: not a valid tokenizer.json ({type(e).__name__}: {e})") from None
@@ -365,7 +365,11 @@ class Tokenizer:
         tokenized as plain text; user-defined tokens are still matched.
         """
         hf = self._hf if parse_special else self._literal()
-        ids = hf.encode(text, add_special_tokens=False).ids if text else []
+        try:
+            ids = hf.encode(text, add_special_tokens=False).ids if text else []
+        except TypeError:  # the Rust side refuses str it cannot encode: say which text
+            check_string(text, "text to tokenize")
+            raise
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if (self.add_eos if add_eos is None else add_eos) and self.eos_id is not None:
@@ -558,9 +562,5 @@ class Tokenizer:
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            v = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable JSON ({e})") from None
+    v = read_json(path)
     return v if isinstance(v, dict) else {}

@@ -45,6 +45,7 @@ class LoRAHeadProjection(nn.Module):
         n_heads, d_head, d_in = base.weight.shape
         self.base = base
         self.scale = alpha / rank
+        self.disabled = False  # True: the base alone (DPO's reference; objectives.adapters_disabled)
         self.per_head = per_head
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         if per_head:
@@ -81,6 +82,8 @@ class LoRAHeadProjection(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
+        if self.disabled:
+            return y
         return y + self.delta(x).astype(y.dtype)
 
     def delta_weight(self) -> mx.array:
@@ -107,6 +110,7 @@ class LoRALinear(nn.Module):
         d_out, d_in = _linear_dims(base)
         self.base = base
         self.scale = alpha / rank
+        self.disabled = False  # True: the base alone (DPO's reference; objectives.adapters_disabled)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         self.lora_a = _gaussian_a((rank, d_in), d_in)
         self.lora_b = mx.zeros((d_out, rank))
@@ -119,6 +123,8 @@ class LoRALinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
+        if self.disabled:
+            return y
         return y + self.delta(x).astype(y.dtype)
 
     def delta_weight(self) -> mx.array:

@@ -23,7 +23,7 @@ from mlxtoy.loading import attach_lens, build_model as build_module, load_tokeni
 from mlxtoy.models.init import init_scratch
 from mlxtoy.models.lora import apply_lora, lora_config_dict, quantize_base
 from mlxtoy.rundir import RunFacts
-from mlxtoy.train.data import read_data
+from mlxtoy.train.data import DataOptions, read_data
 
 CHAR_TOKENIZERS = ("char", "byte")  # tokenizer specs a scratch run may name instead of a model
 
@@ -77,14 +77,19 @@ def train_dtype(cfg: TrainConfig) -> mx.Dtype:
     return backend.compute_dtype() if cfg.dtype == "auto" else getattr(mx, cfg.dtype)
 
 
-def build_model(cfg: TrainConfig) -> tuple[nn.Module, Any, RunFacts]:
-    """-> (model ready to train, tokenizer, resolved facts for config.yaml)."""
+def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
+                ) -> tuple[nn.Module, Any, RunFacts]:
+    """-> (model ready to train, tokenizer, resolved facts for config.yaml).
+
+    char_tokenizer: a resumed scratch run's character vocabulary (rebuilding it from data
+    that changed would shift every id past the embedding table)."""
     mx.random.seed(cfg.seed)
     facts = RunFacts(mlxtoy_version=mlxtoy.__version__, backend=backend.INFO.describe())
     if cfg.method == "scratch":
         source = cfg.tokenizer or spec_of(cfg.arch).tokenizer or cfg.model
         if source in CHAR_TOKENIZERS:  # character / byte vocabulary (the reference LM's)
-            tokenizer = char_tokenizer_for(source, cfg.data)
+            tokenizer = (CharTokenizer.from_dict(char_tokenizer) if char_tokenizer
+                         else char_tokenizer_for(source, cfg.data, DataOptions.of(cfg)))
             facts.char_tokenizer = tokenizer.to_dict()
         else:
             tokenizer = load_tokenizer(source)
@@ -132,7 +137,7 @@ def build_model(cfg: TrainConfig) -> tuple[nn.Module, Any, RunFacts]:
     return model, tokenizer, facts
 
 
-def char_tokenizer_for(spec: str, data_path: str | None = None):
+def char_tokenizer_for(spec: str, data_path: str | None = None, opts: DataOptions | None = None):
     """`char` (vocabulary = the characters of the training text) or `byte` -> CharTokenizer."""
     if spec == "byte":
         return CharTokenizer("byte")
@@ -140,12 +145,12 @@ def char_tokenizer_for(spec: str, data_path: str | None = None):
         raise UserError(f"unknown character tokenizer {spec!r} (choose from {', '.join(CHAR_TOKENIZERS)})")
     if not data_path:
         raise UserError("a char tokenizer is built from the training text: give --data")
-    return CharTokenizer.from_text(corpus_text(data_path), "char")
+    return CharTokenizer.from_text(corpus_text(data_path, opts), "char")
 
 
-def corpus_text(path: str) -> str:
-    """Every string in the data (file or folder; .txt / .jsonl) joined, for a char vocabulary."""
-    raw = read_data(path)
+def corpus_text(path: str, opts: DataOptions | None = None) -> str:
+    """Every string in the data (any format read_data reads) joined, for a char vocabulary."""
+    raw = read_data(path, opts)
     parts: list[str] = []
     for rec in raw.train + (raw.valid or []) + raw.test:
         v = rec.value

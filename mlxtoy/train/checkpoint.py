@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from mlxtoy.config import TrainConfig
@@ -20,7 +22,7 @@ from mlxtoy.fsutil import atomic_path, write_text_atomic
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.lora import lora_parameters
 from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_OPTIMIZER, CKPT_STATE, CKPT_TRAINABLE,
-                           MODEL_CONFIG, MODEL_WEIGHTS, CheckpointState, RunDir, RunFacts)
+                           MODEL_CONFIG, MODEL_WEIGHTS, REFERENCE_LOGPS, CheckpointState, RunDir, RunFacts)
 
 # Tests set this to make the writer pause between files, so a kill lands mid-write.
 WRITE_DELAY_ENV = "MLXTOY_CKPT_WRITE_DELAY"
@@ -50,6 +52,61 @@ def save_checkpoint(run: RunDir, state: CheckpointState, trainable: dict[str, mx
     return run.checkpoint_path(state.step)
 
 
+def safetensors_shapes(path: str) -> dict[str, list[int]]:
+    """Tensor name -> shape from a safetensors header, after checking that the file holds
+    every byte the header promises (a truncated file is caught without reading the data)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            if not 0 < n <= min(size - 8, 100 * 2**20):
+                raise ValueError("bad header length")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise UserError(f"{path}: unreadable ({e})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: unreadable (bad header)")
+    header.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if 8 + n + end > size:
+        raise UserError(f"{path}: truncated ({size} of {8 + n + end} bytes)")
+    return {k: list(v["shape"]) for k, v in header.items()}
+
+
+def checkpoint_problem(ckpt: str, trainable: dict[str, tuple[int, ...]]) -> str | None:
+    """Why checkpoint `ckpt` cannot resume a model whose trainable weights have these shapes
+    (None when it can): its state, its files, and every tensor's name and shape."""
+    try:
+        CheckpointState.read(ckpt)
+        saved = safetensors_shapes(os.path.join(ckpt, CKPT_TRAINABLE))
+        safetensors_shapes(os.path.join(ckpt, CKPT_OPTIMIZER))
+    except UserError as e:
+        return str(e)
+    want = {k: list(v) for k, v in trainable.items()}
+    if set(saved) != set(want):
+        missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+        return f"{ckpt}: holds other weights than the model trains (missing {missing[:3]}, extra {extra[:3]})"
+    bad = [k for k in want if saved[k] != want[k]]
+    if bad:
+        return f"{ckpt}: {bad[0]} has shape {saved[bad[0]]}, the model's is {want[bad[0]]}"
+    return None
+
+
+def pick_checkpoint(run: RunDir, model) -> tuple[str | None, list[str]]:
+    """The newest checkpoint that can resume `model`, and a note for each newer one that
+    could not (damaged or written for another model)."""
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
+    notes = []
+    for _, ckpt in reversed(run.checkpoints()):
+        problem = checkpoint_problem(ckpt, shapes)
+        if problem is None:
+            if notes:
+                notes.append(f"resuming from the newest intact checkpoint, {ckpt}")
+            return ckpt, notes
+        notes.append(f"skipping a checkpoint that cannot be used: {problem}")
+    return None, notes
+
+
 def load_checkpoint(path: str) -> tuple[CheckpointState, dict[str, mx.array], dict[str, mx.array]]:
     state = CheckpointState.read(path)
     try:
@@ -58,6 +115,30 @@ def load_checkpoint(path: str) -> tuple[CheckpointState, dict[str, mx.array], di
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"{path}: unreadable checkpoint ({e})") from None
     return state, trainable, opt
+
+
+def save_reference(run: RunDir, logps: dict[str, np.ndarray]) -> None:
+    """DPO's reference log-probs per split ({"train": (pairs, 2), ...}), written once."""
+    if not run.read_only:
+        save_safetensors_atomic(run.join(REFERENCE_LOGPS), {k: mx.array(v) for k, v in logps.items()},
+                                {"format": "mlxtoy-reference-logps"})
+
+
+def load_reference(run: RunDir, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+    """The stored reference log-probs (None when there are none); refused when they do not
+    fit the data (`shapes`: what each split needs)."""
+    path = run.join(REFERENCE_LOGPS)
+    if not os.path.exists(path):
+        return None
+    try:
+        got = {k: np.array(v) for k, v in mx.load(path).items()}
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"{path}: unreadable ({e})") from None
+    for k, shape in shapes.items():
+        if k not in got or got[k].shape != tuple(shape):
+            raise UserError(f"{path}: holds reference log-probs for other data ({k}: "
+                            f"{got[k].shape if k in got else 'none'}, the data has {tuple(shape)})")
+    return got
 
 
 def flat_optimizer_state(optimizer) -> dict[str, mx.array]:
@@ -70,6 +151,9 @@ def restore_optimizer_state(optimizer, flat: dict[str, mx.array], source: str) -
     def pick(path: str, value):
         if path not in flat:
             raise UserError(f"{source}: optimizer state has no {path}")
+        if hasattr(value, "shape") and tuple(flat[path].shape) != tuple(value.shape):
+            raise UserError(f"{source}: optimizer state {path} has shape {list(flat[path].shape)}, "
+                            f"expected {list(value.shape)}")
         return flat[path]
 
     optimizer.state = tree_map_with_path(pick, optimizer.state)

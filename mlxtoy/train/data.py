@@ -7,9 +7,16 @@ Formats (mlx-lm's three JSONL formats, plus plain text):
 - `{"messages": [{"role", "content"}, ...]}`: rendered with the model's chat template;
   loss on every assistant turn (found by rendering prefixes of the conversation).
 - `.txt`: one continuous stream, cut into windows of `seq_len` tokens.
+- Preference pairs (DPO, ORPO; tokenized and batched by mlxtoy.train.pairs):
+  `{"prompt", "chosen", "rejected"}` strings (optional `"system"`), or TRL's conversational
+  `{"chosen": [messages], "rejected": [messages]}` whose shared prefix is the prompt and whose
+  differing final assistant turns are the completions. Both become kind "pref".
 
 `data` is one file (split into train/valid deterministically from the seed) or a folder with
-`train.jsonl|train.txt` and optionally `valid.*` and `test.*`.
+`train.jsonl|train.txt` and optionally `valid.*` and `test.*`. Also a `.parquet`, `.csv` or
+`.arrow` file or folder, or a Hugging Face dataset id, whose rows (io.tables, through `datasets`)
+go through the same checks as JSONL objects, named "<file> row N". `DataOptions` picks the
+split / subset and renames columns (`--prompt-column question` ...) for every format.
 
 Batches: by default several examples are packed into one row; `segments` holds each token's
 document index in its row (-1 for padding) for `block_causal_mask`, so a token only sees
@@ -19,15 +26,17 @@ The order is a pure function of (seed, batch index), so a checkpoint only record
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from mlxtoy.config import PREFERENCE_OBJECTIVES
 from mlxtoy.errors import UserError
+from mlxtoy.textio import check_string, iter_lines, parse_json, read_text
+from mlxtoy.io.tables import Table, dataset_id, is_table_file, is_table_folder, read_tables
 
 PAD_MULTIPLE = 32  # batch widths are rounded up to this (few distinct shapes to compile)
 
@@ -40,8 +49,42 @@ PAD_MULTIPLE = 32  # batch widths are rounded up to this (few distinct shapes to
 @dataclass
 class Record:
     where: str  # "file:line"
-    kind: str  # "text" | "completion" | "chat" | "stream"
-    value: Any  # str | (prompt, completion) | list of messages
+    kind: str  # "text" | "completion" | "chat" | "stream" | "pref"
+    value: Any  # str | (prompt, completion) | list of messages | (prompt messages, chosen, rejected)
+
+
+PREF_KIND = "pref"
+
+
+def _check_pref(obj: dict, where: str) -> Record:
+    """A preference row -> Record("pref", (prompt messages, chosen text, rejected text))."""
+    for key in ("chosen", "rejected"):
+        if key not in obj:
+            raise UserError(f"{where}: missing field '{key}' (a preference pair needs 'chosen' and 'rejected')")
+    chosen, rejected = obj["chosen"], obj["rejected"]
+    if isinstance(chosen, list) or isinstance(rejected, list):
+        c, r = _check_messages(chosen, where), _check_messages(rejected, where)
+        for name, msgs in (("chosen", c), ("rejected", r)):
+            if msgs[-1]["role"] != "assistant":
+                raise UserError(f"{where}: '{name}' must end with an assistant turn (the completion)")
+        if c[:-1] != r[:-1]:
+            raise UserError(f"{where}: 'chosen' and 'rejected' must share every message but the "
+                            f"final assistant turn (the prompt)")
+        prompt, chosen, rejected = c[:-1], c[-1]["content"], r[-1]["content"]
+    else:
+        if "prompt" not in obj:
+            raise UserError(f"{where}: missing field 'prompt' (string 'chosen'/'rejected' need one)")
+        for key in ("prompt", "chosen", "rejected") + (("system",) if "system" in obj else ()):
+            if not isinstance(obj[key], str):
+                raise UserError(f"{where}: field '{key}' must be a string")
+        prompt = ([{"role": "system", "content": obj["system"]}] if "system" in obj else []) + [
+            {"role": "user", "content": obj["prompt"]}]
+    for name, text in (("chosen", chosen), ("rejected", rejected)):
+        if not text.strip():
+            raise UserError(f"{where}: empty completion in '{name}'")
+    if chosen == rejected:
+        raise UserError(f"{where}: 'chosen' and 'rejected' are identical (nothing to prefer)")
+    return Record(where, PREF_KIND, (prompt, chosen, rejected))
 
 
 def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
@@ -53,68 +96,115 @@ def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
             raise UserError(f"{where}: message {i} needs 'role' and 'content'")
         if not isinstance(m["content"], str):
             raise UserError(f"{where}: message {i} 'content' must be a string")
+        check_string(m["content"], f"{where}: message {i}")
         out.append({"role": str(m["role"]), "content": m["content"]})
     return out
 
 
-def parse_jsonl(path: str) -> list[Record]:
-    records: list[Record] = []
-    kind_seen: str | None = None
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    with f:
-        for lineno, line in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            if "messages" in obj:
-                rec = Record(where, "chat", _check_messages(obj["messages"], where))
-            elif "prompt" in obj or "completion" in obj:
-                for key in ("prompt", "completion"):
-                    if key not in obj:
-                        raise UserError(f"{where}: missing field '{key}'")
-                    if not isinstance(obj[key], str):
-                        raise UserError(f"{where}: field '{key}' must be a string")
-                rec = Record(where, "completion", (obj["prompt"], obj["completion"]))
-            elif "text" in obj:
-                if not isinstance(obj["text"], str):
-                    raise UserError(f"{where}: field 'text' must be a string")
-                rec = Record(where, "text", obj["text"])
-            else:
-                raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion' "
-                                f"or 'messages' (got {', '.join(sorted(obj)) or 'an empty object'})")
-            if kind_seen is not None and rec.kind != kind_seen:
-                raise UserError(f"{where}: mixes formats ({rec.kind} after {kind_seen})")
-            kind_seen = rec.kind
-            records.append(rec)
+COLUMN_ROLES = ("text", "prompt", "completion", "messages")  # the fields a record reads
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Which part of the data to read: the split to train on and the subset (tables and
+    Hugging Face datasets), and columns to read as our fields ({"prompt": "question"})."""
+
+    split: str = "train"
+    subset: str | None = None
+    columns: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, cfg: Any) -> "DataOptions":
+        """From a TrainConfig: data_split, data_subset and the *_column fields."""
+        cols = tuple((role, getattr(cfg, f"{role}_column")) for role in COLUMN_ROLES
+                     if getattr(cfg, f"{role}_column", None))
+        return cls(cfg.data_split, cfg.data_subset, cols)
+
+    def rename(self, obj: dict[str, Any], where: str) -> dict[str, Any]:
+        if not self.columns:
+            return obj
+        obj = dict(obj)
+        for role, column in self.columns:
+            if column not in obj:
+                raise UserError(f"{where}: no column {column!r} (named by --{role}-column; "
+                                f"has {', '.join(sorted(obj)) or 'none'})")
+            obj[role] = obj.pop(column)
+        return obj
+
+
+def parse_object(obj: Any, where: str) -> Record:
+    """One JSON object or table row -> Record, checked; errors name `where`."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "chosen" in obj or "rejected" in obj:
+        return _check_pref(obj, where)
+    if "messages" in obj:
+        return Record(where, "chat", _check_messages(obj["messages"], where))
+    if "prompt" in obj or "completion" in obj:
+        for key in ("prompt", "completion"):
+            if key not in obj:
+                raise UserError(f"{where}: missing field '{key}'")
+            if not isinstance(obj[key], str):
+                raise UserError(f"{where}: field '{key}' must be a string")
+            check_string(obj[key], f"{where}: field '{key}'")
+        return Record(where, "completion", (obj["prompt"], obj["completion"]))
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise UserError(f"{where}: field 'text' must be a string")
+        check_string(obj["text"], f"{where}: field 'text'")
+        return Record(where, "text", obj["text"])
+    raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion', 'messages' "
+                    f"or 'chosen'/'rejected' (got {', '.join(sorted(obj)) or 'an empty object'})")
+
+
+def _one_format(records: list[Record]) -> list[Record]:
+    for prev, rec in zip(records, records[1:]):
+        if rec.kind != prev.kind:
+            raise UserError(f"{rec.where}: mixes formats ({rec.kind} after {prev.kind})")
     return records
 
 
+def parse_jsonl(path: str, opts: DataOptions | None = None) -> list[Record]:
+    opts = opts or DataOptions()
+    records: list[Record] = []
+    # one record per line; decoding and JSON errors name the line (mlxtoy.textio)
+    for lineno, line in iter_lines(path):
+        where = f"{path}:{lineno}"
+        if not line.strip():
+            continue
+        obj = parse_json(line, where)
+        if isinstance(obj, dict):
+            obj = opts.rename(obj, where)
+        rec = parse_object(obj, where)
+        if records and rec.kind != records[-1].kind:
+            raise UserError(f"{where}: mixes formats ({rec.kind} after {records[-1].kind})")
+        records.append(rec)
+    return records
+
+
+def parse_rows(table: Table, opts: DataOptions | None = None) -> list[Record]:
+    """A table's rows (io.tables) -> Records, with JSONL's checks; `where` is "<label> row N"."""
+    opts = opts or DataOptions()
+    records = []
+    for i, row in enumerate(table.rows, 1):
+        where = f"{table.label} row {i}"
+        records.append(parse_object(opts.rename(row, where), where))
+    return _one_format(records)
+
+
 def parse_txt(path: str) -> list[Record]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = read_text(path)
     return [Record(f"{path}:1", "stream", text)] if text.strip() else []
 
 
-def parse_file(path: str) -> list[Record]:
+def parse_file(path: str, opts: DataOptions | None = None) -> list[Record]:
     if path.endswith(".jsonl"):
-        return parse_jsonl(path)
+        return parse_jsonl(path, opts)
     if path.endswith(".txt"):
         return parse_txt(path)
-    raise UserError(f"{path}: unsupported data file (use .jsonl or .txt)")
+    if is_table_file(path):
+        return parse_rows(read_tables(path).train, opts)
+    raise UserError(f"{path}: unsupported data file (use .jsonl, .txt, .parquet, .csv or .arrow)")
 
 
 def _find_split(folder: str, name: str) -> str | None:
@@ -133,25 +223,54 @@ class RawSplits:
     train_path: str
 
 
-def read_data(path: str) -> RawSplits:
-    """Parse the data (file or folder); errors name file:line. No tokenizer needed."""
+def read_data(path: str, opts: DataOptions | None = None) -> RawSplits:
+    """Parse the data (file, folder or dataset id); errors name file:line or file row N.
+    No tokenizer needed."""
+    opts = opts or DataOptions()
     if not path:
         raise UserError("no training data (--data PATH)")
-    if os.path.isdir(path):
-        train = _find_split(path, "train")
-        if train is None:
-            raise UserError(f"{path}: no train.jsonl or train.txt")
+    train = _find_split(path, "train") if os.path.isdir(path) else None
+    if train is not None:
         valid = _find_split(path, "valid")
         test = _find_split(path, "test")
-        splits = RawSplits(parse_file(train), parse_file(valid) if valid else None,
-                           parse_file(test) if test else [], train)
+        splits = RawSplits(parse_file(train, opts), parse_file(valid, opts) if valid else None,
+                           parse_file(test, opts) if test else [], train)
+    elif os.path.isdir(path) and not is_table_folder(path):
+        raise UserError(f"{path}: no train.jsonl or train.txt (or parquet, csv or arrow files)")
+    elif os.path.isfile(path):
+        splits = RawSplits(parse_file(path, opts), None, [], path)
+    elif os.path.isdir(path) or (dataset_id(path) and not _looks_like_file(path)):
+        tables = read_tables(path, opts.split, opts.subset)
+        splits = RawSplits(parse_rows(tables.train, opts),
+                           parse_rows(tables.valid, opts) if tables.valid else None,
+                           parse_rows(tables.test, opts) if tables.test else [], tables.train.label)
     elif os.path.exists(path):
-        splits = RawSplits(parse_file(path), None, [], path)
+        raise UserError(f"{path}: not a regular file or folder")
     else:
-        raise UserError(f"{path}: no such file or folder")
+        raise UserError(f"{path}: no such file or folder" + ("" if _looks_like_file(path) else
+                                                             " (nor a Hugging Face dataset id, org/name)"))
     if not splits.train:
         raise UserError(f"{splits.train_path}: empty dataset (no examples)")
     return splits
+
+
+def _looks_like_file(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() in (".jsonl", ".txt", ".json", ".parquet", ".csv", ".arrow")
+
+
+def check_objective(raw: RawSplits, objective: str) -> None:
+    """Preference objectives train on pairs, SFT on everything else: say which file:line has
+    the other kind (each file holds one format; the test split only needs prompts/answers)."""
+    pairs = objective in PREFERENCE_OBJECTIVES
+    for recs in (raw.train, raw.valid or []):
+        for rec in recs[:1]:
+            if pairs and rec.kind != PREF_KIND:
+                raise UserError(f"{rec.where}: --objective {objective} needs preference pairs "
+                                f"({{\"prompt\",\"chosen\",\"rejected\"}} or {{\"chosen\": [messages], "
+                                f"\"rejected\": [messages]}}), not {rec.kind} data")
+            if not pairs and rec.kind == PREF_KIND:
+                raise UserError(f"{rec.where}: preference pairs need --objective dpo or orpo "
+                                f"(the objective is {objective})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +287,10 @@ class Example:
     def __len__(self) -> int:  # (input, target) pairs
         return len(self.tokens) - 1
 
+    @property
+    def trained(self) -> int:
+        return int(self.loss[1:].sum())
+
 
 @dataclass
 class DataStats:
@@ -176,13 +299,14 @@ class DataStats:
     dropped: int = 0  # nothing left to learn from (no target tokens)
     tokens: int = 0
     loss_tokens: int = 0
+    dropped_why: str = "no trained tokens"
 
     def describe(self) -> str:
         s = f"{self.examples} examples, {self.tokens} tokens ({self.loss_tokens} trained)"
         if self.truncated:
             s += f", {self.truncated} truncated"
         if self.dropped:
-            s += f", {self.dropped} dropped (no trained tokens)"
+            s += f", {self.dropped} dropped ({self.dropped_why})"
         return s
 
 
@@ -237,6 +361,26 @@ class Renderer:
                     loss[t] = True
         return full, loss
 
+    def final_turn(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+        """Like `chat`, but only the final assistant turn (and the end-of-turn tokens the
+        template adds after it) is trained: a preference pair's completion. For a one-turn
+        conversation this is `chat`'s mask."""
+        if not self.has_template:
+            raise UserError(f"{where}: chat data needs a chat template, and this tokenizer has none")
+        full = self.render(messages, False, where)
+        start = _common_prefix(self.render(messages[:-1], True, where), full)
+        return full, [t >= start for t in range(len(full))]
+
+    def pair_side(self, prompt: list[dict], completion: str, where: str) -> tuple[list[int], list[bool]]:
+        """One completion of a preference pair after its prompt messages: ids and loss mask
+        (the completion only), as SFT renders the same conversation."""
+        if self.has_template:
+            return self.final_turn(prompt + [{"role": "assistant", "content": completion}], where)
+        if len(prompt) != 1 or prompt[0]["role"] != "user":
+            raise UserError(f"{where}: a system message or a conversation needs a chat template, "
+                            f"and this tokenizer has none")
+        return Renderer(self.tok, True).completion(prompt[0]["content"], completion, where)
+
     def completion(self, prompt: str, completion: str, where: str) -> tuple[list[int], list[bool]]:
         if self.has_template:
             return self.chat([{"role": "user", "content": prompt},
@@ -258,6 +402,11 @@ class Renderer:
             if last is None:
                 return self.render(msgs, True, rec.where), None
             return self.render(msgs[:last], True, rec.where), msgs[last]["content"]
+        if rec.kind == PREF_KIND:
+            prompt_msgs, chosen, _ = rec.value
+            if self.has_template:
+                return self.render(prompt_msgs, True, rec.where), chosen
+            return self.tok.encode(prompt_msgs[-1]["content"]), chosen
         if rec.kind == "completion":
             prompt, answer = rec.value
             if self.has_template:
@@ -310,7 +459,7 @@ def tokenize(records: list[Record], tokenizer, seq_len: int, mask_prompt: bool =
                         f"({stats.dropped} without any completion / assistant tokens)")
     stats.examples = len(out)
     stats.tokens = sum(len(e) for e in out)
-    stats.loss_tokens = int(sum(e.loss[1:].sum() for e in out))
+    stats.loss_tokens = sum(e.trained for e in out)
     return out, stats
 
 
@@ -337,20 +486,24 @@ class Dataset:
 
 
 def load_dataset(path: str, tokenizer, seq_len: int, mask_prompt: bool = True,
-                 valid_fraction: float = 0.1, seed: int = 0, raw: RawSplits | None = None) -> Dataset:
+                 valid_fraction: float = 0.1, seed: int = 0, raw: RawSplits | None = None,
+                 tokenize_fn: Callable = tokenize) -> Dataset:
+    """Read and tokenize the splits (`tokenize_fn`: mlxtoy.train.pairs.tokenize_pairs for
+    preference objectives); a single file's valid split is held out after tokenizing."""
     raw = raw or read_data(path)
-    train, train_stats = tokenize(raw.train, tokenizer, seq_len, mask_prompt, name=raw.train_path)
+    train, train_stats = tokenize_fn(raw.train, tokenizer, seq_len, mask_prompt, name=raw.train_path)
     valid_records = raw.valid or []
     if raw.valid is None:
         train, valid = split_examples(train, valid_fraction, seed)
         valid_stats = DataStats(examples=len(valid), tokens=sum(len(e) for e in valid),
-                                loss_tokens=int(sum(e.loss[1:].sum() for e in valid)))
+                                loss_tokens=sum(e.trained for e in valid))
         train_stats.examples -= len(valid)
         # keep the records of the held-out examples for sample prompts
         held = {e.where for e in valid}
         valid_records = [r for r in raw.train if r.where in held and r.kind != "stream"]
     else:
-        valid, valid_stats = tokenize(raw.valid, tokenizer, seq_len, mask_prompt, name="valid") if raw.valid else ([], DataStats())
+        valid, valid_stats = (tokenize_fn(raw.valid, tokenizer, seq_len, mask_prompt, name="valid")
+                              if raw.valid else ([], DataStats()))
     return Dataset(train, valid, raw.test, valid_records, train_stats, valid_stats)
 
 
@@ -392,6 +545,12 @@ class Batch:
     n_tokens: int = 0  # non-padding input tokens
     n_loss: int = 0  # trained targets
     index: int = 0  # global batch index (the data position)
+    # preference pairs (mlxtoy.train.pairs): pair j of the batch is sequences 2j (chosen) and
+    # 2j + 1 (rejected); `seq` says which sequence each target belongs to (-1: none)
+    seq: np.ndarray | None = None  # (B, T) int32
+    ref: np.ndarray | None = None  # (pairs, 2) float32: reference log-probs (chosen, rejected)
+    pairs: np.ndarray | None = None  # (pairs,) int32: the pairs' indices in the dataset
+    n_chosen: int = 0  # trained targets of the chosen completions
 
 
 @dataclass

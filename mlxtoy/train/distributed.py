@@ -220,9 +220,12 @@ class Distributed:
         lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
         w = batch.weights[lo:hi]
         seg = batch.segments[lo:hi]
+        # preference pairs: `seq`, `ref` and `pairs` keep the batch's numbering of its pairs,
+        # so a shard (whole pairs: a pair never spans rows, see mlxtoy.train.pairs) knows which
         return dataclasses.replace(batch, inputs=batch.inputs[lo:hi], targets=batch.targets[lo:hi],
                                    weights=w, segments=seg, n_tokens=int((seg >= 0).sum()),
-                                   n_loss=int(w.sum()))
+                                   n_loss=int(w.sum()),
+                                   seq=batch.seq[lo:hi] if batch.seq is not None else None)
 
     # ---- setup
     def prepare(self, build: Callable[[], tuple[TrainConfig, bool]]) -> Prepared:
@@ -359,9 +362,11 @@ class GradientAllReduce:
         return self.dist.shard(batch)
 
     def reduce(self, loss: mx.array, grads: Any) -> tuple[mx.array, Any]:
+        """loss: the step's loss, or a vector of additive statistics (loss first)."""
         self.n_steps += 1
         flat = tree_flatten(grads)
-        tail = mx.concatenate([loss.reshape(1).astype(mx.float32), self.control.local_flags()])
+        n_out = loss.size
+        tail = mx.concatenate([loss.reshape(-1).astype(mx.float32), self.control.local_flags()])
         buckets = _buckets([v for _, v in flat] + [tail])
         t0 = time.perf_counter()
         reduced = self.dist.all_sum([mx.concatenate([a.reshape(-1).astype(mx.float32) for a in bk])
@@ -375,8 +380,8 @@ class GradientAllReduce:
                 values.append(red[off: off + a.size].reshape(a.shape).astype(a.dtype))
                 off += a.size
         tail = values.pop()
-        self.control.agree(tail[1:].tolist())
-        return tail[0], tree_unflatten([(k, v) for (k, _), v in zip(flat, values)])
+        self.control.agree(tail[n_out:].tolist())
+        return tail[:n_out].reshape(loss.shape), tree_unflatten([(k, v) for (k, _), v in zip(flat, values)])
 
     def reduce_eval(self, total: float, count: int) -> tuple[float, int]:
         """The one-process mean's parts: sums of token losses and token counts over all ranks."""

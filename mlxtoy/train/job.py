@@ -13,6 +13,7 @@ input raises UserError before anything is written.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -24,13 +25,16 @@ from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
 from mlxtoy.rundir import ACCURACY, RunDir, RunFacts
 from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
+from mlxtoy.train.checkpoint import pick_checkpoint
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import Dataset, Renderer, load_dataset, read_data
+from mlxtoy.train.data import (DataOptions, Dataset, Renderer, check_objective, load_dataset, read_data,
+                               tokenize)
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, train
+from mlxtoy.train.pairs import tokenize_pairs
 
 # fields that change the shape of what a checkpoint holds; a resume may not change them
-STRUCTURAL = ("method", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
+STRUCTURAL = ("method", "objective", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
               "lora_layers", "train_embeddings", "train_norm", "train_output", "d_model",
               "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "tie_embeddings")
 EXIT_CODES = {"finished": 0, "stopped": 0, "interrupted": 130, "nan": 1}
@@ -64,16 +68,19 @@ class Prepared:
     dataset: Dataset
     facts: RunFacts
     resume_from: str | None
+    notes: list[str] = field(default_factory=list)  # what the job should tell the user
 
 
-def load_parts(cfg: TrainConfig) -> tuple[nn.Module, Any, Dataset, RunFacts]:
+def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module, Any, Dataset, RunFacts]:
     """Validate, read the data (format errors, file:line, before the model loads), build the
-    model and tokenize: everything but the run directory."""
+    model and tokenize: everything but the run directory. `old`: a resumed run's facts (its
+    character vocabulary is kept, whatever the data holds now)."""
     cfg.validate()
-    raw = read_data(cfg.data)
-    model, tokenizer, facts = build_model(cfg)
+    raw = read_data(cfg.data, DataOptions.of(cfg))
+    check_objective(raw, cfg.objective)
+    model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
-                           cfg.seed, raw=raw)
+                           cfg.seed, raw=raw, tokenize_fn=tokenize_pairs if cfg.preference else tokenize)
     facts.data = {"train_examples": len(dataset.train), "valid_examples": len(dataset.valid),
                   "test_examples": len(dataset.test), "truncated": dataset.train_stats.truncated}
     return model, tokenizer, dataset, facts
@@ -83,21 +90,68 @@ def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -
     """Validate, read data, build the model; create the run directory only when all is well."""
     cfg.validate()
     run = run or RunDir(cfg.out)
-    resume_from = None
-    if resume:
-        run.clean_partial()
-        resume_from = run.latest_checkpoint()
-        if resume_from is None and not run.read_only:
-            raise UserError(f"{run.path}: no complete checkpoint to resume from")
-    else:
+    if not resume:
         run.check_fresh()
-    model, tokenizer, dataset, facts = load_parts(cfg)
-    if resume and not run.read_only:  # what the checkpoints were written for stays as it was
+    run.lock()  # one trainer per run folder, from here until the job ends
+    try:
+        return _prepare_locked(cfg, resume, run)
+    except BaseException:
+        run.unlock(failed=True)
+        raise
+
+
+def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
+    old = None
+    if resume and not run.read_only:
+        run.clean_partial()
         _, old = run.read_config()
-        facts = old.merged(facts, keep=("lora", "model_config"))
+    model, tokenizer, dataset, facts = load_parts(cfg, old)
+    check_fits(cfg, model)
+    resume_from, notes = None, []
+    if resume and not run.read_only:
+        resume_from, notes = pick_checkpoint(run, model)
+        if resume_from is None:
+            notes.append(f"{run.path} has no usable checkpoint: training again from step 0")
+        facts = old.merged(facts, keep=("lora", "model_config"))  # what checkpoints were written for
     if not run.read_only:
+        if not resume and run.is_run():  # stopped before its first checkpoint: start again here
+            notes.append(f"{run.path} held a run with no checkpoint: training again from step 0")
+        if resume_from is None:
+            run.reset_metrics()
         run.create(cfg, facts)
-    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from)
+    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from, notes)
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def activation_bytes(cfg: TrainConfig, model: nn.Module) -> int:
+    """A floor for one micro-batch's activation memory kept for the backward pass: per layer
+    the residual-width tensors and the (rows, heads, T, T) attention scores, plus the logits
+    and their gradient. Real use is higher; this only has to catch what can never fit."""
+    m = model.config
+    rows, t = cfg.batch_size, cfg.seq_len
+    per_layer = rows * t * (8 * m.d_model + 3 * m.d_ff) + rows * m.n_heads * t * t
+    # with gradient checkpointing only each block's input is kept, and one block is redone
+    kept = m.n_layers * rows * t * m.d_model + per_layer if cfg.grad_checkpoint else m.n_layers * per_layer
+    return 4 * (kept + 2 * rows * t * m.vocab_size)
+
+
+def check_fits(cfg: TrainConfig, model: nn.Module) -> None:
+    """Refuse, before anything is written, shapes the model or the machine cannot take."""
+    context = model.config.context_length
+    if cfg.method != "scratch" and context and cfg.seq_len > context:
+        raise UserError(f"seq_len {cfg.seq_len} is longer than the model's context ({context} tokens)")
+    need, have = activation_bytes(cfg, model), physical_memory()
+    if have and need > have:
+        raise UserError(f"batch_size {cfg.batch_size} x seq_len {cfg.seq_len} needs at least "
+                        f"{need / 2**30:.1f} GiB for activations; this machine has "
+                        f"{have / 2**30:.1f} GiB (lower --batch-size or --seq-len, or use "
+                        f"--grad-accum / --grad-checkpoint)")
 
 
 class JobParallel(Parallel, Protocol):
@@ -133,8 +187,17 @@ def run_job(build: Callable[[], tuple[TrainConfig, bool]], *, emit: Callable[[Ev
     else:
         cfg, resume = build()
         p = prepare(cfg, resume)
+    try:
+        return _run_prepared(p, emit, control, parallel, on_accuracy, handle_sigint)
+    finally:
+        p.run.unlock()
+
+
+def _run_prepared(p: Prepared, emit, control, parallel, on_accuracy, handle_sigint) -> JobResult:
     cfg, run = p.cfg, p.run
     send = fan_out(None if run.read_only else MetricsSink(run), emit)
+    for note in p.notes:
+        send(LogEvent(message=note, level="warning"))
     if parallel is not None:
         send(LogEvent(message=f"data-parallel over {parallel.size} ranks: {cfg.batch_size // parallel.size} "
                               f"of the {cfg.batch_size} rows of every batch per rank"))

@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxtoy.config import TrainConfig
@@ -26,20 +27,27 @@ from mlxtoy.errors import UserError
 from mlxtoy.events import (CheckpointEvent, MetricsSink, Command, DoneEvent, EvalEvent, Event, LogEvent,
                            SampleEvent, StartEvent, StepEvent)
 from mlxtoy.generate import generate
-from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
-from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, restore_optimizer_state,
-                                     save_checkpoint, write_final)
+from mlxtoy.loading import load_partial
+from mlxtoy.rundir import REFERENCE_LOGPS, CheckpointState, RunDir, RunFacts
+from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, load_reference,
+                                     restore_optimizer_state, save_checkpoint, save_reference, write_final)
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import BatchStream, Dataset, Renderer
+from mlxtoy.train.data import PREF_KIND, BatchStream, Dataset, Renderer
+from mlxtoy.train.pairs import PairStream
 from mlxtoy.train.step import Reducer, Stepper, make_optimizer
 
 # A taps hook gets (model, step) and returns an event (or events, or None) to emit.
 TapsHook = Callable[[nn.Module, int], "Event | list[Event] | None"]
+MAX_SKIPPED = 10  # --nonfinite skip: a run this many non-finite steps in a row stops anyway
 Counters = tuple[int, int, float, int]  # step, data position, elapsed seconds, tokens seen
 
 
 class Parallel(Protocol):
     """Data-parallel training as the loop sees it (mlxtoy.train.distributed implements it)."""
+
+    is_main: bool
+
+    def broadcast(self, arrays: dict[str, mx.array], what: str) -> dict[str, mx.array]: ...
 
     def sync_start(self, model: nn.Module, optimizer: Any, resumed: bool, counters: Counters) -> Counters: ...
 
@@ -102,8 +110,9 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     emit = emit or MetricsSink(run)
     packed = cfg.pack
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
-    train_stream = BatchStream(dataset.train, cfg.batch_size, cfg.seq_len, cfg.seed, packed, True, pad_id)
-    valid_stream = (BatchStream(dataset.valid, cfg.batch_size, cfg.seq_len, cfg.seed, packed, False, pad_id)
+    stream_type = PairStream if cfg.preference else BatchStream  # pairs: DPO, ORPO
+    train_stream = stream_type(dataset.train, cfg.batch_size, cfg.seq_len, cfg.seed, packed, True, pad_id)
+    valid_stream = (stream_type(dataset.valid, cfg.batch_size, cfg.seq_len, cfg.seed, packed, False, pad_id)
                     if dataset.valid else None)
 
     optimizer = make_optimizer(cfg)
@@ -111,7 +120,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     step, position, elapsed_before, tokens_seen = 0, 0, 0.0, 0
     if resume_from is not None:
         st, trainable, opt_state = load_checkpoint(resume_from)
-        model.load_weights(list(trainable.items()), strict=False)
+        load_partial(model, trainable, resume_from)
         restore_optimizer_state(optimizer, opt_state, resume_from)
         mx.random.seed((st.rng[0] << 32) | st.rng[1])
         step, position, elapsed_before, tokens_seen = st.step, st.data_position, st.elapsed, st.tokens_seen
@@ -125,7 +134,6 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     model.train()
     mx.eval(model.parameters(), optimizer.state)
     stepper = Stepper(model, optimizer, cfg, packed, reducer)
-    clip_off = cfg.grad_clip <= 0
 
     losses: list[float] = []
     last_ckpt = run.latest_checkpoint()
@@ -151,10 +159,10 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
             return
         model.eval()
         with preserved_rng():
-            val, n = stepper.evaluate(valid_stream, cfg.eval_batches)
+            val, n, pref = stepper.evaluate(valid_stream, cfg.eval_batches)
         model.train()
         last_val = val
-        emit(EvalEvent(step=at_step, val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_tokens=n))
+        emit(EvalEvent(step=at_step, val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_tokens=n, **pref))
 
     prompts = _sample_prompts(cfg, tokenizer, dataset)
 
@@ -175,19 +183,30 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         log(f"resumed from {resume_from} at step {step}")
     if valid_stream is None:
         log("no validation examples: evaluation is skipped", "warning")
+    for name, stats in (("train", dataset.train_stats), ("valid", dataset.valid_stats)):
+        if cfg.preference and stats.dropped:
+            log(f"{name}: {stats.dropped} preference pairs dropped ({stats.dropped_why})", "warning")
+    if cfg.objective == "dpo" and cfg.method != "lora":
+        refs = _reference_logps(cfg, stepper, model, dataset, run, resume_from, parallel, pad_id, log)
+        train_stream.ref = refs["train"]
+        if valid_stream is not None:
+            valid_stream.ref = refs["valid"]
 
     reason = "finished"
     t_start = time.perf_counter()
     window: list[float] = []
+    skipped = 0  # non-finite steps in a row (--nonfinite skip)
     in_update = False
-    old_handler = None
+    old_handlers = {}
     if handle_sigint and threading.current_thread() is threading.main_thread():
-        def on_sigint(signum, frame):
-            if control.stop_reason == "interrupted":
+        # Ctrl-C and SIGTERM (a scheduler, `kill`) stop after the current step with a
+        # checkpoint; a second Ctrl-C raises at once.
+        def on_signal(signum, frame):
+            if control.stop_reason == "interrupted" and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             control.stop("interrupted")
 
-        old_handler = signal.signal(signal.SIGINT, on_sigint)
+        old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if step == 0 and cfg.eval_every > 0:
             evaluate(0)
@@ -204,15 +223,26 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
             step += 1
             position += cfg.grad_accum
             in_update = False
-            loss_v = loss.item()
+            out = loss.tolist()  # a preference objective: [loss, reward_chosen, reward_rejected, accuracy]
+            loss_v = out[0] if isinstance(out, list) else out
+            gnorm_v = gnorm.item()
+            pref = {} if not isinstance(out, list) else {
+                "reward_chosen": out[1], "reward_rejected": out[2], "reward_margin": out[1] - out[2],
+                "pref_accuracy": out[3]}
             dt = time.perf_counter() - t0
             n_tokens = sum(b.n_tokens for b in batches)
             tokens_seen += n_tokens
-            if not math.isfinite(loss_v):
+            if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):  # the step was not applied
+                skipped += 1
+                what = f"loss {loss_v}, gradient norm {gnorm_v}"
+                if cfg.nonfinite == "skip" and skipped <= MAX_SKIPPED:
+                    log(f"step {step} skipped ({what}); its update was not applied", "warning")
+                    continue
                 reason = "nan"
-                log(f"loss is {loss_v} at step {step}: stopping; the last good checkpoint is "
-                    f"{last_ckpt or 'none'} (try a lower --lr or --grad-clip)", "error")
+                log(f"{what} at step {step}: stopping without applying it; the last good "
+                    f"checkpoint is {last_ckpt or 'none'} (try a lower --lr or --grad-clip)", "error")
                 break
+            skipped = 0
             losses.append(loss_v)
             window = (window + [dt])[-20:]
             lr = float(optimizer.learning_rate.item()) if isinstance(optimizer.learning_rate, mx.array) else float(optimizer.learning_rate)
@@ -220,7 +250,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
                            tokens_per_sec=n_tokens / dt if dt > 0 else 0.0,
                            elapsed=elapsed_before + time.perf_counter() - t_start,
                            eta=(cfg.steps - step) * (sum(window) / len(window)),
-                           peak_memory_gb=mx.get_peak_memory() / 1e9, grad_norm=None if clip_off else gnorm.item()))
+                           peak_memory_gb=mx.get_peak_memory() / 1e9, grad_norm=gnorm_v, **pref))
             last = step == cfg.steps
             if (cfg.eval_every and step % cfg.eval_every == 0) or control.take(Command.EVAL) or (last and cfg.eval_every >= 0):
                 evaluate(step)
@@ -241,8 +271,8 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         if in_update:  # the model may be half-way through an update: keep the last checkpoint
             in_update = None
     finally:
-        if old_handler is not None:
-            signal.signal(signal.SIGINT, old_handler)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
 
     final_path = None
     if reason != "nan" and in_update is not None and last_saved_step != step and step > 0:
@@ -259,6 +289,39 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     return TrainResult(run.path, step, reason, final_path, last_ckpt, losses, last_val, msg)
 
 
+def _reference_logps(cfg: TrainConfig, stepper: Stepper, model: nn.Module, dataset: Dataset, run: RunDir,
+                     resume_from: str | None, parallel: Parallel | None, pad_id: int,
+                     log: Callable[[str], None]) -> dict[str, np.ndarray]:
+    """DPO without LoRA: the starting model's log-probs of every train / valid pair, computed
+    once before step 1 and kept in the run (a resumed run's weights have moved on: it reuses
+    them). Data-parallel: rank 0 computes or reads them and shares them."""
+    splits = {"train": dataset.train, "valid": dataset.valid}
+    shapes = {k: (len(v), 2) for k, v in splits.items()}
+    main = parallel is None or parallel.is_main
+    refs: dict[str, np.ndarray] | None = None
+    if main:
+        refs = load_reference(run, shapes)
+        if refs is not None:
+            log(f"reference log-probs: reusing {run.join(REFERENCE_LOGPS)}")
+        elif resume_from is not None:
+            raise UserError(f"{run.join(REFERENCE_LOGPS)}: missing, and a resumed run cannot recompute "
+                            f"the reference (its weights have moved)")
+        else:
+            log(f"reference log-probs of {len(dataset.train) + len(dataset.valid)} pairs (the starting model)")
+            model.eval()
+            with preserved_rng():
+                refs = {k: stepper.reference_logps(PairStream(v, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.pack,
+                                                              False, pad_id)) if v else np.zeros((0, 2), np.float32)
+                        for k, v in splits.items()}
+            model.train()
+            save_reference(run, refs)
+    if parallel is not None:
+        got = parallel.broadcast({k: mx.array(refs[k] if main else np.zeros(shapes[k], np.float32))
+                                  for k in splits if shapes[k][0]}, "sharing the reference log-probs")
+        refs = {k: np.array(got[k]) if k in got else np.zeros((0, 2), np.float32) for k in splits}
+    return refs
+
+
 def _sample_prompts(cfg: TrainConfig, tokenizer, dataset: Dataset) -> list[tuple[str, list[int]]]:
     r = Renderer(tokenizer, cfg.mask_prompt)
     out = []
@@ -272,8 +335,9 @@ def _sample_prompts(cfg: TrainConfig, tokenizer, dataset: Dataset) -> list[tuple
                 ids, _ = r.prompt_of(rec)
             except UserError:
                 continue
+            msgs = rec.value[0] if rec.kind == PREF_KIND else rec.value  # a pair: its prompt messages
             shown = rec.value if isinstance(rec.value, str) else (
                 rec.value[0] if rec.kind == "completion" else
-                next((m["content"] for m in reversed(rec.value) if m["role"] == "user"), ""))
+                next((m["content"] for m in reversed(msgs) if m["role"] == "user"), ""))
             out.append((shown[:200], ids))
     return out

@@ -17,7 +17,6 @@ It runs the same job as `mlxtoy train` (mlxtoy.train.job).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -28,6 +27,7 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 from mlxtoy.config import TrainConfig, load_yaml
 from mlxtoy.errors import UserError
 from mlxtoy.events import Command, Event, LogEvent
+from mlxtoy.textio import parse_json, read_json
 from mlxtoy.train.control import TrainControl
 from mlxtoy.train.job import resume_config, run_job
 
@@ -73,20 +73,11 @@ def read_commands(stream: TextIO, control: TrainControl, writer: EventWriter) ->
 def load_config(text: str) -> dict[str, Any]:
     """--config (a JSON object, or a .json / .yaml file) -> the dict of TrainConfig fields."""
     if text.lstrip().startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"--config: invalid JSON ({e.msg} at column {e.colno})") from None
+        data = parse_json(text, "--config")
     elif text.endswith((".yaml", ".yml")):
         data = load_yaml(text)
     else:
-        try:
-            with open(text) as f:
-                data = json.load(f)
-        except OSError as e:
-            raise UserError(f"{text}: cannot read ({e.strerror})") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{text}: invalid JSON ({e.msg} at line {e.lineno})") from None
+        data = read_json(text)
     if not isinstance(data, dict):
         raise UserError("--config: expected an object of config fields")
     return data

@@ -1,8 +1,9 @@
 """The training step: schedule, optimizer, loss, and the compiled `Stepper`.
 
 The step is compiled (`mx.compile` with the model, optimizer and RNG state as inputs and
-outputs, as mlx-lm's tuner does): forward, token-weighted cross-entropy, backward, gradient
-clipping and the optimizer update are one graph. Data-parallel training plugs in through a
+outputs, as mlx-lm's tuner does): forward, the objective's loss (mlxtoy.train.objectives: SFT's
+token-weighted cross-entropy, DPO, ORPO), backward, gradient clipping and the optimizer update
+are one graph. Data-parallel training plugs in through a
 `Reducer` (shard each global batch, all-reduce the gradients) instead of wrapping the step.
 """
 
@@ -12,14 +13,17 @@ from functools import partial
 from typing import Any, Callable, Protocol
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from mlxtoy.config import TrainConfig
-from mlxtoy.models.llama import block_causal_mask
 from mlxtoy.train.build import train_dtype
 from mlxtoy.train.data import Batch, BatchStream
+from mlxtoy.train.objectives import PreferenceSpec, pair_logps, preference_loss, sft_loss, token_losses
+
+__all__ = ["Reducer", "Stepper", "batch_arrays", "make_optimizer", "make_schedule", "token_losses"]
 
 
 class Reducer(Protocol):
@@ -61,53 +65,6 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
                        weight_decay=cfg.weight_decay)
 
 
-def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
-    """Per-token cross-entropy logsumexp(logits) - logits[target], in float32 (no gradient
-    bookkeeping: evaluation)."""
-    x = logits.astype(mx.float32)
-    return mx.logsumexp(x, axis=-1) - mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
-
-
-@mx.custom_function
-def _cross_entropy_train(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """(per-token cross-entropy, softmax): the softmax is kept for the backward pass.
-
-    Exponentials are slow on CPU (a scalar libm call per element; 50M of them per step for
-    SmolLM2 at 4 x 256 tokens), so the forward's softmax is reused instead of recomputed, and
-    the gradient is written directly (softmax - one-hot) rather than through the generic
-    logsumexp and gather VJPs. Measured on the SmolLM2 head: -0.35 s per step and half the
-    peak memory of `nn.losses.cross_entropy`.
-    """
-    x = logits.astype(mx.float32)
-    m = mx.stop_gradient(x.max(axis=-1, keepdims=True))
-    e = mx.exp(x - m)
-    s = e.sum(axis=-1, keepdims=True)
-    picked = mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
-    return (m + mx.log(s))[..., 0] - picked, e / s
-
-
-@_cross_entropy_train.vjp
-def _cross_entropy_vjp(primals, cotangents, outputs):
-    logits, targets = primals
-    c = cotangents[0][..., None]
-    g = outputs[1] * c
-    g = mx.where(mx.arange(logits.shape[-1]) == targets[..., None], g - c, g)
-    return g.astype(logits.dtype), mx.zeros_like(targets)
-
-
-def token_losses(model: nn.Module, inputs: mx.array, targets: mx.array,
-                 segments: mx.array | None = None, train: bool = True) -> mx.array:
-    """Per-token cross-entropy (B, T); packed rows (segments given) use the block-causal mask.
-
-    train: use the loss with the fast hand-written gradient (False: plain, for evaluation).
-    """
-    mask = block_causal_mask(segments) if segments is not None else None
-    logits = model(inputs, mask=mask)
-    if train:
-        return _cross_entropy_train(logits, targets)[0]
-    return cross_entropy(logits, targets)
-
-
 def batch_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
     # Rows holding one document each (padding only at the end) need no block mask: the plain
     # causal mask gives the same losses, and the fused kernel skips a (B, H, T, T) select.
@@ -115,86 +72,153 @@ def batch_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
     return mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.weights), segs
 
 
+def keep_if(ok: mx.array, tree: Any, old: Any) -> None:
+    """In place: each array of `tree` (nested dicts / lists) becomes where(ok, new, old). In
+    place because the compiled step reads its state back from these very containers."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for k, v in list(items):
+        if isinstance(v, (dict, list)):
+            keep_if(ok, v, old[k])
+        elif isinstance(v, mx.array):
+            tree[k] = mx.where(ok, v, old[k])
+
+
+def pair_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
+    """batch_arrays plus what a preference objective reads: sequence ids and reference log-probs."""
+    return (*batch_arrays(batch, packed), mx.array(batch.seq), mx.array(batch.ref))
+
+
 class Stepper:
-    """The compiled training step (and evaluation), built once per model and optimizer."""
+    """The compiled training step (and evaluation), built once per model and optimizer.
+
+    A step returns (out, grad norm): `out` is the loss for SFT, and for a preference objective
+    the vector of objectives.STATS (loss first), each a mean over the step's pairs."""
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, cfg: TrainConfig, packed: bool,
                  reducer: Reducer | None = None):
         self.model, self.optimizer, self.cfg, self.packed = model, optimizer, cfg, packed
         self.reducer = reducer
+        self.preference = cfg.preference
         clip = cfg.grad_clip
 
         # Mixed precision for full / scratch (LoRA: the frozen base is already stored in the
         # compute dtype): compute with a low-precision copy of the float32 master weights.
         low = train_dtype(cfg)
         mixed = cfg.method != "lora" and low != mx.float32
+        spec = PreferenceSpec(cfg.objective, cfg.beta, cfg.label_smoothing,
+                              adapters_reference=cfg.method == "lora")
 
-        def loss_fn(model, inputs, targets, weights, segments, norm):
+        def loss_fn(model, *args):
             if mixed:
                 master = model.trainable_parameters()
                 model.update(tree_map(lambda p: p.astype(low), master))
-            ce = token_losses(model, inputs, targets, segments)
+            if self.preference:
+                out = preference_loss(model, spec, *args)
+            else:
+                out = sft_loss(model, *args)
             if mixed:
                 model.update(master)  # the optimizer updates the float32 masters
-            return (ce.astype(mx.float32) * weights).sum() / norm
+            return out
 
         loss_and_grad = nn.value_and_grad(model, loss_fn)
 
-        def finish(grads):
+        def value(out):  # SFT: the loss; preference: (loss, stats) -> stats
+            return out[1] if self.preference else out
+
+        def scalar(v):  # the loss itself, whatever the objective returns
+            return v[0] if self.preference else v
+
+        def finish(grads, loss):
+            # A step whose loss or gradients are not finite is never applied: the update is
+            # computed, then every weight and optimizer value is selected back to its old
+            # value in the same graph (no extra copy held; the loop then stops or skips).
             if clip > 0:
                 grads, gnorm = optim.clip_grad_norm(grads, clip)
-            else:  # no clipping: skip the norm too (a pass over every gradient; not free on CPU)
-                gnorm = mx.array(float("nan"))
+            else:
+                gnorm = mx.sqrt(sum(mx.sum(mx.square(g.astype(mx.float32))) for _, g in tree_flatten(grads)))
+            ok = mx.isfinite(loss) & mx.isfinite(gnorm)
+            old_params = model.trainable_parameters()
+            old_state = tree_map(lambda v: v, optimizer.state)  # the same arrays, new containers
             optimizer.update(model, grads)
+            model.update(tree_map(lambda new, old: mx.where(ok, new, old), model.trainable_parameters(),
+                                  old_params))
+            keep_if(ok, optimizer.state, old_state)
             return gnorm
 
         state = [model.state, optimizer.state, mx.random.state]
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def step(inputs, targets, weights, segments, norm):
-            loss, grads = loss_and_grad(model, inputs, targets, weights, segments, norm)
-            return loss, finish(grads)
+        def step(*args):
+            out, grads = loss_and_grad(model, *args)
+            v = value(out)
+            return v, finish(grads, scalar(v))
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def micro(inputs, targets, weights, segments, norm):
-            return loss_and_grad(model, inputs, targets, weights, segments, norm)
+        def micro(*args):
+            out, grads = loss_and_grad(model, *args)
+            return value(out), grads
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def apply(grads):
-            return finish(grads)
+        def apply(grads, out):
+            return finish(grads, scalar(out))
 
         @partial(mx.compile, inputs=state)
         def eval_sum(inputs, targets, weights, segments):
             ce = token_losses(model, inputs, targets, segments, train=False)
             return (ce * weights).sum()
 
+        @partial(mx.compile, inputs=state)
+        def eval_pairs(*args):
+            return preference_loss(model, spec, *args, train=False)[1]
+
+        @partial(mx.compile, inputs=state)
+        def logps(inputs, targets, weights, segments, seq, ref):
+            return pair_logps(model, inputs, targets, weights, segments, seq, ref.shape[0])
+
         # one fused graph for the common case; micro + apply for accumulation and reducers
         self.fused_step, self.micro, self.apply, self.eval_sum = step, micro, apply, eval_sum
+        self.eval_pairs, self.logps = eval_pairs, logps
         self.state = state
 
-    def __call__(self, batches: list) -> tuple[mx.array, mx.array]:
-        """One optimizer step over `batches` (grad_accum micro-batches) -> (loss, grad norm).
+    def _args(self, batch: Batch, norm: mx.array) -> tuple:
+        if self.preference:
+            return (*pair_arrays(batch, self.packed), norm)
+        return (*batch_arrays(batch, self.packed), norm)
 
-        The loss is the mean over every trained token of all micro-batches (token-weighted).
+    def _norm(self, batches: list[Batch]) -> mx.array:
+        # normalised by the whole (global) step: with a reducer each process's gradient is its
+        # share of the one-process mean, and their sum is that mean
+        if self.preference:  # pairs, and chosen tokens (ORPO's NLL is a mean over tokens)
+            return mx.array([max(1, sum(len(b.pairs) for b in batches)),
+                             max(1, sum(b.n_chosen for b in batches))], dtype=mx.float32)
+        return mx.array(max(1, sum(b.n_loss for b in batches)), dtype=mx.float32)
+
+    def __call__(self, batches: list) -> tuple[mx.array, mx.array]:
+        """One optimizer step over `batches` (grad_accum micro-batches) -> (out, grad norm).
+
+        SFT's loss is the mean over every trained token of all micro-batches (token-weighted);
+        a preference loss is the mean over all pairs.
         """
-        # normalised by the trained tokens of the whole (global) batch: with a reducer each
-        # process's gradient is its share of the one-process mean, and their sum is that mean
-        norm = mx.array(max(1, sum(b.n_loss for b in batches)), dtype=mx.float32)
+        norm = self._norm(batches)
         if len(batches) == 1 and self.reducer is None:
-            return self.fused_step(*batch_arrays(batches[0], self.packed), norm)
+            return self.fused_step(*self._args(batches[0], norm))
         total, grads = None, None
         for b in batches:
             part = self.reducer.shard(b) if self.reducer is not None else b
-            loss, g = self.micro(*batch_arrays(part, self.packed), norm)
+            loss, g = self.micro(*self._args(part, norm))
             total = loss if total is None else total + loss
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(total, grads)  # bound memory: one micro-batch graph at a time
         if self.reducer is not None:
             total, grads = self.reducer.reduce(total, grads)
-        return total, self.apply(grads)
+        return total, self.apply(grads, total)
 
-    def evaluate(self, stream: BatchStream, n_batches: int) -> tuple[float, int]:
-        """Mean token loss over the first `n_batches` validation batches (-1: all)."""
+    def evaluate(self, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, float]]:
+        """Mean loss over the first `n_batches` validation batches (-1: all), the count it is a
+        mean over (tokens; pairs for a preference objective), and for a preference objective
+        {"pref_accuracy", "reward_margin"} over those pairs."""
+        if self.preference:
+            return self._evaluate_pairs(stream, n_batches)
         total, count = 0.0, 0
         for b in stream.epoch_batches(n_batches):
             part = self.reducer.shard(b) if self.reducer is not None else b
@@ -203,4 +227,26 @@ class Stepper:
             count += part.n_loss
         if self.reducer is not None:
             total, count = self.reducer.reduce_eval(total, count)
-        return (total / count if count else float("nan")), count
+        return (total / count if count else float("nan")), count, {}
+
+    def _evaluate_pairs(self, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, float]]:
+        batches = list(stream.epoch_batches(n_batches))
+        norm = self._norm(batches)
+        sums = [0.0] * 4
+        for b in batches:
+            part = self.reducer.shard(b) if self.reducer is not None else b
+            if part.inputs.shape[0]:
+                sums = [a + float(v) for a, v in zip(sums, self.eval_pairs(*self._args(part, norm)).tolist())]
+        count = sum(len(b.pairs) for b in batches)
+        if self.reducer is not None:  # each a share of the one-process mean: their sum is it
+            sums = [self.reducer.reduce_eval(v, 0)[0] for v in sums]
+        loss, rc, rr, acc = sums
+        return loss, count, {"pref_accuracy": acc, "reward_margin": rc - rr}
+
+    def reference_logps(self, stream: BatchStream) -> np.ndarray:
+        """(pairs, 2) summed completion log-probs of every pair of `stream` (unshuffled) under
+        the model as it is now: full fine-tuning's DPO reference, computed before step 1."""
+        out = np.zeros((len(stream.examples), 2), dtype=np.float32)
+        for b in stream.epoch_batches(-1):
+            out[b.pairs] = np.array(self.logps(*pair_arrays(b, self.packed)))
+        return out
