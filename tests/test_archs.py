@@ -364,3 +364,17 @@ def test_scratch_model_exports_as_its_architecture(hf_case, tmp_path, arch):
     out = export(run, str(tmp_path / "m.gguf"), "gguf", "f32")
     tokens = tokens[:32]
     assert max_rel_diff(llama_cpp_logits(out, tokens), _ours(model, tokens)) <= 1e-3
+
+
+def test_reading_a_model_leaves_the_rng_alone(hf_case):
+    """Readers build the module lazily for its shapes; a seeded run must draw the same LoRA
+    init whether or not a file was read in between (the golden loss curves rely on it)."""
+    _, folder, _, _ = hf_case
+    mx.random.seed(7)
+    want = np.array(mx.random.normal((4,)))
+    mx.random.seed(7)
+    cfg, _, _ = load_hf(folder)
+    assert np.array_equal(np.array(mx.random.normal((4,))), want)
+    mx.random.seed(7)
+    spec_of(cfg.arch).model(cfg)  # positive control: building draws from the RNG
+    assert not np.array_equal(np.array(mx.random.normal((4,))), want)
