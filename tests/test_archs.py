@@ -27,6 +27,7 @@ import mlx_lm
 import peft
 import torch
 import transformers
+from safetensors import safe_open
 
 from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_diff,
                             tiny_tokenizer_metadata)
@@ -63,10 +64,17 @@ VARIANTS = {
                                                 tie_word_embeddings=False, pad_token_id=0)),
     "phi3_tied_gqa": ("Phi3Config", dict(num_hidden_layers=2, partial_rotary_factor=0.75,
                                          tie_word_embeddings=True, pad_token_id=0)),
-    # 6 layers: llama.cpp's pattern puts the one global layer last; query_pre_attn_scalar = head_dim
+    # the default pattern (every 6th layer global, local base 10000); query_pre_attn_scalar =
+    # head_dim, the one scale llama.cpp's gemma3 has
     "gemma3_window": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=32, num_key_value_heads=1,
                                                sliding_window=16, query_pre_attn_scalar=32,
                                                hidden_activation="gelu_pytorch_tanh", pad_token_id=0)),
+    # an own layer pattern, sliding base and linear scaling on the global layers
+    "gemma3_pattern": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=12, query_pre_attn_scalar=16, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}})),
     # LongRoPE within the original context (96 tokens < 512; llama.cpp's 256 < 512): short
     # factors, attention factor sqrt(1 + ln 2 / ln 512) from max_position_embeddings 1024 / 512
     "phi3_longrope": ("Phi3Config", dict(num_hidden_layers=2, partial_rotary_factor=0.5, tie_word_embeddings=False,
@@ -164,9 +172,15 @@ def test_gguf_export_runs_in_llama_cpp(hf_case, tmp_path):
     # llama.cpp's own names for this architecture (gguf-py's tables are llama.cpp's)
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == gguf_arch)
     allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch_enum]}
-    names = [re.sub(r"^blk\.\d+\.", "blk.{bid}.", t.name.rsplit(".", 1)[0])
-             for t in gguf.GGUFReader(out).tensors]
-    assert set(names) <= allowed, set(names) - allowed
+    ours = {t.name for t in gguf.GGUFReader(out).tensors}
+    names = {re.sub(r"^blk\.\d+\.", "blk.{bid}.", n.rsplit(".", 1)[0]) for n in ours}
+    assert names <= allowed, names - allowed
+    # and each HF tensor becomes the GGUF tensor llama.cpp's converter maps it to
+    tmap = gguf.get_tensor_name_map(arch_enum, spec_cfg.n_layers)
+    with safe_open(os.path.join(folder, "model.safetensors"), "np") as f:
+        hf_names = list(f.keys())
+    mapped = {tmap.get_name(n, try_suffixes=(".weight", ".bias")) for n in hf_names}
+    assert mapped == ours - {n for n in ours if n.startswith("rope_factors")}, mapped ^ ours
     short = len(_gguf_tokens(name, tokens)) < len(tokens)
     tokens = _gguf_tokens(name, tokens)
     theirs = _theirs(ref, tokens)
@@ -223,6 +237,9 @@ def test_mlx_lm_loads_our_hf_export_and_adapters(hf_case, tmp_path):
     base, model, tok = _lora_copy(folder, ("q", "k", "v", "o", "gate", "up", "down"))
     hf = export_model(base, tok, str(tmp_path / "hf"), "hf", "f32")
     adapters = export_model(model, tok, str(tmp_path / "mlx-lm"), "mlx-lm", "f32")
+    with torch.no_grad():  # our HF export in transformers
+        back = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        assert max_rel_diff(back(torch.tensor([tokens])).logits[0].numpy(), _ours(base, tokens)) <= 1e-4, name
     theirs, _ = mlx_lm.load(hf)
     assert max_rel_diff(np.array(theirs(mx.array([tokens]))[0]), _ours(base, tokens)) <= 1e-4, name
     theirs, _ = mlx_lm.load(hf, adapter_path=adapters)
@@ -327,3 +344,37 @@ def test_longrope_past_the_original_context(tmp_path):
     assert max_rel_diff(cpp, theirs) <= 1e-3 and argmax_agreement(cpp, theirs) == 1.0
     back, _ = load(out)
     assert max_rel_diff(_ours(back, tokens), cpp) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "phi3", "gemma3"])
+def test_scratch_model_exports_as_its_architecture(hf_case, tmp_path, arch):
+    """A model trained from scratch takes the fields its architecture fixes (RoPE layout, q/k
+    norm, tied output) and so runs in llama.cpp as that architecture."""
+    name, folder, _, tokens = hf_case
+    if not name.startswith("qwen3_untied"):
+        pytest.skip("one tokenizer source is enough")
+    data = write_jsonl(str(tmp_path / "d" / "train.jsonl"), [{"text": "the rain in spain"}] * 8)
+    run = str(tmp_path / "run")
+    cfg = TrainConfig(method="scratch", arch=arch, tokenizer=folder, data=data, out=run, steps=2,
+                      batch_size=2, seq_len=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      d_head=16, d_ff=128, eval_every=0, save_every=0, seed=0)
+    run_training(cfg)
+    model, _ = load(run)
+    assert model.config.arch == arch and spec_of(arch).scratch.items() <= model.config.to_dict().items()
+    out = export(run, str(tmp_path / "m.gguf"), "gguf", "f32")
+    tokens = tokens[:32]
+    assert max_rel_diff(llama_cpp_logits(out, tokens), _ours(model, tokens)) <= 1e-3
+
+
+def test_reading_a_model_leaves_the_rng_alone(hf_case):
+    """Readers build the module lazily for its shapes; a seeded run must draw the same LoRA
+    init whether or not a file was read in between (the golden loss curves rely on it)."""
+    _, folder, _, _ = hf_case
+    mx.random.seed(7)
+    want = np.array(mx.random.normal((4,)))
+    mx.random.seed(7)
+    cfg, _, _ = load_hf(folder)
+    assert np.array_equal(np.array(mx.random.normal((4,))), want)
+    mx.random.seed(7)
+    spec_of(cfg.arch).model(cfg)  # positive control: building draws from the RNG
+    assert not np.array_equal(np.array(mx.random.normal((4,))), want)

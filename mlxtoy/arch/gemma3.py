@@ -5,9 +5,10 @@ we store 1 + w: the `PLUS_ONE` transform. RoPE is NEOX everywhere (no permute). 
 sliding-window attention (RoPE base `rope_local_base`, unscaled) and full attention (base
 `rope_base`, with the scaling); the softmax scale is query_pre_attn_scalar ** -0.5.
 
-llama.cpp's gemma3 fixes what its GGUF does not store: every 6th layer is global, the sliding
-layers' RoPE base is 10000, the scale is key_length ** -0.5 (d_model / n_heads for the 62-layer
-27B). Reading a GGUF assumes the same; writing one refuses a model that differs.
+llama.cpp's gemma3 reads the layer pattern (`attention.sliding_window_pattern`, one bool per
+layer) and the sliding layers' base (`rope.freq_base_swa`); older GGUFs lack them and mean every
+6th layer global and base 10000. Its softmax scale is fixed: key_length ** -0.5
+(d_model / n_heads for the 62-layer 27B), so a GGUF refuses a query_pre_attn_scalar that differs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from mlxtoy.errors import UserError
 from mlxtoy.models.gemma3 import Gemma3Model
 
 PLUS_ONE = Transform(lambda w, c: w - 1.0, lambda w, c: w + 1.0, rows=False)
-LLAMA_CPP_PATTERN = 6  # llama.cpp: layer i is global when (i + 1) % 6 == 0
+# what llama.cpp assumes when a GGUF does not say: layer i is global when (i + 1) % 6 == 0, the
+# sliding layers' RoPE base is 10000
+LLAMA_CPP_PATTERN = 6
 LLAMA_CPP_LOCAL_BASE = 10000.0
 
 TENSORS = (
@@ -77,7 +80,14 @@ def hf_out(cfg: ModelConfig) -> dict[str, Any]:
         {k: v for k, v in out.pop("rope_scaling").items()} if "rope_scaling" in out else {})
     for legacy in ("rope_theta", "hidden_act", "attention_bias"):
         out.pop(legacy, None)
-    return out | {
+    # the older flat keys too: mlx-lm's gemma3_text reads those (and an int layer pattern)
+    legacy: dict[str, Any] = {"rope_theta": cfg.rope_base, "rope_local_base_freq": cfg.rope_local_base or cfg.rope_base}
+    if "rope_type" in full and full["rope_type"] != "default":
+        legacy["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+    every = next((p for p in range(1, cfg.n_layers + 1) if pattern(cfg.n_layers, p) == cfg.layer_types), None)
+    if every is not None:
+        legacy["sliding_window_pattern"] = every
+    return out | legacy | {
         "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
         "sliding_window": cfg.sliding_window, "layer_types": cfg.layer_types, "tie_word_embeddings": True,
         "rope_parameters": {"full_attention": full, "sliding_attention": {
@@ -91,10 +101,16 @@ def llama_cpp_scale(n_layers: int, d_model: int, n_heads: int, d_head: int) -> f
 
 def gguf_in(f: Fields, md: dict[str, Any]) -> dict[str, Any]:
     out = llama.gguf_in(f, md)
-    window = out["sliding_window"]
+    layer_types = local = None
+    if out["sliding_window"]:
+        marks = f("attention.sliding_window_pattern", LLAMA_CPP_PATTERN)
+        if isinstance(marks, (int, float)):
+            layer_types = pattern(out["n_layers"], int(marks))
+        else:
+            layer_types = ["sliding_attention" if m else "full_attention" for m in marks]
+        local = float(f("rope.freq_base_swa", LLAMA_CPP_LOCAL_BASE))
     return out | {"rope_traditional": False, "qk_norm": True, "tie_embeddings": True,
-                  "layer_types": pattern(out["n_layers"], LLAMA_CPP_PATTERN) if window else None,
-                  "rope_local_base": LLAMA_CPP_LOCAL_BASE if window else None,
+                  "layer_types": layer_types, "rope_local_base": local,
                   "attn_scale": llama_cpp_scale(out["n_layers"], out["d_model"], out["n_heads"], out["d_head"])}
 
 
@@ -103,6 +119,9 @@ def gguf_out(cfg: ModelConfig) -> dict[str, Any]:
     out["attention.key_length"] = out["attention.value_length"] = int(cfg.d_head)
     if cfg.sliding_window:
         out["attention.sliding_window"] = int(cfg.sliding_window)
+        types = cfg.layer_types or ["sliding_attention"] * cfg.n_layers
+        out["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in types]
+        out["rope.freq_base_swa"] = float(cfg.rope_local_base or cfg.rope_base)
     return out
 
 
@@ -112,14 +131,11 @@ def check_gguf(cfg: ModelConfig) -> None:
     if abs((cfg.attn_scale or cfg.d_head ** -0.5) - want) > 1e-6 * want:
         raise UserError(f"gemma3: llama.cpp scales attention by {want:.6g} (query_pre_attn_scalar = "
                         f"head_dim); this model's {cfg.attn_scale:.6g} has no GGUF equivalent")
-    if cfg.sliding_window and (cfg.layer_types != pattern(cfg.n_layers, LLAMA_CPP_PATTERN)
-                               or cfg.rope_local_base != LLAMA_CPP_LOCAL_BASE):
-        raise UserError("gemma3: llama.cpp's GGUF fixes every 6th layer global and the sliding "
-                        "layers' RoPE base at 10000; this model differs")
 
 
 SPEC = ArchSpec(
     name="gemma3", model=Gemma3Model, tensors=TENSORS, lora_targets=llama.LORA_TARGETS,
     gguf_arch="gemma3", gguf_in=gguf_in, gguf_out=gguf_out, check_gguf=check_gguf,
     hf_classes=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",), hf_in=hf_in, hf_out=hf_out,
+    scratch={"rope_traditional": False, "qk_norm": True, "tie_embeddings": True},
 )

@@ -111,5 +111,5 @@ SPEC = ArchSpec(
     gguf_arch="gpt2", gguf_in=gguf_in, gguf_out=gguf_out, check_gguf=check,
     hf_classes=("GPT2LMHeadModel",), hf_model_types=("gpt2",), hf_in=hf_in, hf_out=hf_out,
     check_hf=check, hf_block="transformer.h.{i}.", hf_prefix="transformer.", adapters=False,
-    fix_config=positions_fix_context,
+    fix_config=positions_fix_context, scratch={"rope_dims": 0, "qkv_bias": True},
 )

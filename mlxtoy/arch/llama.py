@@ -155,5 +155,5 @@ SPEC = ArchSpec(
     hf_classes=("LlamaForCausalLM",), hf_model_types=("llama",),
     hf_in=lambda f, raw: hf_in(f, raw) | {"rope_traditional": True},
     hf_out=lambda cfg: hf_out(cfg, "LlamaForCausalLM", "llama"), check_hf=no_window,
-    rope_freqs=True,
+    rope_freqs=True, scratch={"rope_traditional": True},
 )

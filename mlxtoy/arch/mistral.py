@@ -37,5 +37,5 @@ SPEC = ArchSpec(
     lora_targets=llama.LORA_TARGETS,
     gguf_arch="llama", gguf_out=gguf_out,
     hf_classes=("MistralForCausalLM",), hf_model_types=("mistral",), hf_in=hf_in, hf_out=hf_out,
-    rope_freqs=True,
+    rope_freqs=True, scratch={"rope_traditional": True},
 )

@@ -124,4 +124,5 @@ SPEC = ArchSpec(
     gguf_arch="phi3", gguf_in=gguf_in, gguf_out=gguf_out, gguf_extra_in=gguf_extra_in,
     gguf_extra_out=gguf_extra_out,
     hf_classes=("Phi3ForCausalLM",), hf_model_types=("phi3",), hf_in=hf_in, hf_out=hf_out,
+    scratch={"rope_traditional": False},
 )

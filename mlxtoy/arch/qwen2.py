@@ -16,4 +16,5 @@ SPEC = ArchSpec(
         "rope_traditional": False, "qkv_bias": True, "sliding_window": None,
         "tie_embeddings": bool(f("tie_word_embeddings", True))},
     hf_out=lambda cfg: llama.hf_out(cfg, "Qwen2ForCausalLM", "qwen2"), check_hf=llama.no_window,
+    scratch={"rope_traditional": False, "qkv_bias": True},
 )

@@ -26,5 +26,5 @@ SPEC = ArchSpec(
     gguf_out=llama.gguf_out, check_gguf=llama.no_window,
     hf_classes=("Qwen3ForCausalLM",), hf_model_types=("qwen3",), hf_in=hf_in,
     hf_out=lambda cfg: llama.hf_out(cfg, "Qwen3ForCausalLM", "qwen3") | {"use_sliding_window": False},
-    check_hf=llama.no_window,
+    check_hf=llama.no_window, scratch={"rope_traditional": False, "qk_norm": True},
 )

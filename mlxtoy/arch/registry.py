@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxtoy.arch import gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3, tiny
@@ -56,5 +57,12 @@ def build_module(cfg: ModelConfig):
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter name -> shape, for every weight the model needs (from the module itself)."""
-    return {k: tuple(v.shape) for k, v in tree_flatten(build_module(cfg).parameters())}
+    """Our parameter name -> shape, for every weight the model needs (from the module itself).
+
+    Building draws the (never evaluated) initial weights from MLX's global RNG; its key is put
+    back so reading or writing a file never changes what a seeded run draws next."""
+    hi, lo = (int(x) for x in mx.random.state[0].tolist())
+    try:
+        return {k: tuple(v.shape) for k, v in tree_flatten(build_module(cfg).parameters())}
+    finally:
+        mx.random.seed((hi << 32) | lo)

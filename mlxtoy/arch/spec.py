@@ -118,6 +118,8 @@ class ArchSpec:
     rope_freqs: whether llama.cpp reads a `rope_freqs` tensor for this architecture.
     fix_config(cfg, {our param: shape in the file}): settle what the tensors say (GPT-2's
     context is its position table). tokenizer: the default tokenizer source ("char").
+    scratch: the ModelConfig fields the architecture fixes for a model trained from scratch
+    (RoPE layout, q/k norm, ...), so it exports as that architecture.
     gguf_extra_in(cfg, read) / gguf_extra_out(cfg) -> {name: float32 array}: GGUF tensors that
     are config, not parameters (Phi-3's LongRoPE factors); `read(name)` is None when absent.
     """
@@ -144,6 +146,7 @@ class ArchSpec:
     gguf_extra_in: Callable[[ModelConfig, Callable[[str], Any]], None] | None = None
     gguf_extra_out: Callable[[ModelConfig], dict[str, Any]] | None = None
     tokenizer: str | None = None
+    scratch: dict[str, Any] | None = None
 
     def tensor_of(self, leaf: str) -> tuple[Tensor, int]:
         """The row holding our per-block leaf, and the leaf's index among the row's parts."""

@@ -13,5 +13,5 @@ SPEC = ArchSpec(
     adapters=False,
     no_gguf="the reference TransformerLM (arch tiny) has no llama.cpp GGUF equivalent; "
             "use its run directory (mlxtoy generate --model RUN)",
-    tokenizer="char",
+    tokenizer="char", scratch={"rope_dims": 0},
 )

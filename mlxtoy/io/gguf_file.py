@@ -1,7 +1,7 @@
 """GGUF files, any architecture: open one, read its key/values, dequantize one tensor exactly.
 
-The architecture readers (`mlxtoy.io.gguf_read` for llama / qwen2, `mlxtoy.io.gpt2_io` for
-gpt2) and the writer (`mlxtoy.io.gguf_write`) stand on this; it knows no layout of ours.
+The reader (`mlxtoy.io.gguf_read`) and the writer (`mlxtoy.io.gguf_write`), which loop over an
+architecture's spec (`mlxtoy.arch`), stand on this; it knows no layout of ours.
 
 gguf-py memory-maps the file; each tensor is dequantized on its own (to float32, exactly as
 GGML's reference dequantizers do), so a reader never holds the weights twice.

@@ -4,7 +4,7 @@ q/k/v with biases, GELU (tanh) FFN.
 The shared decoder (`mlxtoy.models.llama`) with its own norm, FFN and position table, so LoRA,
 taps, the trainer and generation work unchanged: `tok_embeddings`, `pos_embeddings`,
 `layers[i].attn_norm` / `attn.{q,k,v,o}` / `ffn_norm` / `ffn.{up,down}`, final `norm`, optional
-`output`. No RoPE (`rope_dims` 0): positions are a learned table added to the token embeddings;
+`output`. No RoPE: positions are a learned table added to the token embeddings;
 with a KV cache the new tokens sit at positions cache[0].offset ...
 
 `LearnedPosTransformer` takes the norm and the bias switch as class attributes, so the reference
@@ -51,7 +51,7 @@ class LearnedPosTransformer(LlamaModel):
 
     def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return Block(cfg, layer, norm=lambda: self.make_norm(cfg), bias=self.bias,
-                     ffn=FeedForward(cfg, self.bias))
+                     ffn=FeedForward(cfg, self.bias), rope=False)
 
     def embed(self, tokens: mx.array, offset: int | mx.array = 0) -> mx.array:
         """Token + position embeddings; `offset` may be a traced array (compiled decoding)."""

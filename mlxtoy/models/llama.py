@@ -145,10 +145,10 @@ class RoPE(nn.Module):
 
 
 class Attention(nn.Module):
-    """Per-head q/k/v, optional q/k RMSNorm, RoPE (none when `rope_dims` is 0: learned
-    positions), causal attention over a sliding window or everything, then W_o."""
+    """Per-head q/k/v, optional q/k RMSNorm, RoPE (none with `rope` False or `rope_dims` 0:
+    learned positions), causal attention over a sliding window or everything, then W_o."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, bias: bool = False):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, bias: bool = False, rope: bool = True):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         qkv_bias = cfg.qkv_bias or bias
@@ -160,7 +160,7 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(cfg.d_head, eps=cfg.norm_eps)
             self.k_norm = nn.RMSNorm(cfg.d_head, eps=cfg.norm_eps)
         self.window = cfg.window_of(layer)
-        if cfg.rope_dims != 0:
+        if rope and cfg.rope_dims != 0:
             local = self.window is not None and cfg.rope_local_base is not None
             self.rope = RoPE(cfg, cfg.rope_local_base if local else None, scaled=not local)
         self.scale = cfg.attn_scale or cfg.d_head**-0.5
@@ -248,11 +248,12 @@ class Block(nn.Module):
     `ffn_out` the FFN's contribution just before the residual add, `resid_post` the stream after."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, norm: Callable[[], nn.Module] | None = None,
-                 bias: bool = False, ffn: nn.Module | None = None, post_norms: bool = False):
+                 bias: bool = False, ffn: nn.Module | None = None, post_norms: bool = False,
+                 rope: bool = True):
         super().__init__()
         norm = norm or (lambda: nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps))
         self.attn_norm = norm()
-        self.attn = Attention(cfg, layer, bias)
+        self.attn = Attention(cfg, layer, bias, rope)
         self.ffn_norm = norm()
         self.ffn = ffn if ffn is not None else FeedForward(cfg)
         if post_norms:

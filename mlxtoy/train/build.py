@@ -5,6 +5,7 @@ and the mixed-precision policy. Returns the facts config.yaml records (`RunFacts
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -93,7 +94,8 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
         else:
             tokenizer = load_tokenizer(source)
             facts.tokenizer_path = resolve_model(source)[1]
-        mcfg = cfg.model_config(tokenizer.vocab_size)
+        # the fields the architecture fixes (RoPE layout, q/k norm, ...), so it exports as itself
+        mcfg = replace(cfg.model_config(tokenizer.vocab_size), **(spec_of(cfg.arch).scratch or {}))
         model = init_scratch(build_module(mcfg), cfg.seed, cfg.init_scale)
         if cfg.lens:  # projection lens: frozen donor table, trainable W_proj (models.lens)
             facts.lens = attach_lens(model, cfg.lens, tokenizer, seed=cfg.seed)
