@@ -134,7 +134,7 @@ TRAIN_METHODS = ("lora", "full", "scratch")
 SCHEDULES = ("cosine", "linear", "constant")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "muon")  # mlx.optimizers, by name
 QLORA_MODES = ("auto", "on", "off")
 OBJECTIVES = ("sft", "dpo", "orpo")  # the loss; `method` is what is trained
 PREFERENCE_OBJECTIVES = ("dpo", "orpo")  # trained on {prompt, chosen, rejected} pairs
@@ -193,14 +193,20 @@ class TrainConfig:
                              label="batch size")
     seq_len: int = option(512, "tokens per row; longer examples are truncated", check="pos", label="seq len")
     lr: float = option(1e-4, "peak learning rate", check="pos", label="learning rate")
-    optimizer: str = option("adamw", "adamw (Adam with decoupled weight decay) or sgd (momentum = betas[0])",
+    optimizer: str = option("adamw", "from mlx.optimizers: adamw (Adam with decoupled weight decay), adam, "
+                            "sgd, adafactor (factored second moments), lion (sign of momentum: use a 3-10x "
+                            "smaller lr), muon (orthogonalised momentum on block matrices, AdamW on the rest)",
                             choices=OPTIMIZERS)
     warmup: int = option(0, "steps of linear warm-up from 0", check="nat")
     schedule: str = option("cosine", "learning-rate decay after warm-up", choices=SCHEDULES)
     min_lr: float = option(0.0, "where cosine / linear decay ends (in [0, lr])", check="nat")
-    betas: list[float] = option([0.9, 0.999], "Adam betas: two comma-separated numbers in [0, 1)")
-    eps: float = option(1e-8, "Adam epsilon", check="pos")
-    weight_decay: float = option(0.0, "decoupled weight decay", check="nat")
+    betas: list[float] = option([0.9, 0.999], "adamw, adam, lion (and muon's AdamW part) betas: two "
+                                "comma-separated numbers in [0, 1)")
+    eps: float = option(1e-8, "adamw, adam (and muon's AdamW part) epsilon", check="pos")
+    momentum: float = option(0.9, "sgd, muon: momentum (sgd: 0 = none)", check="frac")
+    nesterov: bool = option(False, "sgd, muon: Nesterov momentum")
+    weight_decay: float = option(0.0, "weight decay (decoupled for adamw, lion, muon, adafactor; "
+                                 "L2 for sgd; adam has none)", check="nat")
     grad_clip: float = option(1.0, "max global gradient norm; 0 = off", check="nat")
     nonfinite: str = option("stop", "a step whose loss or gradients are not finite is never applied: "
                             "stop the run (exit 1) or skip the step", choices=("stop", "skip"))
@@ -307,6 +313,10 @@ class TrainConfig:
             raise bad(f"min_lr must be in [0, lr], got {self.min_lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise bad(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.optimizer == "adam" and self.weight_decay:
+            raise bad("adam has no weight decay (use adamw)")
+        if self.nesterov and self.optimizer in ("sgd", "muon") and self.momentum <= 0:
+            raise bad("nesterov needs momentum > 0")
         if self.method == "lora":
             if not self.lora_targets:
                 raise bad("lora_targets is empty")
