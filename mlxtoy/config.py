@@ -189,6 +189,8 @@ class TrainConfig:
 
     # optimisation
     steps: int = option(200, "total optimizer steps (a resumed run continues up to this)", check="pos")
+    epochs: int = option(0, "train for N passes over the training data instead of --steps (0: --steps "
+                         "counts); config.yaml records the steps it resolves to", check="nat")
     batch_size: int = option(4, "rows per optimizer step (per micro-batch with --grad-accum)", check="pos",
                              label="batch size")
     seq_len: int = option(512, "tokens per row; longer examples are truncated", check="pos", label="seq len")
@@ -265,6 +267,10 @@ class TrainConfig:
 
     # the loop
     eval_every: int = option(50, "evaluate every N steps (0 = only at the end)", check="nat", label="eval every")
+    early_stop: int = option(0, "stop when the validation loss has not improved for N evaluations "
+                             "(0 = off); best/ always holds the lowest", check="nat", label="early stop")
+    early_stop_delta: float = option(0.0, "the least drop in validation loss that counts as improving",
+                                     check="nat")
     eval_batches: int = option(20, "validation batches per evaluation (-1 = all)", check="batches",
                                label="eval batches")
     sample_every: int = option(0, "generate samples every N steps (0 = never)", check="nat",
@@ -313,6 +319,8 @@ class TrainConfig:
             raise bad(f"min_lr must be in [0, lr], got {self.min_lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise bad(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.early_stop and not self.eval_every:
+            raise bad("early_stop needs evaluations during the run (eval_every > 0)")
         if self.optimizer == "adam" and self.weight_decay:
             raise bad("adam has no weight decay (use adamw)")
         if self.nesterov and self.optimizer in ("sgd", "muon") and self.momentum <= 0:

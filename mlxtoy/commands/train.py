@@ -111,6 +111,8 @@ def build_config(args) -> tuple[TrainConfig, bool]:
         if args.config:
             raise UserError("--resume takes the run's own config.yaml; drop --config")
         return resume_config(args.resume, overrides), True
+    if "epochs" in overrides and "steps" in overrides and overrides["epochs"]:
+        raise UserError("--epochs and --steps are alternatives: give one")
     cfg = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
     for k, v in overrides.items():
         setattr(cfg, k, v)
