@@ -136,6 +136,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "muon")  # mlx.optimizers, by name
 QLORA_MODES = ("auto", "on", "off")
+DASHBOARDS = ("tensorboard", "wandb")  # --report-to (mlxtoy.dashboards; optional extras)
 OBJECTIVES = ("sft", "dpo", "orpo")  # the loss; `method` is what is trained
 PREFERENCE_OBJECTIVES = ("dpo", "orpo")  # trained on {prompt, chosen, rejected} pairs
 ALL_METHODS = TRAIN_METHODS
@@ -281,6 +282,9 @@ class TrainConfig:
     save_every: int = option(100, "checkpoint every N steps (0 = only at the end)", check="nat",
                              label="save every")
     keep_checkpoints: int = option(3, "newest N checkpoints kept (0 = all)", check="nat")
+    report_to: list[str] = option([], "also stream the metrics to these dashboards (comma-separated: "
+                                  "tensorboard (RUN/tensorboard), wandb; WANDB_MODE=offline keeps W&B local)",
+                                  choices=DASHBOARDS, noun="dashboard", label="report to")
     taps_every: int = option(0, "activation taps every N steps (0 = never)", check="nat", label="taps every")
     seed: int = option(0, "RNG seed (data order, init, dropout)", check="nat")
     eval_accuracy: bool = option(False, "greedy exact-match accuracy on the test split, before and after")
@@ -296,6 +300,8 @@ class TrainConfig:
             self.lora_layers = [int(t) for t in self.lora_layers.split(",") if t.strip()]
         if isinstance(self.betas, str):
             self.betas = [float(t) for t in self.betas.split(",")]
+        if isinstance(self.report_to, str):
+            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
         if isinstance(self.sample_prompts, str):
             self.sample_prompts = [self.sample_prompts]
 

@@ -92,7 +92,7 @@ def _overrides(args) -> dict[str, Any]:
         v = getattr(args, f.name, None)
         if v is None:
             continue
-        if f.name in ("lora_targets",):
+        if f.name in ("lora_targets", "report_to"):
             v = [t.strip() for t in v.split(",") if t.strip()]
         elif f.name == "lora_layers":
             v = [int(t) for t in v.split(",") if t.strip()] if v.strip().lower() != "all" else None

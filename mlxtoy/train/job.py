@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol
 import mlx.nn as nn
 
 from mlxtoy.config import TrainConfig
+from mlxtoy.dashboards import check_dashboards, close_all, open_dashboards
 from mlxtoy.errors import UserError
 from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
 from mlxtoy.rundir import ACCURACY, RunDir, RunFacts
@@ -91,6 +92,7 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
 def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -> Prepared:
     """Validate, read data, build the model; create the run directory only when all is well."""
     cfg.validate()
+    check_dashboards(cfg)
     run = run or RunDir(cfg.out)
     if not resume:
         run.check_fresh()
@@ -203,7 +205,17 @@ def run_job(build: Callable[[], tuple[TrainConfig, bool]], *, emit: Callable[[Ev
 
 def _run_prepared(p: Prepared, emit, control, parallel, on_accuracy, handle_sigint) -> JobResult:
     cfg, run = p.cfg, p.run
-    send = fan_out(None if run.read_only else MetricsSink(run), emit)
+    # dashboards open before step 1 (rank 0 only), so one that cannot start stops nothing
+    dashboards = [] if run.read_only else open_dashboards(cfg, run)
+    try:
+        return _run_with(p, fan_out(None if run.read_only else MetricsSink(run), *dashboards, emit),
+                         control, parallel, on_accuracy, handle_sigint)
+    finally:
+        close_all(dashboards)
+
+
+def _run_with(p: Prepared, send, control, parallel, on_accuracy, handle_sigint) -> JobResult:
+    cfg, run = p.cfg, p.run
     for note in p.notes:
         send(LogEvent(message=note, level="warning"))
     if parallel is not None:
