@@ -469,12 +469,12 @@ def check_value(name: str, value: Any) -> str | None:
     meta = train_field(name).metadata
     choices = meta.get("choices")
     if choices:
-        for item in value if isinstance(value, list) else [value]:
-            if item not in choices:
-                noun = meta.get("noun")
-                if noun:
-                    return f"unknown {noun} {item!r} (choose from {','.join(choices)})"
-                return f"must be one of {', '.join(choices)}"
+        unknown = [item for item in (value if isinstance(value, list) else [value]) if item not in choices]
+        if unknown:
+            noun = meta.get("noun")
+            if noun:  # every unknown item named, so one fix covers them all
+                return f"unknown {noun} {', '.join(map(repr, unknown))} (choose from {','.join(choices)})"
+            return f"must be one of {', '.join(choices)}"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
         return f"must be at most {MAX_INT}"
     check = meta.get("check")
