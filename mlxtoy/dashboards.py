@@ -64,13 +64,14 @@ def tap_histogram(stat: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class TensorBoardSink:
-    """Events -> TensorBoard event files under RUN/tensorboard."""
+    """Events -> TensorBoard event files under RUN/tensorboard. A resumed run passes the step
+    it resumes from: what an earlier process logged past it is purged (it is redone)."""
 
-    def __init__(self, logdir: str):
+    def __init__(self, logdir: str, resumed_at: int = 0):
         try:
             from tensorboardX import SummaryWriter  # optional extra, imported on use
 
-            self.writer = SummaryWriter(logdir=logdir)
+            self.writer = SummaryWriter(logdir=logdir, purge_step=resumed_at + 1 if resumed_at else None)
         except Exception as e:  # a broken install (e.g. a protobuf it cannot use), a bad folder
             raise UserError(f"--report-to tensorboard: TensorBoard did not start "
                             f"({type(e).__name__}: {e})") from None
@@ -144,14 +145,15 @@ def check_dashboards(cfg: TrainConfig) -> None:
                             f"(pip install 'mlxtoy[{name}]')")
 
 
-def open_dashboards(cfg: TrainConfig, run: RunDir) -> list[Any]:
-    """The sinks of cfg.report_to, opened (each has close())."""
+def open_dashboards(cfg: TrainConfig, run: RunDir, resumed_at: int = 0) -> list[Any]:
+    """The sinks of cfg.report_to, opened (each has close()); `resumed_at`: the step a resumed
+    run continues from (W&B: a new W&B run holds the resumed part)."""
     check_dashboards(cfg)
     sinks: list[Any] = []
     try:
         for name in cfg.report_to:
             if name == "tensorboard":
-                sinks.append(Guarded(TensorBoardSink(run.join(TENSORBOARD_DIR)), name))
+                sinks.append(Guarded(TensorBoardSink(run.join(TENSORBOARD_DIR), resumed_at), name))
             elif name == "wandb":
                 sinks.append(Guarded(WandbSink(cfg, run), name))
     except BaseException:

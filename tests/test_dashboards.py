@@ -186,3 +186,31 @@ def test_cli_report_to(tmp_path, work):
     ea.Reload()
     assert [e.step for e in ea.Scalars("train/loss")] == [1, 2]
     assert [e.step for e in ea.Scalars("val/loss")] == [0, 1, 2]
+
+
+def test_resumed_run_redoes_steps_in_tensorboard_once(tmp_path, work):
+    """A run that died after step 3 with its newest checkpoint at step 2 redoes step 3: the
+    TensorBoard history holds each step once, with the resumed run's values."""
+    import shutil
+
+    from mlxtoy.train.control import TrainControl
+    from mlxtoy.train.job import resume_config
+
+    run = tmp_path / "run"
+    kw = dict(report_to=["tensorboard"], save_every=2, taps_every=0, sample_every=0, lora_dropout=0.3)
+    part = run_job(lambda: (cfg_of(work, run, **kw), False), control=TrainControl(stop_at=3), handle_sigint=False)
+    assert part.result.step == 3
+    shutil.rmtree(run / "checkpoints" / "step_3")  # as if killed before that checkpoint
+    ea = EventAccumulator(str(run / "tensorboard"))
+    ea.Reload()
+    first = {e.step: e.value for e in ea.Scalars("train/loss")}
+    assert sorted(first) == [1, 2, 3]
+    rest = run_job(lambda: (resume_config(str(run), {}), True), handle_sigint=False)
+    assert rest.result.reason == "finished"
+    steps = {e["step"]: e["loss"] for e in read_metrics(str(run / "metrics.jsonl")) if e["event"] == "step"}
+    ea = EventAccumulator(str(run / "tensorboard"))
+    ea.Reload()
+    got = [(e.step, e.value) for e in ea.Scalars("train/loss")]
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([v for _, v in got], [steps[s] for s in range(1, 7)], rtol=1e-6)
+    assert [e.step for e in ea.Scalars("val/loss")] == [0, 2, 4, 6]

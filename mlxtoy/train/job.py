@@ -23,7 +23,7 @@ from mlxtoy.config import TrainConfig
 from mlxtoy.dashboards import check_dashboards, close_all, open_dashboards
 from mlxtoy.errors import UserError
 from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
-from mlxtoy.rundir import ACCURACY, RunDir, RunFacts
+from mlxtoy.rundir import ACCURACY, CheckpointState, RunDir, RunFacts
 from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
 from mlxtoy.train.checkpoint import pick_checkpoint
@@ -206,7 +206,8 @@ def run_job(build: Callable[[], tuple[TrainConfig, bool]], *, emit: Callable[[Ev
 def _run_prepared(p: Prepared, emit, control, parallel, on_accuracy, handle_sigint) -> JobResult:
     cfg, run = p.cfg, p.run
     # dashboards open before step 1 (rank 0 only), so one that cannot start stops nothing
-    dashboards = [] if run.read_only else open_dashboards(cfg, run)
+    resumed_at = CheckpointState.read(p.resume_from).step if p.resume_from else 0
+    dashboards = [] if run.read_only else open_dashboards(cfg, run, resumed_at)
     try:
         return _run_with(p, fan_out(None if run.read_only else MetricsSink(run), *dashboards, emit),
                          control, parallel, on_accuracy, handle_sigint)
