@@ -53,12 +53,14 @@ def test_optimizer_overfits_one_batch(name):
     assert losses[0] > 5.0 and losses[-1] < 0.5 * losses[0], (name, losses[0], losses[-1])
 
 
+@pytest.mark.parametrize("method", ["scratch", "lora"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_optimizer_resume_equals_uninterrupted(tmp_path, work, name):
-    kw = dict(model=work["model"], data=work["data"], method="scratch", optimizer=name, lr=LR[name] / 2,
+def test_optimizer_resume_equals_uninterrupted(tmp_path, work, name, method):
+    kw = dict(model=work["model"], data=work["data"], method=method, optimizer=name, lr=LR[name] / 2,
               steps=6, warmup=1, batch_size=2, seq_len=48, eval_every=3, eval_batches=1, save_every=0,
               d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_head=8, d_ff=64, seed=0,
-              weight_decay=0.0 if name == "adam" else 0.01)
+              weight_decay=0.0 if name == "adam" else 0.01, lora_targets=["q", "v", "down"],
+              lora_per_head_q=True, lora_dropout=0.2)
     full = run_training(TrainConfig(out=str(tmp_path / "full"), **kw), handle_sigint=False)
     part = run_training(TrainConfig(out=str(tmp_path / "part"), **kw), control=TrainControl(stop_at=3),
                         handle_sigint=False)
