@@ -71,7 +71,10 @@ class TensorBoardSink:
         try:
             from tensorboardX import SummaryWriter  # optional extra, imported on use
 
-            self.writer = SummaryWriter(logdir=logdir, purge_step=resumed_at + 1 if resumed_at else None)
+            # event files are named by the second they start in: a resume within the same
+            # second must not reopen (and truncate) the earlier file, and must sort after it
+            self.writer = SummaryWriter(logdir=logdir, purge_step=resumed_at + 1 if resumed_at else None,
+                                        filename_suffix=f".step{resumed_at:09d}.{os.getpid()}")
         except Exception as e:  # a broken install (e.g. a protobuf it cannot use), a bad folder
             raise UserError(f"--report-to tensorboard: TensorBoard did not start "
                             f"({type(e).__name__}: {e})") from None
