@@ -134,8 +134,9 @@ TRAIN_METHODS = ("lora", "full", "scratch")
 SCHEDULES = ("cosine", "linear", "constant")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "muon")  # mlx.optimizers, by name
 QLORA_MODES = ("auto", "on", "off")
+DASHBOARDS = ("tensorboard", "wandb")  # --report-to (mlxtoy.dashboards; optional extras)
 OBJECTIVES = ("sft", "dpo", "orpo")  # the loss; `method` is what is trained
 PREFERENCE_OBJECTIVES = ("dpo", "orpo")  # trained on {prompt, chosen, rejected} pairs
 ALL_METHODS = TRAIN_METHODS
@@ -189,18 +190,26 @@ class TrainConfig:
 
     # optimisation
     steps: int = option(200, "total optimizer steps (a resumed run continues up to this)", check="pos")
+    epochs: int = option(0, "train for N passes over the training data instead of --steps (0: --steps "
+                         "counts); config.yaml records the steps it resolves to", check="nat")
     batch_size: int = option(4, "rows per optimizer step (per micro-batch with --grad-accum)", check="pos",
                              label="batch size")
     seq_len: int = option(512, "tokens per row; longer examples are truncated", check="pos", label="seq len")
     lr: float = option(1e-4, "peak learning rate", check="pos", label="learning rate")
-    optimizer: str = option("adamw", "adamw (Adam with decoupled weight decay) or sgd (momentum = betas[0])",
+    optimizer: str = option("adamw", "from mlx.optimizers: adamw (Adam with decoupled weight decay), adam, "
+                            "sgd, adafactor (factored second moments), lion (sign of momentum: use a 3-10x "
+                            "smaller lr), muon (orthogonalised momentum on block matrices, AdamW on the rest)",
                             choices=OPTIMIZERS)
     warmup: int = option(0, "steps of linear warm-up from 0", check="nat")
     schedule: str = option("cosine", "learning-rate decay after warm-up", choices=SCHEDULES)
     min_lr: float = option(0.0, "where cosine / linear decay ends (in [0, lr])", check="nat")
-    betas: list[float] = option([0.9, 0.999], "Adam betas: two comma-separated numbers in [0, 1)")
-    eps: float = option(1e-8, "Adam epsilon", check="pos")
-    weight_decay: float = option(0.0, "decoupled weight decay", check="nat")
+    betas: list[float] = option([0.9, 0.999], "adamw, adam, lion (and muon's AdamW part) betas: two "
+                                "comma-separated numbers in [0, 1)")
+    eps: float = option(1e-8, "adamw, adam (and muon's AdamW part) epsilon", check="pos")
+    momentum: float = option(0.9, "sgd, muon: momentum (sgd: 0 = none)", check="frac")
+    nesterov: bool = option(False, "sgd, muon: Nesterov momentum")
+    weight_decay: float = option(0.0, "weight decay (decoupled for adamw, lion, muon, adafactor; "
+                                 "L2 for sgd; adam has none)", check="nat")
     grad_clip: float = option(1.0, "max global gradient norm; 0 = off", check="nat")
     nonfinite: str = option("stop", "a step whose loss or gradients are not finite is never applied: "
                             "stop the run (exit 1) or skip the step", choices=("stop", "skip"))
@@ -259,6 +268,10 @@ class TrainConfig:
 
     # the loop
     eval_every: int = option(50, "evaluate every N steps (0 = only at the end)", check="nat", label="eval every")
+    early_stop: int = option(0, "stop when the validation loss has not improved for N evaluations "
+                             "(0 = off); best/ always holds the lowest", check="nat", label="early stop")
+    early_stop_delta: float = option(0.0, "the least drop in validation loss that counts as improving",
+                                     check="nat")
     eval_batches: int = option(20, "validation batches per evaluation (-1 = all)", check="batches",
                                label="eval batches")
     sample_every: int = option(0, "generate samples every N steps (0 = never)", check="nat",
@@ -269,6 +282,9 @@ class TrainConfig:
     save_every: int = option(100, "checkpoint every N steps (0 = only at the end)", check="nat",
                              label="save every")
     keep_checkpoints: int = option(3, "newest N checkpoints kept (0 = all)", check="nat")
+    report_to: list[str] = option([], "also stream the metrics to these dashboards (comma-separated: "
+                                  "tensorboard (RUN/tensorboard), wandb; WANDB_MODE=offline keeps W&B local)",
+                                  choices=DASHBOARDS, noun="dashboard", label="report to")
     taps_every: int = option(0, "activation taps every N steps (0 = never)", check="nat", label="taps every")
     seed: int = option(0, "RNG seed (data order, init, dropout)", check="nat")
     eval_accuracy: bool = option(False, "greedy exact-match accuracy on the test split, before and after")
@@ -284,6 +300,8 @@ class TrainConfig:
             self.lora_layers = [int(t) for t in self.lora_layers.split(",") if t.strip()]
         if isinstance(self.betas, str):
             self.betas = [float(t) for t in self.betas.split(",")]
+        if isinstance(self.report_to, str):
+            self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
         if isinstance(self.sample_prompts, str):
             self.sample_prompts = [self.sample_prompts]
 
@@ -307,6 +325,12 @@ class TrainConfig:
             raise bad(f"min_lr must be in [0, lr], got {self.min_lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise bad(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.early_stop and not self.eval_every:
+            raise bad("early_stop needs evaluations during the run (eval_every > 0)")
+        if self.optimizer == "adam" and self.weight_decay:
+            raise bad("adam has no weight decay (use adamw)")
+        if self.nesterov and self.optimizer in ("sgd", "muon") and self.momentum <= 0:
+            raise bad("nesterov needs momentum > 0")
         if self.method == "lora":
             if not self.lora_targets:
                 raise bad("lora_targets is empty")
@@ -447,12 +471,12 @@ def check_value(name: str, value: Any) -> str | None:
     meta = train_field(name).metadata
     choices = meta.get("choices")
     if choices:
-        for item in value if isinstance(value, list) else [value]:
-            if item not in choices:
-                noun = meta.get("noun")
-                if noun:
-                    return f"unknown {noun} {item!r} (choose from {','.join(choices)})"
-                return f"must be one of {', '.join(choices)}"
+        unknown = [item for item in (value if isinstance(value, list) else [value]) if item not in choices]
+        if unknown:
+            noun = meta.get("noun")
+            if noun:  # every unknown item named, so one fix covers them all
+                return f"unknown {noun} {', '.join(map(repr, unknown))} (choose from {','.join(choices)})"
+            return f"must be one of {', '.join(choices)}"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
         return f"must be at most {MAX_INT}"
     check = meta.get("check")

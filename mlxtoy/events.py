@@ -156,7 +156,7 @@ class LogEvent(Event):
 @dataclass
 class DoneEvent(Event):
     step: int
-    reason: str  # "finished", "stopped", "interrupted", "nan"
+    reason: str  # "finished", "early_stopped", "stopped", "interrupted", "nan"
     final_path: str | None = None
 
     def __post_init__(self):

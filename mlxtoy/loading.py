@@ -30,7 +30,8 @@ from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.lens import apply_lens, fold_lens
 from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import apply_lora, merge_lora
-from mlxtoy.rundir import ADAPTER_CONFIG, ADAPTERS, CKPT_STATE, CKPT_TRAINABLE, MODEL_WEIGHTS, RunDir, is_run, locate
+from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_STATE, CKPT_TRAINABLE, MODEL_WEIGHTS, RunDir,
+                           is_run_or_checkpoint, locate)
 
 
 def model_class(arch: str):
@@ -68,7 +69,7 @@ def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None):
     """
     if adapter is not None:
         return load_run_model(adapter, base=model, dtype=dtype)
-    if is_run(model):  # a training run as MODEL
+    if is_run_or_checkpoint(model):  # a training run (or one of its checkpoints, RUN/best) as MODEL
         return load_run_model(model, dtype=dtype)
     cfg, weights, meta, tokenizer = load_weights(model, dtype)
     m = build_model(cfg, weights)

@@ -8,7 +8,11 @@
         step_N/              complete or absent: written to a temp folder, then renamed
           trainable.safetensors   adapters (lora) or the trainable weights (full, scratch)
           optimizer.safetensors   optimizer state, flattened names
-          state.json              step, data position, RNG key, elapsed time, tokens seen
+          state.json              step, data position, RNG key, elapsed time, tokens seen,
+                                  early-stopping state (best validation loss, evaluations since)
+      best/                  the weights with the lowest validation loss so far: trainable.safetensors
+                             and state.json (val_loss), replaced atomically on each new minimum;
+                             no optimizer state (it is for using, not resuming)
       adapters.safetensors + adapter_config.json     final result of a LoRA run
       model.safetensors + model_config.json          final result of a full / scratch run
       tokenizer.json + tokenizer_config.json         scratch runs: the tokenizer used
@@ -16,7 +20,7 @@
       reference_logps.safetensors   DPO without LoRA: the starting model's log-probs of every
                              train / valid pair, computed once before step 1 (resume reuses them)
 
-`locate(path)` turns any path a user may give (a run, one of its checkpoints) into a `RunDir`
+`locate(path)` turns any path a user may give (a run, one of its checkpoints, RUN/best) into a `RunDir`
 and the checkpoint meant; `is_run_or_checkpoint(path)` is the one test of "is this ours".
 Writing tensors is the trainer's business (mlxtoy.train.checkpoint); this module only hands
 out the atomic folder to write them into.
@@ -52,6 +56,7 @@ REFERENCE_LOGPS = "reference_logps.safetensors"  # DPO without LoRA (see the lay
 CKPT_TRAINABLE = "trainable.safetensors"
 CKPT_OPTIMIZER = "optimizer.safetensors"
 CKPT_STATE = "state.json"
+BEST = "best"  # RUN/best: a checkpoint folder (see the layout above)
 LOCK = ".lock"  # the pid (and host) of the process writing the run
 RUN_MARKERS = (CONFIG, METRICS, CHECKPOINTS, ADAPTERS, MODEL_WEIGHTS)
 
@@ -66,9 +71,14 @@ def checkpoint_step(name: str) -> int | None:
     return int(base[5:]) if base.startswith("step_") and base[5:].isdigit() else None
 
 
+def is_best(path: str) -> bool:
+    return os.path.basename(os.path.normpath(path)) == BEST
+
+
 def is_checkpoint(path: str) -> bool:
-    """A complete checkpoint folder (`step_N` with its state.json)."""
-    return checkpoint_step(path) is not None and os.path.isfile(os.path.join(path, CKPT_STATE))
+    """A complete checkpoint folder (`step_N`, or a run's `best`, with its state.json)."""
+    return ((checkpoint_step(path) is not None or is_best(path))
+            and os.path.isfile(os.path.join(path, CKPT_STATE)))
 
 
 def is_run(path: str) -> bool:
@@ -93,6 +103,13 @@ class CheckpointState:
     rng: list[int]  # mx.random key [hi, lo]
     elapsed: float = 0.0
     tokens_seen: int = 0
+    val_loss: float | None = None  # the validation loss at this step, when it was evaluated
+    # early stopping and best/: the lowest validation loss so far and its step; the loss that
+    # last improved by at least --early-stop-delta, and evaluations since then
+    best_val: float | None = None
+    best_step: int | None = None
+    patience_best: float | None = None
+    bad_evals: int = 0
 
     @classmethod
     def read(cls, ckpt: str) -> "CheckpointState":
@@ -339,6 +356,16 @@ class RunDir:
         clean_temp(self.checkpoints_dir)
         clean_temp(self.path)
 
+    @property
+    def best_path(self) -> str:
+        return self.join(BEST)
+
+    @contextlib.contextmanager
+    def new_best(self) -> Iterator[str]:
+        """A temp folder that becomes RUN/best in one rename (the previous best swapped out)."""
+        with atomic_folder(self.best_path) as tmp:
+            yield tmp
+
     @contextlib.contextmanager
     def new_checkpoint(self, step: int) -> Iterator[str]:
         """A temp folder to write checkpoint `step` into; it becomes checkpoints/step_N in one
@@ -354,13 +381,17 @@ class RunDir:
 
 
 def locate(path: str) -> tuple[RunDir, str | None]:
-    """RUN or RUN/checkpoints/step_N -> (the run, the checkpoint folder or None for "the best
-    available": the final result, else the newest checkpoint)."""
+    """RUN, RUN/checkpoints/step_N or RUN/best -> (the run, the checkpoint folder or None for
+    "the best available": the final result, else the newest checkpoint)."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
+        if is_best(path) and os.path.isfile(os.path.join(os.path.dirname(path), CONFIG)):
+            raise UserError(f"{path}: the run has no best checkpoint yet (it is written at the "
+                            f"first evaluation with validation data)")
         raise UserError(f"{path}: no such run folder")
     if is_checkpoint(path):
-        return RunDir(os.path.dirname(os.path.dirname(path))), path
+        parent = os.path.dirname(path)
+        return RunDir(parent if is_best(path) else os.path.dirname(parent)), path
     run = RunDir(path)
     if not os.path.exists(run.join(CONFIG)):
         raise UserError(f"{path}: not a training run (no {CONFIG})")

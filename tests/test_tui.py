@@ -548,6 +548,31 @@ async def test_chat_streams_from_base_and_run(in_assets):
 
 
 @run_async
+async def test_chat_offers_the_current_runs_best_checkpoint(in_assets, tmp_path):
+    from helpers_train import run_training
+    from mlxtoy.config import TrainConfig
+
+    out = tmp_path / "run"
+    run_training(TrainConfig(model=str(in_assets / "tiny.gguf"), data=str(in_assets / "datasets"), out=str(out),
+                             steps=2, batch_size=2, seq_len=32, eval_every=1, eval_batches=1, save_every=0),
+                 handle_sigint=False)
+    best = str(out / "best")
+    app = MlxtoyApp(model="tiny.gguf", runs_dir="runs")
+    async with app.run_test(size=SIZE) as pilot:
+        app.run_state.run_dir = str(out)
+        await pilot.press("f3")
+        await pilot.pause(0.3)
+        screen = app.screen
+        screen.refresh_sources()
+        assert "best (lowest validation loss)" in screen.sources[f"ckpt:{best}"].label
+        screen.query_one("#source", Select).value = f"ckpt:{best}"
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: screen.loaded is not None, 60, "best/ to load")
+        assert screen.loaded.adapter == best
+        assert app.generator.model.run_source == best
+
+
+@run_async
 async def test_runs_screen_reopens_charts(in_assets):
     app = MlxtoyApp(model="tiny.gguf", runs_dir="runs")
     async with app.run_test(size=SIZE) as pilot:

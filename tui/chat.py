@@ -19,7 +19,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Checkbox, Footer, Input, Label, Select, Static
 
-from mlxtoy.rundir import RunDir
+from mlxtoy.rundir import RunDir, is_checkpoint
 from tui.generation import Source
 from tui.state import RunState, scan_runs
 from tui.widgets import NavBar
@@ -111,7 +111,11 @@ class ChatScreen(Screen):
             run_model = state.config.get("model") or base
             name = os.path.basename(state.run_dir.rstrip("/"))
             sources[CURRENT] = Source(f"current run {name} (latest weights)", run_model, state.run_dir)
-            for step, path in reversed(RunDir(state.run_dir).checkpoints()):
+            run = RunDir(state.run_dir)
+            if is_checkpoint(run.best_path):
+                sources[f"ckpt:{run.best_path}"] = Source(f"{name} best (lowest validation loss)", run_model,
+                                                          run.best_path)
+            for step, path in reversed(run.checkpoints()):
                 sources[f"ckpt:{path}"] = Source(f"{name} checkpoint step {step}", run_model, path)
         for info in scan_runs(app.runs_dir)[:20]:  # type: ignore[attr-defined]
             if state.run_dir and os.path.abspath(info.path) == os.path.abspath(state.run_dir):

@@ -92,7 +92,7 @@ def _overrides(args) -> dict[str, Any]:
         v = getattr(args, f.name, None)
         if v is None:
             continue
-        if f.name in ("lora_targets",):
+        if f.name in ("lora_targets", "report_to"):
             v = [t.strip() for t in v.split(",") if t.strip()]
         elif f.name == "lora_layers":
             v = [int(t) for t in v.split(",") if t.strip()] if v.strip().lower() != "all" else None
@@ -111,6 +111,8 @@ def build_config(args) -> tuple[TrainConfig, bool]:
         if args.config:
             raise UserError("--resume takes the run's own config.yaml; drop --config")
         return resume_config(args.resume, overrides), True
+    if "epochs" in overrides and "steps" in overrides and overrides["epochs"]:
+        raise UserError("--epochs and --steps are alternatives: give one")
     cfg = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
     for k, v in overrides.items():
         setattr(cfg, k, v)

@@ -52,6 +52,17 @@ def save_checkpoint(run: RunDir, state: CheckpointState, trainable: dict[str, mx
     return run.checkpoint_path(state.step)
 
 
+def save_best(run: RunDir, state: CheckpointState, trainable: dict[str, mx.array]) -> str:
+    """RUN/best: these weights (a new lowest validation loss), complete or the previous best."""
+    if run.read_only:
+        return run.best_path
+    with run.new_best() as tmp:
+        mx.save_safetensors(os.path.join(tmp, CKPT_TRAINABLE), trainable)
+        with open(os.path.join(tmp, CKPT_STATE), "w", encoding="utf-8") as f:
+            json.dump(state.__dict__, f, indent=1)
+    return run.best_path
+
+
 def safetensors_shapes(path: str) -> dict[str, list[int]]:
     """Tensor name -> shape from a safetensors header, after checking that the file holds
     every byte the header promises (a truncated file is caught without reading the data)."""

@@ -20,9 +20,10 @@ from typing import Any, Callable, Protocol
 import mlx.nn as nn
 
 from mlxtoy.config import TrainConfig
+from mlxtoy.dashboards import check_dashboards, close_all, open_dashboards
 from mlxtoy.errors import UserError
 from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
-from mlxtoy.rundir import ACCURACY, RunDir, RunFacts
+from mlxtoy.rundir import ACCURACY, CheckpointState, RunDir, RunFacts
 from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
 from mlxtoy.train.checkpoint import pick_checkpoint
@@ -30,14 +31,14 @@ from mlxtoy.train.control import Control, TrainControl
 from mlxtoy.train.data import (DataOptions, Dataset, Renderer, check_objective, load_dataset, read_data,
                                tokenize)
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
-from mlxtoy.train.loop import Parallel, TrainResult, train
+from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
 from mlxtoy.train.pairs import tokenize_pairs
 
 # fields that change the shape of what a checkpoint holds; a resume may not change them
 STRUCTURAL = ("method", "objective", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
               "lora_layers", "train_embeddings", "train_norm", "train_output", "d_model",
               "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "tie_embeddings")
-EXIT_CODES = {"finished": 0, "stopped": 0, "interrupted": 130, "nan": 1}
+EXIT_CODES = {"finished": 0, "early_stopped": 0, "stopped": 0, "interrupted": 130, "nan": 1}
 
 
 def resume_config(run_path: str, overrides: dict[str, Any]) -> TrainConfig:
@@ -54,6 +55,8 @@ def resume_config(run_path: str, overrides: dict[str, Any]) -> TrainConfig:
         if k in STRUCTURAL and v != getattr(cfg, k):
             raise UserError(f"cannot change {k} when resuming ({getattr(cfg, k)!r} -> {v!r})")
         setattr(cfg, k, v)
+    if "steps" in overrides and "epochs" not in overrides:
+        cfg.epochs = 0  # continue to the steps asked for, not the recorded epochs' count
     cfg.out = run.path
     cfg.__post_init__()
     return cfg
@@ -89,6 +92,7 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
 def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -> Prepared:
     """Validate, read data, build the model; create the run directory only when all is well."""
     cfg.validate()
+    check_dashboards(cfg)
     run = run or RunDir(cfg.out)
     if not resume:
         run.check_fresh()
@@ -107,6 +111,12 @@ def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
         _, old = run.read_config()
     model, tokenizer, dataset, facts = load_parts(cfg, old)
     check_fits(cfg, model)
+    if cfg.epochs:  # config.yaml records the steps the epochs come to
+        cfg.steps = epoch_steps(cfg, dataset)
+        cfg.validate()
+    if cfg.early_stop and not dataset.valid:
+        raise UserError(f"{cfg.data}: early_stop needs validation data, and there is none "
+                        f"(add a valid split, or a valid_fraction > 0 for a single file)")
     resume_from, notes = None, []
     if resume and not run.read_only:
         resume_from, notes = pick_checkpoint(run, model)
@@ -195,7 +205,18 @@ def run_job(build: Callable[[], tuple[TrainConfig, bool]], *, emit: Callable[[Ev
 
 def _run_prepared(p: Prepared, emit, control, parallel, on_accuracy, handle_sigint) -> JobResult:
     cfg, run = p.cfg, p.run
-    send = fan_out(None if run.read_only else MetricsSink(run), emit)
+    # dashboards open before step 1 (rank 0 only), so one that cannot start stops nothing
+    resumed_at = CheckpointState.read(p.resume_from).step if p.resume_from else 0
+    dashboards = [] if run.read_only else open_dashboards(cfg, run, resumed_at)
+    try:
+        return _run_with(p, fan_out(None if run.read_only else MetricsSink(run), *dashboards, emit),
+                         control, parallel, on_accuracy, handle_sigint)
+    finally:
+        close_all(dashboards)
+
+
+def _run_with(p: Prepared, send, control, parallel, on_accuracy, handle_sigint) -> JobResult:
+    cfg, run = p.cfg, p.run
     for note in p.notes:
         send(LogEvent(message=note, level="warning"))
     if parallel is not None:
@@ -228,7 +249,7 @@ def _run_prepared(p: Prepared, emit, control, parallel, on_accuracy, handle_sigi
                    parallel=parallel)
     summary = _summary(result, parallel)
     after = None
-    if cfg.eval_accuracy and result.reason == "finished":
+    if cfg.eval_accuracy and result.reason in ("finished", "early_stopped"):
         after = measure("after")
         summary["accuracy_before"], summary["accuracy_after"] = before.accuracy, after.accuracy
         if not run.read_only:

@@ -30,7 +30,8 @@ from mlxtoy.generate import generate
 from mlxtoy.loading import load_partial
 from mlxtoy.rundir import REFERENCE_LOGPS, CheckpointState, RunDir, RunFacts
 from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, load_reference,
-                                     restore_optimizer_state, save_checkpoint, save_reference, write_final)
+                                     restore_optimizer_state, save_best, save_checkpoint, save_reference,
+                                     write_final)
 from mlxtoy.train.control import Control, TrainControl
 from mlxtoy.train.data import PREF_KIND, BatchStream, Dataset, Renderer
 from mlxtoy.train.pairs import PairStream
@@ -58,7 +59,7 @@ class Parallel(Protocol):
 class TrainResult:
     run_dir: str
     step: int
-    reason: str  # finished | stopped | interrupted | nan
+    reason: str  # finished | early_stopped | stopped | interrupted | nan
     final_path: str | None = None
     last_checkpoint: str | None = None
     losses: list[float] = field(default_factory=list)
@@ -83,6 +84,43 @@ def preserved_rng():
 
 def rng_key() -> list[int]:
     return [int(v) for v in mx.random.state[0].tolist()]
+
+
+def epoch_steps(cfg: TrainConfig, dataset: Dataset) -> int:
+    """The optimizer steps of cfg.epochs passes over the training data: the training stream's
+    batches per epoch (packed rows or padded examples; pairs for a preference objective) over
+    the micro-batches per step, rounded up so that the last epoch is complete."""
+    stream_type = PairStream if cfg.preference else BatchStream
+    stream = stream_type(dataset.train, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.pack, True, 0)
+    return max(1, math.ceil(cfg.epochs * stream.batches_per_epoch / cfg.grad_accum))
+
+
+@dataclass
+class EarlyStop:
+    """The lowest validation loss (what best/ holds) and --early-stop's patience count."""
+
+    best_val: float | None = None
+    best_step: int | None = None
+    patience_best: float | None = None  # the last loss that improved by at least the delta
+    bad_evals: int = 0
+
+    def update(self, step: int, val: float, delta: float) -> bool:
+        """Count evaluation `val` at `step`; True when it is a new minimum (best/ is due)."""
+        if not math.isfinite(val):
+            self.bad_evals += 1
+            return False
+        if self.patience_best is None or val < self.patience_best - delta:
+            self.patience_best, self.bad_evals = val, 0
+        else:
+            self.bad_evals += 1
+        if self.best_val is None or val < self.best_val:
+            self.best_val, self.best_step = val, step
+            return True
+        return False
+
+    def fields(self) -> dict[str, Any]:
+        return {"best_val": self.best_val, "best_step": self.best_step,
+                "patience_best": self.patience_best, "bad_evals": self.bad_evals}
 
 
 def _count(params) -> int:
@@ -118,8 +156,10 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     optimizer = make_optimizer(cfg)
     optimizer.init(model.trainable_parameters())
     step, position, elapsed_before, tokens_seen = 0, 0, 0.0, 0
+    stopper = EarlyStop()
     if resume_from is not None:
         st, trainable, opt_state = load_checkpoint(resume_from)
+        stopper = EarlyStop(st.best_val, st.best_step, st.patience_best, st.bad_evals)
         load_partial(model, trainable, resume_from)
         restore_optimizer_state(optimizer, opt_state, resume_from)
         mx.random.seed((st.rng[0] << 32) | st.rng[1])
@@ -143,13 +183,16 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     def log(msg: str, level: str = "info") -> None:
         emit(LogEvent(message=msg, level=level))
 
+    def state_now(at_step: int, **extra: Any) -> CheckpointState:
+        return CheckpointState(step=at_step, data_position=position, rng=rng_key(),
+                               elapsed=elapsed_before + (time.perf_counter() - t_start),
+                               tokens_seen=tokens_seen, **stopper.fields(), **extra)
+
     def save(at_step: int) -> None:
         nonlocal last_ckpt, last_saved_step
-        state = CheckpointState(step=at_step, data_position=position, rng=rng_key(),
-                                elapsed=elapsed_before + (time.perf_counter() - t_start),
-                                tokens_seen=tokens_seen)
         trainable = dict(tree_flatten(model.trainable_parameters()))
-        last_ckpt = save_checkpoint(run, state, trainable, flat_optimizer_state(optimizer), cfg.keep_checkpoints)
+        last_ckpt = save_checkpoint(run, state_now(at_step), trainable, flat_optimizer_state(optimizer),
+                                    cfg.keep_checkpoints)
         last_saved_step = at_step
         emit(CheckpointEvent(step=at_step, path=last_ckpt))
 
@@ -163,6 +206,8 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         model.train()
         last_val = val
         emit(EvalEvent(step=at_step, val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_tokens=n, **pref))
+        if stopper.update(at_step, val, cfg.early_stop_delta):
+            save_best(run, state_now(at_step, val_loss=val), dict(tree_flatten(model.trainable_parameters())))
 
     prompts = _sample_prompts(cfg, tokenizer, dataset)
 
@@ -263,6 +308,12 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
                     emit(ev)
             if (cfg.save_every and step % cfg.save_every == 0) or control.take(Command.CHECKPOINT):
                 save(step)
+            if cfg.early_stop and stopper.bad_evals >= cfg.early_stop and step < cfg.steps:
+                reason = "early_stopped"
+                log(f"early stop at step {step}: validation loss has not improved by "
+                    f"{cfg.early_stop_delta:g} for {stopper.bad_evals} evaluations; best/ holds step "
+                    f"{stopper.best_step} (val loss {stopper.best_val:.4f})")
+                break
             if control.stop_at is not None and step >= control.stop_at and step < cfg.steps:
                 reason = "stopped"
                 break
@@ -277,9 +328,11 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     final_path = None
     if reason != "nan" and in_update is not None and last_saved_step != step and step > 0:
         save(step)
-    if reason == "finished":
+    if reason in ("finished", "early_stopped"):
         final_path = write_final(run, cfg, model, tokenizer, facts, step)  # ranks > 0: None
     msg = {"finished": f"finished {step} steps; result in {final_path}",
+           "early_stopped": f"stopped early at step {step}; result in {final_path}; the lowest "
+                            f"validation loss is in {run.best_path} (step {stopper.best_step})",
            "stopped": f"stopped at step {step}; checkpoint {last_ckpt}",
            "interrupted": f"interrupted at step {step}; checkpoint {last_ckpt}; continue with "
                           f"--resume {run.path}",

@@ -23,7 +23,7 @@ from mlxtoy.train.build import train_dtype
 from mlxtoy.train.data import Batch, BatchStream
 from mlxtoy.train.objectives import PreferenceSpec, pair_logps, preference_loss, sft_loss, token_losses
 
-__all__ = ["Reducer", "Stepper", "batch_arrays", "make_optimizer", "make_schedule", "token_losses"]
+__all__ = ["MatrixMuon", "Reducer", "Stepper", "batch_arrays", "block_matrix", "make_optimizer", "make_schedule", "token_losses"]
 
 
 class Reducer(Protocol):
@@ -57,12 +57,42 @@ def make_schedule(cfg: TrainConfig) -> Callable:
     return schedule
 
 
+class MatrixMuon(optim.Muon):
+    """Muon that orthogonalises a stacked weight as the matrix it multiplies by: our per-head
+    projections are (heads, d_head, d_model), which MLX's Muon would flatten to
+    (heads, d_head * d_model) instead of (heads * d_head, d_model)."""
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        shape = parameter.shape
+        if len(shape) <= 2:
+            return super().apply_single(gradient, parameter, state)
+        flat = {"v": state["v"].reshape(-1, shape[-1])}
+        out = super().apply_single(gradient.reshape(-1, shape[-1]), parameter.reshape(-1, shape[-1]), flat)
+        state["v"] = flat["v"].reshape(shape)
+        return out.reshape(shape)
+
+
+def block_matrix(path: str, weight: mx.array) -> bool:
+    """What Muon updates: the blocks' matrices (embeddings, output and vectors take AdamW)."""
+    return path.startswith("layers.") and weight.ndim >= 2
+
+
 def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
-    if cfg.optimizer == "sgd":  # plain SGD with momentum betas[0] (0 = none)
-        return optim.SGD(learning_rate=make_schedule(cfg), momentum=cfg.betas[0],
-                         weight_decay=cfg.weight_decay)
-    return optim.AdamW(learning_rate=make_schedule(cfg), betas=list(cfg.betas), eps=cfg.eps,
-                       weight_decay=cfg.weight_decay)
+    """cfg.optimizer from mlx.optimizers, on cfg's learning-rate schedule."""
+    lr, wd, name = make_schedule(cfg), cfg.weight_decay, cfg.optimizer
+    if name == "sgd":
+        return optim.SGD(learning_rate=lr, momentum=cfg.momentum, weight_decay=wd, nesterov=cfg.nesterov)
+    if name == "adam":
+        return optim.Adam(learning_rate=lr, betas=list(cfg.betas), eps=cfg.eps)
+    if name == "adafactor":  # on our schedule, not Adafactor's own relative step size
+        return optim.Adafactor(learning_rate=lr, weight_decay=wd, relative_step=False, scale_parameter=False)
+    if name == "lion":
+        return optim.Lion(learning_rate=lr, betas=list(cfg.betas), weight_decay=wd)
+    adamw = optim.AdamW(learning_rate=lr, betas=list(cfg.betas), eps=cfg.eps, weight_decay=wd)
+    if name == "muon":
+        muon = MatrixMuon(learning_rate=lr, momentum=cfg.momentum, weight_decay=wd, nesterov=cfg.nesterov)
+        return optim.MultiOptimizer([muon, adamw], [block_matrix])
+    return adamw
 
 
 def batch_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
