@@ -21,7 +21,8 @@ import pytest
 from helpers_train import byte_tokenizer, qa_rows, run_cli, write_jsonl
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.train.data import DataOptions, load_dataset, read_data, tokenize
+from mlxtoy.train.data import load_dataset, tokenize
+from mlxtoy.train.records import DataOptions, read_data
 
 TRICKY = ["plain", "a, comma", 'a "quoted" word', "two\nlines", "NA", "043", "ñ 中文 🤖", " spaced "]
 
@@ -147,7 +148,7 @@ def test_column_options(tmp_path, fmt):
 ERRORS = [
     ([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}, {"prompt": "e", "completion": None}],
      "{where3}: field 'completion' must be a string"),
-    ([{"foo": 1}], "{where1}: missing field: expected 'text', 'prompt'/'completion' or 'messages' (got foo)"),
+    ([{"foo": 1}], "{where1}: missing field: expected 'text', 'prompt'/'completion', 'messages' or 'chosen'/'rejected' (got foo)"),
     ([{"messages": [{"role": "user", "content": None}]}], "{where1}: message 0 'content' must be a string"),
     ([{"messages": []}], "{where1}: 'messages' must be a non-empty list"),
     ([{"text": 5}], "{where1}: field 'text' must be a string"),

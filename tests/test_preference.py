@@ -24,7 +24,8 @@ from mlxtoy.loading import load
 from mlxtoy.models.lora import LoRAHeadProjection, LoRALinear, apply_lora
 from mlxtoy.rundir import REFERENCE_LOGPS, read_metrics
 from mlxtoy.train.control import TrainControl
-from mlxtoy.train.data import Renderer, read_data
+from mlxtoy.train.data import Renderer
+from mlxtoy.train.records import read_data
 from mlxtoy.train.job import resume_config
 from mlxtoy.train.objectives import PreferenceSpec, pair_logps, preference_loss
 from mlxtoy.train.pairs import PairStream, tokenize_pairs
@@ -162,10 +163,11 @@ def test_lora_reference_is_the_base_model(work):
     the loss that a separately loaded base model's log-probs give."""
     model, tok = load(work["model"])
     base, _ = load(work["model"])
+    mx.random.seed(3)  # the adapters' A matrices: fixed, whatever ran before
     apply_lora(model, ["q", "v", "down"], rank=2, alpha=4)
     for i, (_, m) in enumerate(model.named_modules()):
         if isinstance(m, (LoRAHeadProjection, LoRALinear)):
-            m.lora_b = 0.3 * mx.random.normal(m.lora_b.shape, key=mx.random.key(i))
+            m.lora_b = 1.0 * mx.random.normal(m.lora_b.shape, key=mx.random.key(i))
     pairs, _ = tokenize_pairs(read_data(work["data"]).train[:4], tok, 64)
     batch = PairStream(pairs, 4, 64, shuffle=False).batch(0)
     args = pair_arrays(batch, True)
@@ -174,7 +176,7 @@ def test_lora_reference_is_the_base_model(work):
     in_graph = preference_loss(model, PreferenceSpec("dpo", 0.1, adapters_reference=True), *args, norms)[1]
     stored = preference_loss(model, PreferenceSpec("dpo", 0.1), *args[:5], ref, norms)[1]
     np.testing.assert_allclose(np.array(in_graph), np.array(stored), rtol=1e-5, atol=1e-6)
-    assert abs(in_graph[1].item()) > 1e-3  # the adapters moved the policy away from the reference
+    assert abs(in_graph[1].item()) > 1e-2  # the adapters moved the policy away from the reference
     # and the adapters come back on: the policy is not the base
     assert not np.allclose(np.array(pair_logps(model, *args[:5], 4)), np.array(ref))
 
@@ -424,7 +426,8 @@ def test_smollm2_pairs_raise_held_out_pair_accuracy(tmp_path, smollm2_path, held
     t0 = time.time()
     r = run_cli("train", "--model", smollm2_path, "--data", os.path.join(REPO, "assets", "pref"), "--out", str(out),
                 "--objective", objective, "--steps", "8", "--batch-size", "4", "--seq-len", "64", "--lr", "1e-3",
-                "--lora-targets", "q,v,o,down", "--eval-every", "0", "--save-every", "0", timeout=1200)
+                "--lora-targets", "q,v,o,down", "--eval-every", "0", "--eval-batches", "1", "--save-every", "0",
+                timeout=1200)
     wall = time.time() - t0
     assert r.returncode == 0, r.stderr[-2000:]
     model, tok = load(smollm2_path, adapter=str(out))

@@ -33,7 +33,7 @@ from mlxtoy.io import chat_template
 from mlxtoy.io.gguf_file import open_gguf, read_metadata
 from mlxtoy.io.gguf_read import config_from_metadata
 from mlxtoy.rundir import LOCK, read_metrics
-from mlxtoy.train.data import read_data
+from mlxtoy.train.records import read_data
 
 SMALL = ["--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0", "--save-every", "0"]
 

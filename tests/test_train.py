@@ -33,7 +33,8 @@ from mlxtoy.train.control import TrainControl
 from mlxtoy.train.job import prepare, resume_config
 from mlxtoy.train.loop import train
 from mlxtoy.train.step import Stepper, make_optimizer, make_schedule, token_losses
-from mlxtoy.train.data import BatchStream, Record, Renderer, load_dataset, read_data, tokenize
+from mlxtoy.train.data import BatchStream, Renderer, load_dataset, tokenize
+from mlxtoy.train.records import Record, read_data
 
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 

@@ -27,7 +27,8 @@ from mlxtoy.io.registry import BUILTIN, resolve_model
 from mlxtoy.io.tables import dataset_id, is_table_file
 from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
-from mlxtoy.train.data import PREF_KIND, Renderer, read_data
+from mlxtoy.train.data import Renderer
+from mlxtoy.train.records import PREF_KIND, read_data
 from tui.widgets import FilePicker, NavBar
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from mlxtoy.loading import attach_lens, build_model as build_module, load_tokeni
 from mlxtoy.models.init import init_scratch
 from mlxtoy.models.lora import apply_lora, lora_config_dict, quantize_base
 from mlxtoy.rundir import RunFacts
-from mlxtoy.train.data import DataOptions, read_data
+from mlxtoy.train.records import DataOptions, read_data
 
 CHAR_TOKENIZERS = ("char", "byte")  # tokenizer specs a scratch run may name instead of a model
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from mlxtoy.errors import UserError
 from mlxtoy.generate import stream_generate
-from mlxtoy.train.data import Record, Renderer
+from mlxtoy.train.data import Renderer
+from mlxtoy.train.records import Record
 
 
 @dataclass

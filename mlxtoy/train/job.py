@@ -28,8 +28,8 @@ from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
 from mlxtoy.train.checkpoint import pick_checkpoint
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import (DataOptions, Dataset, Renderer, check_objective, load_dataset, read_data,
-                               tokenize)
+from mlxtoy.train.data import Dataset, Renderer, load_dataset, tokenize
+from mlxtoy.train.records import DataOptions, check_objective, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
 from mlxtoy.train.pairs import tokenize_pairs

@@ -33,7 +33,8 @@ from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, load
                                      restore_optimizer_state, save_best, save_checkpoint, save_reference,
                                      write_final)
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import PREF_KIND, BatchStream, Dataset, Renderer
+from mlxtoy.train.data import BatchStream, Dataset, Renderer
+from mlxtoy.train.records import PREF_KIND
 from mlxtoy.train.pairs import PairStream
 from mlxtoy.train.step import Reducer, Stepper, make_optimizer
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlxtoy.errors import UserError
-from mlxtoy.train.data import (PAD_MULTIPLE, Batch, BatchStream, DataStats, Example, Record, Renderer,
-                               pack_rows)
+from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, DataStats, Example, Renderer, pack_rows
+from mlxtoy.train.records import Record
 
 
 @dataclass
