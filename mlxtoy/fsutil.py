@@ -58,6 +58,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def clean_stale(parent: str, basename: str) -> None:
     """Remove what killed writers of `basename` left in `parent` (their temp names carry
     their pid; a live writer's are kept)."""
@@ -71,12 +79,7 @@ def clean_stale(parent: str, basename: str) -> None:
             continue
         pid = name[len(prefix):].split(".", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
-            p = os.path.join(parent, name)
-            if os.path.isdir(p):
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
+            _remove(os.path.join(parent, name))
 
 
 @contextlib.contextmanager
@@ -159,11 +162,6 @@ def clean_temp(folder: str) -> int:
         return 0
     for name in os.listdir(folder):
         if is_temp_name(name):
-            p = os.path.join(folder, name)
-            if os.path.isdir(p):
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
+            _remove(os.path.join(folder, name))
             n += 1
     return n

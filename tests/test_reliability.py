@@ -492,6 +492,19 @@ def test_chat_message_too_long_exits_2(work):
 
 # --------------------------------------------------------------------------- fuzzing
 
+def peak_bytes_of(fn, *args) -> int:
+    """Python's peak allocation while `fn(*args)` runs; it may raise only a UserError."""
+    tracemalloc.start()
+    try:
+        fn(*args)
+    except UserError:
+        pass
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return peak
+
+
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -507,15 +520,7 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 def test_fuzz_data_reader_raises_only_user_errors(tmp_path_factory, lines):
     path = tmp_path_factory.mktemp("fz") / "d.jsonl"
     path.write_bytes(b"\n".join(lines))
-    tracemalloc.start()
-    try:
-        read_data(str(path))
-    except UserError:
-        pass
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    assert peak < 50 * 2**20
+    assert peak_bytes_of(read_data, str(path)) < 50 * 2**20
 
 
 @pytest.fixture(scope="module")
@@ -535,15 +540,7 @@ def test_fuzz_gguf_header_raises_only_user_errors(tmp_path_factory, gguf_seed, d
         raw[i:i + 8] = data.draw(st.binary(min_size=1, max_size=8))
     path = tmp_path_factory.mktemp("fg") / "m.gguf"
     path.write_bytes(bytes(raw))
-    tracemalloc.start()
-    try:
-        open_gguf(str(path))
-    except UserError:
-        pass
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    assert peak < 50 * 2**20
+    assert peak_bytes_of(open_gguf, str(path)) < 50 * 2**20
 
 
 # --------------------------------------------------------------------------- CLI argument errors

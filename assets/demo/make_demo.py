@@ -38,13 +38,17 @@ def main(out_dir: str = os.path.dirname(os.path.abspath(__file__)), seed: int = 
     days = rng.sample(range(start, end + 1), sum(SIZES.values()))
     i = 0
     for split, n in SIZES.items():
-        rows = [example(datetime.date.fromordinal(o)) for o in days[i: i + n]]
+        write_split(out_dir, split, [example(datetime.date.fromordinal(o)) for o in days[i: i + n]])
         i += n
-        tmp = os.path.join(out_dir, f".{split}.jsonl.tmp")
-        with open(tmp, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, os.path.join(out_dir, f"{split}.jsonl"))
+
+
+def write_split(out_dir: str, split: str, rows: list) -> None:
+    """out_dir/<split>.jsonl, written to a temp name and renamed."""
+    tmp = os.path.join(out_dir, f".{split}.jsonl.tmp")
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, os.path.join(out_dir, f"{split}.jsonl"))
 
 
 if __name__ == "__main__":

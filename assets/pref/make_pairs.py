@@ -16,14 +16,13 @@ two splits, and none is in assets/demo's splits' (a different seed draws from ot
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import random
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "demo"))
-from make_demo import MONTHS, PROMPT, answer  # noqa: E402  (the one definition of the task)
+from make_demo import MONTHS, PROMPT, answer, write_split  # noqa: E402  (the one definition of the task)
 
 SIZES = {"train": 400, "valid": 40, "test": 100}
 SYSTEM = "Answer with the date only."
@@ -63,13 +62,9 @@ def main(out_dir: str = HERE, seed: int = 4321) -> None:
     days = rng.sample(range(start, end + 1), sum(SIZES.values()))
     i = 0
     for split, n in SIZES.items():
-        rows = [row(datetime.date.fromordinal(o), rng, split == "valid") for o in days[i: i + n]]
+        write_split(out_dir, split, [row(datetime.date.fromordinal(o), rng, split == "valid")
+                                     for o in days[i: i + n]])
         i += n
-        tmp = os.path.join(out_dir, f".{split}.jsonl.tmp")
-        with open(tmp, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.replace(tmp, os.path.join(out_dir, f"{split}.jsonl"))
 
 
 if __name__ == "__main__":
