@@ -12,7 +12,6 @@ input raises UserError before anything is written.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -180,7 +179,6 @@ class JobResult:
     exit_code: int
     accuracy_before: AccuracyReport | None = None
     accuracy_after: AccuracyReport | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def run_job(build: Callable[[], tuple[TrainConfig, bool]], *, emit: Callable[[Event], None] | None = None,
@@ -277,7 +275,3 @@ def _summary(result: TrainResult, parallel: JobParallel | None) -> dict[str, Any
     if parallel is not None:
         out["world_size"] = parallel.size
     return out
-
-
-def summary_json(job: JobResult) -> str:
-    return json.dumps(job.summary)
