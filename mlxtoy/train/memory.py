@@ -130,6 +130,11 @@ def _child(module: nn.Module, path: str) -> nn.Module | None:
     return module if isinstance(module, nn.Module) else None
 
 
+def _dense_trains(module: nn.Module | None) -> bool:
+    """The module's own weight trains (full fine-tuning), not an adapter around it."""
+    return module is not None and "weight" in module.trainable_parameters()
+
+
 def block_elements(layer: nn.Module, cfg_model, T: int) -> int:
     """Elements one block keeps per token for the backward pass (T: the row length)."""
     m = cfg_model
@@ -146,6 +151,30 @@ def block_elements(layer: nn.Module, cfg_model, T: int) -> int:
         n += d
     if gated and _trains(_child(ffn, "down")):
         n += m.d_ff
+    return n
+
+
+def checkpointed_elements(layer: nn.Module, cfg_model) -> int:
+    """Elements a checkpointed block keeps per token: its input and output and, measured,
+    the input and output gradient of each projection whose own weight trains (MLX forms
+    those weight gradients late, so the recomputed inputs wait with them)."""
+    m = cfg_model
+    d, q_w, kv_w = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head
+    widths = {"attn.q": (d, q_w), "attn.k": (d, kv_w), "attn.v": (d, kv_w), "attn.o": (q_w, d),
+              "ffn.gate": (d, m.d_ff), "ffn.up": (d, m.d_ff), "ffn.down": (m.d_ff, d)}
+    n = 2 * d
+    inputs = set()
+    for path, (w_in, w_out) in widths.items():
+        if _dense_trains(_child(layer, path)):
+            n += w_out
+            inputs.add((path in ("attn.q", "attn.k", "attn.v"), path in ("ffn.gate", "ffn.up"), path, w_in))
+    # q, k, v share their input, and so do gate and up
+    seen = set()
+    for qkv, gate_up, path, w_in in inputs:
+        key = "qkv" if qkv else "gate_up" if gate_up else path
+        if key not in seen:
+            seen.add(key)
+            n += w_in
     return n
 
 
@@ -182,7 +211,7 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
     per_block = [block_elements(layer, m, T) * tokens * item for layer in model.layers[first:]]
     widest = max(per_block, default=0)
     if cfg.grad_checkpoint:
-        kept = 2 * m.d_model * tokens * item * len(per_block)
+        kept = sum(checkpointed_elements(layer, m) for layer in model.layers[first:]) * tokens * item
         acts = kept + int(BLOCKS_TRANSIENT_CHECKPOINTED * widest)
     else:
         acts = sum(per_block) + int(BLOCKS_TRANSIENT * widest)
@@ -234,33 +263,50 @@ def machine_memory() -> tuple[int | None, str]:
     return physical_memory(), "physical memory"
 
 
+def largest_batch(cfg: TrainConfig, model: nn.Module, available: int, **kw) -> int:
+    """The largest batch_size below cfg's whose estimate fits (0: none); the estimate grows
+    with the batch, so a bisection."""
+    lo, hi = 0, cfg.batch_size - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate(replace(cfg, batch_size=mid, **kw), model).peak <= available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def divisors(n: int) -> list[int]:
+    """n's divisors, largest first."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]), reverse=True)
+
+
 def suggestions(cfg: TrainConfig, model: nn.Module, available: int) -> list[str]:
     """Settings that fit in `available` bytes, each re-estimated: a smaller batch, the same
-    effective batch through --grad-accum, gradient checkpointing (alone and with a batch)."""
-    def peak(**kw) -> int:
-        return estimate(replace(cfg, **kw), model).peak
+    effective batch through --grad-accum, gradient checkpointing (alone or with a batch)."""
+    def gb(**kw) -> str:
+        return f"{estimate(replace(cfg, **kw), model).peak / GB:.2f} GB"
 
     out: list[str] = []
-    smaller = [b for b in range(cfg.batch_size - 1, 0, -1) if peak(batch_size=b) <= available]
-    if smaller:
-        b = smaller[0]
-        out.append(f"--batch-size {b} ({peak(batch_size=b) / GB:.2f} GB)")
-        # the same effective batch: a divisor of batch_size, more micro-batches per step
-        div = next((d for d in smaller if cfg.batch_size % d == 0), None)
+    b = largest_batch(cfg, model, available)
+    if b:
+        out.append(f"--batch-size {b} ({gb(batch_size=b)})")
+        # the same effective batch: a divisor of batch_size that fits, more micro-batches
+        div = next((d for d in divisors(cfg.batch_size) if d <= b
+                    and estimate(replace(cfg, batch_size=d, grad_accum=cfg.grad_accum * cfg.batch_size // d),
+                                 model).peak <= available), None)
         if div is not None:
             accum = cfg.grad_accum * cfg.batch_size // div
             out.append(f"--batch-size {div} --grad-accum {accum} (the same effective batch, "
-                       f"{peak(batch_size=div, grad_accum=accum) / GB:.2f} GB)")
+                       f"{gb(batch_size=div, grad_accum=accum)})")
     if not cfg.grad_checkpoint:
-        with_ckpt = peak(grad_checkpoint=True)
-        if with_ckpt <= available:
-            out.append(f"--grad-checkpoint ({with_ckpt / GB:.2f} GB)")
+        if estimate(replace(cfg, grad_checkpoint=True), model).peak <= available:
+            out.append(f"--grad-checkpoint ({gb(grad_checkpoint=True)})")
         else:
-            both = [b for b in range(cfg.batch_size - 1, 0, -1)
-                    if peak(batch_size=b, grad_checkpoint=True) <= available]
-            if both:
-                out.append(f"--grad-checkpoint --batch-size {both[0]} "
-                           f"({peak(batch_size=both[0], grad_checkpoint=True) / GB:.2f} GB)")
+            b = largest_batch(cfg, model, available, grad_checkpoint=True)
+            if b:
+                out.append(f"--grad-checkpoint --batch-size {b} ({gb(batch_size=b, grad_checkpoint=True)})")
     return out
 
 
