@@ -12,7 +12,8 @@ The estimate is a sum of parts, each from real shapes and byte sizes:
   gradients;
 - activations: what the backward pass needs per block and per token (the residual stream
   twice, the q / k / v heads, the attention probabilities -- B x H x T x T, twice: MLX trains
-  through its unfused attention on every backend --, the gated FFN's three d_ff-wide
+  through its unfused attention on CPU and Metal; CUDA's fused backward may keep less, and the
+  estimate is then high --, the gated FFN's three d_ff-wide
   tensors, and the inputs of the projections whose weights or adapters train), for every block
   at or after the first one that trains; with --grad-checkpoint only each block's input and
   output, plus one block recomputed in the backward pass;
