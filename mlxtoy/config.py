@@ -215,6 +215,8 @@ class TrainConfig:
                             "stop the run (exit 1) or skip the step", choices=("stop", "skip"))
     grad_accum: int = option(1, "micro-batches per optimizer step", check="pos")
     grad_checkpoint: bool = option(False, "recompute each block in the backward pass (memory for time)")
+    strict_memory: bool = option(False, "refuse to start a run whose estimated peak memory exceeds the "
+                                 "machine's (default: warn, naming settings that fit)")
     dtype: str = option("auto", "compute dtype (auto: the backend's; float32 on CPU)", choices=DTYPES)
     qlora: str = option("auto", "keep a quantized base quantized (auto: on Metal/CUDA only)",
                         choices=QLORA_MODES, methods=("lora",))

@@ -186,7 +186,7 @@ def test_yaml_numbers_written_as_yaml_strings_still_work(work, tmp_path):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--seq-len", "1000000000"], "longer than the model's context"),
-    (["--batch-size", "100000000"], "GiB for activations"),
+    (["--batch-size", "100000000"], "this run does not fit in memory"),
     (["--steps", "1e20"], "--steps"),
     (["--steps", "99999999999"], "at most"),
     (["--eps", "nan"], "eps must be > 0"),

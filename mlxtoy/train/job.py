@@ -12,7 +12,6 @@ input raises UserError before anything is written.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -31,6 +30,7 @@ from mlxtoy.train.data import Dataset, Renderer, load_dataset, tokenize
 from mlxtoy.train.records import DataOptions, check_objective, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
+from mlxtoy.train.memory import MemoryCheck, check_memory, set_memory_limits
 from mlxtoy.train.pairs import tokenize_pairs
 
 # fields that change the shape of what a checkpoint holds; a resume may not change them
@@ -71,6 +71,7 @@ class Prepared:
     facts: RunFacts
     resume_from: str | None
     notes: list[str] = field(default_factory=list)  # what the job should tell the user
+    memory: MemoryCheck | None = None  # the step's estimated peak against the machine's memory
 
 
 def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module, Any, Dataset, RunFacts]:
@@ -109,7 +110,7 @@ def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
         run.clean_partial()
         _, old = run.read_config()
     model, tokenizer, dataset, facts = load_parts(cfg, old)
-    check_fits(cfg, model)
+    memory = check_fits(cfg, model)
     if cfg.epochs:  # config.yaml records the steps the epochs come to
         cfg.steps = epoch_steps(cfg, dataset)
         cfg.validate()
@@ -128,39 +129,17 @@ def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
         if resume_from is None:
             run.reset_metrics()
         run.create(cfg, facts)
-    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from, notes)
+    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from, notes, memory)
 
 
-def physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def activation_bytes(cfg: TrainConfig, model: nn.Module) -> int:
-    """A floor for one micro-batch's activation memory kept for the backward pass: per layer
-    the residual-width tensors and the (rows, heads, T, T) attention scores, plus the logits
-    and their gradient. Real use is higher; this only has to catch what can never fit."""
-    m = model.config
-    rows, t = cfg.batch_size, cfg.seq_len
-    per_layer = rows * t * (8 * m.d_model + 3 * m.d_ff) + rows * m.n_heads * t * t
-    # with gradient checkpointing only each block's input is kept, and one block is redone
-    kept = m.n_layers * rows * t * m.d_model + per_layer if cfg.grad_checkpoint else m.n_layers * per_layer
-    return 4 * (kept + 2 * rows * t * m.vocab_size)
-
-
-def check_fits(cfg: TrainConfig, model: nn.Module) -> None:
-    """Refuse, before anything is written, shapes the model or the machine cannot take."""
+def check_fits(cfg: TrainConfig, model: nn.Module) -> MemoryCheck:
+    """Refuse, before anything is written, shapes the model cannot take; estimate the step's
+    peak memory and compare it with the machine's (mlxtoy.train.memory: a warning, or with
+    --strict-memory an error, when it will not fit)."""
     context = model.config.context_length
     if cfg.method != "scratch" and context and cfg.seq_len > context:
         raise UserError(f"seq_len {cfg.seq_len} is longer than the model's context ({context} tokens)")
-    need, have = activation_bytes(cfg, model), physical_memory()
-    if have and need > have:
-        raise UserError(f"batch_size {cfg.batch_size} x seq_len {cfg.seq_len} needs at least "
-                        f"{need / 2**30:.1f} GiB for activations; this machine has "
-                        f"{have / 2**30:.1f} GiB (lower --batch-size or --seq-len, or use "
-                        f"--grad-accum / --grad-checkpoint)")
+    return check_memory(cfg, model)
 
 
 class JobParallel(Parallel, Protocol):
@@ -217,6 +196,13 @@ def _run_with(p: Prepared, send, control, parallel, on_accuracy, handle_sigint) 
     cfg, run = p.cfg, p.run
     for note in p.notes:
         send(LogEvent(message=note, level="warning"))
+    if p.memory is not None:
+        send(LogEvent(message=p.memory.line()))
+        if not p.memory.fits:
+            send(LogEvent(message=p.memory.warning(), level="warning"))
+        limits = set_memory_limits(p.memory)
+        if limits:
+            send(LogEvent(message=limits))
     if parallel is not None:
         send(LogEvent(message=f"data-parallel over {parallel.size} ranks: {cfg.batch_size // parallel.size} "
                               f"of the {cfg.batch_size} rows of every batch per rank"))

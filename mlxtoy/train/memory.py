@@ -1,0 +1,343 @@
+"""The memory guard: an estimate of a training step's peak memory, made before step 1 from
+the real model and the run's shapes, compared with what the machine offers.
+
+The estimate is a sum of parts, each from real shapes and byte sizes:
+
+- weights: every parameter array of the model as loaded (frozen base, adapters, quantized
+  scales), its actual bytes;
+- trainable state: the gradients (the trainable arrays' bytes) and the optimizer's slots per
+  trainable array (adamw / adam 2, sgd with momentum 1, lion 1, muon 1 on the blocks'
+  matrices and 2 elsewhere, adafactor a row and a column vector per matrix); with mixed
+  precision the low-precision copies of the trainable weights; with --grad-accum the summed
+  gradients;
+- activations: what the backward pass needs per block and per token (the residual stream
+  twice, the q / k / v heads, the attention probabilities -- B x H x T x T, twice: MLX trains
+  through its unfused attention on CPU and Metal; CUDA's fused backward may keep less, and the
+  estimate is then high --, the gated FFN's three d_ff-wide
+  tensors, and the inputs of the projections whose weights or adapters train), for every block
+  at or after the first one that trains; with --grad-checkpoint only each block's input and
+  output, plus one block recomputed in the backward pass;
+- the logits over the vocabulary and their gradient (the loss keeps the softmax in float32).
+
+The step's peak is the larger of two moments: the start of the backward pass (everything
+above) and the optimizer update (weights, optimizer state, gradients and the updated arrays).
+The per-block and per-moment factors were measured on the compiled step (`Stepper`) with
+`mx.get_peak_memory()`: within 10% on SmolLM2-135M for LoRA and full fine-tuning (README).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxtoy import backend
+from mlxtoy.config import TrainConfig
+from mlxtoy.errors import UserError
+from mlxtoy.train.build import train_dtype
+from mlxtoy.train.step import block_matrix
+
+GB = 1e9
+# calibration, measured on the compiled step (CPU, float32; see the module docstring)
+ATTN_COPIES = 2  # (B, H, T, T) arrays a block keeps: masked scores and their softmax
+BLOCKS_TRANSIENT = 1.5  # beyond the kept activations: the block being differentiated
+BLOCKS_TRANSIENT_CHECKPOINTED = 2.75  # a recomputed block, its backward and its temporaries
+UPDATE_STATE_SHARE = 0.075  # the optimizer update's temporaries, as a share of its state
+REFUSE_FACTOR = 2.0  # beyond this many times the machine's memory a run is refused outright
+MEMORY_ENV = "MLXTOY_MEMORY_GB"  # overrides the machine's memory figure (leave room, tests)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes at a training step's peak, by part (see the module docstring)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    update: int  # the optimizer update's moment: weights, state, gradients, new arrays
+    peak: int
+
+    def describe(self) -> str:
+        return (f"{self.peak / GB:.2f} GB (weights {self.weights / GB:.2f}, gradients "
+                f"{self.gradients / GB:.2f}, optimizer {self.optimizer / GB:.2f}, activations "
+                f"{self.activations / GB:.2f}, logits {self.logits / GB:.2f})")
+
+
+@dataclass
+class MemoryCheck:
+    """The estimate against the machine: what to print, and what would fit when it does not."""
+
+    estimate: MemoryEstimate
+    available: int | None
+    source: str  # what `available` is: "physical memory", "Metal's recommended working set", ...
+    suggestions: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.estimate.peak <= self.available
+
+    def line(self) -> str:
+        """The start-up line: the estimate and the machine's figure."""
+        have = (f" of {self.available / GB:.1f} GB ({self.source})" if self.available else
+                " (the machine's memory is unknown)")
+        return f"memory: estimated peak {self.estimate.describe()}{have}"
+
+    def warning(self) -> str:
+        """Why it will not fit, and the settings that would (re-estimated)."""
+        fix = ("; settings that fit: " + "; ".join(self.suggestions) if self.suggestions else
+               "; nothing smaller fits (try a shorter --seq-len or a smaller model)")
+        return (f"this run may not fit in memory: estimated peak {self.estimate.peak / GB:.2f} GB, "
+                f"{self.source} {self.available / GB:.1f} GB{fix}")
+
+
+def optimizer_bytes(cfg: TrainConfig, trainable: list[tuple[str, mx.array]]) -> int:
+    """The optimizer state cfg.optimizer keeps for these trainable arrays (as mlx.optimizers
+    lays it out: per array, in the array's dtype)."""
+    total = 0
+    for path, p in trainable:
+        if cfg.optimizer in ("adamw", "adam"):
+            total += 2 * p.nbytes
+        elif cfg.optimizer == "sgd":
+            total += p.nbytes if cfg.momentum > 0 else 0
+        elif cfg.optimizer == "lion":
+            total += p.nbytes
+        elif cfg.optimizer == "muon":  # momentum on the blocks' matrices, AdamW on the rest
+            total += p.nbytes if block_matrix(path, p) else 2 * p.nbytes
+        elif cfg.optimizer == "adafactor":  # factored second moments: a row and a column
+            if p.ndim >= 2:
+                rows = math.prod(p.shape[:-1])
+                cols = math.prod(p.shape[:-2]) * p.shape[-1]
+                total += (rows + cols) * p.dtype.size
+            else:
+                total += p.nbytes
+    return total
+
+
+def _trains(module: nn.Module | None) -> bool:
+    return module is not None and bool(tree_flatten(module.trainable_parameters()))
+
+
+def _child(module: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        if not isinstance(module, nn.Module) or name not in module:
+            return None
+        module = module[name]
+    return module if isinstance(module, nn.Module) else None
+
+
+def _dense_trains(module: nn.Module | None) -> bool:
+    """The module's own weight trains (full fine-tuning), not an adapter around it."""
+    return module is not None and "weight" in module.trainable_parameters()
+
+
+def block_elements(layer: nn.Module, cfg_model, T: int) -> int:
+    """Elements one block keeps per token for the backward pass (T: the row length)."""
+    m = cfg_model
+    d, q_w, kv_w = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head
+    ffn = _child(layer, "ffn")
+    gated = ffn is not None and "gate" in ffn
+    n = 2 * d + q_w + 2 * kv_w + ATTN_COPIES * m.n_heads * T + (3 if gated else 2) * m.d_ff
+    if any(_trains(_child(layer, f"attn.{p}")) for p in ("q", "k", "v")):
+        n += d  # the normed input, for the q/k/v weights' (or adapters') gradients
+    if _trains(_child(layer, "attn.o")):
+        n += q_w
+    if gated and (_trains(_child(ffn, "gate")) or _trains(_child(ffn, "up"))) or (
+            not gated and _trains(ffn) and not _trains(_child(ffn, "down"))):
+        n += d
+    if gated and _trains(_child(ffn, "down")):
+        n += m.d_ff
+    return n
+
+
+def checkpointed_elements(layer: nn.Module, cfg_model) -> int:
+    """Elements a checkpointed block keeps per token: its input and output and, measured,
+    the input and output gradient of each projection whose own weight trains (MLX forms
+    those weight gradients late, so the recomputed inputs wait with them)."""
+    m = cfg_model
+    d, q_w, kv_w = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head
+    widths = {"attn.q": (d, q_w), "attn.k": (d, kv_w), "attn.v": (d, kv_w), "attn.o": (q_w, d),
+              "ffn.gate": (d, m.d_ff), "ffn.up": (d, m.d_ff), "ffn.down": (m.d_ff, d)}
+    n = 2 * d
+    inputs = set()
+    for path, (w_in, w_out) in widths.items():
+        if _dense_trains(_child(layer, path)):
+            n += w_out
+            inputs.add((path in ("attn.q", "attn.k", "attn.v"), path in ("ffn.gate", "ffn.up"), path, w_in))
+    # q, k, v share their input, and so do gate and up
+    seen = set()
+    for qkv, gate_up, path, w_in in inputs:
+        key = "qkv" if qkv else "gate_up" if gate_up else path
+        if key not in seen:
+            seen.add(key)
+            n += w_in
+    return n
+
+
+def first_trained_block(model: nn.Module) -> int:
+    """Blocks before this one need no backward pass (and keep nothing for it)."""
+    if any(_trains(_child(model, name)) for name in ("tok_embeddings", "pos_embeddings", "lens")):
+        return 0
+    for i, layer in enumerate(model.layers):
+        if _trains(layer):
+            return i
+    return len(model.layers)
+
+
+def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
+    """The peak memory of one training step of `model` under `cfg` (see the module docstring).
+
+    What trains is read from the model (its trainable arrays), not from the method's name."""
+    m = model.config
+    trainable = tree_flatten(model.trainable_parameters())
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    grads = sum(v.nbytes for _, v in trainable)
+    opt = optimizer_bytes(cfg, trainable)
+    act_dtype = train_dtype(cfg)
+    item = act_dtype.size
+    low_copies = 0  # mixed precision: the step casts the float32 masters down
+    if act_dtype != mx.float32 and cfg.method in ("full", "scratch"):
+        low_copies = sum(v.size for _, v in trainable) * item
+    # rows and their length: a preference batch holds pairs (two sequences each)
+    rows, T = cfg.batch_size, cfg.seq_len
+    if cfg.preference:
+        rows, T = (rows, 2 * T) if cfg.pack else (2 * rows, T)
+    tokens = rows * T
+    first = first_trained_block(model)
+    per_block = [block_elements(layer, m, T) * tokens * item for layer in model.layers[first:]]
+    widest = max(per_block, default=0)
+    if cfg.grad_checkpoint:
+        kept = sum(checkpointed_elements(layer, m) for layer in model.layers[first:]) * tokens * item
+        acts = kept + int(BLOCKS_TRANSIENT_CHECKPOINTED * widest)
+    else:
+        acts = sum(per_block) + int(BLOCKS_TRANSIENT * widest)
+    # logits (compute dtype) with the loss's float32 softmax and exponentials, then their
+    # gradient; DPO with adapters adds the reference's forward (no gradient)
+    logits = tokens * m.vocab_size * (item + 8)
+    if cfg.objective == "dpo" and cfg.method not in ("full", "scratch"):
+        logits += tokens * m.vocab_size * 4
+    accum = 2 * grads if cfg.grad_accum > 1 else 0  # the running sum and a micro-batch's
+    backward = weights + opt + low_copies + acts + logits + accum
+    update = weights + opt + 2 * grads + int(UPDATE_STATE_SHARE * opt) + (grads if cfg.grad_accum > 1 else 0)
+    return MemoryEstimate(weights=weights, gradients=grads, optimizer=opt, activations=acts,
+                          logits=logits, update=update, peak=max(backward, update))
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _device_info() -> dict:
+    try:
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    except (RuntimeError, AttributeError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def machine_memory() -> tuple[int | None, str]:
+    """(bytes a training step may use, what that figure is): on Metal the recommended working
+    set, on CUDA the GPU's memory, else the physical memory. MLXTOY_MEMORY_GB overrides it."""
+    override = os.environ.get(MEMORY_ENV, "").strip()
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            raise UserError(f"{MEMORY_ENV}={override!r}: expected a number of GB") from None
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"{MEMORY_ENV}={override!r}: expected a number of GB > 0")
+        return int(value * GB), MEMORY_ENV
+    device = backend.INFO.device
+    info = _device_info() if device in ("metal", "cuda") else {}
+    if device == "metal" and info.get("max_recommended_working_set_size"):
+        return int(info["max_recommended_working_set_size"]), "Metal's recommended working set"
+    if device == "cuda" and info.get("total_memory"):
+        return int(info["total_memory"]), "GPU memory"
+    return physical_memory(), "physical memory"
+
+
+def largest_batch(cfg: TrainConfig, model: nn.Module, available: int, **kw) -> int:
+    """The largest batch_size below cfg's whose estimate fits (0: none); the estimate grows
+    with the batch, so a bisection."""
+    lo, hi = 0, cfg.batch_size - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate(replace(cfg, batch_size=mid, **kw), model).peak <= available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def divisors(n: int) -> list[int]:
+    """n's divisors, largest first."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]), reverse=True)
+
+
+def suggestions(cfg: TrainConfig, model: nn.Module, available: int) -> list[str]:
+    """Settings that fit in `available` bytes, each re-estimated: a smaller batch, the same
+    effective batch through --grad-accum, gradient checkpointing (alone or with a batch)."""
+    def gb(**kw) -> str:
+        return f"{estimate(replace(cfg, **kw), model).peak / GB:.2f} GB"
+
+    out: list[str] = []
+    b = largest_batch(cfg, model, available)
+    if b:
+        out.append(f"--batch-size {b} ({gb(batch_size=b)})")
+        # the same effective batch: a divisor of batch_size that fits, more micro-batches
+        div = next((d for d in divisors(cfg.batch_size) if d <= b
+                    and estimate(replace(cfg, batch_size=d, grad_accum=cfg.grad_accum * cfg.batch_size // d),
+                                 model).peak <= available), None)
+        if div is not None:
+            accum = cfg.grad_accum * cfg.batch_size // div
+            out.append(f"--batch-size {div} --grad-accum {accum} (the same effective batch, "
+                       f"{gb(batch_size=div, grad_accum=accum)})")
+    if not cfg.grad_checkpoint:
+        if estimate(replace(cfg, grad_checkpoint=True), model).peak <= available:
+            out.append(f"--grad-checkpoint ({gb(grad_checkpoint=True)})")
+        else:
+            b = largest_batch(cfg, model, available, grad_checkpoint=True)
+            if b:
+                out.append(f"--grad-checkpoint --batch-size {b} ({gb(batch_size=b, grad_checkpoint=True)})")
+    return out
+
+
+def check_memory(cfg: TrainConfig, model: nn.Module) -> MemoryCheck:
+    """The estimate against the machine's memory; refuse (UserError) a run that will not fit
+    with --strict-memory, or one beyond REFUSE_FACTOR times the machine's memory."""
+    est = estimate(cfg, model)
+    available, source = machine_memory()
+    check = MemoryCheck(est, available, source, [])
+    if check.fits:
+        return check
+    check.suggestions = suggestions(cfg, model, available)
+    if cfg.strict_memory or est.peak > REFUSE_FACTOR * available:
+        why = "" if cfg.strict_memory else f" (over {REFUSE_FACTOR:g}x; --strict-memory refuses any excess)"
+        raise UserError(check.warning().replace("this run may not fit", "this run does not fit") + why)
+    return check
+
+
+def set_memory_limits(check: MemoryCheck) -> str | None:
+    """On Metal: wire the recommended working set (the weights stay resident) and let MLX's
+    buffer cache hold what the step leaves free of it. Elsewhere nothing is changed. Returns
+    what was set, for the log."""
+    if backend.INFO.device != "metal" or not check.available:
+        return None
+    info = _device_info()
+    wired = int(info.get("max_recommended_working_set_size") or check.available)
+    cache = max(1 << 30, check.available - check.estimate.peak)
+    try:
+        mx.set_wired_limit(min(wired, check.available))
+        mx.set_cache_limit(cache)
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    return f"Metal wired limit {min(wired, check.available) / GB:.1f} GB, cache limit {cache / GB:.1f} GB"
