@@ -62,6 +62,7 @@ def _dora_model(name: str, targets=ALL, per_head_q: bool = True, layers=None, se
     """(base model, DoRA-wrapped copy with trained-looking adapters, tokenizer)."""
     base = tiny_model(name, seed)
     model = tiny_model(name, seed)
+    mx.random.seed(seed)  # A's Gaussian init
     apply_lora(model, targets, rank=4, alpha=8.0, per_head_q=per_head_q, layers=layers, dora=True)
     _as_trained(model, seed)
     return base, model, _tokenizer(base)
@@ -157,10 +158,11 @@ def _fd_errors(model, loss_of, names, eps, n_coords=3):
 
 def test_gradients_equal_finite_differences(monkeypatch):
     """The wrappers alone in float64 (no fused float32 kernels: tight), then the whole model
-    (MLX's fused RMSNorm / attention work in float32 inside: eps 3e-3, 2%). B and m are away
+    (MLX's fused RMSNorm / attention work in float32 inside: eps 1e-2, 2%). B and m are away
     from their start; the norm's own gradient is included, so a detached norm (PEFT's and
     mlx-lm's training shortcut) does not match the differences."""
     model = tiny_model("qwen2_bias")
+    mx.random.seed(0)
     apply_lora(model, ALL, rank=2, alpha=4.0, per_head_q=True, dora=True)
     _as_trained(model)
     model.set_dtype(mx.float64)
@@ -201,7 +203,7 @@ def test_gradients_equal_finite_differences(monkeypatch):
     names = [f"layers.0.attn.q.{p}" for p in ("lora_a", "lora_b", "magnitude")]
     names += ["layers.1.attn.k.magnitude", "layers.1.ffn.down.lora_b"]
     worst = 0.0
-    for name, g, fd in _fd_errors(model, model_loss, names, eps=3e-3, n_coords=2):
+    for name, g, fd in _fd_errors(model, model_loss, names, eps=1e-2, n_coords=2):
         worst = max(worst, abs(fd - g) / abs(g))
         assert abs(fd - g) <= 1e-4 + 2e-2 * abs(g), (name, g, fd)
     print(f"DoRA model gradients vs finite differences: max relative error {worst:.1e}")
