@@ -75,10 +75,12 @@ def dora_norm(w: mx.array, a: mx.array, b: mx.array, scale: float) -> mx.array:
 
 
 def _dora_out(y: mx.array, d: mx.array, k: mx.array, base: nn.Module) -> mx.array:
-    """k * (x W^T + d) + bias, written so that k == 1 and d == 0 give y exactly."""
+    """k * (x W^T + d) + bias from y = base(x), written so that k == 1 and d == 0 give y
+    exactly (without a bias the backward keeps one activation, y + d, not two)."""
     k = k.astype(y.dtype)
-    y0 = y - base.bias.astype(y.dtype) if "bias" in base else y
-    return y + (k - 1) * y0 + k * d
+    if "bias" not in base:
+        return k * (y + d)
+    return y + (k - 1) * (y - base.bias.astype(y.dtype)) + k * d
 
 
 def _gaussian_a(shape: tuple[int, ...], d_in: int) -> mx.array:
