@@ -26,15 +26,17 @@ import transformers
 from mlx.utils import tree_flatten
 
 import llama_cpp  # noqa: F401  (declared test dependency: fail, not skip, without it)
-from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_diff, our_logits, tiny_model,
-                            tiny_tokenizer_metadata, tokens_128)
+from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_diff, our_logits, randomize,
+                            tiny_model, tiny_tokenizer_metadata, tokens_128)
+from helpers_parity import llama_quantize
 from helpers_train import qa_rows, run_training, write_jsonl, write_tiny_model_folder
 from mlxtoy.cli import main as cli_main
-from mlxtoy.config import TrainConfig
+from mlxtoy.config import LoadedMeta, ModelConfig, TrainConfig
 from mlxtoy.export import export_model, lora_from_model
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.loading import adapter_weights, build_model, load
 from mlxtoy.models import lora as lora_mod
+from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import apply_lora, dense_weight, lora_modules, merge_lora
 from mlxtoy.rundir import read_metrics
 from mlxtoy.train.control import TrainControl
@@ -311,6 +313,26 @@ def test_merged_gguf_and_hf_equal_the_adapted_model(tmp_path, name):
     hf = export_model(model, tok, str(tmp_path / "hf"), "hf", "f32")
     assert max_rel_diff(_hf_logits(hf, tokens), ours) <= 1e-4
     assert lora_from_model(model).dora
+
+
+def test_merged_k_quant_is_llama_cpps_quantizer_on_the_merged_f16(tmp_path):
+    """--dtype q6_k of a DoRA model: the bytes of llama.cpp's quantizer run on our merged F16,
+    and close to our adapted model (rows of 256, so every matrix takes the K-quant)."""
+    cfg = ModelConfig(arch="llama", vocab_size=VOCAB, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_head=64,
+                      d_ff=512, norm_eps=1e-5, rope_base=10000.0, context_length=256)
+    model = randomize(LlamaModel(cfg), 0)
+    model.meta = LoadedMeta(source="tiny-256", format="gguf", metadata=tiny_tokenizer_metadata())
+    mx.random.seed(0)
+    apply_lora(model, ALL, rank=4, alpha=8.0, per_head_q=True, dora=True)
+    _as_trained(model)
+    tok = _tokenizer(model)
+    q6 = export_model(model, tok, str(tmp_path / "q6.gguf"), "gguf", "q6_k")
+    f16 = export_model(model, tok, str(tmp_path / "f16.gguf"), "gguf", "f16")
+    with open(q6, "rb") as a, open(llama_quantize(f16, str(tmp_path / "direct.gguf"), "Q6_K"), "rb") as b:
+        assert a.read() == b.read()
+    tokens = tokens_128()
+    ours, theirs = our_logits(model, tokens), llama_cpp_logits(q6, tokens)
+    assert argmax_agreement(theirs, ours) >= 0.95 and max_rel_diff(theirs, ours) <= 0.03
 
 
 # ---- the trainer ------------------------------------------------------------------------------
