@@ -130,7 +130,8 @@ class LoadedMeta:
 # Training configuration
 # ---------------------------------------------------------------------------------------------
 
-TRAIN_METHODS = ("lora", "full", "scratch")
+TRAIN_METHODS = ("lora", "dora", "full", "scratch")
+ADAPTER_METHODS = ("lora", "dora")  # a frozen base with low-rank adapters (mlxtoy.models.lora)
 SCHEDULES = ("cosine", "linear", "constant")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -177,7 +178,8 @@ class TrainConfig:
     data: str = option("", "a .jsonl/.txt/.parquet/.csv/.arrow file, a folder with train/valid(/test) "
                        "files, or a Hugging Face dataset id (org/name[@rev])")
     out: str = option("", "the run directory to create")
-    method: str = option("lora", "what is trained: LoRA adapters, every block weight, or a new model",
+    method: str = option("lora", "what is trained: LoRA adapters, DoRA adapters (LoRA plus a magnitude "
+                         "per output row), every block weight, or a new model",
                          choices=TRAIN_METHODS)
     objective: str = option("sft", "the loss: supervised next-token (sft), or preference pairs with DPO "
                             "(against the frozen starting point) or ORPO (no reference)", choices=OBJECTIVES)
@@ -219,19 +221,19 @@ class TrainConfig:
                                  "machine's (default: warn, naming settings that fit)")
     dtype: str = option("auto", "compute dtype (auto: the backend's; float32 on CPU)", choices=DTYPES)
     qlora: str = option("auto", "keep a quantized base quantized (auto: on Metal/CUDA only)",
-                        choices=QLORA_MODES, methods=("lora",))
+                        choices=QLORA_MODES, methods=ADAPTER_METHODS)
 
     # LoRA
-    lora_rank: int = option(8, "LoRA rank", check="pos", methods=("lora",), label="lora rank")
-    lora_alpha: float = option(16.0, "LoRA alpha (scale = alpha / rank)", check="pos", methods=("lora",),
+    lora_rank: int = option(8, "LoRA rank", check="pos", methods=ADAPTER_METHODS, label="lora rank")
+    lora_alpha: float = option(16.0, "LoRA alpha (scale = alpha / rank)", check="pos", methods=ADAPTER_METHODS,
                                label="lora alpha")
-    lora_dropout: float = option(0.0, "dropout on the LoRA input", check="frac", methods=("lora",))
+    lora_dropout: float = option(0.0, "dropout on the LoRA input", check="frac", methods=ADAPTER_METHODS)
     lora_targets: list[str] = option(["q", "v"], f"comma-separated, from {','.join(LORA_TARGETS)}",
-                                     choices=LORA_TARGETS, methods=("lora",), label="lora targets",
+                                     choices=LORA_TARGETS, methods=ADAPTER_METHODS, label="lora targets",
                                      noun="LoRA target")
-    lora_per_head_q: bool = option(False, "per-head Q LoRA (A_h, B_h per Q head)", methods=("lora",))
+    lora_per_head_q: bool = option(False, "per-head Q LoRA (A_h, B_h per Q head)", methods=ADAPTER_METHODS)
     lora_layers: list[int] | None = option(None, "comma-separated block indices (negative from the end); "
-                                           "default all", methods=("lora",))
+                                           "default all", methods=ADAPTER_METHODS)
 
     # full fine-tuning: block weights always; these are opt-in
     train_embeddings: bool = option(False, "also train the token embeddings", methods=("full",))
@@ -333,7 +335,7 @@ class TrainConfig:
             raise bad("adam has no weight decay (use adamw)")
         if self.nesterov and self.optimizer in ("sgd", "muon") and self.momentum <= 0:
             raise bad("nesterov needs momentum > 0")
-        if self.method == "lora":
+        if self.adapters:
             if not self.lora_targets:
                 raise bad("lora_targets is empty")
             if self.lora_per_head_q and "q" not in self.lora_targets:
@@ -347,6 +349,11 @@ class TrainConfig:
         if not self.data_split.strip():
             raise bad("data_split is empty (e.g. train)")
         return self
+
+    @property
+    def adapters(self) -> bool:
+        """Trains adapters on a frozen base (LoRA, DoRA) rather than the weights themselves."""
+        return self.method in ADAPTER_METHODS
 
     @property
     def preference(self) -> bool:

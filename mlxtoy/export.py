@@ -20,6 +20,12 @@ llama's q/k rows are GGML adjacent-pair in GGUF and NEOX in HF / mlx-lm / PEFT) 
 
     llama.cpp:  alpha / rank, rank read from each B    PEFT: lora_alpha / r (rank_pattern)
     mlx-lm:     one `scale` for every adapted layer, one rank (narrower adapters zero-padded)
+
+DoRA adds a magnitude m per row (W' = m * (W + delta W) / ||W + delta W||_row). A row's norm
+is of the whole updated row, so m joins by rows too; rows the outside tensor has without an
+adapter (a fused part, a padded layer) get m = ||W||_row, which leaves them as they are. PEFT
+(`use_dora`, `lora_magnitude_vector`) and mlx-lm (`fine_tune_type: dora`, `.m`) take m in HF
+row order; llama.cpp's adapter GGUF has no DoRA (merged exports only).
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
@@ -44,7 +49,7 @@ from mlxtoy.io.gguf_write import GGUF_DTYPES, gguf_spec, write_gguf, write_lora_
 from mlxtoy.io.hf import save_hf
 from mlxtoy.io.quantize import QUANT_TYPES, find_quantizer, quantize_gguf
 from mlxtoy.loading import load_run_model, load_weights
-from mlxtoy.models.lora import LORA_TYPES, LoRAHeadProjection, lora_modules
+from mlxtoy.models.lora import LORA_TYPES, LoRAHeadProjection, dense_weight, is_dora, lora_modules, row_norms
 from mlxtoy.rundir import is_run_or_checkpoint, locate
 
 FORMATS = ("gguf", "adapter-gguf", "hf", "mlx-lm", "peft")
@@ -58,6 +63,7 @@ class LoraUpdate:
     A: np.ndarray
     B: np.ndarray
     scale: float
+    magnitude: np.ndarray | None = None  # DoRA: m (d_out,), our row order
 
     @property
     def rank(self) -> int:
@@ -75,6 +81,7 @@ class LoraSet:
     rank: int
     alpha: float
     base: str | None = None  # the base MODEL the run was trained on
+    dora: bool = False  # every update has a magnitude
 
     @property
     def nominal_scale(self) -> float:
@@ -112,13 +119,14 @@ def per_head_to_fused(A_h: np.ndarray, B_h: np.ndarray) -> tuple[np.ndarray, np.
 
 @dataclass
 class Adapted:
-    """One outside tensor's LoRA: delta = B @ A (scale folded into B), B's rows in our (GGUF)
-    order; `row` is the spec's name-table row (GGUF name, HF module, HF transform)."""
+    """One outside tensor's LoRA: delta = B @ A (scale folded into B), B's rows (and DoRA's m)
+    in our (GGUF) order; `row` is the spec's name-table row (GGUF name, HF module, HF transform)."""
 
     layer: int
     row: Tensor
     A: np.ndarray
     B: np.ndarray
+    m: np.ndarray | None = None
 
     @property
     def rank(self) -> int:
@@ -129,10 +137,19 @@ class Adapted:
         return self.row.hf.removesuffix(".weight")
 
 
-def outside_updates(lora: LoraSet, cfg: ModelConfig) -> list[Adapted]:
+def base_row_norms(weights: dict[str, mx.array], layer: int, row: Tensor) -> np.ndarray:
+    """||W||_row of an outside tensor from our (unadapted) weights: the DoRA magnitude that
+    leaves its rows unchanged."""
+    return np.concatenate([np.array(row_norms(weights[f"layers.{layer}.{p}"]).astype(mx.float32)).reshape(-1)
+                           for p in row.ours])
+
+
+def outside_updates(lora: LoraSet, cfg: ModelConfig,
+                    weights: dict[str, mx.array] | None = None) -> list[Adapted]:
     """The run's updates per outside tensor, in the name table's order. Updates of weights the
     outside formats fuse (q | k | v, gate | up) join exactly: A stacked, B block-diagonal at
-    each part's rows (parts without an adapter get zero rows)."""
+    each part's rows (parts without an adapter get zero rows; with DoRA, m = their row norms
+    in `weights`)."""
     spec = spec_of(cfg.arch)
     shapes = expected_shapes(cfg)
     groups: dict[tuple[int, int], dict[int, LoraUpdate]] = {}
@@ -150,18 +167,24 @@ def outside_updates(lora: LoraSet, cfg: ModelConfig) -> list[Adapted]:
             u, start = parts[i], sum(rows[:i])
             B[start:start + rows[i], col:col + u.rank] = u.B * np.float32(u.scale)
             col += u.rank
-        out.append(Adapted(layer, row, A, B))
+        m = None
+        if lora.dora:
+            m = np.concatenate([parts[i].magnitude if i in parts else
+                                base_row_norms(weights, layer, Tensor((p,), None, None))
+                                for i, p in enumerate(row.ours)]).astype(np.float32)
+        out.append(Adapted(layer, row, A, B, m))
     return out
 
 
-def _hf_rows(cfg: ModelConfig, a: Adapted) -> np.ndarray:
-    """B's rows in Hugging Face order (the row's transform; llama's q/k: adjacent-pair -> NEOX)."""
-    tf = a.row.hf_transform
+def _hf_rows(cfg: ModelConfig, row: Tensor, x: np.ndarray) -> np.ndarray:
+    """x's rows (a B, or DoRA's m) in Hugging Face order (the row's transform; llama's q/k:
+    adjacent-pair -> NEOX)."""
+    tf = row.hf_transform
     if tf is None:
-        return a.B
+        return x
     if not tf.rows:
-        raise UserError(f"{cfg.arch}: adapters on {a.row.hf} have no row-wise HF layout")
-    return np.array(tf.to_hf(mx.array(a.B), cfg))
+        raise UserError(f"{cfg.arch}: adapters on {row.hf} have no row-wise HF layout")
+    return np.array(tf.to_hf(mx.array(x.reshape(x.shape[0], -1)), cfg)).reshape(x.shape)
 
 
 def _np_dtype(dtype: str):
@@ -186,6 +209,9 @@ def lora_to_llama_cpp(lora: LoraSet, cfg: ModelConfig) -> tuple[dict[str, tuple[
 
 
 def write_adapter_gguf(path: str, src: Source, dtype: str = "f32") -> str:
+    if _need_lora(src).dora:
+        raise UserError(f"{src.label or 'source'}: llama.cpp's LoRA adapter GGUF has no DoRA (its per-row "
+                        "magnitude): export the merged model instead (--format gguf)")
     adapters, alpha = lora_to_llama_cpp(_need_lora(src), src.cfg)
     return write_lora_gguf(path, src.cfg, adapters, alpha, metadata=src.meta.metadata if src.meta else None,
                            dtype=dtype)
@@ -195,13 +221,14 @@ def write_mlx_lm(path: str, src: Source, dtype: str = "f32") -> str:
     """adapters.safetensors + adapter_config.json for `mlx_lm.load(..., adapter_path=PATH)`.
 
     mlx-lm has one rank and one scale for every adapted layer, the same keys in each of the
-    last `num_layers` layers: narrower adapters are zero-padded (exact), missing ones are zero,
-    and each adapter's own scale is folded into its B.
+    last `num_layers` layers: narrower adapters are zero-padded (exact), missing ones are zero
+    (DoRA: m = the base's row norms), and each adapter's own scale is folded into its B.
     """
     lora = _need_lora(src)
     cfg = src.cfg
     np_dtype = _np_dtype(dtype)
-    items = outside_updates(lora, cfg)
+    items = outside_updates(lora, cfg, src.weights)
+    rows = {a.hf_module: a.row for a in items}
     rank = max(a.rank for a in items)
     scale = lora.nominal_scale or 1.0
     by_key = {(a.layer, a.hf_module): a for a in items}
@@ -215,12 +242,15 @@ def write_mlx_lm(path: str, src: Source, dtype: str = "f32") -> str:
             u = by_key.get((layer, module))
             if u is not None:
                 a[:, :u.rank] = u.A.T
-                b[:u.rank, :] = (_hf_rows(cfg, u) / np.float32(scale)).T
+                b[:u.rank, :] = (_hf_rows(cfg, u.row, u.B) / np.float32(scale)).T
             name = src_hf_block(cfg, layer) + module
             tensors[f"{name}.lora_a"] = a.astype(np_dtype)
             tensors[f"{name}.lora_b"] = b.astype(np_dtype)
+            if lora.dora:
+                m = u.m if u is not None else base_row_norms(src.weights, layer, rows[module])
+                tensors[f"{name}.m"] = _hf_rows(cfg, rows[module], m).astype(np_dtype)
     config = {
-        "fine_tune_type": "lora",
+        "fine_tune_type": "dora" if lora.dora else "lora",
         "num_layers": cfg.n_layers - first,
         "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0,
                             "keys": list(dims)},
@@ -239,13 +269,15 @@ def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
     """adapter_model.safetensors + adapter_config.json for `PeftModel.from_pretrained`.
 
     PEFT scales each module by lora_alpha / r, with r from `rank_pattern` where a module's rank
-    differs from the common one; each adapter's own scale is folded into its B.
+    differs from the common one; each adapter's own scale is folded into its B. DoRA:
+    `use_dora` and each module's `lora_magnitude_vector`.
     """
     lora = _need_lora(src)
     cfg = src.cfg
     np_dtype = _np_dtype(dtype)
     alpha = float(lora.alpha) if lora.alpha else float(lora.rank)
-    items = outside_updates(lora, cfg)
+    items = outside_updates(lora, cfg, src.weights)
+    rows = {a.hf_module: a.row for a in items}
     ranks = [a.rank for a in items]
     r = max(set(ranks), key=ranks.count)
     tensors: dict[str, np.ndarray] = {}
@@ -254,9 +286,12 @@ def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
     dims = {a.hf_module: (a.B.shape[0], a.A.shape[1]) for a in items}
     for a in items:
         module = src_hf_block(cfg, a.layer) + a.hf_module
-        B = _hf_rows(cfg, a) * np.float32(a.rank / alpha)
+        B = _hf_rows(cfg, a.row, a.B) * np.float32(a.rank / alpha)
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.A.astype(np_dtype)
         tensors[f"base_model.model.{module}.lora_B.weight"] = B.astype(np_dtype)
+        if lora.dora:
+            mag = _hf_rows(cfg, a.row, a.m)
+            tensors[f"base_model.model.{module}.lora_magnitude_vector"] = mag.astype(np_dtype)
         modules.setdefault(a.hf_module.split(".")[-1], set()).add(a.rank)
         if a.rank != r:
             rank_pattern[module] = a.rank
@@ -281,7 +316,7 @@ def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
         "rank_pattern": rank_pattern,
         "alpha_pattern": {},
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": lora.dora,
         "inference_mode": True,
         "modules_to_save": None,
         "init_lora_weights": True,
@@ -293,6 +328,9 @@ def write_peft(path: str, src: Source, dtype: str = "f32") -> str:
         module = src_hf_block(cfg, layer) + m
         tensors[f"base_model.model.{module}.lora_A.weight"] = np.zeros((r, d_in), np_dtype)
         tensors[f"base_model.model.{module}.lora_B.weight"] = np.zeros((d_out, r), np_dtype)
+        if lora.dora:
+            mag = _hf_rows(cfg, rows[m], base_row_norms(src.weights, layer, rows[m]))
+            tensors[f"base_model.model.{module}.lora_magnitude_vector"] = mag.astype(np_dtype)
     return _write_adapter_folder(path, "adapter_model.safetensors", tensors, config, also_ours=("README.md",))
 
 
@@ -369,12 +407,6 @@ def _module(model, path: str):
     return m
 
 
-def _dense_weight(module) -> mx.array:
-    if isinstance(module, nn.QuantizedLinear):  # QLoRA bases: export dense weights
-        return mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
-    return module.weight
-
-
 def merged_weights(model) -> dict[str, mx.array]:
     """Flat parameters of `model` in our plain layout, every LoRA folded in (the model itself is
     not changed) and quantized bases dequantized."""
@@ -383,20 +415,15 @@ def merged_weights(model) -> dict[str, mx.array]:
         path, leaf = param.rsplit(".", 1)
         m = _module(model, path)
         if isinstance(m, LORA_TYPES):
-            if leaf == "weight":
-                w = _dense_weight(m.base)
-                delta = m.delta_weight().astype(mx.float32).reshape(w.shape)
-                out[param] = (w.astype(mx.float32) + delta).astype(w.dtype)
-            else:
-                out[param] = getattr(m.base, leaf)
-        else:
-            out[param] = _dense_weight(m) if leaf == "weight" else getattr(m, leaf)
+            out[param] = m.merged_weight() if leaf == "weight" else getattr(m.base, leaf)
+        else:  # QLoRA bases: export dense weights
+            out[param] = dense_weight(m) if leaf == "weight" else getattr(m, leaf)
     mx.eval(out)
     return out
 
 
 def lora_from_model(model, alpha: float | None = None, base: str | None = None) -> LoraSet | None:
-    """The model's LoRA wrappers (mlxtoy.models.lora) as standard fused updates, or None."""
+    """The model's LoRA / DoRA wrappers (mlxtoy.models.lora) as standard fused updates, or None."""
     by_path = {p: t for t, p in spec_of(model.config.arch).lora_targets.items()}
     updates: dict[tuple[int, str], LoraUpdate] = {}
     ranks, scales = [], []
@@ -411,13 +438,15 @@ def lora_from_model(model, alpha: float | None = None, base: str | None = None) 
         else:
             ranks.append(a.shape[0])
         scales.append(float(m.scale))
-        updates[(int(idx), target)] = LoraUpdate(A=a, B=b, scale=float(m.scale))
+        mag = np.array(m.magnitude.astype(mx.float32)).reshape(-1) if is_dora(m) else None
+        updates[(int(idx), target)] = LoraUpdate(A=a, B=b, scale=float(m.scale), magnitude=mag)
     if not updates:
         return None
     rank = max(set(ranks), key=ranks.count)
     if alpha is None:
         alpha = max(set(scales), key=scales.count) * rank
-    return LoraSet(updates=updates, rank=rank, alpha=float(alpha), base=base)
+    dora = all(u.magnitude is not None for u in updates.values())
+    return LoraSet(updates=updates, rank=rank, alpha=float(alpha), base=base, dora=dora)
 
 
 def source_from_model(model, tokenizer, label: str = "", alpha: float | None = None,

@@ -141,7 +141,7 @@ def attach_lens(model, donor_source: str, tokenizer=None, seed: int = 0,
 
 def run_weights(run: RunDir, cfg, ckpt: str | None) -> tuple[dict[str, mx.array], str]:
     """The tensors to apply: the final result when there is one, else the newest checkpoint."""
-    final = run.join(ADAPTERS if cfg.method == "lora" else MODEL_WEIGHTS)
+    final = run.join(ADAPTERS if cfg.adapters else MODEL_WEIGHTS)
     if ckpt is None and os.path.exists(final):
         return mx.load(final), final
     ckpt = ckpt or run.latest_checkpoint()
@@ -154,7 +154,7 @@ def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None
                    merge: bool = True):
     """A run's model -> (model, tokenizer), in eval mode.
 
-    lora: the base (`base`, else the run's model) with the adapters (merged by default).
+    lora / dora: the base (`base`, else the run's model) with the adapters (merged by default).
     full: the run's full weights (the base supplies the tokenizer). scratch: the run's model.
     """
     run, ckpt = locate(run_dir)
@@ -179,13 +179,14 @@ def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None
         mcfg, base_weights, meta, tokenizer = load_weights(base or cfg.model, dtype)
         model = build_model(mcfg, base_weights)
         del base_weights
-        if cfg.method == "lora":
+        if cfg.adapters:
             lora = facts.lora or {}
             apply_lora(model, lora.get("targets", cfg.lora_targets), lora.get("rank", cfg.lora_rank),
                        lora.get("alpha", cfg.lora_alpha), 0.0, lora.get("per_head_q", cfg.lora_per_head_q),
-                       lora.get("layers", cfg.lora_layers), paths=spec_of(mcfg.arch).lora_targets)
+                       lora.get("layers", cfg.lora_layers), paths=spec_of(mcfg.arch).lora_targets,
+                       dora=cfg.method == "dora")
     load_partial(model, weights, source)
-    if cfg.method == "lora" and merge:
+    if cfg.adapters and merge:
         merge_lora(model)
     if merge:  # a projection lens becomes the plain embedding table it equals
         fold_lens(model)
@@ -202,18 +203,19 @@ def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None
 def adapter_weights(run_dir: str) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """(adapter tensors named like `layers.0.attn.q.lora_a`, LoRA layout) for exporters.
 
-    Layout keys: targets, rank, alpha, scale, dropout, per_head_q, layers, base_model,
-    base_model_path, model_config, step. Shapes: q/k/v standard A (r, D), B (H*Dh, r); per-head q
-    A (H, r, D), B (H, Dh, r); o/gate/up/down A (r, in), B (out, r). Delta W = scale * B @ A,
-    in our (GGML adjacent-pair RoPE) row order for q/k.
+    Layout keys: method (lora, dora), targets, rank, alpha, scale, dropout, per_head_q, layers,
+    base_model, base_model_path, model_config, step. Shapes: q/k/v standard A (r, D), B (H*Dh, r);
+    per-head q A (H, r, D), B (H, Dh, r); o/gate/up/down A (r, in), B (out, r). Delta W = scale *
+    B @ A, in our (GGML adjacent-pair RoPE) row order for q/k. DoRA adds `...magnitude` (out,)
+    per module (q/k/v: H*Dh, head-major): W' = m * (W + delta W) / ||W + delta W||_row.
     """
     run, ckpt = locate(run_dir)
     cfg, facts = run.read_config()
-    if cfg.method != "lora":
+    if not cfg.adapters:
         raise UserError(f"{run.path}: a {cfg.method} run has no adapters (it has full weights)")
     weights, source = run_weights(run, cfg, ckpt)
     info = dict(facts.lora or {})
-    info.update(base_model=cfg.model, base_model_path=facts.model_path,
+    info.update(method=cfg.method, base_model=cfg.model, base_model_path=facts.model_path,
                 model_config=facts.model_config, source=source)
     if source.endswith(ADAPTERS) and os.path.exists(run.join(ADAPTER_CONFIG)):
         with open(run.join(ADAPTER_CONFIG)) as f:

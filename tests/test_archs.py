@@ -5,7 +5,7 @@ One parametrized set of checks per architecture variant (tied / untied, head_dim
 n_heads, sliding windows shorter than the sequences):
 - the HF folder loads with transformers' logits; our f32 GGUF runs in llama.cpp with
   transformers' logits and reads back bit-exact, with llama.cpp's own tensor names;
-- LoRA and full fine-tuning lower the loss; PEFT loads our adapters with our logits;
+- LoRA, DoRA and full fine-tuning lower the loss; PEFT loads our adapters with our logits;
   llama.cpp's base GGUF + our adapter GGUF equals our merged GGUF;
 - cached decoding equals uncached 64 tokens past the sliding window.
 """
@@ -246,13 +246,13 @@ def test_mlx_lm_loads_our_hf_export_and_adapters(hf_case, tmp_path):
     assert max_rel_diff(np.array(theirs(mx.array([tokens]))[0]), _ours(model, tokens)) <= 1e-4, name
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method", ["lora", "dora", "full"])
 def test_fine_tuning_lowers_the_loss(hf_case, tmp_path, method):
     name, folder, _, _ = hf_case
     data = write_jsonl(str(tmp_path / "d" / "train.jsonl"),
                        [{"text": "the rain in spain falls mainly on the plain"}] * 8)
     cfg = TrainConfig(model=folder, data=data, out=str(tmp_path / "run"), method=method,
-                      steps=12, batch_size=2, seq_len=32, lr=3e-3 if method == "lora" else 1e-3,
+                      steps=12, batch_size=2, seq_len=32, lr=1e-3 if method == "full" else 3e-3,
                       lora_targets=["q", "v", "down"], eval_every=0, save_every=0, seed=0)
     losses = []
     run_training(cfg, on_event=lambda e: losses.append(e.loss) if e.event == "step" else None)

@@ -717,7 +717,7 @@ def test_train_help_documents_every_flag():
         for choice in meta.get("choices") or ():
             assert choice in text.split(flag, 1)[1][:400], (flag, choice)
     assert "(default: 512)" in text.split("--seq-len SEQ_LEN", 1)[1][:100]
-    assert "{lora,full,scratch}" in text.split("--method", 1)[1][:30]
+    assert "{lora,dora,full,scratch}" in text.split("--method", 1)[1][:30]
 
 
 @pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("choices")])

@@ -495,6 +495,19 @@ async def test_scratch_run_finishes(in_assets):
 
 
 @run_async
+async def test_setup_offers_dora_with_the_lora_options(in_assets):
+    """The method list is TrainConfig's: dora is there and keeps the LoRA fields."""
+    app = MlxtoyApp(model="tiny.gguf", data="data.jsonl", runs_dir="runs")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "data" not in app.screen.errors, 30, "the data preview")
+        app.screen.query_one("#f-method", Select).value = "dora"
+        await pilot.pause()
+        assert app.screen.query_one("#row-lora_rank").display
+        cfg = app.screen.collect()
+        assert cfg is not None and cfg["method"] == "dora" and cfg["lora_rank"] == 8
+
+
+@run_async
 async def test_trainer_error_is_shown(in_assets):
     """An error only the trainer can find (a corrupt GGUF behind a valid magic) fails visibly."""
     app = MlxtoyApp(model="tiny.gguf", data="data.jsonl", runs_dir="runs")

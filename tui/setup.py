@@ -204,8 +204,8 @@ class SetupScreen(Screen):
                 yield Static("", id="e-data", classes="ferror")
                 with Horizontal(classes="row"):
                     yield Label("method", classes="flabel")
-                    yield Select([("lora", "lora"), ("full", "full"), ("scratch", "scratch")],
-                                 value="lora", allow_blank=False, id="f-method", compact=True)
+                    yield Select([(m, m) for m in train_field("method").metadata["choices"]],
+                                 value=field_default("method"), allow_blank=False, id="f-method", compact=True)
                 with Horizontal(classes="row"):
                     yield Label("objective", classes="flabel")
                     yield Select([(o, o) for o in train_field("objective").metadata["choices"]],

@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from mlxtoy.config import TrainConfig
+from mlxtoy.config import ALL_METHODS, TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.events import Event
 from mlxtoy.train import distributed
@@ -45,7 +45,7 @@ def _flag_help(f: dataclasses.Field) -> str:
     meta = f.metadata
     text = meta.get("help", "")
     methods = meta.get("methods")
-    if methods and len(methods) < 3:
+    if methods and len(methods) < len(ALL_METHODS):
         text += f" [{'/'.join(methods)}]"
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     if isinstance(default, list):

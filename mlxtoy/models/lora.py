@@ -1,8 +1,15 @@
-"""LoRA adapters for the per-head Llama block.
+"""LoRA and DoRA adapters for the per-head Llama block.
 
 A LoRA wrapper adds a low-rank update to a frozen base projection:
     y = base(x) + scale * B(A(dropout(x))),   scale = alpha / rank,
 with A Gaussian and B zero, so at step 0 the model is exactly the base model.
+
+DoRA (Liu et al. 2024) is the same wrapper with a trainable magnitude m (one per output row):
+    W' = m * (W + scale * B @ A) / ||W + scale * B @ A||_row   (norm over the input axis),
+m starting at ||W||_row (step 0 is the base). Computed without forming W': with
+k = m / ||W + scale B A||_row, y = base(x) + (k - 1) * (x W^T) + k * scale * B(A(x)) (the bias
+is not scaled, as in PEFT and mlx-lm). The norm is part of the gradient (PEFT and mlx-lm
+detach it, the paper's shortcut); the forward is theirs.
 
 Targets: q, k, v (per-head `HeadProjection`s, weight (H, Dh, D)), o, gate, up, down
 (`nn.Linear`, possibly quantized on Metal/CUDA). Two flavours for q/k/v:
@@ -31,16 +38,62 @@ TARGET_PATHS = {
 }
 
 
+# the trainable leaves of a wrapper (DoRA adds `magnitude`); checkpoints, exports and loading
+# pick adapters by these names
+ADAPTER_LEAVES = ("lora_a", "lora_b", "magnitude")
+
+
+def _wide(dtype: mx.Dtype) -> mx.Dtype:
+    """float16/bfloat16 -> float32 (norms are taken at least in float32); others unchanged."""
+    return mx.float32 if dtype in (mx.float16, mx.bfloat16) else dtype
+
+
+def dense_weight(module: nn.Module) -> mx.array:
+    """A projection's weight as stored, a quantized one (QLoRA base) dequantized."""
+    if isinstance(module, nn.QuantizedLinear):
+        return mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
+    return module.weight
+
+
+def row_norms(w: mx.array) -> mx.array:
+    """||w||_row over the last (input) axis, in at least float32: DoRA's magnitude at step 0."""
+    w = w.astype(_wide(w.dtype))
+    return mx.sqrt(mx.sum(w * w, axis=-1))
+
+
+def dora_norm(w: mx.array, a: mx.array, b: mx.array, scale: float) -> mx.array:
+    """||W + scale * B @ A||_row without forming the (out, in) sum:
+    ||W||^2 + 2 scale rowsum(B * (W A^T)) + scale^2 rowsum((B A A^T) * B), batched over any
+    leading axes (w (..., out, in), a (..., r, in), b (..., out, r) -> (..., out)). With B = 0
+    this is `row_norms(w)` bit for bit, so a fresh DoRA is exactly the base."""
+    dt = _wide(w.dtype)
+    w, a, b = w.astype(dt), a.astype(dt), b.astype(dt)
+    at = a.swapaxes(-1, -2)
+    sq = (mx.sum(w * w, axis=-1) + (2 * scale) * mx.sum(b * (w @ at), axis=-1)
+          + (scale * scale) * mx.sum((b @ (a @ at)) * b, axis=-1))
+    return mx.sqrt(sq)
+
+
+def _dora_out(y: mx.array, d: mx.array, k: mx.array, base: nn.Module) -> mx.array:
+    """k * (x W^T + d) + bias from y = base(x), written so that k == 1 and d == 0 give y
+    exactly (without a bias the backward keeps one activation, y + d, not two)."""
+    k = k.astype(y.dtype)
+    if "bias" not in base:
+        return k * (y + d)
+    return y + (k - 1) * (y - base.bias.astype(y.dtype)) + k * d
+
+
 def _gaussian_a(shape: tuple[int, ...], d_in: int) -> mx.array:
     # N(0, 1/d_in): the update's scale does not depend on the input width
     return mx.random.normal(shape) * (1.0 / math.sqrt(d_in))
 
 
 class LoRAHeadProjection(nn.Module):
-    """LoRA around a per-head projection; returns (B, T, H, Dh) like the base."""
+    """LoRA (or DoRA: `dora`) around a per-head projection; returns (B, T, H, Dh) like the base.
+    DoRA's magnitude is one per output row, (H*Dh,) in head-major order."""
 
     def __init__(self, base: HeadProjection, rank: int, alpha: float, dropout: float = 0.0,
-                 per_head: bool = False):
+                 per_head: bool = False, dora: bool = False):
         super().__init__()
         n_heads, d_head, d_in = base.weight.shape
         self.base = base
@@ -54,6 +107,8 @@ class LoRAHeadProjection(nn.Module):
         else:
             self.lora_a = _gaussian_a((rank, d_in), d_in)
             self.lora_b = mx.zeros((n_heads * d_head, rank))
+        if dora:
+            self.magnitude = row_norms(base.weight).reshape(-1)
 
     @property
     def n_heads(self) -> int:
@@ -84,7 +139,20 @@ class LoRAHeadProjection(nn.Module):
         y = self.base(x)
         if self.disabled:
             return y
-        return y + self.delta(x).astype(y.dtype)
+        d = self.delta(x).astype(y.dtype)
+        if "magnitude" not in self:
+            return y + d
+        return _dora_out(y, d, self.dora_scale(), self.base)
+
+    def dora_scale(self) -> mx.array:
+        """DoRA's m / ||W + scale B A||_row, shaped (H, Dh)."""
+        H, Dh = self.n_heads, self.d_head
+        w = self.base.weight
+        if self.per_head:  # per head: (Dh, D) + scale (Dh, r) @ (r, D), batched over H
+            norm = dora_norm(w, self.lora_a, self.lora_b, self.scale)
+        else:
+            norm = dora_norm(w.reshape(H * Dh, -1), self.lora_a, self.lora_b, self.scale).reshape(H, Dh)
+        return self.magnitude.reshape(H, Dh).astype(norm.dtype) / norm
 
     def delta_weight(self) -> mx.array:
         """scale * B @ A in the base's (H, Dh, D) layout."""
@@ -93,19 +161,24 @@ class LoRAHeadProjection(nn.Module):
         H, Dh = self.n_heads, self.d_head
         return (self.scale * (self.lora_b @ self.lora_a)).reshape(H, Dh, -1)
 
+    def merged_weight(self) -> mx.array:
+        """The adapted weight in the base's (H, Dh, D) layout and dtype."""
+        return merged_weight(self, self.base.weight)
+
     def merged(self) -> HeadProjection:
         w = self.base.weight
         out = HeadProjection(w.shape[2], w.shape[0], w.shape[1], bias="bias" in self.base)
-        out.weight = (w.astype(mx.float32) + self.delta_weight().astype(mx.float32)).astype(w.dtype)
+        out.weight = self.merged_weight()
         if "bias" in self.base:
             out.bias = self.base.bias
         return out
 
 
 class LoRALinear(nn.Module):
-    """LoRA around an nn.Linear (or nn.QuantizedLinear): A (r, in), B (out, r)."""
+    """LoRA (or DoRA: `dora`, magnitude (out,)) around an nn.Linear (or nn.QuantizedLinear):
+    A (r, in), B (out, r)."""
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, dora: bool = False):
         super().__init__()
         d_out, d_in = _linear_dims(base)
         self.base = base
@@ -114,6 +187,8 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         self.lora_a = _gaussian_a((rank, d_in), d_in)
         self.lora_b = mx.zeros((d_out, rank))
+        if dora:
+            self.magnitude = row_norms(dense_weight(base))
 
     def delta(self, x: mx.array) -> mx.array:
         if self.dropout is not None:
@@ -125,20 +200,29 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if self.disabled:
             return y
-        return y + self.delta(x).astype(y.dtype)
+        d = self.delta(x).astype(y.dtype)
+        if "magnitude" not in self:
+            return y + d
+        return _dora_out(y, d, self.dora_scale(), self.base)
+
+    def dora_scale(self) -> mx.array:
+        """DoRA's m / ||W + scale B A||_row, (out,); a quantized base is dequantized for the norm."""
+        norm = dora_norm(dense_weight(self.base), self.lora_a, self.lora_b, self.scale)
+        return self.magnitude.astype(norm.dtype) / norm
 
     def delta_weight(self) -> mx.array:
         return self.scale * (self.lora_b @ self.lora_a)
 
+    def merged_weight(self) -> mx.array:
+        """The adapted (out, in) weight, dense, in the base's dtype (dequantized's for QLoRA)."""
+        return merged_weight(self, dense_weight(self.base))
+
     def merged(self) -> nn.Module:
         base = self.base
-        if isinstance(base, nn.QuantizedLinear):
-            w = mx.dequantize(base.weight, base.scales, base.get("biases"), base.group_size, base.bits)
-        else:
-            w = base.weight
+        w = self.merged_weight()
         d_out, d_in = w.shape
         out = nn.Linear(d_in, d_out, bias="bias" in base)
-        out.weight = (w.astype(mx.float32) + self.delta_weight().astype(mx.float32)).astype(w.dtype)
+        out.weight = w
         if "bias" in base:
             out.bias = base.bias
         return out
@@ -152,6 +236,20 @@ def _linear_dims(layer: nn.Module) -> tuple[int, int]:
 
 
 LORA_TYPES = (LoRAHeadProjection, LoRALinear)
+
+
+def merged_weight(layer: nn.Module, w: mx.array) -> mx.array:
+    """W + scale B A for a LoRA wrapper, m * that / its row norms for a DoRA one; `w` is the
+    base's dense weight (its layout and dtype are kept; the sum is formed in >= float32)."""
+    dt = _wide(w.dtype)
+    v = w.astype(dt) + layer.delta_weight().astype(dt).reshape(w.shape)
+    if "magnitude" in layer:
+        v = v * (layer.magnitude.astype(dt).reshape(w.shape[:-1]) / row_norms(v))[..., None]
+    return v.astype(w.dtype)
+
+
+def is_dora(layer: nn.Module) -> bool:
+    return isinstance(layer, LORA_TYPES) and "magnitude" in layer
 
 
 def resolve_layers(layers: Iterable[int] | None, n_layers: int) -> list[int]:
@@ -169,11 +267,14 @@ def resolve_layers(layers: Iterable[int] | None, n_layers: int) -> list[int]:
 
 def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float,
                dropout: float = 0.0, per_head_q: bool = False,
-               layers: Iterable[int] | None = None, paths: dict[str, str] | None = None) -> nn.Module:
-    """Freeze `model` and wrap the targeted projections of the chosen blocks in LoRA.
+               layers: Iterable[int] | None = None, paths: dict[str, str] | None = None,
+               dora: bool = False) -> nn.Module:
+    """Freeze `model` and wrap the targeted projections of the chosen blocks in LoRA (DoRA
+    with `dora`).
 
     paths: target -> module path in a block (the spec's `lora_targets`; default the shared
-    block's). Afterwards only the adapters (`lora_a`, `lora_b`) are trainable. Returns the model.
+    block's). Afterwards only the adapters (`lora_a`, `lora_b`, DoRA's `magnitude`) are
+    trainable. Returns the model.
     """
     targets = list(targets)
     paths = paths or TARGET_PATHS
@@ -195,9 +296,10 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
             if isinstance(base, LORA_TYPES):
                 raise UserError(f"LoRA target {t!r} listed twice")
             if isinstance(base, HeadProjection):
-                wrapped = LoRAHeadProjection(base, rank, alpha, dropout, per_head=per_head_q and t == "q")
+                wrapped = LoRAHeadProjection(base, rank, alpha, dropout, per_head=per_head_q and t == "q",
+                                             dora=dora)
             else:
-                wrapped = LoRALinear(base, rank, alpha, dropout)
+                wrapped = LoRALinear(base, rank, alpha, dropout, dora=dora)
             setattr(parent, name, wrapped)
     return model
 
@@ -207,13 +309,15 @@ def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def lora_parameters(model: nn.Module) -> dict[str, mx.array]:
-    """Flat {name: array} of every adapter weight, e.g. `layers.0.attn.q.lora_a`."""
+    """Flat {name: array} of every adapter weight, e.g. `layers.0.attn.q.lora_a` (and DoRA's
+    `layers.0.attn.q.magnitude`)."""
     return {k: v for k, v in tree_flatten(model.parameters())
-            if k.endswith((".lora_a", ".lora_b"))}
+            if k.endswith(tuple("." + leaf for leaf in ADAPTER_LEAVES))}
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight (W += scale * B @ A) and drop the wrappers."""
+    """Fold every adapter into its base weight (W += scale * B @ A; DoRA: m * that / its row
+    norms) and drop the wrappers."""
     for path, layer in lora_modules(model):
         parent_path, _, name = path.rpartition(".")
         parent = model
@@ -228,7 +332,9 @@ def quantize_base(model: nn.Module, bits: int = 4, group_size: int = 32) -> nn.M
     """QLoRA: quantize the frozen nn.Linear weights (o, gate, up, down; base or wrapped).
 
     Only worth it where MLX multiplies quantized weights fast (Metal, CUDA). The per-head
-    q/k/v projections stay dense. Adapters are untouched.
+    q/k/v projections stay dense. Adapters are untouched, except that a DoRA magnitude starts
+    again at the quantized weight's row norms (so call this on fresh adapters, as the trainer
+    does: step 0 is then exactly the quantized base).
     """
 
     def predicate(path: str, module: nn.Module) -> bool:
@@ -238,13 +344,16 @@ def quantize_base(model: nn.Module, bits: int = 4, group_size: int = 32) -> nn.M
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
     model.freeze(keys=["weight", "scales", "biases"], strict=False)
     for _, m in lora_modules(model):
-        m.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
+        if is_dora(m) and isinstance(m.base, nn.QuantizedLinear):
+            m.magnitude = row_norms(dense_weight(m.base))
+        m.unfreeze(keys=[k for k in ADAPTER_LEAVES if k in m], recurse=False)
     return model
 
 
-def lora_config_dict(targets, rank, alpha, dropout, per_head_q, layers, n_layers) -> dict[str, Any]:
+def lora_config_dict(targets, rank, alpha, dropout, per_head_q, layers, n_layers,
+                     method: str = "lora") -> dict[str, Any]:
     return {
-        "targets": list(targets), "rank": int(rank), "alpha": float(alpha),
+        "method": method, "targets": list(targets), "rank": int(rank), "alpha": float(alpha),
         "scale": float(alpha) / int(rank), "dropout": float(dropout),
         "per_head_q": bool(per_head_q), "layers": resolve_layers(layers, n_layers),
     }

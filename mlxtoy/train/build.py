@@ -1,4 +1,4 @@
-"""Building the trainable model for a method: LoRA on a loaded base, full fine-tuning of a
+"""Building the trainable model for a method: LoRA or DoRA on a loaded base, full fine-tuning of a
 loaded model, or a new model from scratch (scaled normal init), plus gradient checkpointing
 and the mixed-precision policy. Returns the facts config.yaml records (`RunFacts`).
 """
@@ -102,19 +102,20 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
     else:
         dtype = train_dtype(cfg)
         # trainable weights stay float32 (master copies); a LoRA base may be lower precision
-        load_dtype = dtype if cfg.method == "lora" else mx.float32
+        load_dtype = dtype if cfg.adapters else mx.float32
         mcfg, weights, meta, tokenizer = load_weights(cfg.model, load_dtype)
         model = build_module(mcfg, weights)
         model.meta = meta
         del weights
         facts.model_path = meta.source
         quantized = any(t.startswith(("Q", "IQ")) for t in meta.tensor_types.values())
-        if cfg.method == "lora":
+        if cfg.adapters:
             apply_lora(model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                       cfg.lora_per_head_q, cfg.lora_layers, paths=spec_of(mcfg.arch).lora_targets)
+                       cfg.lora_per_head_q, cfg.lora_layers, paths=spec_of(mcfg.arch).lora_targets,
+                       dora=cfg.method == "dora")
             facts.lora = lora_config_dict(cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha,
-                                                cfg.lora_dropout, cfg.lora_per_head_q,
-                                                cfg.lora_layers, mcfg.n_layers)
+                                          cfg.lora_dropout, cfg.lora_per_head_q,
+                                          cfg.lora_layers, mcfg.n_layers, method=cfg.method)
             # QLoRA: MLX multiplies quantized weights fast on Metal/CUDA, not on CPU (there the
             # loader already dequantized the base once to float32).
             if cfg.qlora == "on" or (cfg.qlora == "auto" and quantized and backend.INFO.device != "cpu"):
@@ -122,7 +123,7 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
                 facts.qlora = True
         else:
             set_trainable(model, cfg)
-    if cfg.method != "lora" and train_dtype(cfg) != mx.float32:
+    if not cfg.adapters and train_dtype(cfg) != mx.float32:
         # mixed precision: trainable weights stay float32 (master copies, cast per step in the
         # loss); frozen ones are simply stored in the compute dtype
         frozen = {k: v for k, v in tree_flatten(model.parameters())}

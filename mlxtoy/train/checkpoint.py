@@ -171,11 +171,12 @@ def restore_optimizer_state(optimizer, flat: dict[str, mx.array], source: str) -
 
 
 def write_final(run: RunDir, cfg: TrainConfig, model, tokenizer, facts: RunFacts, step: int) -> str | None:
-    """adapters.safetensors (+ adapter_config.json), or model.safetensors (+ model_config.json)."""
+    """adapters.safetensors (+ adapter_config.json) for LoRA / DoRA, or model.safetensors
+    (+ model_config.json)."""
     if run.read_only:
         return None
-    if cfg.method == "lora":
-        info = dict(facts.lora or {}, method="lora", base_model=cfg.model,
+    if cfg.adapters:
+        info = dict(facts.lora or {}, method=cfg.method, base_model=cfg.model,
                     base_model_path=facts.model_path, step=step)
         save_safetensors_atomic(run.join(ADAPTERS), lora_parameters(model), {"format": "mlxtoy-lora"})
         write_text_atomic(run.join(ADAPTER_CONFIG), json.dumps(info, indent=2))

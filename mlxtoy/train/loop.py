@@ -232,7 +232,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     for name, stats in (("train", dataset.train_stats), ("valid", dataset.valid_stats)):
         if cfg.preference and stats.dropped:
             log(f"{name}: {stats.dropped} preference pairs dropped ({stats.dropped_why})", "warning")
-    if cfg.objective == "dpo" and cfg.method != "lora":
+    if cfg.objective == "dpo" and not cfg.adapters:
         refs = _reference_logps(cfg, stepper, model, dataset, run, resume_from, parallel, pad_id, log)
         train_stream.ref = refs["train"]
         if valid_stream is not None:

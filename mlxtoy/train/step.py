@@ -134,9 +134,9 @@ class Stepper:
         # Mixed precision for full / scratch (LoRA: the frozen base is already stored in the
         # compute dtype): compute with a low-precision copy of the float32 master weights.
         low = train_dtype(cfg)
-        mixed = cfg.method != "lora" and low != mx.float32
+        mixed = not cfg.adapters and low != mx.float32
         spec = PreferenceSpec(cfg.objective, cfg.beta, cfg.label_smoothing,
-                              adapters_reference=cfg.method == "lora")
+                              adapters_reference=cfg.adapters)
 
         def loss_fn(model, *args):
             if mixed:
