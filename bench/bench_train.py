@@ -1,14 +1,15 @@
 """Training throughput and peak memory: mlxtoy vs mlx-lm's tuner, same weights, same batches.
 
 SmolLM2-135M-Instruct (the built-in GGUF, dequantized to float32 and written once as a Hugging
-Face folder that both tools load), LoRA rank 8 on q and v of every layer, and full fine-tuning
+Face folder that every tool loads: mlxtoy, mlx-lm's tuner, transformers + peft on torch), LoRA rank 8 on q and v of every layer, and full fine-tuning
 (every block weight), batch 4 x 256 tokens of plain text (every row full, so both tools do the
 same work), AdamW. Each (tool, method) runs in its own process, so peak memory is its own.
 
-    python bench/bench_train.py [--steps 8] [--methods lora,full] [--tools mlx-lm,mlxtoy]
+    python bench/bench_train.py [--steps 8] [--rounds 2] [--methods lora,full] [--tools mlxtoy,torch,mlx-lm]
 
-Needs `pip install mlx-lm`. Prints a table: median tokens/s over the steps after the first two
-(compilation), MLX peak memory and peak RSS.
+Needs mlx-lm, torch, transformers and peft (`scripts/setup.sh test` installs them). Prints a
+table: median tokens/s over the steps after the first two (compilation), the ratio to
+torch + peft, the first step's time (compilation included), MLX peak memory and peak RSS.
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ def worker_mlxtoy(method: str, hf: str, data: str, steps: int) -> dict:
                       lora_rank=8, lora_alpha=16, lora_targets=["q", "v"], eval_every=0, schedule="constant",
                       eval_batches=1, save_every=0, grad_clip=0, dtype="float32")
     tps: list[float] = []
-    tokens: list[int] = []
     t0 = time.perf_counter()
     res = run_job(lambda: (cfg, False), handle_sigint=False,
                   emit=lambda e: (tps.append(e.tokens_per_sec)) if e.event == "step" else None).result
@@ -125,11 +125,52 @@ def worker_mlxlm(method: str, hf: str, data: str, steps: int) -> dict:
             "rss_gb": _rss_gb(), "wall": time.perf_counter() - t0}
 
 
+def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
+    """transformers + peft on the same HF folder and the same rows (torch's CPU kernels)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    if method == "full":
+        for name, p in model.named_parameters():  # every block weight, as the others train
+            p.requires_grad = ".layers." in name
+    else:
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"]))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5 if method == "full" else 1e-4, weight_decay=0.0)
+    rows = [json.loads(line)["text"] for line in open(os.path.join(data, "train.jsonl"))]
+    ids = [tok(r)["input_ids"][:SEQ + 1] for r in rows]
+    tps: list[float] = []
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        batch = torch.tensor([ids[(step * BATCH + j) % len(ids)] for j in range(BATCH)])
+        t = time.perf_counter()
+        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
+        # transformers shifts the labels itself: pass the inputs, and BATCH x SEQ tokens train
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(out.loss))
+        tps.append(BATCH * SEQ / (time.perf_counter() - t))
+    return {"tokens_per_sec": tps, "loss": losses, "peak_gb": float("nan"), "rss_gb": _rss_gb(),
+            "wall": time.perf_counter() - t0}
+
+
+WORKERS = {"mlxtoy": worker_mlxtoy, "mlx-lm": worker_mlxlm, "torch": worker_torch}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--methods", default="lora,full")
-    ap.add_argument("--tools", default="mlx-lm,mlxtoy")
+    ap.add_argument("--tools", default="mlxtoy,torch,mlx-lm")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
@@ -137,33 +178,39 @@ def main() -> None:
     ap.add_argument("--data", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        fn = worker_mlxtoy if args.worker == "mlxtoy" else worker_mlxlm
+        fn = WORKERS[args.worker]
         print("RESULT " + json.dumps(fn(args.method, args.hf, args.data, args.steps)))
         return
     os.makedirs(args.work, exist_ok=True)
     hf, data = prepare(args.work)
-    results = {}
-    for method in args.methods.split(","):
-        for tool in args.tools.split(","):
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", tool, "--method", method,
-                   "--hf", hf, "--data", data, "--steps", str(args.steps)]
-            p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-            if p.returncode != 0 or line is None:
-                print(f"{tool} {method}: failed\n{p.stderr[-3000:]}", file=sys.stderr)
-                continue
-            r = json.loads(line[7:])
-            steady = r["tokens_per_sec"][2:] or r["tokens_per_sec"]
-            r["median_tps"] = statistics.median(steady)
-            results[(method, tool)] = r
-            print(f"{method:5s} {tool:7s} {r['median_tps']:7.1f} tok/s  first step "
-                  f"{BATCH * SEQ / r['tokens_per_sec'][0]:5.1f} s  peak {r['peak_gb']:.2f} GB  "
-                  f"RSS {r['rss_gb']:.2f} GB  loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}",
-                  flush=True)
-    print(f"\nSmolLM2-135M float32, batch {BATCH} x {SEQ}, {args.steps} steps, median of steps 3+")
-    print(f"{'method':6s} {'tool':8s} {'tokens/s':>9s} {'peak MLX GB':>12s} {'peak RSS GB':>12s}")
-    for (method, tool), r in results.items():
-        print(f"{method:6s} {tool:8s} {r['median_tps']:9.1f} {r['peak_gb']:12.2f} {r['rss_gb']:12.2f}")
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(args.rounds):  # tools alternate, so drift in the machine hits each of them
+        for method in args.methods.split(","):
+            for tool in args.tools.split(","):
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", tool, "--method", method,
+                       "--hf", hf, "--data", data, "--steps", str(args.steps)]
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+                line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+                if p.returncode != 0 or line is None:
+                    print(f"{tool} {method}: failed\n{p.stderr[-3000:]}", file=sys.stderr)
+                    continue
+                r = json.loads(line[7:])
+                r["steady"] = r["tokens_per_sec"][2:] or r["tokens_per_sec"]
+                r["first_s"] = BATCH * SEQ / r["tokens_per_sec"][0]
+                runs.setdefault((method, tool), []).append(r)
+                print(f"round {rnd + 1} {method:5s} {tool:7s} {statistics.median(r['steady']):7.1f} tok/s  "
+                      f"first step {r['first_s']:5.1f} s  peak {r['peak_gb']:.2f} GB  RSS {r['rss_gb']:.2f} GB  "
+                      f"loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}", flush=True)
+    print(f"\nSmolLM2-135M float32, batch {BATCH} x {SEQ}, {args.steps} steps x {args.rounds} rounds; "
+          f"tokens/s: median over every round's steps 3+; first step: median over rounds")
+    print(f"{'method':6s} {'tool':8s} {'tokens/s':>9s} {'vs torch':>9s} {'first step s':>13s} "
+          f"{'peak MLX GB':>12s} {'peak RSS GB':>12s}")
+    for (method, tool), rs in runs.items():
+        tps = statistics.median([t for r in rs for t in r["steady"]])
+        torch_rs = runs.get((method, "torch"))
+        ratio = tps / statistics.median([t for r in torch_rs for t in r["steady"]]) if torch_rs else float("nan")
+        print(f"{method:6s} {tool:8s} {tps:9.1f} {ratio:8.2f}x {statistics.median(r['first_s'] for r in rs):13.1f} "
+              f"{max(r['peak_gb'] for r in rs):12.2f} {max(r['rss_gb'] for r in rs):12.2f}")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,25 @@ def _load_fast_blas() -> None:
 
 _load_fast_blas()
 
+
+def _keep_freed_memory() -> bool:
+    """glibc serves allocations over 32 MiB with fresh mmap pages and unmaps them on free, so
+    every large array of every step page-faults and is zeroed again by the kernel (a training
+    step's logits, softmax and gradients are hundreds of MB each): on Linux CPU this doubled
+    the SmolLM2 step time. Serving them from the heap and never trimming it keeps freed memory
+    for the next step. The process then holds on to its peak; MLXTOY_MALLOC=system opts out."""
+    if platform.system() != "Linux" or os.environ.get("MLXTOY_MALLOC", "").lower() == "system":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+
+
+_MALLOC_TUNED = _keep_freed_memory()
+
 import mlx.core as mx  # noqa: E402  (must come after the BLAS is loaded)
 
 

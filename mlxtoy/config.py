@@ -266,6 +266,8 @@ class TrainConfig:
     prompt_column: str | None = option(None, "read this column as 'prompt'")
     completion_column: str | None = option(None, "read this column as 'completion'")
     messages_column: str | None = option(None, "read this column as 'messages' (a list of role/content)")
+    chosen_column: str | None = option(None, "read this column as 'chosen' (preference pairs)")
+    rejected_column: str | None = option(None, "read this column as 'rejected' (preference pairs)")
     pack: bool = option(True, "several examples per row with a block-causal mask (--no-pack: padding)")
     mask_prompt: bool = option(True, "loss only on completions / assistant turns")
     valid_fraction: float = option(0.1, "held out when --data is a single file (seeded split)", check="frac")

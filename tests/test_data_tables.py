@@ -145,6 +145,22 @@ def test_column_options(tmp_path, fmt):
         read_data(table, DataOptions(columns=(("prompt", "query"),)))
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+def test_pair_column_options(tmp_path, fmt):
+    """--chosen-column / --rejected-column read a preference table with other names as the
+    standard chosen/rejected JSONL gives it."""
+    rows = [{"question": f"{i}+1=", "good": str(i + 1), "bad": str(i + 2)} for i in range(5)]
+    table = WRITERS[fmt](tmp_path / f"p.{fmt}", rows)
+    standard = write_jsonl(str(tmp_path / "p.jsonl"), [{"prompt": r["question"], "chosen": r["good"],
+                                                        "rejected": r["bad"]} for r in rows])
+    cfg = TrainConfig(prompt_column="question", chosen_column="good", rejected_column="bad")
+    got, want = read_data(table, DataOptions.of(cfg)), read_data(standard)
+    assert [r.kind for r in got.train] == [r.kind for r in want.train] == ["pref"] * 5
+    assert [r.value for r in got.train] == [r.value for r in want.train]
+    with pytest.raises(UserError, match=r"row 1: no column 'worse' \(named by --rejected-column"):
+        read_data(table, DataOptions(columns=(("rejected", "worse"),)))
+
+
 ERRORS = [
     ([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}, {"prompt": "e", "completion": None}],
      "{where3}: field 'completion' must be a string"),
@@ -203,7 +219,7 @@ def test_train_help_lists_the_data_options():
     r = run_cli("train", "--help")
     assert r.returncode == 0
     for flag in ("--data-split", "--data-subset", "--text-column", "--prompt-column", "--completion-column",
-                 "--messages-column"):
+                 "--messages-column", "--chosen-column", "--rejected-column"):
         assert flag in r.stdout, flag
     with pytest.raises(UserError, match="data_split is empty"):
         TrainConfig(data="x.jsonl", out="r", data_split=" ").validate()

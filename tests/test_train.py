@@ -459,7 +459,7 @@ def test_run_results_load_back(tmp_path, work):
 
 def test_events_and_metrics(tmp_path, work):
     seen = []
-    res = run_training(tiny_cfg(work, tmp_path / "r", steps=4, eval_every=2, sample_every=2,
+    run_training(tiny_cfg(work, tmp_path / "r", steps=4, eval_every=2, sample_every=2,
                                sample_tokens=4, save_every=2, taps_every=2),
                       on_event=seen.append, taps_hook=lambda m, s: LogEvent(message=f"taps {s}"),
                       handle_sigint=False)

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy.config import ModelConfig
-from mlxtoy.models.fastmath import silu
+from mlxtoy.models.fastmath import attention, silu
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
 
@@ -188,8 +188,8 @@ class Attention(nn.Module):
         if head_taps is not None:
             heads = explicit_attention(q, k, v, self.scale, mask, head_taps)
         else:
-            # GQA is native: the kernel maps Q head h to KV head h // group_size.
-            heads = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            # GQA is native: Q head h reads KV head h // group_size.
+            heads = attention(q, k, v, self.scale, mask)
         return self.o(heads.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 

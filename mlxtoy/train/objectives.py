@@ -29,7 +29,8 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy.models.llama import block_causal_mask
+from mlxtoy.models.fastmath import exp
+from mlxtoy.models.llama import LlamaModel, block_causal_mask
 from mlxtoy.models.lora import lora_modules
 
 STATS = ("loss", "reward_chosen", "reward_rejected", "pref_accuracy")
@@ -37,49 +38,96 @@ STATS = ("loss", "reward_chosen", "reward_rejected", "pref_accuracy")
 
 def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
     """Per-token cross-entropy logsumexp(logits) - logits[target], in float32 (no gradient
-    bookkeeping: evaluation)."""
+    bookkeeping: evaluation of models whose logits are not a plain projection)."""
     x = logits.astype(mx.float32)
     return mx.logsumexp(x, axis=-1) - mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
 
 
-@mx.custom_function
-def _cross_entropy_train(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """(per-token cross-entropy, softmax): the softmax is kept for the backward pass.
-
-    Exponentials are slow on CPU (a scalar libm call per element; 50M of them per step for
-    SmolLM2 at 4 x 256 tokens), so the forward's softmax is reused instead of recomputed, and
-    the gradient is written directly (softmax - one-hot) rather than through the generic
-    logsumexp and gather VJPs. Measured on the SmolLM2 head: -0.35 s per step and half the
-    peak memory of `nn.losses.cross_entropy`.
-    """
+@mx.compile
+def _ce_and_dlogits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+    """(per-token cross-entropy, its gradient with respect to the logits: softmax - one-hot)."""
     x = logits.astype(mx.float32)
-    m = mx.stop_gradient(x.max(axis=-1, keepdims=True))
-    e = mx.exp(x - m)
+    m = x.max(axis=-1, keepdims=True)
+    e = exp(x - m)
     s = e.sum(axis=-1, keepdims=True)
     picked = mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
-    return (m + mx.log(s))[..., 0] - picked, e / s
+    is_target = mx.arange(x.shape[-1]) == targets[..., None]
+    return (m + mx.log(s))[..., 0] - picked, mx.where(is_target, e / s - 1.0, e / s)
 
 
-@_cross_entropy_train.vjp
-def _cross_entropy_vjp(primals, cotangents, outputs):
-    logits, targets = primals
-    c = cotangents[0][..., None]
-    g = outputs[1] * c
-    g = mx.where(mx.arange(logits.shape[-1]) == targets[..., None], g - c, g)
-    return g.astype(logits.dtype), mx.zeros_like(targets)
+def _chunk_spans(n_tokens: int, vocab: int) -> list[tuple[int, int]]:
+    # ~4M logits per chunk (16 MB in float32), at most 32 chunks in the compiled graph
+    size = max(-(-n_tokens // 32), (1 << 22) // vocab, 1)
+    return [(i, min(size, n_tokens - i)) for i in range(0, n_tokens, size)]
+
+
+def _output_ce(weight_grad: bool):
+    """The output projection and the cross-entropy as one function of (h, W, targets), with
+    h (N, D), W (V, D): the logits are computed a chunk of tokens at a time and never held
+    whole. The gradient with respect to h is a per-token factor times (softmax - one-hot) @ W,
+    computed in the forward pass chunk by chunk, so the backward pass is one multiply; with
+    `weight_grad` (a trained output layer) softmax - one-hot is kept for W's gradient."""
+
+    @mx.custom_function
+    def output_ce(h: mx.array, w: mx.array, targets: mx.array):
+        ces, dhs, dlogits = [], [], []
+        for i, n in _chunk_spans(h.shape[0], w.shape[0]):
+            hc = h[i:i + n] if not dhs else mx.depends(h[i:i + n], [dhs[-1], ces[-1]])  # one chunk at a time
+            ce, d = _ce_and_dlogits(hc @ w.T, targets[i:i + n])
+            ces.append(ce)
+            dhs.append(d.astype(w.dtype) @ w)
+            if weight_grad:
+                dlogits.append(d.astype(w.dtype))
+        out = [mx.concatenate(ces), mx.concatenate(dhs).astype(h.dtype)]
+        if weight_grad:
+            out.append(mx.concatenate(dlogits))
+        return tuple(out)
+
+    @output_ce.vjp
+    def output_ce_vjp(primals, cotangents, outputs):
+        h, w, targets = primals
+        c = cotangents[0][:, None]
+        dw = outputs[2].T @ (h * c).astype(w.dtype) if weight_grad else mx.zeros_like(w)
+        return outputs[1] * c.astype(h.dtype), dw, mx.zeros_like(targets)
+
+    return output_ce
+
+
+_OUTPUT_CE = {flag: _output_ce(flag) for flag in (False, True)}
+
+
+def output_weight(model: nn.Module) -> mx.array | None:
+    """W when the model's logits are plainly h @ W.T (the fused loss applies), else None."""
+    if type(model).logits is not LlamaModel.logits:
+        return None
+    layer = model.output if "output" in model else model.tok_embeddings
+    if type(layer) not in (nn.Linear, nn.Embedding) or "bias" in layer:
+        return None
+    return layer.weight
 
 
 def token_losses(model: nn.Module, inputs: mx.array, targets: mx.array,
                  segments: mx.array | None = None, train: bool = True) -> mx.array:
     """Per-token cross-entropy (B, T); packed rows (segments given) use the block-causal mask.
 
-    train: use the loss with the fast hand-written gradient (False: plain, for evaluation).
+    train: differentiable (the fused output loss's gradient); False: the same values with no
+    gradient bookkeeping (evaluation, DPO's reference).
     """
     mask = block_causal_mask(segments) if segments is not None else None
-    logits = model(inputs, mask=mask)
-    if train:
-        return _cross_entropy_train(logits, targets)[0]
-    return cross_entropy(logits, targets)
+    w = output_weight(model)
+    if w is None:
+        return cross_entropy(model(inputs, mask=mask), targets)
+    h = model.hidden(inputs, mask=mask)
+    B, T, D = h.shape
+    flat_h, flat_t = h.reshape(B * T, D), targets.reshape(B * T)
+    if not train:  # the same chunks and kernels as training, so values agree to the bit
+        ces: list[mx.array] = []
+        for i, n in _chunk_spans(B * T, w.shape[0]):
+            hc = flat_h[i:i + n] if not ces else mx.depends(flat_h[i:i + n], ces[-1])
+            ces.append(_ce_and_dlogits(hc @ w.T, flat_t[i:i + n])[0])
+        return mx.concatenate(ces).reshape(B, T)
+    trained_w = "weight" in (model.output if "output" in model else model.tok_embeddings).trainable_parameters()
+    return _OUTPUT_CE[trained_w](flat_h, w, flat_t)[0].reshape(B, T)
 
 
 def sft_loss(model: nn.Module, inputs: mx.array, targets: mx.array, weights: mx.array,
@@ -154,8 +202,8 @@ def preference_loss(model: nn.Module, spec: PreferenceSpec, inputs: mx.array, ta
     if spec.objective == "dpo":
         if spec.adapters_reference:
             with adapters_disabled(model):
-                # the same loss function as the policy's: at step 0 the two agree to the bit
-                ref_tok = -token_losses(model, inputs, targets, segments, train)
+                # the same values as the policy's (token_losses): at step 0 they agree to the bit
+                ref_tok = -token_losses(model, inputs, targets, segments, train=False)
             ref = mx.stop_gradient(sequence_logps(ref_tok, weights, seq, 2 * P)[0].reshape(P, 2))
         losses, rc, rr = dpo_terms(lp[:, 0], lp[:, 1], ref[:, 0], ref[:, 1], spec.beta, spec.label_smoothing)
         loss = (losses * present).sum() / norms[0]
@@ -172,5 +220,5 @@ def preference_loss(model: nn.Module, spec: PreferenceSpec, inputs: mx.array, ta
 def pair_logps(model: nn.Module, inputs: mx.array, targets: mx.array, weights: mx.array,
                segments: mx.array | None, seq: mx.array, n_pairs: int) -> mx.array:
     """(P, 2) summed completion log-probs (chosen, rejected): full fine-tuning's reference."""
-    tok = -token_losses(model, inputs, targets, segments)  # the training forward, bit for bit
+    tok = -token_losses(model, inputs, targets, segments, train=False)  # the training values, bit for bit
     return sequence_logps(tok, weights, seq, 2 * n_pairs)[0].reshape(n_pairs, 2)

@@ -85,7 +85,7 @@ def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
     return out
 
 
-COLUMN_ROLES = ("text", "prompt", "completion", "messages")  # the fields a record reads
+COLUMN_ROLES = ("text", "prompt", "completion", "messages", "chosen", "rejected")  # the fields a record reads
 
 
 @dataclass(frozen=True)
