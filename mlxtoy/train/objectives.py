@@ -96,6 +96,12 @@ def _output_ce(weight_grad: bool):
 _OUTPUT_CE = {flag: _output_ce(flag) for flag in (False, True)}
 
 
+def output_cross_entropy(h: mx.array, w: mx.array, targets: mx.array, weight_grad: bool = False) -> mx.array:
+    """Per-token cross-entropy of h (N, D) through the output weight W (V, D), differentiable
+    (the fused chunked form; `weight_grad`: W's gradient is wanted too)."""
+    return _OUTPUT_CE[weight_grad](h, w, targets)[0]
+
+
 def output_weight(model: nn.Module) -> mx.array | None:
     """W when the model's logits are plainly h @ W.T (the fused loss applies), else None."""
     if type(model).logits is not LlamaModel.logits:
@@ -127,7 +133,7 @@ def token_losses(model: nn.Module, inputs: mx.array, targets: mx.array,
             ces.append(_ce_and_dlogits(hc @ w.T, flat_t[i:i + n])[0])
         return mx.concatenate(ces).reshape(B, T)
     trained_w = "weight" in (model.output if "output" in model else model.tok_embeddings).trainable_parameters()
-    return _OUTPUT_CE[trained_w](flat_h, w, flat_t)[0].reshape(B, T)
+    return output_cross_entropy(flat_h, w, flat_t, trained_w).reshape(B, T)
 
 
 def sft_loss(model: nn.Module, inputs: mx.array, targets: mx.array, weights: mx.array,

@@ -1,0 +1,59 @@
+"""Where a SmolLM2 LoRA training step spends its time (batch 4 x 256, float32 on CPU, the BLAS threads
+it is given): the whole compiled step, then its parts timed alone (min of 5 runs; the parts
+overlap and do not add up exactly).
+
+    python bench/profile_step.py
+"""
+from __future__ import annotations
+
+import time
+
+import mlxtoy  # noqa: F401  (fast BLAS first)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlxtoy.config import TrainConfig
+from mlxtoy.loading import load
+from mlxtoy.models.lora import apply_lora
+from mlxtoy.models.fastmath import attention, silu
+from mlxtoy.train.objectives import output_cross_entropy, sft_loss
+from mlxtoy.train.step import Stepper, make_optimizer
+from mlxtoy.train.data import Batch
+B, T = 4, 256
+model, _ = load("smollm2-135m", dtype=mx.float32)
+base_ws = [v.reshape(-1, v.shape[-1]) for k, v in tree_flatten(model.parameters()) if v.ndim >= 2 and k.startswith("layers.")]
+apply_lora(model, ["q", "v"], 8, 16.0); mx.eval(model.parameters())
+cfg = TrainConfig(model="x", method="lora", steps=100, batch_size=B, seq_len=T, lr=1e-4, schedule="constant", grad_clip=0)
+opt = make_optimizer(cfg); opt.init(model.trainable_parameters())
+st = Stepper(model, opt, cfg, packed=False)
+rng = np.random.default_rng(0)
+x = rng.integers(0, 49152, (B, T + 1)).astype(np.int32)
+b = Batch(x[:, :-1], x[:, 1:], np.ones((B, T), np.float32), np.zeros((B, T), np.int32), B * T, B * T)
+inp, tgt, w = mx.array(b.inputs), mx.array(b.targets), mx.array(b.weights); norm = mx.array(float(B * T))
+def bench(name, f, n=5, scale=1):
+    f(); f(); ts = []
+    for _ in range(n):
+        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+    print(f"{name:52s} {min(ts) * scale:6.2f} s", flush=True)
+bench("whole step (Stepper: fwd, bwd, AdamW, guard)", lambda: mx.eval(st([b]), st.state))
+lg = nn.value_and_grad(model, lambda m, *a: sft_loss(m, *a))
+vg = mx.compile(lambda *a: lg(model, *a))
+bench("loss + gradients (no optimizer)", lambda: mx.eval(vg(inp, tgt, w, None, norm)))
+fh = mx.compile(lambda x: model.hidden(x))
+bench("forward through the 30 blocks", lambda: mx.eval(fh(inp)))
+h = mx.random.normal((B * T, 576)); E = model.tok_embeddings.weight; t1 = tgt.reshape(-1); c = mx.random.uniform(shape=(B * T,))
+hv = mx.compile(mx.value_and_grad(lambda h: (output_cross_entropy(h, E, t1) * c).sum()))
+bench("output projection + cross-entropy, fwd + bwd", lambda: mx.eval(hv(h)))
+xs = mx.random.normal((B * T, 576)); xf = mx.random.normal((B * T, 1536))
+gm = mx.compile(lambda x, xf: [((xf if W.shape[1] == 1536 else x) @ W.T) for W in base_ws])
+bench("block GEMMs, forward (x2 = fwd + input grads)", lambda: mx.eval(gm(xs, xf)), scale=2)
+q = mx.random.normal((B, 9, T, 64)); k = mx.random.normal((B, 3, T, 64)); v = mx.random.normal((B, 3, T, 64)); r = mx.random.normal(q.shape)
+ag = mx.compile(mx.grad(lambda q, k, v: (attention(q, k, v, 0.125, "causal") * r).sum(), argnums=(0, 1, 2)))
+bench("attention fwd + bwd (x30 layers)", lambda: mx.eval(ag(q, k, v)), scale=30)
+g = mx.random.normal((B * T, 1536)); u = mx.random.normal((B * T, 1536))
+sg = mx.compile(mx.grad(lambda g, u: (silu(g) * u * xf).sum(), argnums=(0, 1)))
+bench("SwiGLU elementwise fwd + bwd (x30)", lambda: mx.eval(sg(g, u)), scale=30)
+nw = mx.ones((576,)); rr = mx.random.normal((B * T, 576))
+ng = mx.compile(mx.grad(lambda x: (mx.fast.rms_norm(x, nw, 1e-5) * rr).sum()))
+bench("RMSNorm fwd + bwd (x60)", lambda: mx.eval(ng(xs)), scale=60)
