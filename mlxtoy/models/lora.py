@@ -88,19 +88,37 @@ def _gaussian_a(shape: tuple[int, ...], d_in: int) -> mx.array:
     return mx.random.normal(shape) * (1.0 / math.sqrt(d_in))
 
 
-class LoRAHeadProjection(nn.Module):
+class Adapter(nn.Module):
+    """What both wrappers share: the frozen base, scale = alpha / rank, dropout on the input,
+    the `disabled` switch, and the forward base(x) + delta(x), rescaled per output row by
+    `dora_scale()` when the wrapper has a DoRA magnitude."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        self.disabled = False  # True: the base alone (DPO's reference; objectives.adapters_disabled)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        if self.disabled:
+            return y
+        d = self.delta(x).astype(y.dtype)
+        if "magnitude" not in self:
+            return y + d
+        return _dora_out(y, d, self.dora_scale(), self.base)
+
+
+class LoRAHeadProjection(Adapter):
     """LoRA (or DoRA: `dora`) around a per-head projection; returns (B, T, H, Dh) like the base.
     DoRA's magnitude is one per output row, (H*Dh,) in head-major order."""
 
     def __init__(self, base: HeadProjection, rank: int, alpha: float, dropout: float = 0.0,
                  per_head: bool = False, dora: bool = False):
-        super().__init__()
+        super().__init__(base, rank, alpha, dropout)
         n_heads, d_head, d_in = base.weight.shape
-        self.base = base
-        self.scale = alpha / rank
-        self.disabled = False  # True: the base alone (DPO's reference; objectives.adapters_disabled)
         self.per_head = per_head
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         if per_head:
             self.lora_a = _gaussian_a((n_heads, rank, d_in), d_in)
             self.lora_b = mx.zeros((n_heads, d_head, rank))
@@ -135,15 +153,6 @@ class LoRAHeadProjection(nn.Module):
         z = (x @ a.T) @ b.T
         return (self.scale * z).reshape(*x.shape[:-1], H, Dh)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self.base(x)
-        if self.disabled:
-            return y
-        d = self.delta(x).astype(y.dtype)
-        if "magnitude" not in self:
-            return y + d
-        return _dora_out(y, d, self.dora_scale(), self.base)
-
     def dora_scale(self) -> mx.array:
         """DoRA's m / ||W + scale B A||_row, shaped (H, Dh)."""
         H, Dh = self.n_heads, self.d_head
@@ -174,17 +183,13 @@ class LoRAHeadProjection(nn.Module):
         return out
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(Adapter):
     """LoRA (or DoRA: `dora`, magnitude (out,)) around an nn.Linear (or nn.QuantizedLinear):
     A (r, in), B (out, r)."""
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, dora: bool = False):
-        super().__init__()
+        super().__init__(base, rank, alpha, dropout)
         d_out, d_in = _linear_dims(base)
-        self.base = base
-        self.scale = alpha / rank
-        self.disabled = False  # True: the base alone (DPO's reference; objectives.adapters_disabled)
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         self.lora_a = _gaussian_a((rank, d_in), d_in)
         self.lora_b = mx.zeros((d_out, rank))
         if dora:
@@ -195,15 +200,6 @@ class LoRALinear(nn.Module):
             x = self.dropout(x)
         z = (x @ self.lora_a.astype(x.dtype).T) @ self.lora_b.astype(x.dtype).T
         return self.scale * z
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self.base(x)
-        if self.disabled:
-            return y
-        d = self.delta(x).astype(y.dtype)
-        if "magnitude" not in self:
-            return y + d
-        return _dora_out(y, d, self.dora_scale(), self.base)
 
     def dora_scale(self) -> mx.array:
         """DoRA's m / ||W + scale B A||_row, (out,); a quantized base is dequantized for the norm."""

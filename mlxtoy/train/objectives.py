@@ -61,6 +61,27 @@ def _chunk_spans(n_tokens: int, vocab: int) -> list[tuple[int, int]]:
     return [(i, min(size, n_tokens - i)) for i in range(0, n_tokens, size)]
 
 
+def _chunked_ce(h: mx.array, w: mx.array, targets: mx.array, grads: bool,
+                keep_dlogits: bool = False) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+    """Per chunk of tokens: the cross-entropy of h (N, D) through W (V, D), with `grads` the
+    gradient (softmax - one-hot) @ W with respect to h, and with `keep_dlogits` softmax - one-hot
+    itself. Each chunk starts after the previous one's results, so one chunk's logits are
+    alive at a time. -> (ce chunks, dh chunks, dlogits chunks)."""
+    ces: list[mx.array] = []
+    dhs: list[mx.array] = []
+    dlogits: list[mx.array] = []
+    for i, n in _chunk_spans(h.shape[0], w.shape[0]):
+        previous = ces[-1:] + dhs[-1:]
+        hc = mx.depends(h[i:i + n], previous) if previous else h[i:i + n]
+        ce, d = _ce_and_dlogits(hc @ w.T, targets[i:i + n])
+        ces.append(ce)
+        if grads:
+            dhs.append(d.astype(w.dtype) @ w)
+        if keep_dlogits:
+            dlogits.append(d.astype(w.dtype))
+    return ces, dhs, dlogits
+
+
 def _output_ce(weight_grad: bool):
     """The output projection and the cross-entropy as one function of (h, W, targets), with
     h (N, D), W (V, D): the logits are computed a chunk of tokens at a time and never held
@@ -70,14 +91,7 @@ def _output_ce(weight_grad: bool):
 
     @mx.custom_function
     def output_ce(h: mx.array, w: mx.array, targets: mx.array):
-        ces, dhs, dlogits = [], [], []
-        for i, n in _chunk_spans(h.shape[0], w.shape[0]):
-            hc = h[i:i + n] if not dhs else mx.depends(h[i:i + n], [dhs[-1], ces[-1]])  # one chunk at a time
-            ce, d = _ce_and_dlogits(hc @ w.T, targets[i:i + n])
-            ces.append(ce)
-            dhs.append(d.astype(w.dtype) @ w)
-            if weight_grad:
-                dlogits.append(d.astype(w.dtype))
+        ces, dhs, dlogits = _chunked_ce(h, w, targets, grads=True, keep_dlogits=weight_grad)
         out = [mx.concatenate(ces), mx.concatenate(dhs).astype(h.dtype)]
         if weight_grad:
             out.append(mx.concatenate(dlogits))
@@ -102,14 +116,15 @@ def output_cross_entropy(h: mx.array, w: mx.array, targets: mx.array, weight_gra
     return _OUTPUT_CE[weight_grad](h, w, targets)[0]
 
 
-def output_weight(model: nn.Module) -> mx.array | None:
-    """W when the model's logits are plainly h @ W.T (the fused loss applies), else None."""
+def output_layer(model: nn.Module) -> nn.Module | None:
+    """The output layer when the model's logits are plainly h @ W.T (the fused loss applies),
+    else None."""
     if type(model).logits is not LlamaModel.logits:
         return None
     layer = model.output if "output" in model else model.tok_embeddings
     if type(layer) not in (nn.Linear, nn.Embedding) or "bias" in layer:
         return None
-    return layer.weight
+    return layer
 
 
 def token_losses(model: nn.Module, inputs: mx.array, targets: mx.array,
@@ -120,20 +135,16 @@ def token_losses(model: nn.Module, inputs: mx.array, targets: mx.array,
     gradient bookkeeping (evaluation, DPO's reference).
     """
     mask = block_causal_mask(segments) if segments is not None else None
-    w = output_weight(model)
-    if w is None:
+    layer = output_layer(model)
+    if layer is None:
         return cross_entropy(model(inputs, mask=mask), targets)
     h = model.hidden(inputs, mask=mask)
     B, T, D = h.shape
     flat_h, flat_t = h.reshape(B * T, D), targets.reshape(B * T)
     if not train:  # the same chunks and kernels as training, so values agree to the bit
-        ces: list[mx.array] = []
-        for i, n in _chunk_spans(B * T, w.shape[0]):
-            hc = flat_h[i:i + n] if not ces else mx.depends(flat_h[i:i + n], ces[-1])
-            ces.append(_ce_and_dlogits(hc @ w.T, flat_t[i:i + n])[0])
-        return mx.concatenate(ces).reshape(B, T)
-    trained_w = "weight" in (model.output if "output" in model else model.tok_embeddings).trainable_parameters()
-    return output_cross_entropy(flat_h, w, flat_t, trained_w).reshape(B, T)
+        return mx.concatenate(_chunked_ce(flat_h, layer.weight, flat_t, grads=False)[0]).reshape(B, T)
+    trained_w = "weight" in layer.trainable_parameters()
+    return output_cross_entropy(flat_h, layer.weight, flat_t, trained_w).reshape(B, T)
 
 
 def sft_loss(model: nn.Module, inputs: mx.array, targets: mx.array, weights: mx.array,
