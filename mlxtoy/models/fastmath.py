@@ -1,10 +1,17 @@
-"""Elementwise maths that MLX's CPU backend computes slowly.
+"""Elementwise and row-wise maths that MLX's CPU backend computes slowly.
 
 On CPU, MLX's `exp` (and so `sigmoid` and SiLU) runs at ~15-20 ns per element: in a SmolLM2
 training step SiLU alone costs about as much as a third of the FFN GEMMs. A range-reduced
 polynomial exp (Cody-Waite reduction, degree-6 Taylor on |r| <= ln2/2; relative error ~3e-7,
 i.e. float32 rounding level), compiled so the whole SiLU fuses into one kernel, is ~5x faster.
 Used on CPU only; Metal and CUDA have fast transcendental units.
+
+Where the compiled kernels of `kernels/` (the `mlxtoy_kernels` package, MLX primitives in C++)
+are installed, float32 CPU work goes through them instead: MLX runs its CPU elementwise and
+reduction ops unfused on one thread, and MKL runs the one-row GEMVs of decoding on one thread,
+so the softmaxes, cross-entropy, RMSNorm, SwiGLU and decode GEMVs are fused and split over the
+cores there. The pure-MLX forms here stay the fallback (and the reference the tests compare
+with); MLXTOY_KERNELS=0 turns the kernels off.
 """
 
 from __future__ import annotations
@@ -13,6 +20,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy import backend
+
+try:  # optional: built from kernels/ by scripts/setup.sh (`pip install ./kernels`)
+    import mlxtoy_kernels
+except ImportError:
+    mlxtoy_kernels = None
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 split in two so n * ln2 stays exact in float32
@@ -69,6 +81,151 @@ def _on_cpu() -> bool:
 _ON_CPU = _on_cpu()
 
 
+def _load_kernels():
+    """The kernels module when it is installed, wanted, and built against this MLX (a build
+    for another MLX's bindings does not accept its arrays), else None."""
+    if not _ON_CPU or mlxtoy_kernels is None or backend.os.environ.get("MLXTOY_KERNELS", "1") == "0":
+        return None
+    try:
+        mx.eval(mlxtoy_kernels.swiglu(mx.zeros((1,)), mx.zeros((1,))))
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    return mlxtoy_kernels
+
+
+_K = _load_kernels()
+KERNELS = _K is not None  # the compiled kernels are in use
+
+
+def _kernel_ok(*arrays: mx.array) -> bool:
+    return _K is not None and all(a.dtype == mx.float32 for a in arrays)
+
+
+def _cotangent(c):
+    return c[0] if isinstance(c, (tuple, list)) else c
+
+
+# --- RMSNorm, SwiGLU, decode GEMV --------------------------------------------------------------
+
+_RMS_NORMS: dict = {}
+
+
+def _kernel_rms_norm(eps: float):
+    fn = _RMS_NORMS.get(eps)
+    if fn is None:
+        @mx.custom_function
+        def fn(x, w):
+            return _K.rms_norm(x, w, eps)
+
+        @fn.vjp
+        def fn_vjp(primals, cotangent, output):
+            x, w = primals
+            dx, dw = _K.rms_norm_grad(x, w, _cotangent(cotangent), eps)
+            return dx, dw
+
+        _RMS_NORMS[eps] = fn
+    return fn
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis."""
+    if _kernel_ok(x, weight):
+        return _kernel_rms_norm(eps)(x, weight)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameters) through `rms_norm`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self.eps)
+
+
+@mx.custom_function
+def _kernel_swiglu(a, b):
+    return _K.swiglu(a, b)
+
+
+@_kernel_swiglu.vjp
+def _kernel_swiglu_vjp(primals, cotangent, output):
+    a, b = primals
+    da, db = _K.swiglu_grad(a, b, _cotangent(cotangent))
+    return da, db
+
+
+def swiglu(a: mx.array, b: mx.array) -> mx.array:
+    """silu(a) * b (the SwiGLU FFN's gate times its up projection)."""
+    if _kernel_ok(a, b):
+        return _kernel_swiglu(a, b)
+    return silu(a) * b
+
+
+_GEMV_ROWS = 4  # at most this many rows of x take the threaded GEMV (decoding)
+
+
+@mx.custom_function
+def _kernel_gemv(x, w):
+    return _K.gemv(x, w)
+
+
+@_kernel_gemv.vjp
+def _kernel_gemv_vjp(primals, cotangent, output):
+    x, w = primals
+    g = _cotangent(cotangent)
+    return g @ w, g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel."""
+    if _kernel_ok(x, weight) and x.size <= _GEMV_ROWS * x.shape[-1]:
+        return _kernel_gemv(x, weight)
+    return x @ weight.T
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters) through `linear`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "bias" in self:
+            if x.size <= _GEMV_ROWS * x.shape[-1] and _kernel_ok(x, self["weight"]):
+                return linear(x, self["weight"]) + self["bias"]
+            return mx.addmm(self["bias"], x, self["weight"].T)
+        return linear(x, self["weight"])
+
+
+# --- cross-entropy -------------------------------------------------------------------------------
+
+@mx.compile
+def _ce_and_dlogits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+    x = logits.astype(mx.float32)
+    m = x.max(axis=-1, keepdims=True)
+    e = exp(x - m)
+    s = e.sum(axis=-1, keepdims=True)
+    picked = mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    is_target = mx.arange(x.shape[-1]) == targets[..., None]
+    return (m + mx.log(s))[..., 0] - picked, mx.where(is_target, e / s - 1.0, e / s)
+
+
+def softmax_cross_entropy(logits: mx.array, targets: mx.array, grad: bool) -> tuple[mx.array, mx.array | None]:
+    """logits (N, V), targets (N,) -> (cross-entropy logsumexp - logits[target] (N,), with
+    `grad` its gradient softmax - one-hot (N, V), else None). The cross-entropy is the same
+    to the bit with and without `grad`."""
+    ce, d = _ce_and_dlogits(logits, targets)
+    return ce, (d if grad else None)
+
+
+LOGITS_BY_COLUMNS = KERNELS  # losses over a vocabulary take the logits as (V, N) with the kernels
+
+
+def softmax_cross_entropy_columns(logits_t: mx.array, targets: mx.array, grad: bool) -> tuple[mx.array, mx.array | None]:
+    """`softmax_cross_entropy` for logits laid out (V, N): (N,) and (V, N) | None."""
+    if _kernel_ok(logits_t):
+        out = _K.cross_entropy_columns(logits_t, targets, grad)
+        return out[0], (out[1] if grad else None)
+    ce, d = softmax_cross_entropy(logits_t.T, targets, grad)
+    return ce, (d.T if grad else None)
+
+
 # --- attention -------------------------------------------------------------------------------
 # MLX's CPU backend trains through an unfused softmax whose exp is a scalar call per score
 # (4 x 9 x 256 x 256 scores per SmolLM2 layer). Here the softmax takes the polynomial exp, the
@@ -96,7 +253,10 @@ def _grouped_attention(q: mx.array, k: mx.array, v: mx.array, bias: mx.array, sc
     B, KV, GT, _ = q.shape
     T, S = bias.shape[-2:]
     s = ((q * scale) @ k.swapaxes(-1, -2)).reshape(B, KV, GT // T, T, S)
-    p = _masked_softmax(s, bias).reshape(B, KV, GT, S)
+    if _K is not None:
+        p = _K.softmax_bias(s, bias.reshape(bias.shape[0], T, S)).reshape(B, KV, GT, S)
+    else:
+        p = _masked_softmax(s, bias).reshape(B, KV, GT, S)
     return p @ v, p
 
 
@@ -107,7 +267,10 @@ def _grouped_attention_vjp(primals, cotangents, outputs):
     out, p = outputs
     dv = p.swapaxes(-1, -2) @ d_out
     dp = d_out @ v.swapaxes(-1, -2)
-    ds = _softmax_input_grad(p, dp, (d_out * out).sum(axis=-1, keepdims=True))
+    if _K is not None:
+        ds = _K.softmax_grad(p, dp)
+    else:
+        ds = _softmax_input_grad(p, dp, (d_out * out).sum(axis=-1, keepdims=True))
     dq = (ds @ k) * scale
     dk = (ds.swapaxes(-1, -2) @ q) * scale
     return dq, dk, dv, mx.zeros_like(bias), mx.zeros_like(scale)

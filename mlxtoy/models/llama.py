@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy.config import ModelConfig
-from mlxtoy.models.fastmath import attention, silu
+from mlxtoy.models.fastmath import Linear, RMSNorm, attention, linear, silu, swiglu
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
 
@@ -56,7 +56,7 @@ class HeadProjection(nn.Module):
         return self.weight.reshape(n_heads * d_head, d_in)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = x @ self.flat_weight().T
+        y = linear(x, self.flat_weight())
         if "bias" in self:
             y = y + self.bias.reshape(-1)
         return y.reshape(*x.shape[:-1], self.n_heads, self.d_head)
@@ -155,10 +155,10 @@ class Attention(nn.Module):
         self.q = HeadProjection(cfg.d_model, cfg.n_heads, cfg.d_head, bias=qkv_bias)
         self.k = HeadProjection(cfg.d_model, cfg.n_kv_heads, cfg.d_head, bias=qkv_bias)
         self.v = HeadProjection(cfg.d_model, cfg.n_kv_heads, cfg.d_head, bias=qkv_bias)
-        self.o = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=bias)
+        self.o = Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=bias)
         if cfg.qk_norm:
-            self.q_norm = nn.RMSNorm(cfg.d_head, eps=cfg.norm_eps)
-            self.k_norm = nn.RMSNorm(cfg.d_head, eps=cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.d_head, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.d_head, eps=cfg.norm_eps)
         self.window = cfg.window_of(layer)
         if rope and cfg.rope_dims != 0:
             local = self.window is not None and cfg.rope_local_base is not None
@@ -233,12 +233,14 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig, act: Callable[[mx.array], mx.array] = silu):
         super().__init__()
-        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.gate = Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up = Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down = Linear(cfg.d_ff, cfg.d_model, bias=False)
         self.act = act
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.act is silu:
+            return self.down(swiglu(self.gate(x), self.up(x)))
         return self.down(self.act(self.gate(x)) * self.up(x))
 
 
@@ -251,7 +253,7 @@ class Block(nn.Module):
                  bias: bool = False, ffn: nn.Module | None = None, post_norms: bool = False,
                  rope: bool = True):
         super().__init__()
-        norm = norm or (lambda: nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps))
+        norm = norm or (lambda: RMSNorm(cfg.d_model, eps=cfg.norm_eps))
         self.attn_norm = norm()
         self.attn = Attention(cfg, layer, bias, rope)
         self.ffn_norm = norm()
@@ -287,10 +289,10 @@ class LlamaModel(nn.Module):
         self.layers = [self.make_block(cfg, i) for i in range(cfg.n_layers)]
         self.norm = self.make_norm(cfg)
         if not cfg.tie_embeddings:
-            self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.output = Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def make_norm(self, cfg: ModelConfig) -> nn.Module:
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
 
     def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
         """Layer `layer`'s block: the hook a variant overrides (with `make_norm`, `embed`)."""
@@ -327,6 +329,8 @@ class LlamaModel(nn.Module):
     def logits(self, h: mx.array) -> mx.array:
         if "output" in self:
             return self.output(h)
+        if type(self.tok_embeddings) is nn.Embedding:
+            return linear(h, self.tok_embeddings.weight)
         return self.tok_embeddings.as_linear(h)
 
 

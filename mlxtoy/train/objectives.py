@@ -29,7 +29,8 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy.models.fastmath import exp
+from mlxtoy.models.fastmath import (LOGITS_BY_COLUMNS, Linear, softmax_cross_entropy,
+                                    softmax_cross_entropy_columns)
 from mlxtoy.models.llama import LlamaModel, block_causal_mask
 from mlxtoy.models.lora import lora_modules
 
@@ -43,21 +44,9 @@ def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
     return mx.logsumexp(x, axis=-1) - mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
 
 
-@mx.compile
-def _ce_and_dlogits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """(per-token cross-entropy, its gradient with respect to the logits: softmax - one-hot)."""
-    x = logits.astype(mx.float32)
-    m = x.max(axis=-1, keepdims=True)
-    e = exp(x - m)
-    s = e.sum(axis=-1, keepdims=True)
-    picked = mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
-    is_target = mx.arange(x.shape[-1]) == targets[..., None]
-    return (m + mx.log(s))[..., 0] - picked, mx.where(is_target, e / s - 1.0, e / s)
-
-
-def _chunk_spans(n_tokens: int, vocab: int) -> list[tuple[int, int]]:
-    # ~4M logits per chunk (16 MB in float32), at most 32 chunks in the compiled graph
-    size = max(-(-n_tokens // 32), (1 << 22) // vocab, 1)
+def _chunk_spans(n_tokens: int, vocab: int, logits_per_chunk: int) -> list[tuple[int, int]]:
+    # at most 32 chunks in the compiled graph
+    size = max(-(-n_tokens // 32), logits_per_chunk // vocab, 1)
     return [(i, min(size, n_tokens - i)) for i in range(0, n_tokens, size)]
 
 
@@ -65,18 +54,25 @@ def _chunked_ce(h: mx.array, w: mx.array, targets: mx.array, grads: bool,
                 keep_dlogits: bool = False) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
     """Per chunk of tokens: the cross-entropy of h (N, D) through W (V, D), with `grads` the
     gradient (softmax - one-hot) @ W with respect to h, and with `keep_dlogits` softmax - one-hot
-    itself. Each chunk starts after the previous one's results, so one chunk's logits are
-    alive at a time. -> (ce chunks, dh chunks, dlogits chunks)."""
+    itself, (n, V) per chunk, or (V, n) where the kernels take the logits by columns (the
+    output GEMM W @ h.T is the faster one on CPU). Each chunk starts after the previous one's
+    results, so one chunk's logits are alive at a time. -> (ce chunks, dh chunks, dlogits chunks)."""
     ces: list[mx.array] = []
     dhs: list[mx.array] = []
     dlogits: list[mx.array] = []
-    for i, n in _chunk_spans(h.shape[0], w.shape[0]):
+    grad = grads or keep_dlogits
+    # ~12M logits per chunk by columns (48 MB in float32), ~4M by rows
+    for i, n in _chunk_spans(h.shape[0], w.shape[0], 12 << 20 if LOGITS_BY_COLUMNS else 1 << 22):
         previous = ces[-1:] + dhs[-1:]
         hc = mx.depends(h[i:i + n], previous) if previous else h[i:i + n]
-        ce, d = _ce_and_dlogits(hc @ w.T, targets[i:i + n])
+        if LOGITS_BY_COLUMNS:
+            ce, d = softmax_cross_entropy_columns(w @ hc.T, targets[i:i + n], grad)
+        else:
+            ce, d = softmax_cross_entropy(hc @ w.T, targets[i:i + n], grad)
         ces.append(ce)
         if grads:
-            dhs.append(d.astype(w.dtype) @ w)
+            d_rows = d.T if LOGITS_BY_COLUMNS else d
+            dhs.append(d_rows.astype(w.dtype) @ w)
         if keep_dlogits:
             dlogits.append(d.astype(w.dtype))
     return ces, dhs, dlogits
@@ -94,14 +90,18 @@ def _output_ce(weight_grad: bool):
         ces, dhs, dlogits = _chunked_ce(h, w, targets, grads=True, keep_dlogits=weight_grad)
         out = [mx.concatenate(ces), mx.concatenate(dhs).astype(h.dtype)]
         if weight_grad:
-            out.append(mx.concatenate(dlogits))
+            out.append(mx.concatenate(dlogits, axis=1 if LOGITS_BY_COLUMNS else 0))
         return tuple(out)
 
     @output_ce.vjp
     def output_ce_vjp(primals, cotangents, outputs):
         h, w, targets = primals
         c = cotangents[0][:, None]
-        dw = outputs[2].T @ (h * c).astype(w.dtype) if weight_grad else mx.zeros_like(w)
+        if weight_grad:
+            d = outputs[2] if LOGITS_BY_COLUMNS else outputs[2].T  # (V, N)
+            dw = d @ (h * c).astype(w.dtype)
+        else:
+            dw = mx.zeros_like(w)
         return outputs[1] * c.astype(h.dtype), dw, mx.zeros_like(targets)
 
     return output_ce
@@ -122,7 +122,7 @@ def output_layer(model: nn.Module) -> nn.Module | None:
     if type(model).logits is not LlamaModel.logits:
         return None
     layer = model.output if "output" in model else model.tok_embeddings
-    if type(layer) not in (nn.Linear, nn.Embedding) or "bias" in layer:
+    if type(layer) not in (nn.Linear, Linear, nn.Embedding) or "bias" in layer:
         return None
     return layer
 

@@ -1,0 +1,27 @@
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "kernels.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "mlxtoy's float32 CPU kernels as MLX primitives";
+  m.def("threads", &mlxtoy::kernel_threads, "threads the kernels split rows over");
+  m.def("softmax_bias", &mlxtoy::softmax_bias, "s"_a, "bias"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "softmax(s + bias) over the last axis; s (B, ..., T, S), bias (1|B, T, S) of 0 and -inf");
+  m.def("softmax_grad", &mlxtoy::softmax_grad, "p"_a, "dp"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "p * (dp - sum(p * dp, -1)): softmax's input gradient");
+  m.def("cross_entropy_columns", &mlxtoy::cross_entropy_columns, "logits_t"_a, "targets"_a, "grad"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "cross_entropy for logits laid out (V, N); the gradient is (V, N) too");
+  m.def("rms_norm", &mlxtoy::rms_norm, "x"_a, "w"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none());
+  m.def("rms_norm_grad", &mlxtoy::rms_norm_grad, "x"_a, "w"_a, "g"_a, "eps"_a, nb::kw_only(),
+        "stream"_a = nb::none(), "(dx, dw) of rms_norm for the output cotangent g");
+  m.def("swiglu", &mlxtoy::swiglu, "a"_a, "b"_a, nb::kw_only(), "stream"_a = nb::none(), "silu(a) * b");
+  m.def("swiglu_grad", &mlxtoy::swiglu_grad, "a"_a, "b"_a, "g"_a, nb::kw_only(), "stream"_a = nb::none());
+  m.def("gemv", &mlxtoy::gemv, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ w.T for few rows of x (decoding), split over threads by w's rows");
+}

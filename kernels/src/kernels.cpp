@@ -1,0 +1,514 @@
+// mlxtoy's CPU kernels: the float32 row-wise work that MLX's CPU backend runs unfused and on
+// one thread (softmax, cross-entropy, RMSNorm, SwiGLU) and the small-batch GEMV of decoding
+// (which MKL runs on one thread). Each is an MLX primitive evaluated on the CPU stream; rows
+// are split over a small thread pool. Gradients are wired up in Python (mx.custom_function).
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
+
+#include "mlx/backend/cpu/encoder.h"
+#include "kernels.h"
+
+namespace mlxtoy {
+
+// ---- threads --------------------------------------------------------------------------------
+
+namespace {
+
+int default_threads() {
+  if (const char* env = std::getenv("MLXTOY_KERNEL_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// A fixed pool: run(n, fn) calls fn(begin, end) on contiguous slices of [0, n), one per thread,
+// the calling thread taking the first slice.
+class Pool {
+ public:
+  Pool() : n_threads_(default_threads()) {
+    for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { work(i); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+  int threads() const { return n_threads_; }
+
+  void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+    int parts = static_cast<int>(std::min<int64_t>(n_threads_, std::max<int64_t>(1, n / std::max<int64_t>(grain, 1))));
+    if (parts <= 1) {
+      fn(0, n);
+      return;
+    }
+    std::unique_lock<std::mutex> serial(run_mutex_);  // one parallel region at a time
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = &fn;
+      n_ = n;
+      parts_ = parts;
+      pending_ = parts - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    fn(0, n / parts);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void work(int index) {
+    uint64_t seen = 0;
+    while (true) {
+      const std::function<void(int64_t, int64_t)>* job;
+      int64_t n;
+      int parts;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        job = job_;
+        n = n_;
+        parts = parts_;
+      }
+      if (index < parts) {
+        (*job)(n * index / parts, n * (index + 1) / parts);
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (--pending_ == 0) done_.notify_one();
+      }
+    }
+  }
+
+  int n_threads_;
+  std::vector<std::thread> workers_;
+  std::mutex mutex_, run_mutex_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int64_t, int64_t)>* job_ = nullptr;
+  int64_t n_ = 0;
+  int parts_ = 0;
+  int pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+// Hot loops are compiled twice on x86-64: AVX2+FMA and baseline, picked at load time.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HOT
+#endif
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// e^x for x <= 0 (or moderate x): Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6
+// Taylor polynomial, times 2^n through the exponent bits (the same formula as fastmath._exp).
+inline float poly_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  float t = x * 1.4426950408889634f + shifter;
+  float n = t - shifter;
+  float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+// ---- row kernels ----------------------------------------------------------------------------
+
+// p = softmax(s + bias) over a row of length S; masked (-inf) entries give exactly 0, entries
+// past the row's last unmasked one are not computed. Returns nothing; a row masked entirely
+// is all zeros.
+HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S) {
+  int64_t len = S;
+  while (len > 0 && bias[len - 1] == kNegInf) --len;
+  float m = kNegInf;
+  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j] + bias[j]);
+  if (m == kNegInf) {
+    std::fill(p, p + S, 0.0f);
+    return;
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < len; ++j) {
+    float v = s[j] + bias[j];
+    float e = v == kNegInf ? 0.0f : poly_exp(v - m);
+    p[j] = e;
+    sum += e;
+  }
+  float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) p[j] *= inv;
+  std::fill(p + len, p + S, 0.0f);
+}
+
+// ds = p * (dp - sum(p * dp)): the softmax's input gradient; p's zero tail is skipped.
+HOT void softmax_grad_row(const float* p, const float* dp, float* ds, int64_t S) {
+  int64_t len = S;
+  while (len > 0 && p[len - 1] == 0.0f) --len;
+  float delta = 0.0f;
+#pragma omp simd reduction(+ : delta)
+  for (int64_t j = 0; j < len; ++j) delta += p[j] * dp[j];
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) ds[j] = p[j] * (dp[j] - delta);
+  std::fill(ds + len, ds + S, 0.0f);
+}
+
+// ce = logsumexp(x) - x[target] and with d: d = softmax(x) - onehot(target), for logits laid out
+// (V, C), one token per column (the output GEMM W @ h.T is the faster one that way round):
+// columns [c0, c1). Each token's sum runs over the vocabulary in order, in double (a float sum
+// over 49K terms loses ~1e-5 of the loss).
+HOT void cross_entropy_columns(const float* x, const int32_t* t, float* ce, float* d, int64_t V, int64_t C,
+                               int64_t c0, int64_t c1) {
+  int64_t n = c1 - c0;
+  std::vector<float> m(n, kNegInf), inv(n);
+  std::vector<double> sum(n, 0.0);
+  for (int64_t v = 0; v < V; ++v) {
+    const float* row = x + v * C + c0;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) m[j] = std::max(m[j], row[j]);
+  }
+  for (int64_t v = 0; v < V; ++v) {
+    const float* row = x + v * C + c0;
+    float* drow = d ? d + v * C + c0 : nullptr;
+    if (drow) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        float e = poly_exp(row[j] - m[j]);
+        drow[j] = e;
+        sum[j] += e;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) sum[j] += poly_exp(row[j] - m[j]);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    ce[c0 + j] = m[j] + static_cast<float>(std::log(sum[j])) - x[t[c0 + j] * C + c0 + j];
+    inv[j] = static_cast<float>(1.0 / sum[j]);
+  }
+  if (!d) return;
+  for (int64_t v = 0; v < V; ++v) {
+    float* drow = d + v * C + c0;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) drow[j] *= inv[j];
+  }
+  for (int64_t j = 0; j < n; ++j) d[t[c0 + j] * C + c0 + j] -= 1.0f;
+}
+
+HOT void rms_norm_row(const float* x, const float* w, float* y, int64_t D, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < D; ++j) ss += x[j] * x[j];
+  float r = 1.0f / std::sqrt(ss / D + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) y[j] = w[j] * (x[j] * r);
+}
+
+// y = w * x * r with r = (mean(x^2) + eps)^-1/2:
+// dx = r * w * g - x * r^3 * mean(x * w * g); dw += g * x * r.
+HOT void rms_norm_grad_row(const float* x, const float* w, const float* g, float* dx, float* dw,
+                           int64_t D, float eps) {
+  float ss = 0.0f, xwg = 0.0f;
+#pragma omp simd reduction(+ : ss, xwg)
+  for (int64_t j = 0; j < D; ++j) {
+    ss += x[j] * x[j];
+    xwg += x[j] * w[j] * g[j];
+  }
+  float r = 1.0f / std::sqrt(ss / D + eps);
+  float c = r * r * r * xwg / D;
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) {
+    dx[j] = r * w[j] * g[j] - c * x[j];
+    dw[j] += g[j] * x[j] * r;
+  }
+}
+
+HOT void swiglu_span(const float* a, const float* b, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = a[i] / (1.0f + poly_exp(-a[i])) * b[i];
+}
+
+// y = silu(a) * b: da = g * b * s * (1 + a * (1 - s)) with s = sigmoid(a); db = g * silu(a).
+HOT void swiglu_grad_span(const float* a, const float* b, const float* g, float* da, float* db, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float s = 1.0f / (1.0f + poly_exp(-a[i]));
+    da[i] = g[i] * b[i] * s * (1.0f + a[i] * (1.0f - s));
+    db[i] = g[i] * a[i] * s;
+  }
+}
+
+// y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1).
+HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                   int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * K;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += xr[k] * wr[k];
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+// rows per parallel slice so one slice is at least ~16K elements of work
+int64_t grain(int64_t row_len) {
+  return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(row_len, 1));
+}
+
+}  // namespace
+
+// ---- the primitive --------------------------------------------------------------------------
+
+int kernel_threads() { return pool().threads(); }
+
+void Kernel::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxtoy_kernels] CPU kernels only");
+}
+
+bool Kernel::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Kernel&>(other);
+  return op_ == o.op_ && eps_ == o.eps_;
+}
+
+void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) encoder.set_input_array(in);
+  for (auto& out : outputs) encoder.set_output_array(out);
+
+  std::vector<const void*> in;
+  std::vector<void*> out;
+  for (auto& a : inputs) in.push_back(a.data<void>());
+  for (auto& a : outputs) out.push_back(a.data<void>());
+  const mx::Shape& shape0 = inputs[0].shape();
+  int64_t last = shape0.back();
+  int64_t rows = inputs[0].size() / std::max<int64_t>(last, 1);
+  Op op = op_;
+  float eps = eps_;
+  int64_t extra = 0, extra2 = 0;
+  if (op == Op::Softmax) {  // s (..., T, S), bias (Bb, T, S): Bb is 1 or the leading dim
+    extra = inputs[1].shape(-2);                          // T
+    extra2 = inputs[1].shape(0) == 1 ? 0 : rows / inputs[1].shape(0);  // rows per bias batch
+  } else if (op == Op::Gemv) {
+    extra = inputs[1].shape(0);  // N
+  }
+
+  encoder.dispatch([op, eps, in, out, rows, last, extra, extra2]() {
+    Pool& threads = pool();
+    switch (op) {
+      case Op::Softmax: {
+        auto s = static_cast<const float*>(in[0]);
+        auto bias = static_cast<const float*>(in[1]);
+        auto p = static_cast<float*>(out[0]);
+        int64_t T = extra;
+        threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) {
+            int64_t b = extra2 ? r / extra2 : 0;
+            softmax_row(s + r * last, bias + (b * T + r % T) * last, p + r * last, last);
+          }
+        });
+        break;
+      }
+      case Op::SoftmaxGrad: {
+        auto p = static_cast<const float*>(in[0]);
+        auto dp = static_cast<const float*>(in[1]);
+        auto ds = static_cast<float*>(out[0]);
+        threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) softmax_grad_row(p + r * last, dp + r * last, ds + r * last, last);
+        });
+        break;
+      }
+      case Op::CrossEntropyColumns:
+      case Op::CrossEntropyColumnsGrad: {
+        auto x = static_cast<const float*>(in[0]);
+        auto t = static_cast<const int32_t*>(in[1]);
+        auto ce = static_cast<float*>(out[0]);
+        float* d = op == Op::CrossEntropyColumnsGrad ? static_cast<float*>(out[1]) : nullptr;
+        int64_t V = rows, C = last;
+        threads.run(C, 16, [&](int64_t c0, int64_t c1) { cross_entropy_columns(x, t, ce, d, V, C, c0, c1); });
+        break;
+      }
+      case Op::RmsNorm: {
+        auto x = static_cast<const float*>(in[0]);
+        auto w = static_cast<const float*>(in[1]);
+        auto y = static_cast<float*>(out[0]);
+        threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) rms_norm_row(x + r * last, w, y + r * last, last, eps);
+        });
+        break;
+      }
+      case Op::RmsNormGrad: {
+        auto x = static_cast<const float*>(in[0]);
+        auto w = static_cast<const float*>(in[1]);
+        auto g = static_cast<const float*>(in[2]);
+        auto dx = static_cast<float*>(out[0]);
+        auto dw = static_cast<float*>(out[1]);
+        // each slice sums its rows' dw into its own buffer; slices are added in order
+        int parts = threads.threads();
+        std::vector<float> partial(static_cast<size_t>(parts) * last, 0.0f);
+        std::atomic<int> next{0};
+        std::vector<std::pair<int64_t, float*>> order(parts, {-1, nullptr});
+        threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
+          int slot = next.fetch_add(1);
+          float* acc = partial.data() + static_cast<size_t>(slot) * last;
+          order[slot] = {r0, acc};
+          for (int64_t r = r0; r < r1; ++r)
+            rms_norm_grad_row(x + r * last, w, g + r * last, dx + r * last, acc, last, eps);
+        });
+        std::sort(order.begin(), order.end());
+        std::fill(dw, dw + last, 0.0f);
+        for (auto& [start, acc] : order)
+          if (acc)
+            for (int64_t j = 0; j < last; ++j) dw[j] += acc[j];
+        break;
+      }
+      case Op::Swiglu: {
+        auto a = static_cast<const float*>(in[0]);
+        auto b = static_cast<const float*>(in[1]);
+        auto y = static_cast<float*>(out[0]);
+        threads.run(rows * last, 1 << 14, [&](int64_t i0, int64_t i1) {
+          swiglu_span(a + i0, b + i0, y + i0, i1 - i0);
+        });
+        break;
+      }
+      case Op::SwigluGrad: {
+        auto a = static_cast<const float*>(in[0]);
+        auto b = static_cast<const float*>(in[1]);
+        auto g = static_cast<const float*>(in[2]);
+        auto da = static_cast<float*>(out[0]);
+        auto db = static_cast<float*>(out[1]);
+        threads.run(rows * last, 1 << 14, [&](int64_t i0, int64_t i1) {
+          swiglu_grad_span(a + i0, b + i0, g + i0, da + i0, db + i0, i1 - i0);
+        });
+        break;
+      }
+      case Op::Gemv: {
+        auto x = static_cast<const float*>(in[0]);
+        auto w = static_cast<const float*>(in[1]);
+        auto y = static_cast<float*>(out[0]);
+        int64_t N = extra;
+        threads.run(N, 64, [&](int64_t n0, int64_t n1) { gemv_span(x, w, y, rows, N, last, n0, n1); });
+        break;
+      }
+    }
+  });
+}
+
+// ---- ops ------------------------------------------------------------------------------------
+
+namespace {
+
+mx::array f32(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("[mlxtoy_kernels] ") + what + " must be float32");
+  return mx::contiguous(a);
+}
+
+std::vector<mx::array> make(Kernel::Op op, float eps, std::vector<mx::Shape> shapes,
+                            std::vector<mx::Dtype> dtypes, std::vector<mx::array> inputs,
+                            mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("[mlxtoy_kernels] CPU stream only");
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
+                                std::make_shared<Kernel>(stream, op, eps), std::move(inputs));
+}
+
+void same_shape(const mx::array& a, const mx::array& b, const char* what) {
+  if (a.shape() != b.shape()) throw std::invalid_argument(std::string("[mlxtoy_kernels] ") + what + ": shapes differ");
+}
+
+}  // namespace
+
+mx::array softmax_bias(const mx::array& s, const mx::array& bias, mx::StreamOrDevice st) {
+  if (s.ndim() < 3 || bias.ndim() != 3 || bias.shape(-1) != s.shape(-1) || bias.shape(-2) != s.shape(-2))
+    throw std::invalid_argument("[mlxtoy_kernels] softmax_bias: s (B, ..., T, S) and bias (1|B, T, S)");
+  if (bias.shape(0) != 1 && bias.shape(0) != s.shape(0))
+    throw std::invalid_argument("[mlxtoy_kernels] softmax_bias: bias batch must be 1 or s's");
+  return make(Kernel::Op::Softmax, 0, {s.shape()}, {mx::float32}, {f32(s, "s"), f32(bias, "bias")}, st)[0];
+}
+
+mx::array softmax_grad(const mx::array& p, const mx::array& dp, mx::StreamOrDevice st) {
+  same_shape(p, dp, "softmax_grad");
+  return make(Kernel::Op::SoftmaxGrad, 0, {p.shape()}, {mx::float32}, {f32(p, "p"), f32(dp, "dp")}, st)[0];
+}
+
+std::vector<mx::array> cross_entropy_columns(const mx::array& logits_t, const mx::array& targets, bool grad,
+                                             mx::StreamOrDevice st) {
+  if (logits_t.ndim() != 2 || targets.ndim() != 1 || targets.shape(0) != logits_t.shape(1))
+    throw std::invalid_argument("[mlxtoy_kernels] cross_entropy_columns: logits (V, N), targets (N,)");
+  auto t = mx::contiguous(mx::astype(targets, mx::int32, st), false, st);
+  mx::Shape n{logits_t.shape(1)};
+  if (grad)
+    return make(Kernel::Op::CrossEntropyColumnsGrad, 0, {n, logits_t.shape()}, {mx::float32, mx::float32},
+                {f32(logits_t, "logits"), t}, st);
+  return make(Kernel::Op::CrossEntropyColumns, 0, {n}, {mx::float32}, {f32(logits_t, "logits"), t}, st);
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice st) {
+  if (w.ndim() != 1 || w.shape(0) != x.shape(-1)) throw std::invalid_argument("[mlxtoy_kernels] rms_norm: w (D,)");
+  return make(Kernel::Op::RmsNorm, eps, {x.shape()}, {mx::float32}, {f32(x, "x"), f32(w, "w")}, st)[0];
+}
+
+std::vector<mx::array> rms_norm_grad(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
+                                     mx::StreamOrDevice st) {
+  same_shape(x, g, "rms_norm_grad");
+  if (w.ndim() != 1 || w.shape(0) != x.shape(-1)) throw std::invalid_argument("[mlxtoy_kernels] rms_norm_grad: w (D,)");
+  return make(Kernel::Op::RmsNormGrad, eps, {x.shape(), w.shape()}, {mx::float32, mx::float32},
+              {f32(x, "x"), f32(w, "w"), f32(g, "g")}, st);
+}
+
+mx::array swiglu(const mx::array& a, const mx::array& b, mx::StreamOrDevice st) {
+  same_shape(a, b, "swiglu");
+  return make(Kernel::Op::Swiglu, 0, {a.shape()}, {mx::float32}, {f32(a, "a"), f32(b, "b")}, st)[0];
+}
+
+std::vector<mx::array> swiglu_grad(const mx::array& a, const mx::array& b, const mx::array& g,
+                                   mx::StreamOrDevice st) {
+  same_shape(a, b, "swiglu_grad");
+  same_shape(a, g, "swiglu_grad");
+  return make(Kernel::Op::SwigluGrad, 0, {a.shape(), a.shape()}, {mx::float32, mx::float32},
+              {f32(a, "a"), f32(b, "b"), f32(g, "g")}, st);
+}
+
+mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st) {
+  if (w.ndim() != 2 || x.shape(-1) != w.shape(1))
+    throw std::invalid_argument("[mlxtoy_kernels] gemv: x (..., K), w (N, K)");
+  mx::Shape out = x.shape();
+  out.back() = w.shape(0);
+  return make(Kernel::Op::Gemv, 0, {out}, {mx::float32}, {f32(x, "x"), f32(w, "w")}, st)[0];
+}
+
+}  // namespace mlxtoy

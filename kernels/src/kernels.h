@@ -1,0 +1,40 @@
+// mlxtoy's CPU kernels as MLX primitives (see kernels.cpp).
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace mlxtoy {
+
+class Kernel : public mx::Primitive {
+ public:
+  enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, Gemv };
+
+  Kernel(mx::Stream stream, Op op, float eps) : mx::Primitive(stream), op_(op), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxtoyKernel"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  Op op_;
+  float eps_;
+};
+
+int kernel_threads();
+mx::array softmax_bias(const mx::array& s, const mx::array& bias, mx::StreamOrDevice st = {});
+mx::array softmax_grad(const mx::array& p, const mx::array& dp, mx::StreamOrDevice st = {});
+std::vector<mx::array> cross_entropy_columns(const mx::array& logits_t, const mx::array& targets, bool grad,
+                                             mx::StreamOrDevice st = {});
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice st = {});
+std::vector<mx::array> rms_norm_grad(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
+                                     mx::StreamOrDevice st = {});
+mx::array swiglu(const mx::array& a, const mx::array& b, mx::StreamOrDevice st = {});
+std::vector<mx::array> swiglu_grad(const mx::array& a, const mx::array& b, const mx::array& g,
+                                   mx::StreamOrDevice st = {});
+mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st = {});
+
+}  // namespace mlxtoy
