@@ -42,6 +42,18 @@ int default_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Spin this many rounds for the next job (or the workers' end) before sleeping: decoding calls
+// the pool ~200 times per token, and a futex wake-up costs as much as a small GEMV.
+constexpr int kSpins = 4000;
+
 // A fixed pool: run(n, fn) calls fn(begin, end) on contiguous slices of [0, n), one per thread,
 // the calling thread taking the first slice.
 class Pool {
@@ -53,6 +65,7 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stop_ = true;
+      generation_.fetch_add(1);
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
@@ -65,42 +78,42 @@ class Pool {
       fn(0, n);
       return;
     }
-    std::unique_lock<std::mutex> serial(run_mutex_);  // one parallel region at a time
-    {
+    std::lock_guard<std::mutex> serial(run_mutex_);  // one parallel region at a time
+    job_ = &fn;
+    n_ = n;
+    parts_ = parts;
+    pending_.store(n_threads_ - 1);  // every worker checks in, with a slice or without
+    generation_.fetch_add(1);
+    if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lock(mutex_);
-      job_ = &fn;
-      n_ = n;
-      parts_ = parts;
-      pending_ = parts - 1;
-      ++generation_;
+      wake_.notify_all();
     }
-    wake_.notify_all();
     fn(0, n / parts);
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return pending_ == 0; });
-    job_ = nullptr;
+    for (int i = 0; i < kSpins && pending_.load() > 0; ++i) cpu_relax();
+    if (pending_.load() > 0) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [this] { return pending_.load() == 0; });
+    }
   }
 
  private:
   void work(int index) {
-    uint64_t seen = 0;
+    uint64_t seen = 0;  // the generation at construction: a job posted before this thread ran is still seen
     while (true) {
-      const std::function<void(int64_t, int64_t)>* job;
-      int64_t n;
-      int parts;
-      {
+      for (int i = 0; i < kSpins && generation_.load() == seen; ++i) cpu_relax();
+      if (generation_.load() == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        job = job_;
-        n = n_;
-        parts = parts_;
+        sleepers_.fetch_add(1);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        sleepers_.fetch_sub(1);
       }
-      if (index < parts) {
-        (*job)(n * index / parts, n * (index + 1) / parts);
+      seen = generation_.load();
+      if (stop_) return;
+      int parts = parts_;
+      if (index < parts) (*job_)(n_ * index / parts, n_ * (index + 1) / parts);
+      if (pending_.fetch_sub(1) == 1) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (--pending_ == 0) done_.notify_one();
+        done_.notify_one();
       }
     }
   }
@@ -109,11 +122,12 @@ class Pool {
   std::vector<std::thread> workers_;
   std::mutex mutex_, run_mutex_;
   std::condition_variable wake_, done_;
-  const std::function<void(int64_t, int64_t)>* job_ = nullptr;
+  const std::function<void(int64_t, int64_t)>* job_ = nullptr;  // written before generation_ moves
   int64_t n_ = 0;
   int parts_ = 0;
-  int pending_ = 0;
-  uint64_t generation_ = 0;
+  std::atomic<int> pending_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
 };
 
@@ -213,8 +227,11 @@ HOT void cross_entropy_columns(const float* x, const int32_t* t, float* ce, floa
       for (int64_t j = 0; j < n; ++j) sum[j] += poly_exp(row[j] - m[j]);
     }
   }
+  // a target outside the vocabulary gives a NaN loss (the step's non-finite guard sees it)
+  auto valid = [&](int64_t j) { return t[c0 + j] >= 0 && t[c0 + j] < V; };
   for (int64_t j = 0; j < n; ++j) {
-    ce[c0 + j] = m[j] + static_cast<float>(std::log(sum[j])) - x[t[c0 + j] * C + c0 + j];
+    float picked = valid(j) ? x[t[c0 + j] * C + c0 + j] : std::numeric_limits<float>::quiet_NaN();
+    ce[c0 + j] = m[j] + static_cast<float>(std::log(sum[j])) - picked;
     inv[j] = static_cast<float>(1.0 / sum[j]);
   }
   if (!d) return;
@@ -223,7 +240,8 @@ HOT void cross_entropy_columns(const float* x, const int32_t* t, float* ce, floa
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) drow[j] *= inv[j];
   }
-  for (int64_t j = 0; j < n; ++j) d[t[c0 + j] * C + c0 + j] -= 1.0f;
+  for (int64_t j = 0; j < n; ++j)
+    if (valid(j)) d[t[c0 + j] * C + c0 + j] -= 1.0f;
 }
 
 HOT void rms_norm_row(const float* x, const float* w, float* y, int64_t D, float eps) {
@@ -269,10 +287,34 @@ HOT void swiglu_grad_span(const float* a, const float* b, const float* g, float*
   }
 }
 
-// y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1).
+// y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1); four rows of W at a time so the
+// four sums are independent chains (one chain waits on its FMA latency).
 HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                    int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const float* w0 = w + n * K;
+    const float* w1 = w0 + K;
+    const float* w2 = w1 + K;
+    const float* w3 = w2 + K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * K;
+      float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t k = 0; k < K; ++k) {
+        a0 += xr[k] * w0[k];
+        a1 += xr[k] * w1[k];
+        a2 += xr[k] * w2[k];
+        a3 += xr[k] * w3[k];
+      }
+      float* yr = y + m * N + n;
+      yr[0] = a0;
+      yr[1] = a1;
+      yr[2] = a2;
+      yr[3] = a3;
+    }
+  }
+  for (; n < n1; ++n) {
     const float* wr = w + n * K;
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * K;
@@ -440,6 +482,8 @@ mx::array f32(const mx::array& a, const char* what) {
 std::vector<mx::array> make(Kernel::Op op, float eps, std::vector<mx::Shape> shapes,
                             std::vector<mx::Dtype> dtypes, std::vector<mx::array> inputs,
                             mx::StreamOrDevice s) {
+  for (auto& a : inputs)
+    if (a.ndim() == 0) throw std::invalid_argument("[mlxtoy_kernels] inputs must have at least one axis");
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("[mlxtoy_kernels] CPU stream only");
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
@@ -478,14 +522,16 @@ std::vector<mx::array> cross_entropy_columns(const mx::array& logits_t, const mx
 }
 
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice st) {
-  if (w.ndim() != 1 || w.shape(0) != x.shape(-1)) throw std::invalid_argument("[mlxtoy_kernels] rms_norm: w (D,)");
+  if (x.ndim() == 0 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("[mlxtoy_kernels] rms_norm: x (..., D), w (D,)");
   return make(Kernel::Op::RmsNorm, eps, {x.shape()}, {mx::float32}, {f32(x, "x"), f32(w, "w")}, st)[0];
 }
 
 std::vector<mx::array> rms_norm_grad(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
                                      mx::StreamOrDevice st) {
   same_shape(x, g, "rms_norm_grad");
-  if (w.ndim() != 1 || w.shape(0) != x.shape(-1)) throw std::invalid_argument("[mlxtoy_kernels] rms_norm_grad: w (D,)");
+  if (x.ndim() == 0 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("[mlxtoy_kernels] rms_norm_grad: x (..., D), w (D,)");
   return make(Kernel::Op::RmsNormGrad, eps, {x.shape(), w.shape()}, {mx::float32, mx::float32},
               {f32(x, "x"), f32(w, "w"), f32(g, "g")}, st);
 }
@@ -504,7 +550,7 @@ std::vector<mx::array> swiglu_grad(const mx::array& a, const mx::array& b, const
 }
 
 mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st) {
-  if (w.ndim() != 2 || x.shape(-1) != w.shape(1))
+  if (x.ndim() == 0 || w.ndim() != 2 || x.shape(-1) != w.shape(1))
     throw std::invalid_argument("[mlxtoy_kernels] gemv: x (..., K), w (N, K)");
   mx::Shape out = x.shape();
   out.back() = w.shape(0);

@@ -8,6 +8,7 @@ import json
 from mlxtoy import backend
 from mlxtoy.errors import UserError
 from mlxtoy.loading import build_model, describe, load_weights
+from mlxtoy.models import fastmath
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def env_report() -> dict:
         "blas_path": info.blas_path,
         "compute_dtype": str(info.compute_dtype).replace("mlx.core.", ""),
         "gemm_f32_gflops": round(backend.gemm_gflops(), 1),
+        "cpu_kernels": fastmath.kernels_status(),
     }
 
 

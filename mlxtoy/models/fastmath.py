@@ -97,6 +97,19 @@ _K = _load_kernels()
 KERNELS = _K is not None  # the compiled kernels are in use
 
 
+def kernels_status() -> str:
+    """Whether the compiled kernels are in use, and if not why (for `mlxtoy inspect --env`)."""
+    if KERNELS:
+        return f"on ({_K.threads()} threads)"
+    if not _ON_CPU:
+        return "off (not the CPU backend, or MLXTOY_FAST_MATH=0)"
+    if mlxtoy_kernels is None:
+        return "off (not installed: pip install ./kernels)"
+    if backend.os.environ.get("MLXTOY_KERNELS", "1") == "0":
+        return "off (MLXTOY_KERNELS=0)"
+    return "off (built for another MLX: reinstall ./kernels)"
+
+
 def _kernel_ok(*arrays: mx.array) -> bool:
     return _K is not None and all(a.dtype == mx.float32 for a in arrays)
 

@@ -1,0 +1,557 @@
+"""The compiled float32 CPU kernels (`mlxtoy_kernels`, built from kernels/) against references
+outside them: numpy float64 formulas, MLX's own ops and autodiff, and the pure-MLX fallback
+(MLXTOY_KERNELS=0, in a subprocess since the switch is read at import)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+import mlx.core as mx
+import mlx.nn as nn
+import mlxtoy_kernels as K
+from mlx.utils import tree_flatten
+
+from mlxtoy.models import fastmath
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NEG_INF = -np.inf
+f64 = np.float64
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def arr(a) -> mx.array:
+    return mx.array(np.asarray(a, dtype=np.float32))
+
+
+def np_(a: mx.array) -> np.ndarray:
+    return np.array(a, dtype=f64)
+
+
+def run_py(code: str, *args, timeout: float = 60, **env) -> subprocess.CompletedProcess:
+    """Run `code` (with argv `args`) in a fresh interpreter: the repo as cwd, `env` added."""
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=REPO, env=os.environ | env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def uses_kernel(*outputs: mx.array) -> bool:
+    """Whether the graph of `outputs` holds one of the kernels' primitives."""
+    f = io.StringIO()
+    mx.export_to_dot(f, *outputs)
+    return "MlxtoyKernel" in f.getvalue()
+
+
+# --- softmax(s + bias) -----------------------------------------------------------------------
+
+def ref_softmax_bias(s: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """float64 softmax(s + bias) over the last axis, bias (1|B, T, S) broadcast over s's middle
+    dims; fully masked rows are zeros."""
+    b = bias.reshape(bias.shape[:1] + (1,) * (s.ndim - 3) + bias.shape[1:])
+    x = s.astype(f64) + b
+    m = x.max(axis=-1, keepdims=True)
+    dead = m == NEG_INF
+    e = np.exp(x - np.where(dead, 0.0, m))
+    e = np.where(x == NEG_INF, 0.0, e)
+    return np.where(dead, 0.0, e / np.where(dead, 1.0, e.sum(axis=-1, keepdims=True)))
+
+
+def mask_bias(allowed: np.ndarray) -> np.ndarray:
+    return np.where(allowed, 0.0, NEG_INF).astype(np.float32)
+
+
+def causal(T: int, S: int) -> np.ndarray:
+    """The last T of S positions see everything up to themselves (a KV cache's prefix)."""
+    return np.arange(S)[None, :] <= np.arange(T)[:, None] + (S - T)
+
+
+def check_softmax(s: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    p = np_(K.softmax_bias(arr(s), arr(bias)))
+    ref = ref_softmax_bias(s, bias)
+    assert p.shape == s.shape
+    np.testing.assert_allclose(p, ref, rtol=0, atol=1e-6)
+    # masked entries exactly 0; the others positive (moderate scores: no underflow), rows sum to 1
+    masked = np.broadcast_to(bias.reshape(bias.shape[:1] + (1,) * (s.ndim - 3) + bias.shape[1:]), s.shape) == NEG_INF
+    assert (p[masked] == 0).all()
+    assert (p[~masked] > 0).all()
+    live = ~masked.all(axis=-1)
+    np.testing.assert_allclose(p.sum(-1)[live], 1.0, atol=2e-6)
+    return p
+
+
+def test_softmax_bias_causal():
+    r = rng(0)
+    for T, S in ((64, 64), (5, 37)):  # square causal, and the last 5 of 37 positions (a cache)
+        s = 3 * r.standard_normal((2, 4, T, S))  # 512 rows of 64: split over threads
+        check_softmax(s, mask_bias(causal(T, S))[None])
+
+
+def test_softmax_bias_block_causal_per_batch():
+    r = rng(1)
+    T = 48
+    seg = np.array([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11])
+    allowed = (seg[:, :, None] == seg[:, None, :]) & causal(T, T)[None]  # (2, T, T)
+    s = 3 * r.standard_normal((2, 3, T, T))
+    p = check_softmax(s, mask_bias(allowed))
+    # positive control: each batch used its own bias (batch 0's lets token 10 see token 5)
+    assert (p[1, :, 10, 5] == 0).all() and (p[0, :, 10, 5] > 0).all()
+
+
+def test_softmax_bias_sliding_window():
+    r = rng(2)
+    T, W = 40, 6
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    allowed = (j <= i) & (i - j < W)  # leading and trailing masked runs
+    check_softmax(3 * r.standard_normal((1, 2, T, T)), mask_bias(allowed)[None])
+
+
+def test_softmax_bias_broadcast_batch_and_head_dims():
+    r = rng(3)
+    B, KV, G, T, S = 3, 2, 3, 9, 13
+    s = 3 * r.standard_normal((B, KV, G, T, S))
+    check_softmax(s, mask_bias(causal(T, S))[None])  # bias batch 1 over B = 3
+
+
+def test_softmax_bias_fully_masked_row_is_zero():
+    r = rng(4)
+    T = 8
+    allowed = causal(T, T).copy()
+    allowed[3] = False  # row 3 sees nothing
+    allowed[5, :2] = False  # row 5 masked at its start
+    s = r.standard_normal((2, 1, T, T))
+    p = check_softmax(s, mask_bias(allowed)[None])
+    assert (p[:, :, 3] == 0).all()
+    # positive control: MLX's own softmax gives NaN there, the other rows agree with it
+    q = np_(mx.softmax(arr(s) + arr(mask_bias(allowed))[None], axis=-1))
+    assert np.isnan(q[:, :, 3]).all()
+    np.testing.assert_allclose(np.delete(p, 3, axis=2), np.delete(q, 3, axis=2), atol=1e-6)
+
+
+# --- softmax gradient ------------------------------------------------------------------------
+
+def test_softmax_grad():
+    r = rng(5)
+    T = 64
+    x = arr(3 * r.standard_normal((2, 4, T, T)))
+    bias = arr(mask_bias(causal(T, T)))
+    dp = arr(r.standard_normal((2, 4, T, T)))
+    p = mx.softmax(x + bias, axis=-1)  # zero tails: the kernel skips them
+    ds = np_(K.softmax_grad(p, dp))
+    pn, dpn = np_(p), np_(dp)
+    ref = pn * (dpn - (pn * dpn).sum(-1, keepdims=True))
+    np.testing.assert_allclose(ds, ref, rtol=0, atol=1e-6)
+    # MLX's autodiff of its own softmax
+    _, (vjp,) = mx.vjp(lambda x: mx.softmax(x + bias, axis=-1), [x], [dp])
+    np.testing.assert_allclose(ds, np_(vjp), rtol=0, atol=2e-6)
+    assert np.abs(ref).max() > 0.1  # positive control: not a trivially zero gradient
+
+
+# --- cross-entropy by columns ---------------------------------------------------------------
+
+def ce_inputs(V: int = 5003, N: int = 37, seed: int = 6):
+    r = rng(seed)
+    logits = (4 * r.standard_normal((V, N))).astype(np.float32)
+    t = r.integers(0, V, N)
+    t[0], t[-1] = 0, V - 1
+    t[5] = logits[:, 5].argmax()  # a confident token: small ce
+    return logits, t.astype(np.int32)
+
+
+def ref_ce(logits: np.ndarray, t: np.ndarray):
+    x = logits.astype(f64)
+    m = x.max(axis=0)
+    e = np.exp(x - m)
+    ce = m + np.log(e.sum(axis=0)) - x[t, np.arange(x.shape[1])]
+    d = e / e.sum(axis=0)
+    d[t, np.arange(x.shape[1])] -= 1
+    return ce, d
+
+
+def test_cross_entropy_columns():
+    logits, t = ce_inputs()
+    ce, d = (np_(a) for a in K.cross_entropy_columns(arr(logits), mx.array(t), True))
+    (ce_only,) = K.cross_entropy_columns(arr(logits), mx.array(t), False)
+    ref, dref = ref_ce(logits, t)
+    assert ce.shape == (37,) and d.shape == logits.shape
+    np.testing.assert_allclose(ce, ref, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(d, dref, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.array(ce_only), np.array(ce, dtype=np.float32))  # bit-equal
+    # the targets at 0 and V-1 took their -1; the d columns sum to 0
+    assert dref[0, 0] < -0.5 and dref[-1, -1] < -0.5
+    np.testing.assert_allclose(d[[0, -1], [0, -1]], dref[[0, -1], [0, -1]], atol=1e-6)
+    np.testing.assert_allclose(d.sum(axis=0), 0.0, atol=1e-5)
+    # the float64 reference agrees with MLX's own float32 logsumexp
+    mlx_ce = np_(mx.logsumexp(arr(logits), axis=0) - arr(logits)[mx.array(t), mx.arange(37)])
+    np.testing.assert_allclose(mlx_ce, ref, rtol=1e-5)
+
+
+def test_cross_entropy_columns_integer_targets_of_other_types():
+    logits, t = ce_inputs(V=301, N=19, seed=7)
+    (a,) = K.cross_entropy_columns(arr(logits), mx.array(t), False)
+    (b,) = K.cross_entropy_columns(arr(logits), mx.array(t.astype(np.uint32)), False)
+    np.testing.assert_array_equal(np.array(a), np.array(b))
+    np.testing.assert_allclose(np_(a), ref_ce(logits, t)[0], rtol=2e-6, atol=1e-6)
+
+
+# --- RMSNorm ---------------------------------------------------------------------------------
+
+EPS = 1e-5
+
+
+def ref_rms_norm(x, w, g, eps=EPS):
+    x, w, g = (a.astype(f64) for a in (x, w, g))
+    r = 1 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    y = w * x * r
+    dx = r * w * g - x * r ** 3 * (x * w * g).mean(-1, keepdims=True)
+    dw = (g * x * r).reshape(-1, x.shape[-1]).sum(0)
+    return y, dx, dw
+
+
+def rms_inputs(shape=(4, 33, 577), seed=8):  # 132 rows of 577: split over threads
+    r = rng(seed)
+    x = r.standard_normal(shape) * 2 + 0.3
+    w = 1 + 0.1 * r.standard_normal(shape[-1])
+    g = r.standard_normal(shape)
+    return x, w, g
+
+
+def test_rms_norm_and_grad_vs_numpy():
+    x, w, g = rms_inputs()
+    y = np_(K.rms_norm(arr(x), arr(w), EPS))
+    dx, dw = (np_(a) for a in K.rms_norm_grad(arr(x), arr(w), arr(g), EPS))
+    ry, rdx, rdw = ref_rms_norm(x, w, g)
+    np.testing.assert_allclose(y, ry, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(dx, rdx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, rdw, rtol=1e-5, atol=1e-4)
+    # finite differences of the float64 formula confirm the reference gradient itself
+    xs, ws, gs = x[0, :2], w, g[0, :2]
+    h = 1e-6
+    k = 7
+    xp, xm = xs.copy(), xs.copy()
+    xp[1, k] += h
+    xm[1, k] -= h
+    fd = ((ref_rms_norm(xp, ws, gs)[0] - ref_rms_norm(xm, ws, gs)[0]) * gs).sum() / (2 * h)
+    assert abs(fd - ref_rms_norm(xs, ws, gs)[1][1, k]) < 1e-6
+
+
+def test_rms_norm_vs_mlx_fast():
+    x, w, g = rms_inputs(seed=9)
+    xa, wa, ga = arr(x), arr(w), arr(g)
+    y = K.rms_norm(xa, wa, EPS)
+    np.testing.assert_allclose(np_(y), np_(mx.fast.rms_norm(xa, wa, EPS)), rtol=2e-6, atol=1e-6)
+    loss_ref = lambda x, w: (mx.fast.rms_norm(x, w, EPS) * ga).sum()
+    dx_ref, dw_ref = mx.grad(loss_ref, argnums=(0, 1))(xa, wa)
+    dx, dw = K.rms_norm_grad(xa, wa, ga, EPS)
+    np.testing.assert_allclose(np_(dx), np_(dx_ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np_(dw), np_(dw_ref), rtol=1e-5, atol=1e-4)
+    # fastmath.rms_norm: the kernel (positive control) with the MLX gradient
+    loss = lambda x, w: (fastmath.rms_norm(x, w, EPS) * ga).sum()
+    assert fastmath.KERNELS and uses_kernel(fastmath.rms_norm(xa, wa, EPS))
+    fdx, fdw = mx.grad(loss, argnums=(0, 1))(xa, wa)
+    np.testing.assert_allclose(np_(fdx), np_(dx_ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np_(fdw), np_(dw_ref), rtol=1e-5, atol=1e-4)
+    # and as a module: fastmath.RMSNorm == nn.RMSNorm
+    norm = fastmath.RMSNorm(577, eps=EPS)
+    norm.weight = wa
+    ref = nn.RMSNorm(577, eps=EPS)
+    ref.weight = wa
+    np.testing.assert_allclose(np_(norm(xa)), np_(ref(xa)), rtol=2e-6, atol=1e-6)
+
+
+# --- SwiGLU ----------------------------------------------------------------------------------
+
+def swiglu_inputs(seed=10):
+    r = rng(seed)
+    a = 4 * r.standard_normal((3, 129, 101))  # 39087 elements: split over threads at an odd offset
+    a.flat[:8] = [30.0, -30.0, 88.0, -88.0, 95.0, -95.0, 1e4, -1e4]
+    b = r.standard_normal(a.shape)
+    g = r.standard_normal(a.shape)
+    return a, b, g
+
+
+def ref_swiglu(a, b, g):
+    a, b, g = (x.astype(f64) for x in (a, b, g))
+    with np.errstate(over="ignore"):
+        s = 1 / (1 + np.exp(-a))
+    return a * s * b, g * b * s * (1 + a * (1 - s)), g * a * s
+
+
+def test_swiglu_vs_numpy():
+    a, b, g = swiglu_inputs()
+    y = np_(K.swiglu(arr(a), arr(b)))
+    da, db = (np_(t) for t in K.swiglu_grad(arr(a), arr(b), arr(g)))
+    ry, rda, rdb = ref_swiglu(a, b, g)
+    for got, ref in ((y, ry), (da, rda), (db, rdb)):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, ref, rtol=2e-6, atol=1e-6)
+    # the large |a| are in there: silu(30) ~ 30, silu(-30) ~ -30 e^-30
+    assert abs(y.flat[0] - 30 * b.flat[0]) < 1e-4 * abs(b.flat[0]) + 1e-6
+    assert abs(y.flat[1]) < 1e-10
+
+
+def test_fastmath_swiglu_gradient():
+    a, b, g = swiglu_inputs(seed=11)
+    aa, ba, ga = arr(a), arr(b), arr(g)
+    assert uses_kernel(fastmath.swiglu(aa, ba))  # positive control: the kernel path
+    ours = mx.grad(lambda a, b: (fastmath.swiglu(a, b) * ga).sum(), argnums=(0, 1))(aa, ba)
+    ref = mx.grad(lambda a, b: (a * mx.sigmoid(a) * b * ga).sum(), argnums=(0, 1))(aa, ba)
+    for o, r in zip(ours, ref):
+        np.testing.assert_allclose(np_(o), np_(r), rtol=1e-5, atol=1e-6)
+
+
+# --- decode GEMV -----------------------------------------------------------------------------
+
+def test_gemv_vs_numpy():
+    r = rng(12)
+    K_, N = 577, 1537  # 1537 rows of w: split over threads
+    w = r.standard_normal((N, K_)) / np.sqrt(K_)
+    for M in (1, 2, 3, 4):
+        x = r.standard_normal((M, K_))
+        y = np_(K.gemv(arr(x), arr(w)))
+        assert y.shape == (M, N)
+        np.testing.assert_allclose(y, x.astype(np.float32).astype(f64) @ w.astype(np.float32).astype(f64).T,
+                                   rtol=0, atol=2e-5)
+    x3 = r.standard_normal((1, 1, K_))
+    y3 = np_(K.gemv(arr(x3), arr(w)))
+    assert y3.shape == (1, 1, N)
+    np.testing.assert_allclose(y3, x3 @ w.T, rtol=0, atol=2e-5)
+
+
+def test_fastmath_linear_gradient():
+    r = rng(13)
+    x, w, g = arr(r.standard_normal((1, 1, 96))), arr(r.standard_normal((200, 96)) / 10), arr(r.standard_normal((1, 1, 200)))
+    assert uses_kernel(fastmath.linear(x, w))  # one row: the GEMV kernel
+    assert not uses_kernel(fastmath.linear(arr(r.standard_normal((5, 96))), w))  # 5 rows: a GEMM
+    ours = mx.grad(lambda x, w: (fastmath.linear(x, w) * g).sum(), argnums=(0, 1))(x, w)
+    ref = mx.grad(lambda x, w: ((x @ w.T) * g).sum(), argnums=(0, 1))(x, w)
+    for o, rf in zip(ours, ref):
+        assert o.shape == rf.shape
+        np.testing.assert_allclose(np_(o), np_(rf), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np_(fastmath.linear(x, w)), np_(x @ w.T), rtol=1e-5, atol=1e-5)
+
+
+# --- layouts and validation ------------------------------------------------------------------
+
+def test_non_contiguous_inputs_equal_contiguous_copies():
+    r = rng(14)
+    same = lambda a, b: np.testing.assert_array_equal(np.array(a), np.array(b))
+    copy = lambda a: mx.array(np.array(a))
+    T = 16
+    st = arr(r.standard_normal((2, 3, T, T))).swapaxes(-1, -2)  # a transposed view
+    bias = mx.broadcast_to(arr(mask_bias(causal(T, T)))[None], (2, T, T))  # a broadcast view
+    p = K.softmax_bias(st, bias)
+    same(p, K.softmax_bias(copy(st), copy(bias)))
+    np.testing.assert_allclose(np_(p), ref_softmax_bias(np_(st), np_(bias)), atol=1e-6)
+    dp = arr(r.standard_normal((2, 3, T, T))).swapaxes(-1, -2)
+    same(K.softmax_grad(p, dp), K.softmax_grad(p, copy(dp)))
+    logits, t = ce_inputs(V=257, N=21, seed=15)
+    lt = arr(logits.T.copy()).T  # (V, N) view of an (N, V) array
+    for x, y in zip(K.cross_entropy_columns(lt, mx.array(t), True), K.cross_entropy_columns(arr(logits), mx.array(t), True)):
+        same(x, y)
+    xs = arr(r.standard_normal((6, 2 * 577)))[:, ::2]  # strided
+    w = arr(1 + 0.1 * r.standard_normal(2 * 577))[::2]
+    g = arr(r.standard_normal((577, 6))).T
+    same(K.rms_norm(xs, w, EPS), K.rms_norm(copy(xs), copy(w), EPS))
+    for x, y in zip(K.rms_norm_grad(xs, w, g, EPS), K.rms_norm_grad(copy(xs), copy(w), copy(g), EPS)):
+        same(x, y)
+    a, b = arr(r.standard_normal((40, 30))).T, arr(r.standard_normal((30, 40)))
+    ga = arr(r.standard_normal((40, 60)))[:, ::2].T
+    same(K.swiglu(a, b), K.swiglu(copy(a), b))
+    for x, y in zip(K.swiglu_grad(a, b, ga), K.swiglu_grad(copy(a), b, copy(ga))):
+        same(x, y)
+    wv = arr(r.standard_normal((300, 2 * 577)))[:, 577:]  # rows with a stride
+    xv = arr(r.standard_normal((577, 2))).T
+    y = K.gemv(xv, wv)
+    same(y, K.gemv(copy(xv), copy(wv)))
+    np.testing.assert_allclose(np_(y), np_(xv) @ np_(wv).T, atol=2e-5)
+
+
+def test_input_validation():
+    f, h = mx.zeros((2, 3, 4, 4)), mx.zeros((2, 3, 4, 4), dtype=mx.float16)
+    bias = mx.zeros((1, 4, 4))
+    x, w = mx.zeros((3, 8)), mx.ones((8,))
+    wg = mx.zeros((5, 8))
+    bad = [
+        lambda: K.softmax_bias(h, bias),
+        lambda: K.softmax_bias(f, bias.astype(mx.float16)),
+        lambda: K.softmax_bias(f, mx.zeros((1, 4, 5))),  # S differs
+        lambda: K.softmax_bias(f, mx.zeros((3, 4, 4))),  # bias batch neither 1 nor B
+        lambda: K.softmax_bias(mx.zeros((4, 4)), mx.zeros((1, 4, 4))),  # s without a batch
+        lambda: K.softmax_grad(h, h),
+        lambda: K.softmax_grad(f, f[..., :3]),
+        lambda: K.cross_entropy_columns(mx.zeros((7, 3), dtype=mx.float16), mx.zeros((3,), dtype=mx.int32), True),
+        lambda: K.cross_entropy_columns(mx.zeros((7, 3)), mx.zeros((4,), dtype=mx.int32), False),
+        lambda: K.rms_norm(x.astype(mx.float16), w, EPS),
+        lambda: K.rms_norm(x, mx.ones((7,)), EPS),
+        lambda: K.rms_norm_grad(x, w, mx.zeros((3, 7)), EPS),
+        lambda: K.swiglu(x.astype(mx.float16), x.astype(mx.float16)),
+        lambda: K.swiglu(x, x[:2]),
+        lambda: K.swiglu_grad(x, x, x[:, :4]),
+        lambda: K.gemv(x[:1].astype(mx.float16), wg),
+        lambda: K.gemv(x[:1], mx.zeros((5, 7))),
+        lambda: K.swiglu(mx.array(1.0), mx.array(1.0)),  # 0-d
+        lambda: K.softmax_grad(mx.array(1.0), mx.array(1.0)),
+        lambda: K.rms_norm(mx.array(1.0), mx.ones((1,)), EPS),
+        lambda: K.gemv(mx.array(1.0), mx.ones((2, 2))),
+    ]
+    for call in bad:
+        with pytest.raises(ValueError, match=r"^\[mlxtoy_kernels\]"):
+            mx.eval(call())
+    # positive control: the same calls with float32 and matching shapes work
+    good = [K.softmax_bias(f, bias), K.softmax_grad(f, f),
+            *K.cross_entropy_columns(mx.zeros((7, 3)), mx.zeros((3,), dtype=mx.int32), True),
+            K.rms_norm(x, w, EPS), *K.rms_norm_grad(x, w, x, EPS), K.swiglu(x, x),
+            *K.swiglu_grad(x, x, x), K.gemv(x[:1], wg)]
+    mx.eval(good)
+    assert K.gemv(x[:1], wg).shape == (1, 5)
+
+
+def test_cross_entropy_columns_target_outside_vocabulary_is_nan():
+    # a target outside [0, V) is neither read nor written: its loss is NaN (the training step's
+    # non-finite guard reports it); the other columns are unaffected
+    logits = mx.array(np.random.default_rng(3).normal(size=(5, 3)).astype(np.float32))
+    ce, d = K.cross_entropy_columns(logits, mx.array([5, 2, -1]), True)
+    ref = np.log(np.exp(np.array(logits, np.float64)).sum(0)) - np.array(logits)[2, 1]
+    assert np.isnan(np.array(ce)[[0, 2]]).all()
+    assert abs(float(ce[1]) - ref[1]) < 1e-6
+    assert np.isfinite(np.array(d)).all() and abs(float(d[:, 0].sum()) - 1.0) < 1e-6  # no one-hot taken
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+THREADS_SCRIPT = """
+import sys, numpy as np
+import mlxtoy, mlx.core as mx, mlxtoy_kernels as K
+d = dict(np.load(sys.argv[1]))
+p = K.softmax_bias(mx.array(d["s"]), mx.array(d["bias"]))
+ce, dl = K.cross_entropy_columns(mx.array(d["logits"]), mx.array(d["t"]), True)
+np.savez(sys.argv[2], p=np.array(p), ce=np.array(ce), d=np.array(dl), threads=K.threads())
+"""
+
+
+def test_one_thread_gives_the_same_bits(tmp_path):
+    r = rng(16)
+    T = 64
+    logits, t = ce_inputs(V=2003, N=37, seed=17)
+    d = {"s": (3 * r.standard_normal((2, 4, T, T))).astype(np.float32),  # 512 rows: 2 slices
+         "bias": mask_bias(causal(T, T)[None] & (r.random((2, T, T)) < 0.8)), "logits": logits, "t": t}
+    d["bias"][:, :, 0] = 0  # every row sees its first position
+    np.savez(tmp_path / "in.npz", **d)
+    out = tmp_path / "out.npz"
+    run_py(THREADS_SCRIPT, tmp_path / "in.npz", out, MLXTOY_KERNEL_THREADS="1")
+    got = np.load(out)
+    assert int(got["threads"]) == 1 and K.threads() >= 1
+    p = K.softmax_bias(arr(d["s"]), arr(d["bias"]))
+    ce, dl = K.cross_entropy_columns(arr(d["logits"]), mx.array(d["t"]), True)
+    np.testing.assert_array_equal(got["p"], np.array(p))
+    np.testing.assert_array_equal(got["ce"], np.array(ce))
+    np.testing.assert_array_equal(got["d"], np.array(dl))
+    # positive control: the results are right, not merely alike
+    np.testing.assert_allclose(got["p"], ref_softmax_bias(d["s"], d["bias"]), atol=1e-6)
+    np.testing.assert_allclose(got["ce"], ref_ce(d["logits"], d["t"])[0], rtol=2e-6, atol=1e-6)
+
+
+COLD_SCRIPT = """
+import mlx.core as mx, mlxtoy_kernels as K
+x = mx.ones((64, 16384))
+mx.eval(x)
+y = K.swiglu(x, x)  # the process's first kernel call is a parallel one: the pool starts in it
+print(float(mx.abs(y - 0.7310585786300049).max()), K.threads())
+"""
+
+
+def test_cold_pool_first_parallel_call_finishes():
+    """Regression: a pool worker that started after the first run() began used to take that
+    run's generation as already seen, never checked in, and run() waited forever."""
+    for n in (2, 3):
+        err, threads = run_py(COLD_SCRIPT, timeout=20, MLXTOY_KERNEL_THREADS=str(n)).stdout.split()
+        assert int(threads) == n and float(err) < 1e-6  # silu(1) * 1 everywhere
+
+
+# --- a tiny Llama with the kernels on and off ------------------------------------------------
+
+CFG = dict(arch="llama", vocab_size=259, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16,
+           d_ff=96, norm_eps=1e-5, rope_base=10000.0, tie_embeddings=True, context_length=128)
+PROMPT = [5, 17, 200, 33, 90, 41, 7, 128, 250, 3, 64]
+
+
+def model_outputs(weights_path, batch_path) -> dict:
+    """The tiny Llama of CFG with the saved weights: sft_loss and its gradients on the saved
+    batch (packed rows: block-causal masks), plain per-token losses, and 8 greedy KV-cached tokens."""
+    from mlxtoy.config import ModelConfig
+    from mlxtoy.generate import SamplingParams, generate_tokens
+    from mlxtoy.loading import build_model
+    from mlxtoy.train.objectives import sft_loss, token_losses
+
+    model = build_model(ModelConfig(**CFG), mx.load(str(weights_path)))
+    batch = np.load(batch_path)
+    inputs, targets, w, seg = (mx.array(batch[k]) for k in ("inputs", "targets", "weights", "segments"))
+    loss, grads = nn.value_and_grad(model, lambda: sft_loss(model, inputs, targets, w, seg, w.sum()))()
+    plain = token_losses(model, inputs, targets, train=False)
+    toks = [t for t, _ in generate_tokens(model, PROMPT, max_tokens=8, sampling=SamplingParams(temp=0.0, seed=0))]
+    out = {"g/" + k: np.array(v) for k, v in tree_flatten(grads)}
+    return out | {"loss": np.array(loss), "plain": np.array(plain), "tokens": np.array(toks),
+                  "kernels": fastmath.KERNELS}
+
+
+MODEL_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, "tests")
+from test_kernels import model_outputs
+np.savez(sys.argv[3], **model_outputs(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_tiny_llama_same_with_and_without_kernels(tmp_path):
+    from mlxtoy.config import ModelConfig
+    from mlxtoy.loading import build_model
+
+    r = rng(18)
+    params = {}
+    for name, p in tree_flatten(build_model(ModelConfig(**CFG)).parameters()):
+        if name.endswith("norm.weight"):
+            v = 1 + 0.1 * r.standard_normal(p.shape)
+        elif name == "tok_embeddings.weight":
+            v = r.standard_normal(p.shape)  # spread-out logits: greedy choices far from ties
+        else:
+            v = r.standard_normal(p.shape) / np.sqrt(p.shape[-1])
+        params[name] = arr(v)
+    wpath = tmp_path / "w.safetensors"
+    mx.save_safetensors(str(wpath), params)
+    B, T = 2, 24
+    batch = {"inputs": r.integers(0, 259, (B, T)).astype(np.int32),
+             "targets": r.integers(0, 259, (B, T)).astype(np.int32),
+             "weights": (r.random((B, T)) < 0.7).astype(np.float32),
+             "segments": np.array([[0] * 10 + [1] * 14, [0] * 3 + [1] * 15 + [2] * 6], dtype=np.int32)}
+    bpath = tmp_path / "batch.npz"
+    np.savez(bpath, **batch)
+
+    on = model_outputs(wpath, bpath)
+    assert on["kernels"]  # positive control: this process runs the kernels
+    out = tmp_path / "off.npz"
+    run_py(MODEL_SCRIPT, wpath, bpath, out, MLXTOY_KERNELS="0")
+    off = dict(np.load(out))
+    assert not bool(off["kernels"])
+
+    assert abs(float(on["loss"]) - float(off["loss"])) <= 1e-5 * abs(float(off["loss"]))
+    np.testing.assert_allclose(on["plain"], off["plain"], rtol=1e-5)
+    names = [k for k in off if k.startswith("g/")]
+    # positive control: the two paths really computed differently (not one path twice)
+    assert any(not np.array_equal(on[k], off[k]) for k in names)
+    assert sorted(names) == sorted(k for k in on if k.startswith("g/")) and len(names) > 10
+    for k in names:
+        scale = np.abs(off[k]).max()
+        assert scale > 0, k
+        assert np.abs(on[k] - off[k]).max() <= 1e-4 * scale, k
+    assert on["tokens"].tolist() == off["tokens"].tolist() and len(on["tokens"]) == 8
