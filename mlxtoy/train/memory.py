@@ -38,14 +38,19 @@ from mlx.utils import tree_flatten
 from mlxtoy import backend
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
+from mlxtoy.models.fastmath import KERNELS
 from mlxtoy.train.build import train_dtype
+from mlxtoy.train.objectives import loss_logits_alive, output_layer
 from mlxtoy.train.step import block_matrix
 
 GB = 1e9
 # calibration, measured on the compiled step (CPU, float32; see the module docstring)
-ATTN_COPIES = 2  # (B, H, T, T) arrays a block keeps: masked scores and their softmax
+# (B, H, T, T) arrays a block keeps: the softmax with the CPU kernels, else masked scores too
+ATTN_COPIES = 1 if KERNELS else 2
 BLOCKS_TRANSIENT = 1.5  # beyond the kept activations: the block being differentiated
-BLOCKS_TRANSIENT_CHECKPOINTED = 2.75  # a recomputed block, its backward and its temporaries
+# a recomputed block, its backward and its temporaries (fitted to measured peaks, with and
+# without the CPU kernels: their blocks keep less, so one block is a smaller unit)
+BLOCKS_TRANSIENT_CHECKPOINTED = 4.2 if KERNELS else 2.75
 UPDATE_STATE_SHARE = 0.075  # the optimizer update's temporaries, as a share of its state
 REFUSE_FACTOR = 2.0  # beyond this many times the machine's memory a run is refused outright
 MEMORY_ENV = "MLXTOY_MEMORY_GB"  # overrides the machine's memory figure (leave room, tests)
@@ -142,7 +147,8 @@ def block_elements(layer: nn.Module, cfg_model, T: int) -> int:
     d, q_w, kv_w = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head
     ffn = _child(layer, "ffn")
     gated = ffn is not None and "gate" in ffn
-    n = 2 * d + q_w + 2 * kv_w + ATTN_COPIES * m.n_heads * T + (3 if gated else 2) * m.d_ff
+    # a gated FFN keeps gate and up outputs, and without the fused SwiGLU kernel act(gate) too
+    n = 2 * d + q_w + 2 * kv_w + ATTN_COPIES * m.n_heads * T + (3 if gated and not KERNELS else 2) * m.d_ff
     if any(_trains(_child(layer, f"attn.{p}")) for p in ("q", "k", "v")):
         n += d  # the normed input, for the q/k/v weights' (or adapters') gradients
     if _trains(_child(layer, "attn.o")):
@@ -156,11 +162,14 @@ def block_elements(layer: nn.Module, cfg_model, T: int) -> int:
 
 
 def checkpointed_elements(layer: nn.Module, cfg_model) -> int:
-    """Elements a checkpointed block keeps per token: its input and output and, measured,
-    the input and output gradient of each projection whose own weight trains (MLX forms
-    those weight gradients late, so the recomputed inputs wait with them)."""
+    """Elements a checkpointed block keeps per token: its input and output and, measured
+    without the CPU kernels, the input and output gradient of each projection whose own
+    weight trains (MLX forms those weight gradients late, so the recomputed inputs wait with
+    them; with the kernels the measured peaks show no such wait)."""
     m = cfg_model
     d, q_w, kv_w = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head
+    if KERNELS:
+        return 2 * d
     widths = {"attn.q": (d, q_w), "attn.k": (d, kv_w), "attn.v": (d, kv_w), "attn.o": (q_w, d),
               "ffn.gate": (d, m.d_ff), "ffn.up": (d, m.d_ff), "ffn.down": (m.d_ff, d)}
     n = 2 * d
@@ -216,11 +225,18 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
         acts = kept + int(BLOCKS_TRANSIENT_CHECKPOINTED * widest)
     else:
         acts = sum(per_block) + int(BLOCKS_TRANSIENT * widest)
-    # logits (compute dtype) with the loss's float32 softmax and exponentials, then their
-    # gradient; DPO with adapters adds the reference's forward (no gradient)
-    logits = tokens * m.vocab_size * (item + 8)
-    if cfg.objective == "dpo" and cfg.method not in ("full", "scratch"):
-        logits += tokens * m.vocab_size * 4
+    # the loss: with the CPU kernels fused with the output projection (a chunk of tokens'
+    # logits and float32 gradient at a time, every token's gradient when the output weight
+    # trains); else measured as much as whole logits (compute dtype) with the float32 softmax
+    # and exponentials, then their gradient; DPO with adapters adds the reference's forward
+    output = output_layer(model)
+    if output is not None and KERNELS:
+        trained = "weight" in output.trainable_parameters()
+        logits = loss_logits_alive(tokens, m.vocab_size, trained) * 4
+    else:
+        logits = tokens * m.vocab_size * (item + 8)
+        if cfg.objective == "dpo" and cfg.method not in ("full", "scratch"):
+            logits += tokens * m.vocab_size * 4
     accum = 2 * grads if cfg.grad_accum > 1 else 0  # the running sum and a micro-batch's
     backward = weights + opt + low_copies + acts + logits + accum
     update = weights + opt + 2 * grads + int(UPDATE_STATE_SHARE * opt) + (grads if cfg.grad_accum > 1 else 0)

@@ -50,6 +50,20 @@ def _chunk_spans(n_tokens: int, vocab: int, logits_per_chunk: int) -> list[tuple
     return [(i, min(size, n_tokens - i)) for i in range(0, n_tokens, size)]
 
 
+def _logits_per_chunk() -> int:
+    # ~12M logits per chunk by columns (48 MB in float32), ~4M by rows
+    return 12 << 20 if LOGITS_BY_COLUMNS else 1 << 22
+
+
+def loss_logits_alive(n_tokens: int, vocab: int, weight_grad: bool) -> int:
+    """Elements of vocabulary-wide arrays the fused loss holds at once: one chunk's logits and
+    their gradient, and with `weight_grad` every token's gradient (kept for the output
+    weight's). For the memory estimate."""
+    spans = _chunk_spans(n_tokens, vocab, _logits_per_chunk())
+    chunk = spans[0][1] if spans else 0
+    return 2 * chunk * vocab + (n_tokens * vocab if weight_grad else 0)
+
+
 def _chunked_ce(h: mx.array, w: mx.array, targets: mx.array, grads: bool,
                 keep_dlogits: bool = False) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
     """Per chunk of tokens: the cross-entropy of h (N, D) through W (V, D), with `grads` the
@@ -61,8 +75,7 @@ def _chunked_ce(h: mx.array, w: mx.array, targets: mx.array, grads: bool,
     dhs: list[mx.array] = []
     dlogits: list[mx.array] = []
     grad = grads or keep_dlogits
-    # ~12M logits per chunk by columns (48 MB in float32), ~4M by rows
-    for i, n in _chunk_spans(h.shape[0], w.shape[0], 12 << 20 if LOGITS_BY_COLUMNS else 1 << 22):
+    for i, n in _chunk_spans(h.shape[0], w.shape[0], _logits_per_chunk()):
         previous = ces[-1:] + dhs[-1:]
         hc = mx.depends(h[i:i + n], previous) if previous else h[i:i + n]
         if LOGITS_BY_COLUMNS:
