@@ -54,8 +54,9 @@ inline void cpu_relax() {
 // the pool ~200 times per token, and a futex wake-up costs as much as a small GEMV.
 static const int kSpins = std::getenv("MLXTOY_KERNEL_SPINS") ? std::atoi(std::getenv("MLXTOY_KERNEL_SPINS")) : 4000;
 
-// A fixed pool: run(n, fn) calls fn(begin, end) on contiguous slices of [0, n), one per thread,
-// the calling thread taking the first slice.
+// A fixed pool: run_parts(n, grain, fn) calls fn(part, begin, end) on contiguous slices of
+// [0, n) in order of part, one per thread, the calling thread taking part 0; run(n, grain, fn)
+// calls fn(begin, end).
 class Pool {
  public:
   Pool() : n_threads_(default_threads()) {
@@ -72,10 +73,16 @@ class Pool {
   }
   int threads() const { return n_threads_; }
 
+  using Job = std::function<void(int, int64_t, int64_t)>;
+
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+    run_parts(n, grain, [&](int, int64_t begin, int64_t end) { fn(begin, end); });
+  }
+
+  void run_parts(int64_t n, int64_t grain, const Job& fn) {
     int parts = static_cast<int>(std::min<int64_t>(n_threads_, std::max<int64_t>(1, n / std::max<int64_t>(grain, 1))));
     if (parts <= 1) {
-      fn(0, n);
+      fn(0, 0, n);
       return;
     }
     std::lock_guard<std::mutex> serial(run_mutex_);  // one parallel region at a time
@@ -88,7 +95,7 @@ class Pool {
       std::lock_guard<std::mutex> lock(mutex_);
       wake_.notify_all();
     }
-    fn(0, n / parts);
+    fn(0, 0, n / parts);
     for (int i = 0; i < kSpins && pending_.load() > 0; ++i) cpu_relax();
     if (pending_.load() > 0) {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -110,7 +117,7 @@ class Pool {
       seen = generation_.load();
       if (stop_) return;
       int parts = parts_;
-      if (index < parts) (*job_)(n_ * index / parts, n_ * (index + 1) / parts);
+      if (index < parts) (*job_)(index, n_ * index / parts, n_ * (index + 1) / parts);
       if (pending_.fetch_sub(1) == 1) {
         std::lock_guard<std::mutex> lock(mutex_);
         done_.notify_one();
@@ -122,7 +129,7 @@ class Pool {
   std::vector<std::thread> workers_;
   std::mutex mutex_, run_mutex_;
   std::condition_variable wake_, done_;
-  const std::function<void(int64_t, int64_t)>* job_ = nullptr;  // written before generation_ moves
+  const Job* job_ = nullptr;  // written before generation_ moves
   int64_t n_ = 0;
   int parts_ = 0;
   std::atomic<int> pending_{0};
@@ -338,25 +345,21 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   int64_t rows = inputs[0].size() / std::max<int64_t>(last, 1);
   Op op = op_;
   float eps = eps_;
-  int64_t extra = 0, extra2 = 0;
-  if (op == Op::Softmax) {  // s (..., T, S), bias (Bb, T, S): Bb is 1 or the leading dim
-    extra = inputs[1].shape(-2);                          // T
-    extra2 = inputs[1].shape(0) == 1 ? 0 : rows / inputs[1].shape(0);  // rows per bias batch
-  } else if (op == Op::Gemv) {
-    extra = inputs[1].shape(0);  // N
-  }
+  // Softmax: s (..., T, S), bias (Bb, T, S) with Bb 1 (rows_per_bias 0) or s's leading dim
+  int64_t T = op == Op::Softmax ? inputs[1].shape(-2) : 0;
+  int64_t rows_per_bias = op == Op::Softmax && inputs[1].shape(0) != 1 ? rows / inputs[1].shape(0) : 0;
+  int64_t N = op == Op::Gemv ? inputs[1].shape(0) : 0;  // Gemv: w (N, K)
 
-  encoder.dispatch([op, eps, in, out, rows, last, extra, extra2]() {
+  encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, N]() {
     Pool& threads = pool();
     switch (op) {
       case Op::Softmax: {
         auto s = static_cast<const float*>(in[0]);
         auto bias = static_cast<const float*>(in[1]);
         auto p = static_cast<float*>(out[0]);
-        int64_t T = extra;
         threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r) {
-            int64_t b = extra2 ? r / extra2 : 0;
+            int64_t b = rows_per_bias ? r / rows_per_bias : 0;
             softmax_row(s + r * last, bias + (b * T + r % T) * last, p + r * last, last);
           }
         });
@@ -396,23 +399,16 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         auto g = static_cast<const float*>(in[2]);
         auto dx = static_cast<float*>(out[0]);
         auto dw = static_cast<float*>(out[1]);
-        // each slice sums its rows' dw into its own buffer; slices are added in order
-        int parts = threads.threads();
-        std::vector<float> partial(static_cast<size_t>(parts) * last, 0.0f);
-        std::atomic<int> next{0};
-        std::vector<std::pair<int64_t, float*>> order(parts, {-1, nullptr});
-        threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
-          int slot = next.fetch_add(1);
-          float* acc = partial.data() + static_cast<size_t>(slot) * last;
-          order[slot] = {r0, acc};
+        // each slice sums its rows' dw into its own buffer; the buffers are added in order
+        std::vector<float> partial(static_cast<size_t>(threads.threads()) * last, 0.0f);
+        threads.run_parts(rows, grain(last), [&](int part, int64_t r0, int64_t r1) {
+          float* acc = partial.data() + static_cast<size_t>(part) * last;
           for (int64_t r = r0; r < r1; ++r)
             rms_norm_grad_row(x + r * last, w, g + r * last, dx + r * last, acc, last, eps);
         });
-        std::sort(order.begin(), order.end());
         std::fill(dw, dw + last, 0.0f);
-        for (auto& [start, acc] : order)
-          if (acc)
-            for (int64_t j = 0; j < last; ++j) dw[j] += acc[j];
+        for (int part = 0; part < threads.threads(); ++part)
+          for (int64_t j = 0; j < last; ++j) dw[j] += partial[static_cast<size_t>(part) * last + j];
         break;
       }
       case Op::Swiglu: {
@@ -439,7 +435,6 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         auto x = static_cast<const float*>(in[0]);
         auto w = static_cast<const float*>(in[1]);
         auto y = static_cast<float*>(out[0]);
-        int64_t N = extra;
         threads.run(N, 64, [&](int64_t n0, int64_t n1) { gemv_span(x, w, y, rows, N, last, n0, n1); });
         break;
       }

@@ -81,10 +81,13 @@ def _on_cpu() -> bool:
 _ON_CPU = _on_cpu()
 
 
+_KERNELS_SWITCHED_OFF = backend.os.environ.get("MLXTOY_KERNELS", "1") == "0"
+
+
 def _load_kernels():
     """The kernels module when it is installed, wanted, and built against this MLX (a build
     for another MLX's bindings does not accept its arrays), else None."""
-    if not _ON_CPU or mlxtoy_kernels is None or backend.os.environ.get("MLXTOY_KERNELS", "1") == "0":
+    if not _ON_CPU or mlxtoy_kernels is None or _KERNELS_SWITCHED_OFF:
         return None
     try:
         mx.eval(mlxtoy_kernels.swiglu(mx.zeros((1,)), mx.zeros((1,))))
@@ -105,7 +108,7 @@ def kernels_status() -> str:
         return "off (not the CPU backend, or MLXTOY_FAST_MATH=0)"
     if mlxtoy_kernels is None:
         return "off (not installed: pip install ./kernels)"
-    if backend.os.environ.get("MLXTOY_KERNELS", "1") == "0":
+    if _KERNELS_SWITCHED_OFF:
         return "off (MLXTOY_KERNELS=0)"
     return "off (built for another MLX: reinstall ./kernels)"
 
@@ -188,22 +191,23 @@ def _kernel_gemv_vjp(primals, cotangent, output):
     return g @ w, g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
 
 
+def _takes_gemv(x: mx.array, weight: mx.array) -> bool:
+    return x.size <= _GEMV_ROWS * x.shape[-1] and _kernel_ok(x, weight)
+
+
 def linear(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel."""
-    if _kernel_ok(x, weight) and x.size <= _GEMV_ROWS * x.shape[-1]:
-        return _kernel_gemv(x, weight)
-    return x @ weight.T
+    return _kernel_gemv(x, weight) if _takes_gemv(x, weight) else x @ weight.T
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters) through `linear`."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if "bias" in self:
-            if x.size <= _GEMV_ROWS * x.shape[-1] and _kernel_ok(x, self["weight"]):
-                return linear(x, self["weight"]) + self["bias"]
-            return mx.addmm(self["bias"], x, self["weight"].T)
-        return linear(x, self["weight"])
+        w = self["weight"]
+        if "bias" not in self:
+            return linear(x, w)
+        return _kernel_gemv(x, w) + self["bias"] if _takes_gemv(x, w) else mx.addmm(self["bias"], x, w.T)
 
 
 # --- cross-entropy -------------------------------------------------------------------------------
