@@ -340,6 +340,82 @@ def test_fastmath_linear_gradient():
     np.testing.assert_allclose(np_(fastmath.linear(x, w)), np_(x @ w.T), rtol=1e-5, atol=1e-5)
 
 
+def test_gemv_many_vs_numpy_and_gradient():
+    r = rng(20)
+    K_ = 577
+    ws = [r.standard_normal((n, K_)) / np.sqrt(K_) for n in (1537, 192, 17)]  # rows not a multiple of a chunk
+    for M in (1, 3):
+        x = r.standard_normal((M, K_))
+        ys = K.gemv_many(arr(x), [arr(w) for w in ws])
+        assert len(ys) == 3
+        for y, w in zip(ys, ws):
+            assert y.shape == (M, w.shape[0])
+            np.testing.assert_allclose(np_(y), x.astype(np.float32).astype(f64) @ w.astype(np.float32).astype(f64).T,
+                                       rtol=0, atol=2e-5)
+    # through fastmath: one row takes the kernel (one primitive for all three), five rows GEMMs
+    x1, mw = arr(r.standard_normal((1, 1, K_))), [arr(w) for w in ws]
+    assert uses_kernel(*fastmath.linear_many(x1, mw))
+    assert not uses_kernel(*fastmath.linear_many(arr(r.standard_normal((5, K_))), mw))
+    gs = [arr(r.standard_normal((1, 1, w.shape[0]))) for w in ws]
+    loss = lambda f: lambda x, a, b, c: sum((y * g).sum() for y, g in zip(f(x, [a, b, c]), gs))
+    ours = mx.grad(loss(fastmath.linear_many), argnums=(0, 1, 2, 3))(x1, *mw)
+    ref = mx.grad(loss(lambda x, ws: [x @ w.T for w in ws]), argnums=(0, 1, 2, 3))(x1, *mw)
+    for o, rf in zip(ours, ref):
+        assert o.shape == rf.shape
+        np.testing.assert_allclose(np_(o), np_(rf), rtol=1e-5, atol=1e-5)
+
+
+def ref_decode_attention(q, k, v, bias, scale):
+    """float64: each query head h against KV head h // (H / KV); fully masked rows give zeros."""
+    B, H, _, _ = q.shape
+    group = H // k.shape[1]
+    out = np.zeros((B, H, 1, v.shape[-1]))
+    for b in range(B):
+        row = bias[0 if bias.shape[0] == 1 else b]
+        for h in range(H):
+            s = scale * (k[b, h // group].astype(f64) @ q[b, h, 0].astype(f64)) + row
+            if np.isinf(s).all():
+                continue
+            p = np.exp(s - s.max())
+            out[b, h, 0] = (p / p.sum()) @ v[b, h // group]
+    return out
+
+
+def test_decode_attention_vs_numpy():
+    r = rng(21)
+    B, H, KV, S, D, Dv = 2, 9, 3, 300, 64, 48
+    q, k, v = r.standard_normal((B, H, 1, D)), r.standard_normal((B, KV, S, D)), r.standard_normal((B, KV, S, Dv))
+    prefix = np.zeros((1, S))
+    prefix[:, 201:] = NEG_INF  # a cache filled to 201 of 300 slots
+    holes = np.where(r.random((B, S)) < 0.7, 0.0, NEG_INF)  # per batch row, masked keys inside
+    holes[1] = NEG_INF  # a row with every key masked: zeros
+    for bias in (prefix, holes, np.zeros((1, S))):
+        got = np_(K.decode_attention(arr(q), arr(k), arr(v), arr(bias), 0.125))
+        assert got.shape == (B, H, 1, Dv)
+        np.testing.assert_allclose(got, ref_decode_attention(q, k, v, bias, 0.125), rtol=0, atol=2e-6)
+    # the masked tail is not read: NaN keys there change nothing
+    k_nan = k.copy()
+    k_nan[:, :, 201:] = np.nan
+    same = K.decode_attention(arr(q), arr(k_nan), arr(v), arr(prefix), 0.125)
+    np.testing.assert_array_equal(np.array(same), np.array(K.decode_attention(arr(q), arr(k), arr(v), arr(prefix), 0.125)))
+
+
+def test_fastmath_attention_one_query_uses_kernel_and_matches_mlx():
+    r = rng(22)
+    q, k, v = arr(r.standard_normal((1, 4, 1, 16))), arr(r.standard_normal((1, 2, 40, 16))), arr(r.standard_normal((1, 2, 40, 16)))
+    mask = mx.arange(40)[None, None, None, :] <= 25  # the compiled decoder's mask: a cache filled to 26
+    out = fastmath.attention(q, k, v, 0.25, mask)
+    assert uses_kernel(out)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    np.testing.assert_allclose(np_(out), np_(ref), rtol=0, atol=2e-6)
+    g = arr(r.standard_normal((1, 4, 1, 16)))
+    ours = mx.grad(lambda q, k, v: (fastmath.attention(q, k, v, 0.25, mask) * g).sum(), argnums=(0, 1, 2))(q, k, v)
+    theirs = mx.grad(lambda q, k, v: (mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask) * g).sum(),
+                     argnums=(0, 1, 2))(q, k, v)
+    for o, t in zip(ours, theirs):
+        np.testing.assert_allclose(np_(o), np_(t), rtol=1e-5, atol=1e-6)
+
+
 # --- layouts and validation ------------------------------------------------------------------
 
 def test_non_contiguous_inputs_equal_contiguous_copies():
@@ -403,6 +479,17 @@ def test_input_validation():
         lambda: K.softmax_grad(mx.array(1.0), mx.array(1.0)),
         lambda: K.rms_norm(mx.array(1.0), mx.ones((1,)), EPS),
         lambda: K.gemv(mx.array(1.0), mx.ones((2, 2))),
+        lambda: K.gemv_many(x[:1], []),
+        lambda: K.gemv_many(x[:1], [wg, mx.zeros((5, 7))]),
+        lambda: K.gemv_many(x[:1], [wg, wg.astype(mx.float16)]),
+        lambda: K.decode_attention(mx.zeros((1, 4, 2, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 6, 8)),
+                                   mx.zeros((1, 6)), 1.0),  # two query positions
+        lambda: K.decode_attention(mx.zeros((1, 3, 1, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 6, 8)),
+                                   mx.zeros((1, 6)), 1.0),  # 3 heads over 2 KV heads
+        lambda: K.decode_attention(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 6, 8)),
+                                   mx.zeros((1, 5)), 1.0),  # bias length
+        lambda: K.decode_attention(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 5, 8)),
+                                   mx.zeros((1, 6)), 1.0),  # v's positions
     ]
     for call in bad:
         with pytest.raises(ValueError, match=r"^\[mlxtoy_kernels\]"):
@@ -411,7 +498,9 @@ def test_input_validation():
     good = [K.softmax_bias(f, bias), K.softmax_grad(f, f),
             *K.cross_entropy_columns(mx.zeros((7, 3)), mx.zeros((3,), dtype=mx.int32), True),
             K.rms_norm(x, w, EPS), *K.rms_norm_grad(x, w, x, EPS), K.swiglu(x, x),
-            *K.swiglu_grad(x, x, x), K.gemv(x[:1], wg)]
+            *K.swiglu_grad(x, x, x), K.gemv(x[:1], wg), *K.gemv_many(x[:1], [wg, wg]),
+            K.decode_attention(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 6, 8)),
+                               mx.zeros((1, 6)), 1.0)]
     mx.eval(good)
     assert K.gemv(x[:1], wg).shape == (1, 5)
 
@@ -435,7 +524,9 @@ import mlxtoy, mlx.core as mx, mlxtoy_kernels as K
 d = dict(np.load(sys.argv[1]))
 p = K.softmax_bias(mx.array(d["s"]), mx.array(d["bias"]))
 ce, dl = K.cross_entropy_columns(mx.array(d["logits"]), mx.array(d["t"]), True)
-np.savez(sys.argv[2], p=np.array(p), ce=np.array(ce), d=np.array(dl), threads=K.threads())
+y = K.gemv_many(mx.array(d["x"]), [mx.array(d["w"]), mx.array(d["w"][:100])])
+np.savez(sys.argv[2], p=np.array(p), ce=np.array(ce), d=np.array(dl), y0=np.array(y[0]), y1=np.array(y[1]),
+         threads=K.threads())
 """
 
 
@@ -444,7 +535,9 @@ def test_one_thread_gives_the_same_bits(tmp_path):
     T = 64
     logits, t = ce_inputs(V=2003, N=37, seed=17)
     d = {"s": (3 * r.standard_normal((2, 4, T, T))).astype(np.float32),  # 512 rows: 2 slices
-         "bias": mask_bias(causal(T, T)[None] & (r.random((2, T, T)) < 0.8)), "logits": logits, "t": t}
+         "bias": mask_bias(causal(T, T)[None] & (r.random((2, T, T)) < 0.8)), "logits": logits, "t": t,
+         "x": r.standard_normal((1, 577)).astype(np.float32),  # GEMV rows are handed out first come, first served
+         "w": r.standard_normal((3001, 577)).astype(np.float32)}
     d["bias"][:, :, 0] = 0  # every row sees its first position
     np.savez(tmp_path / "in.npz", **d)
     out = tmp_path / "out.npz"
@@ -456,6 +549,10 @@ def test_one_thread_gives_the_same_bits(tmp_path):
     np.testing.assert_array_equal(got["p"], np.array(p))
     np.testing.assert_array_equal(got["ce"], np.array(ce))
     np.testing.assert_array_equal(got["d"], np.array(dl))
+    y = K.gemv_many(arr(d["x"]), [arr(d["w"]), arr(d["w"][:100])])
+    np.testing.assert_array_equal(got["y0"], np.array(y[0]))
+    np.testing.assert_array_equal(got["y1"], np.array(y[1]))
+    np.testing.assert_array_equal(got["y1"], got["y0"][:, :100])  # the same rows, whichever call and thread
     # positive control: the results are right, not merely alike
     np.testing.assert_allclose(got["p"], ref_softmax_bias(d["s"], d["bias"]), atol=1e-6)
     np.testing.assert_allclose(got["ce"], ref_ce(d["logits"], d["t"])[0], rtol=2e-6, atol=1e-6)

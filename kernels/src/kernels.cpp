@@ -4,6 +4,7 @@
 // are split over a small thread pool. Gradients are wired up in Python (mx.custom_function).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cmath>
@@ -77,6 +78,21 @@ class Pool {
 
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
     run_parts(n, grain, [&](int, int64_t begin, int64_t end) { fn(begin, end); });
+  }
+
+  // fn(begin, end) over chunks of [0, n) handed out first come, first served: a worker that
+  // wakes late takes fewer chunks instead of the caller waiting for its fixed half. Only for
+  // work whose result does not depend on which thread computes which chunk.
+  void run_dynamic(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+    chunk = std::max<int64_t>(chunk, 1);
+    if (n <= chunk || n_threads_ == 1) {
+      fn(0, n);
+      return;
+    }
+    std::atomic<int64_t> next{0};
+    run_parts(n_threads_, 1, [&](int, int64_t, int64_t) {
+      for (int64_t begin; (begin = next.fetch_add(chunk)) < n;) fn(begin, std::min(n, begin + chunk));
+    });
   }
 
   void run_parts(int64_t n, int64_t grain, const Job& fn) {
@@ -310,6 +326,42 @@ HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t 
   }
 }
 
+// One query row against a KV head's cached keys and values: out = softmax(scale q.k + bias) v.
+// Keys past the bias's last unmasked position are not read (the cache's unused capacity).
+HOT void decode_attention_row(const float* q, const float* k, const float* v, const float* bias, float* out,
+                              float* scores, int64_t S, int64_t D, int64_t Dv, float scale) {
+  int64_t len = S;
+  while (len > 0 && bias[len - 1] == kNegInf) --len;
+  float m = kNegInf;
+  for (int64_t j = 0; j < len; ++j) {
+    const float* kr = k + j * D;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kr[d];
+    scores[j] = dot * scale + bias[j];
+    m = std::max(m, scores[j]);
+  }
+  std::fill(out, out + Dv, 0.0f);
+  if (m == kNegInf) return;  // every key masked: zeros, as the softmax kernel gives
+  float sum = 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    float e = scores[j] == kNegInf ? 0.0f : poly_exp(scores[j] - m);
+    sum += e;
+    if (e == 0.0f) continue;
+    const float* vr = v + j * Dv;
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) out[d] += e * vr[d];
+  }
+  float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t d = 0; d < Dv; ++d) out[d] *= inv;
+}
+
+// a GEMV's rows per chunk: about eight chunks per thread, at least 16 rows
+int64_t gemv_chunk(int64_t N, int threads) {
+  return std::max<int64_t>(16, N / (8 * std::max(threads, 1)));
+}
+
 // rows per parallel slice so one slice is at least ~16K elements of work
 int64_t grain(int64_t row_len) {
   return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(row_len, 1));
@@ -327,7 +379,7 @@ void Kernel::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 
 bool Kernel::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Kernel&>(other);
-  return op_ == o.op_ && eps_ == o.eps_;
+  return op_ == o.op_ && param_ == o.param_;
 }
 
 void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -344,13 +396,21 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   int64_t last = shape0.back();
   int64_t rows = inputs[0].size() / std::max<int64_t>(last, 1);
   Op op = op_;
-  float eps = eps_;
+  float eps = param_;
   // Softmax: s (..., T, S), bias (Bb, T, S) with Bb 1 (rows_per_bias 0) or s's leading dim
   int64_t T = op == Op::Softmax ? inputs[1].shape(-2) : 0;
   int64_t rows_per_bias = op == Op::Softmax && inputs[1].shape(0) != 1 ? rows / inputs[1].shape(0) : 0;
   int64_t N = op == Op::Gemv ? inputs[1].shape(0) : 0;  // Gemv: w (N, K)
+  std::vector<int64_t> Ns;  // GemvMany: each w_i's rows
+  if (op == Op::GemvMany)
+    for (size_t i = 1; i < inputs.size(); ++i) Ns.push_back(inputs[i].shape(0));
+  // DecodeAttention: q (B, H, 1, D), k (B, KV, S, D), v (B, KV, S, Dv), bias (Bb, S)
+  std::array<int64_t, 6> att{};  // B, H, KV, S, Dv, Bb
+  if (op == Op::DecodeAttention)
+    att = {inputs[0].shape(0), inputs[0].shape(1), inputs[1].shape(1), inputs[1].shape(2), inputs[2].shape(3),
+           inputs[3].shape(0)};
 
-  encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, N]() {
+  encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, N, Ns, att]() {
     Pool& threads = pool();
     switch (op) {
       case Op::Softmax: {
@@ -435,7 +495,43 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         auto x = static_cast<const float*>(in[0]);
         auto w = static_cast<const float*>(in[1]);
         auto y = static_cast<float*>(out[0]);
-        threads.run(N, 64, [&](int64_t n0, int64_t n1) { gemv_span(x, w, y, rows, N, last, n0, n1); });
+        threads.run_dynamic(N, gemv_chunk(N, threads.threads()),
+                            [&](int64_t n0, int64_t n1) { gemv_span(x, w, y, rows, N, last, n0, n1); });
+        break;
+      }
+      case Op::GemvMany: {
+        // the weights' rows as one range [0, sum N_i), split once over the threads
+        auto x = static_cast<const float*>(in[0]);
+        int64_t total = 0;
+        for (int64_t n : Ns) total += n;
+        threads.run_dynamic(total, gemv_chunk(total, threads.threads()), [&](int64_t r0, int64_t r1) {
+          int64_t first = 0;
+          for (size_t i = 0; i < Ns.size(); ++i) {
+            int64_t lo = std::max(r0 - first, int64_t{0}), hi = std::min(r1 - first, Ns[i]);
+            if (lo < hi)
+              gemv_span(x, static_cast<const float*>(in[i + 1]), static_cast<float*>(out[i]), rows, Ns[i], last, lo, hi);
+            first += Ns[i];
+          }
+        });
+        break;
+      }
+      case Op::DecodeAttention: {
+        auto [B, H, KV, S, Dv, Bb] = att;
+        int64_t D = last, group = H / KV;
+        auto q = static_cast<const float*>(in[0]);
+        auto k = static_cast<const float*>(in[1]);
+        auto v = static_cast<const float*>(in[2]);
+        auto bias = static_cast<const float*>(in[3]);
+        auto o = static_cast<float*>(out[0]);
+        float scale = eps;
+        threads.run(B * H, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(S * D, 1)), [&](int64_t r0, int64_t r1) {
+          std::vector<float> scores(static_cast<size_t>(S));
+          for (int64_t r = r0; r < r1; ++r) {
+            int64_t b = r / H, kv = (r % H) / group;
+            decode_attention_row(q + r * D, k + (b * KV + kv) * S * D, v + (b * KV + kv) * S * Dv,
+                                 bias + (Bb == 1 ? 0 : b) * S, o + r * Dv, scores.data(), S, D, Dv, scale);
+          }
+        });
         break;
       }
     }
@@ -527,6 +623,38 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st) {
   mx::Shape out = x.shape();
   out.back() = w.shape(0);
   return make(Kernel::Op::Gemv, 0, {out}, {mx::float32}, {f32(x, "x"), f32(w, "w")}, st)[0];
+}
+
+std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
+  if (x.ndim() == 0 || ws.empty())
+    throw std::invalid_argument("[mlxtoy_kernels] gemv_many: x (..., K), ws [(N_i, K), ...]");
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  std::vector<mx::array> inputs{f32(x, "x")};
+  for (auto& w : ws) {
+    if (w.ndim() != 2 || w.shape(1) != x.shape(-1))
+      throw std::invalid_argument("[mlxtoy_kernels] gemv_many: x (..., K), ws [(N_i, K), ...]");
+    mx::Shape out = x.shape();
+    out.back() = w.shape(0);
+    shapes.push_back(out);
+    dtypes.push_back(mx::float32);
+    inputs.push_back(f32(w, "w"));
+  }
+  return make(Kernel::Op::GemvMany, 0, shapes, dtypes, inputs, st);
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
+                           float scale, mx::StreamOrDevice st) {
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || bias.ndim() != 2 || q.shape(2) != 1 ||
+      k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
+      v.shape(1) != k.shape(1) || v.shape(2) != k.shape(2) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0 ||
+      bias.shape(1) != k.shape(2) || (bias.shape(0) != 1 && bias.shape(0) != q.shape(0)))
+    throw std::invalid_argument(
+        "[mlxtoy_kernels] decode_attention: q (B, H, 1, D), k (B, KV, S, D), v (B, KV, S, Dv), bias (1|B, S), "
+        "H a multiple of KV");
+  mx::Shape out{q.shape(0), q.shape(1), 1, v.shape(3)};
+  return make(Kernel::Op::DecodeAttention, scale, {out}, {mx::float32},
+              {f32(q, "q"), f32(k, "k"), f32(v, "v"), f32(bias, "bias")}, st)[0];
 }
 
 }  // namespace mlxtoy

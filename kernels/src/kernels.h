@@ -10,9 +10,11 @@ namespace mlxtoy {
 
 class Kernel : public mx::Primitive {
  public:
-  enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, Gemv };
+  enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, Gemv, GemvMany,
+                  DecodeAttention };
 
-  Kernel(mx::Stream stream, Op op, float eps) : mx::Primitive(stream), op_(op), eps_(eps) {}
+  // param: the norms' eps, the attention's scale
+  Kernel(mx::Stream stream, Op op, float param) : mx::Primitive(stream), op_(op), param_(param) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -21,7 +23,7 @@ class Kernel : public mx::Primitive {
 
  private:
   Op op_;
-  float eps_;
+  float param_;
 };
 
 int kernel_threads();
@@ -36,5 +38,8 @@ mx::array swiglu(const mx::array& a, const mx::array& b, mx::StreamOrDevice st =
 std::vector<mx::array> swiglu_grad(const mx::array& a, const mx::array& b, const mx::array& g,
                                    mx::StreamOrDevice st = {});
 mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st = {});
+std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st = {});
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
+                           float scale, mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

@@ -200,6 +200,27 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
     return _kernel_gemv(x, weight) if _takes_gemv(x, weight) else x @ weight.T
 
 
+@mx.custom_function
+def _kernel_gemv_many(x, ws):
+    return _K.gemv_many(x, ws)
+
+
+@_kernel_gemv_many.vjp
+def _kernel_gemv_many_vjp(primals, cotangents, outputs):
+    x, ws = primals
+    rows = x.reshape(-1, x.shape[-1])
+    dx = sum(g @ w for g, w in zip(cotangents, ws))
+    return dx, [g.reshape(-1, g.shape[-1]).T @ rows for g in cotangents]
+
+
+def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
+    """[x @ w.T for w in weights]; when decoding, one threaded GEMV call computes them all (a
+    layer's q, k and v, or its gate and up): one split over the threads instead of several."""
+    if _takes_gemv(x, weights[0]) and _kernel_ok(*weights):
+        return list(_kernel_gemv_many(x, weights))
+    return [linear(x, w) for w in weights]
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters) through `linear`."""
 
@@ -310,10 +331,39 @@ def additive_mask(mask, T: int, S: int) -> mx.array:
     return mask
 
 
+_DECODE_ATTENTIONS: dict = {}
+
+
+def _kernel_decode_attention(scale: float):
+    """The one-query attention kernel for this scale (its gradient: mx.fast's, recomputed)."""
+    fn = _DECODE_ATTENTIONS.get(scale)
+    if fn is None:
+        def reference(q, k, v, bias):
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias[:, None, None, :])
+
+        @mx.custom_function
+        def fn(q, k, v, bias):
+            return _K.decode_attention(q, k, v, bias, scale)
+
+        @fn.vjp
+        def fn_vjp(primals, cotangent, output):
+            q, k, v, bias = primals
+            _, grads = mx.vjp(lambda q, k, v: reference(q, k, v, bias), [q, k, v], [_cotangent(cotangent)])
+            return (*grads, mx.zeros_like(bias))
+
+        _DECODE_ATTENTIONS[scale] = fn
+    return fn
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
     """Scaled dot-product attention, q (B, H, T, D), k/v (B, KV, S, D) -> (B, H, T, D); the
-    fast form above for float32 prompts on CPU, mx.fast's elsewhere (decoding included)."""
+    fast forms here for float32 on CPU (one query position: the decode kernel, which reads
+    no key past the mask's last open one), mx.fast's elsewhere."""
     B, H, T, D = q.shape
+    if T == 1 and _ON_CPU and _kernel_ok(q, k, v):
+        S = k.shape[2]
+        bias = additive_mask(mask, 1, S)
+        return _kernel_decode_attention(scale)(q, k, v, bias.reshape(bias.shape[0], S))
     if not (_ON_CPU and q.dtype == mx.float32 and T > 1):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     KV, S = k.shape[1], k.shape[2]

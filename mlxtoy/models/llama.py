@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy.config import ModelConfig
-from mlxtoy.models.fastmath import Linear, RMSNorm, attention, linear, silu, swiglu
+from mlxtoy.models.fastmath import Linear, RMSNorm, attention, linear, linear_many, silu, swiglu
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
 
@@ -56,10 +56,22 @@ class HeadProjection(nn.Module):
         return self.weight.reshape(n_heads * d_head, d_in)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = linear(x, self.flat_weight())
+        return self.heads(linear(x, self.flat_weight()))
+
+    def heads(self, y: mx.array) -> mx.array:
+        """x @ flat_weight().T (..., n_heads * d_head) -> bias added, (..., n_heads, d_head)."""
         if "bias" in self:
             y = y + self.bias.reshape(-1)
-        return y.reshape(*x.shape[:-1], self.n_heads, self.d_head)
+        return y.reshape(*y.shape[:-1], self.n_heads, self.d_head)
+
+
+def project_heads(x: mx.array, projections: list[nn.Module]) -> list[mx.array]:
+    """Each projection applied to x; plain HeadProjections (no adapter) take one `linear_many`
+    call together, which decoding runs as one threaded GEMV."""
+    if all(type(p) is HeadProjection for p in projections):
+        ys = linear_many(x, [p.flat_weight() for p in projections])
+        return [p.heads(y) for p, y in zip(projections, ys)]
+    return [p(x) for p in projections]
 
 
 def llama3_rope_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
@@ -168,13 +180,12 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
                  head_taps: dict | None = None) -> mx.array:
         B, T, _ = x.shape
-        q = self.q(x)
-        k = self.k(x)
+        q, k, v = project_heads(x, [self.q, self.k, self.v])
         if "q_norm" in self:  # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.transpose(0, 2, 1, 3)  # (B, H, T, Dh)
         k = k.transpose(0, 2, 1, 3)  # (B, KV, T, Dh)
-        v = self.v(x).transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         if "rope" in self:
             q = self.rope(q, offset)
@@ -239,9 +250,13 @@ class FeedForward(nn.Module):
         self.act = act
 
     def __call__(self, x: mx.array) -> mx.array:
+        if type(self.gate) is Linear and type(self.up) is Linear and "bias" not in self.gate and "bias" not in self.up:
+            gate, up = linear_many(x, [self.gate.weight, self.up.weight])  # decoding: one GEMV call
+        else:
+            gate, up = self.gate(x), self.up(x)
         if self.act is silu:
-            return self.down(swiglu(self.gate(x), self.up(x)))
-        return self.down(self.act(self.gate(x)) * self.up(x))
+            return self.down(swiglu(gate, up))
+        return self.down(self.act(gate) * up)
 
 
 class Block(nn.Module):
