@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxtoy.errors import UserError
 from mlxtoy.models.cache import KVCache, cache_offset, make_cache, trim_cache
@@ -197,8 +198,8 @@ def _compiled_decode(model) -> Callable[[mx.array, list], mx.array]:
     `KVCache.step` tokens (a new trace then, ~50 ms). Building the eager graph costs ~6 ms of
     Python per token on a 2-core CPU, taken from the cores the matmuls need; the compiled
     call ~2 ms. The model's own modules are traced (LoRA included), with its parameters as
-    inputs, so weights updated by training are picked up; a new compiled function is made per
-    generation so a changed model structure is never served a stale trace.
+    inputs, so weights updated by training are picked up; `decoder_for` makes a new compiled
+    function when the model's structure changes, so it is never served a stale trace.
     """
 
     def forward(tokens, offset, keys, values):
@@ -220,6 +221,28 @@ def _compiled_decode(model) -> Callable[[mx.array, list], mx.array]:
             c.offset += 1
         return logits
 
+    return step
+
+
+def _structure(model) -> tuple:
+    """What a decode trace depends on besides the weights' values: the parameters' names,
+    shapes and dtypes, and the classes of the modules (an adapter added, merged or removed, a
+    layer swapped, all change it)."""
+    return (tuple((k, v.shape, v.dtype) for k, v in tree_flatten(model.parameters())),
+            tuple(type(m) for _, m in model.named_modules()))
+
+
+def decoder_for(model) -> Callable[[mx.array, list], mx.array]:
+    """`_compiled_decode(model)`, kept on the model for its next generation while its structure
+    is the same: a chat or a trainer's sample generations then reuse the trace instead of
+    paying it before every first token. (Kept as a plain attribute, not a module child: the
+    model -> trace -> model cycle is then one the garbage collector frees.)"""
+    structure = _structure(model)
+    kept = vars(model).get("mlxtoy_decoder")
+    if kept is not None and kept[0] == structure:
+        return kept[1]
+    step = _compiled_decode(model)
+    object.__setattr__(model, "mlxtoy_decoder", (structure, step))
     return step
 
 
@@ -271,7 +294,7 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
     decode = None
     if compile_decode and hasattr(model, "hidden") and all(isinstance(c, KVCache) for c in cache) \
             and not getattr(model, "sliding_window", False):  # models.tiny slides in Python
-        decode = _compiled_decode(model)
+        decode = decoder_for(model)
 
     def step(tokens: mx.array, sampled: bool):
         nonlocal key, recent

@@ -94,6 +94,44 @@ def test_cached_equals_uncached_tiny(kind):
     assert got == tokens
 
 
+def test_decode_trace_kept_while_the_structure_holds_and_remade_after_an_adapter():
+    """The compiled decode step is kept on the model between generations: it must read new
+    weight values, and a model given an adapter must get a new trace (a stale one would
+    decode without the adapter). Checked against the uncached forward's logits."""
+    from mlx.utils import tree_flatten, tree_map
+
+    from mlxtoy.generate import decoder_for
+    from mlxtoy.models.lora import apply_lora
+
+    model = tiny_model("llama-gqa")
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, size=21)]
+
+    def check() -> list[int]:
+        out = list(generate_tokens(model, prompt, max_tokens=12))
+        tokens = [t for t, _ in out]
+        ref = full_forward_logits(model, prompt, tokens)
+        assert_same_greedy(tokens, ref)
+        ref_lp = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+        np.testing.assert_allclose([lp for _, lp in out], ref_lp[np.arange(12), tokens], atol=2e-4)
+        return tokens
+
+    first = check()
+    trace = decoder_for(model)
+    assert decoder_for(model) is trace  # kept
+    model.update(tree_map(lambda p: p * 1.3, model.parameters()))  # new values, same structure
+    scaled = check()
+    assert decoder_for(model) is trace
+    apply_lora(model, ["q", "v"], 4, 8.0)
+    mx.random.seed(5)
+    for layer in model.layers:
+        for proj in (layer.attn.q, layer.attn.v):
+            proj.lora_b = 0.3 * mx.random.normal(proj.lora_b.shape)
+    assert any(k.endswith("lora_b") for k, _ in tree_flatten(model.parameters()))
+    adapted = check()
+    assert decoder_for(model) is not trace
+    assert len({tuple(first), tuple(scaled), tuple(adapted)}) == 3  # positive control: each change shows
+
+
 def test_decode_across_cache_steps_compiled_and_eager_agree():
     """Decoding past a KVCache.step boundary (the compiled step retraces there), from a cache
     trimmed to a non-multiple of the step, gives the uncached tokens with either decoder."""
