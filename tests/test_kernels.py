@@ -416,6 +416,76 @@ def test_fastmath_attention_one_query_uses_kernel_and_matches_mlx():
         np.testing.assert_allclose(np_(o), np_(t), rtol=1e-5, atol=1e-6)
 
 
+# --- optimizer -------------------------------------------------------------------------------
+
+def adamw_inputs(shape=(300, 577), seed=23):
+    r = rng(seed)
+    p, g, m = (arr(r.standard_normal(shape)) for _ in range(3))
+    return p, g, m, mx.abs(arr(r.standard_normal(shape)))
+
+
+def test_adamw_same_bits_as_mlx_optimizers():
+    import mlx.optimizers as optim
+
+    p, g, m, v = adamw_inputs()
+    lr, b1, b2, eps, wd = mx.array(3e-4), 0.9, 0.95, 1e-8, 0.1
+    opt = optim.AdamW(learning_rate=lr, betas=[b1, b2], eps=eps, weight_decay=wd)
+    for scale in (None, mx.array(0.37)):
+        state = {"m": m, "v": v}
+        ref_p = opt.apply_single(g if scale is None else g * scale, p, state)
+        got = fastmath.adamw_step(p, g, m, v, lr, mx.array(True), scale, (b1, b2), eps, wd)
+        assert uses_kernel(*got)
+        for a, b in zip(got, (ref_p, state["m"], state["v"])):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+        assert not np.array_equal(np.array(got[0]), np.array(p))  # positive control: it moved
+    # a withheld step gives back the old values, bit for bit
+    kept = fastmath.adamw_step(p, g, m, v, lr, mx.array(False), None, (b1, b2), eps, wd)
+    for a, b in zip(kept, (p, m, v)):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    # float64 formula
+    P, G, M, V = (np_(a) for a in (p, g, m, v))
+    M1, V1 = b1 * M + (1 - b1) * G, b2 * V + (1 - b2) * G * G
+    ref = P * (1 - 3e-4 * wd) - 3e-4 * M1 / (np.sqrt(V1) + eps)
+    got = fastmath.adamw_step(p, g, m, v, lr, mx.array(True), None, (b1, b2), eps, wd)
+    np.testing.assert_allclose(np_(got[0]), ref, rtol=1e-6, atol=1e-7)
+
+
+def test_sum_squares_vs_numpy_and_thread_independent_blocks():
+    r = rng(24)
+    for n in (1, 1000, (1 << 16) * 3 + 17):
+        x = r.standard_normal(n).astype(np.float32)
+        got = float(fastmath.sum_squares(arr(x).reshape(-1, 1) if n > 1 else arr(x)))
+        assert abs(got - float((x.astype(f64) ** 2).sum())) <= 1e-6 * max(1.0, got)
+    assert uses_kernel(fastmath.sum_squares(arr(r.standard_normal((5, 7)))))
+
+
+def test_guarded_adamw_step_matches_mlx_reference_with_clipping_and_a_withheld_step():
+    """The training step through GuardedAdamW (the kernel) against the same step built from
+    mlx.optimizers.AdamW, optim.clip_grad_norm and selects (the path other optimizers take)."""
+    from mlxtoy.train.step import GuardedAdamW
+
+    r = rng(25)
+    params = {"a": arr(r.standard_normal((70, 33))), "b": arr(r.standard_normal((33,)))}
+    grads = {"a": arr(5 * r.standard_normal((70, 33))), "b": arr(5 * r.standard_normal((33,)))}
+    import mlx.optimizers as optim
+
+    for ok in (True, False):
+        ours, ref = GuardedAdamW(learning_rate=1e-2, weight_decay=0.01), optim.AdamW(learning_rate=1e-2, weight_decay=0.01)
+        ours.init(params)
+        ref.init(params)
+        for _ in range(2):  # a second step sees non-zero moments
+            gnorm = mx.sqrt(sum(fastmath.sum_squares(g) for g in grads.values()))
+            ours.ok, ours.grad_scale = mx.array(ok), mx.minimum(1.0 / (gnorm + 1e-6), 1.0)
+            new = ours.apply_gradients(grads, params)
+            clipped, _ = optim.clip_grad_norm(grads, 1.0)
+            want = ref.apply_gradients(clipped, params) if ok else params
+            for k in params:
+                np.testing.assert_allclose(np_(new[k]), np_(want[k]), rtol=1e-6, atol=1e-7)
+            if ok:
+                assert float(mx.abs(new["a"] - params["a"]).max()) > 1e-3  # positive control
+            params = new
+
+
 # --- layouts and validation ------------------------------------------------------------------
 
 def test_non_contiguous_inputs_equal_contiguous_copies():
@@ -479,6 +549,10 @@ def test_input_validation():
         lambda: K.softmax_grad(mx.array(1.0), mx.array(1.0)),
         lambda: K.rms_norm(mx.array(1.0), mx.ones((1,)), EPS),
         lambda: K.gemv(mx.array(1.0), mx.ones((2, 2))),
+        lambda: K.adamw(x, x, x, x[:2], mx.zeros((9,))),
+        lambda: K.adamw(x, x, x, x, mx.zeros((8,))),
+        lambda: K.adamw(x.astype(mx.float16), x, x, x, mx.zeros((9,))),
+        lambda: K.sum_squares(mx.zeros((0,))),
         lambda: K.gemv_many(x[:1], []),
         lambda: K.gemv_many(x[:1], [wg, mx.zeros((5, 7))]),
         lambda: K.gemv_many(x[:1], [wg, wg.astype(mx.float16)]),
@@ -499,6 +573,7 @@ def test_input_validation():
             *K.cross_entropy_columns(mx.zeros((7, 3)), mx.zeros((3,), dtype=mx.int32), True),
             K.rms_norm(x, w, EPS), *K.rms_norm_grad(x, w, x, EPS), K.swiglu(x, x),
             *K.swiglu_grad(x, x, x), K.gemv(x[:1], wg), *K.gemv_many(x[:1], [wg, wg]),
+            *K.adamw(x, x, x, x, mx.zeros((9,))), K.sum_squares(x),
             K.decode_attention(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 6, 8)),
                                mx.zeros((1, 6)), 1.0)]
     mx.eval(good)
@@ -526,7 +601,7 @@ p = K.softmax_bias(mx.array(d["s"]), mx.array(d["bias"]))
 ce, dl = K.cross_entropy_columns(mx.array(d["logits"]), mx.array(d["t"]), True)
 y = K.gemv_many(mx.array(d["x"]), [mx.array(d["w"]), mx.array(d["w"][:100])])
 np.savez(sys.argv[2], p=np.array(p), ce=np.array(ce), d=np.array(dl), y0=np.array(y[0]), y1=np.array(y[1]),
-         threads=K.threads())
+         sq=np.array(K.sum_squares(mx.array(d["w"]))), threads=K.threads())
 """
 
 
@@ -553,6 +628,7 @@ def test_one_thread_gives_the_same_bits(tmp_path):
     np.testing.assert_array_equal(got["y0"], np.array(y[0]))
     np.testing.assert_array_equal(got["y1"], np.array(y[1]))
     np.testing.assert_array_equal(got["y1"], got["y0"][:, :100])  # the same rows, whichever call and thread
+    np.testing.assert_array_equal(got["sq"], np.array(K.sum_squares(arr(d["w"]))))
     # positive control: the results are right, not merely alike
     np.testing.assert_allclose(got["p"], ref_softmax_bias(d["s"], d["bias"]), atol=1e-6)
     np.testing.assert_allclose(got["ce"], ref_ce(d["logits"], d["t"])[0], rtol=2e-6, atol=1e-6)

@@ -30,4 +30,10 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(),
         "softmax(scale q k^T + bias) v for one query position: q (B, H, 1, D), k (B, KV, S, D), "
         "v (B, KV, S, Dv), bias (1|B, S) of 0 and -inf; query head h reads KV head h // (H / KV)");
+  m.def("sum_squares", &mlxtoy::sum_squares, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "sum(x^2) as float32 (1,), summed in double over fixed blocks: the same bits on any thread count");
+  m.def("adamw", &mlxtoy::adamw, "p"_a, "g"_a, "m"_a, "v"_a, "scalars"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "one AdamW step (no bias correction) on g * grad_scale -> (p, m, v), in one pass; scalars float32 "
+        "[lr, ok, b1, 1 - b1, b2, 1 - b2, eps, weight_decay, grad_scale]: where ok is 0 the old p, m, v "
+        "come back");
 }

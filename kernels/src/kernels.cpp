@@ -357,6 +357,43 @@ HOT void decode_attention_row(const float* q, const float* k, const float* v, co
   for (int64_t d = 0; d < Dv; ++d) out[d] *= inv;
 }
 
+// AdamW without bias correction, in the order of mlx.optimizers.AdamW's ops, one rounding per op
+// (no contraction into FMAs): m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2,
+// p = p (1 - lr wd) - lr m / (sqrt(v) + eps), g first multiplied by grad_scale (gradient clipping)
+// unless it is 1. ok == 0 keeps p, m and v.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+HOT void adamw_span(const float* p, const float* g, const float* m, const float* v, float* po, float* mo,
+                    float* vo, int64_t n, const float* sc) {
+  const float lr = sc[0], b1 = sc[2], c1 = sc[3], b2 = sc[4], c2 = sc[5], eps = sc[6], wd = sc[7], gs = sc[8];
+  if (sc[1] == 0.0f) {  // a step that is not applied
+    if (po != p) std::memcpy(po, p, n * sizeof(float));
+    if (mo != m) std::memcpy(mo, m, n * sizeof(float));
+    if (vo != v) std::memcpy(vo, v, n * sizeof(float));
+    return;
+  }
+  const float decay = 1.0f - lr * wd;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = gs == 1.0f ? g[i] : g[i] * gs;
+    float mi = b1 * m[i] + c1 * gi;
+    float vi = b2 * v[i] + c2 * (gi * gi);
+    po[i] = p[i] * decay - (lr * mi) / (std::sqrt(vi) + eps);
+    mo[i] = mi;
+    vo[i] = vi;
+  }
+}
+
+constexpr int64_t kSumBlock = 1 << 16;  // sum_squares' fixed blocks
+
+HOT double sum_squares_span(const float* x, int64_t n) {
+  double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(x[i]) * x[i];
+  return acc;
+}
+
 // a GEMV's rows per chunk: about eight chunks per thread, at least 16 rows
 int64_t gemv_chunk(int64_t N, int threads) {
   return std::max<int64_t>(16, N / (8 * std::max(threads, 1)));
@@ -383,7 +420,15 @@ bool Kernel::is_equivalent(const mx::Primitive& other) const {
 }
 
 void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    auto& out = outputs[i];
+    // AdamW's p, m and v (inputs 0, 2, 3) are updated in place when no one else holds them
+    int donor = op_ != Op::AdamW ? -1 : (i == 0 ? 0 : static_cast<int>(i) + 1);
+    if (donor >= 0 && inputs[donor].is_donatable() && inputs[donor].flags().row_contiguous)
+      out.copy_shared_buffer(inputs[donor]);
+    else
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) encoder.set_input_array(in);
   for (auto& out : outputs) encoder.set_output_array(out);
@@ -512,6 +557,33 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
               gemv_span(x, static_cast<const float*>(in[i + 1]), static_cast<float*>(out[i]), rows, Ns[i], last, lo, hi);
             first += Ns[i];
           }
+        });
+        break;
+      }
+      case Op::SumSquares: {
+        auto x = static_cast<const float*>(in[0]);
+        int64_t n = rows * last, blocks = (n + kSumBlock - 1) / kSumBlock;
+        std::vector<double> partial(static_cast<size_t>(std::max<int64_t>(blocks, 1)), 0.0);
+        threads.run(blocks, 4, [&](int64_t b0, int64_t b1) {
+          for (int64_t b = b0; b < b1; ++b)
+            partial[b] = sum_squares_span(x + b * kSumBlock, std::min(kSumBlock, n - b * kSumBlock));
+        });
+        double total = 0.0;
+        for (double v : partial) total += v;
+        static_cast<float*>(out[0])[0] = static_cast<float>(total);
+        break;
+      }
+      case Op::AdamW: {
+        auto p = static_cast<const float*>(in[0]);
+        auto g = static_cast<const float*>(in[1]);
+        auto m = static_cast<const float*>(in[2]);
+        auto v = static_cast<const float*>(in[3]);
+        auto sc = static_cast<const float*>(in[4]);
+        auto po = static_cast<float*>(out[0]);
+        auto mo = static_cast<float*>(out[1]);
+        auto vo = static_cast<float*>(out[2]);
+        threads.run(rows * last, 1 << 15, [&](int64_t i0, int64_t i1) {
+          adamw_span(p + i0, g + i0, m + i0, v + i0, po + i0, mo + i0, vo + i0, i1 - i0, sc);
         });
         break;
       }
@@ -655,6 +727,29 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   mx::Shape out{q.shape(0), q.shape(1), 1, v.shape(3)};
   return make(Kernel::Op::DecodeAttention, scale, {out}, {mx::float32},
               {f32(q, "q"), f32(k, "k"), f32(v, "v"), f32(bias, "bias")}, st)[0];
+}
+
+mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
+  if (x.size() == 0) throw std::invalid_argument("[mlxtoy_kernels] sum_squares: x is empty");
+  auto flat = f32(mx::reshape(x, {static_cast<int>(x.size()), 1}, st), "x");
+  return make(Kernel::Op::SumSquares, 0, {{1}}, {mx::float32}, {flat}, st)[0];
+}
+
+std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
+                             const mx::array& scalars, mx::StreamOrDevice st) {
+  same_shape(p, g, "adamw");
+  same_shape(p, m, "adamw");
+  same_shape(p, v, "adamw");
+  if (scalars.ndim() != 1 || scalars.shape(0) != 9)
+    throw std::invalid_argument(
+        "[mlxtoy_kernels] adamw: scalars (9,) [lr, ok, b1, 1 - b1, b2, 1 - b2, eps, wd, grad_scale]");
+  int n = static_cast<int>(p.size());
+  auto flat = [&](const mx::array& a, const char* what) { return f32(mx::reshape(a, {n, 1}, st), what); };
+  auto outs = make(Kernel::Op::AdamW, 0, {{n, 1}, {n, 1}, {n, 1}},
+                   {mx::float32, mx::float32, mx::float32},
+                   {flat(p, "p"), flat(g, "g"), flat(m, "m"), flat(v, "v"), f32(scalars, "scalars")}, st);
+  for (auto& o : outs) o = mx::reshape(o, p.shape(), st);
+  return outs;
 }
 
 }  // namespace mlxtoy

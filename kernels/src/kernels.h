@@ -11,7 +11,7 @@ namespace mlxtoy {
 class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, Gemv, GemvMany,
-                  DecodeAttention };
+                  DecodeAttention, AdamW, SumSquares };
 
   // param: the norms' eps, the attention's scale
   Kernel(mx::Stream stream, Op op, float param) : mx::Primitive(stream), op_(op), param_(param) {}
@@ -41,5 +41,8 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st = {
 std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st = {});
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
                            float scale, mx::StreamOrDevice st = {});
+mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
+std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
+                             const mx::array& scalars, mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

@@ -231,6 +231,33 @@ class Linear(nn.Linear):
         return _kernel_gemv(x, w) + self["bias"] if _takes_gemv(x, w) else mx.addmm(self["bias"], x, w.T)
 
 
+# --- optimizer ---------------------------------------------------------------------------------
+
+def sum_squares(x: mx.array) -> mx.array:
+    """sum(x^2) as a float32 scalar (a gradient norm's part); the kernel sums in double over
+    fixed blocks, threaded, the same bits on any thread count."""
+    if x.size and _kernel_ok(x):
+        return _K.sum_squares(x).reshape(())
+    return mx.sum(mx.square(x.astype(mx.float32)))
+
+
+def adamw_step(parameter: mx.array, gradient: mx.array, m: mx.array, v: mx.array, lr: mx.array,
+               ok: mx.array, grad_scale: mx.array | None, betas: tuple[float, float], eps: float,
+               weight_decay: float) -> tuple[mx.array, mx.array, mx.array] | None:
+    """One AdamW step without bias correction on gradient * grad_scale (None: 1) -> (parameter,
+    m, v), the old three where `ok` is False, as one threaded pass of the kernel (the same bits
+    as mlx.optimizers.AdamW on the scaled gradient); None where the kernel does not apply (not
+    float32 on CPU with the kernels)."""
+    if not _kernel_ok(parameter, gradient, m, v):
+        return None
+    b1, b2 = betas
+    scale = mx.ones((1,)) if grad_scale is None else grad_scale.astype(mx.float32).reshape(1)
+    scalars = mx.concatenate([lr.astype(mx.float32).reshape(1), ok.astype(mx.float32).reshape(1),
+                              mx.array([b1, 1 - b1, b2, 1 - b2, eps, weight_decay], dtype=mx.float32), scale])
+    p, m, v = _K.adamw(parameter, gradient, m, v, scalars)
+    return p, m, v
+
+
 # --- cross-entropy -------------------------------------------------------------------------------
 
 @mx.compile

@@ -19,11 +19,12 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from mlxtoy.config import TrainConfig
+from mlxtoy.models import fastmath
 from mlxtoy.train.build import train_dtype
 from mlxtoy.train.data import Batch, BatchStream
 from mlxtoy.train.objectives import PreferenceSpec, pair_logps, preference_loss, sft_loss, token_losses
 
-__all__ = ["MatrixMuon", "Reducer", "Stepper", "batch_arrays", "block_matrix", "make_optimizer", "make_schedule", "token_losses"]
+__all__ = ["GuardedAdamW", "MatrixMuon", "Reducer", "Stepper", "batch_arrays", "block_matrix", "make_optimizer", "make_schedule", "token_losses"]
 
 
 class Reducer(Protocol):
@@ -72,6 +73,35 @@ class MatrixMuon(optim.Muon):
         return out.reshape(shape)
 
 
+class GuardedAdamW(optim.AdamW):
+    """AdamW whose step can be withheld and whose gradients can be scaled (clipping): set for
+    one `update`, `ok` (a boolean array) False keeps every weight and moment at its old value,
+    and `grad_scale` multiplies the gradients first. On CPU with the kernels the scaling, the
+    update and that choice are one threaded pass per weight (`fastmath.adamw_step`, the same
+    bits as mlx.optimizers.AdamW); elsewhere MLX's ops and a select."""
+
+    ok: mx.array | None = None
+    grad_scale: mx.array | None = None
+
+    def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        ok = self.ok if self.ok is not None else mx.array(True)
+        if not self.bias_correction:
+            out = fastmath.adamw_step(parameter, gradient, state["m"], state["v"],
+                                      self.learning_rate.astype(gradient.dtype), ok, self.grad_scale,
+                                      tuple(self.betas), self.eps, self.weight_decay)
+            if out is not None:
+                new, state["m"], state["v"] = out
+                return new
+        if self.grad_scale is not None:
+            gradient = gradient * self.grad_scale.astype(gradient.dtype)
+        old_m, old_v = state["m"], state["v"]
+        new = super().apply_single(gradient, parameter, state)
+        if self.ok is None:
+            return new
+        state["m"], state["v"] = mx.where(ok, state["m"], old_m), mx.where(ok, state["v"], old_v)
+        return mx.where(ok, new, parameter)
+
+
 def block_matrix(path: str, weight: mx.array) -> bool:
     """What Muon updates: the blocks' matrices (embeddings, output and vectors take AdamW)."""
     return path.startswith("layers.") and weight.ndim >= 2
@@ -88,11 +118,11 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
         return optim.Adafactor(learning_rate=lr, weight_decay=wd, relative_step=False, scale_parameter=False)
     if name == "lion":
         return optim.Lion(learning_rate=lr, betas=list(cfg.betas), weight_decay=wd)
-    adamw = optim.AdamW(learning_rate=lr, betas=list(cfg.betas), eps=cfg.eps, weight_decay=wd)
     if name == "muon":
         muon = MatrixMuon(learning_rate=lr, momentum=cfg.momentum, weight_decay=wd, nesterov=cfg.nesterov)
+        adamw = optim.AdamW(learning_rate=lr, betas=list(cfg.betas), eps=cfg.eps, weight_decay=wd)
         return optim.MultiOptimizer([muon, adamw], [block_matrix])
-    return adamw
+    return GuardedAdamW(learning_rate=lr, betas=list(cfg.betas), eps=cfg.eps, weight_decay=wd)
 
 
 def batch_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
@@ -158,17 +188,33 @@ class Stepper:
         def scalar(v):  # the loss itself, whatever the objective returns
             return v[0] if self.preference else v
 
+        def guarded_finish(grads, loss):
+            # GuardedAdamW clips, updates and keeps the old values itself, in one pass per weight
+            gnorm = mx.sqrt(sum(fastmath.sum_squares(g) for _, g in tree_flatten(grads)))
+            ok = mx.isfinite(loss) & mx.isfinite(gnorm)
+            old_state = tree_map(lambda v: v, optimizer.state)
+            optimizer.ok = ok
+            optimizer.grad_scale = mx.minimum(clip / (gnorm + 1e-6), 1.0) if clip > 0 else None
+            optimizer.update(model, grads)
+            optimizer.ok = optimizer.grad_scale = None
+            for key, old in old_state.items():  # its step count and learning rate
+                if isinstance(old, mx.array):
+                    optimizer.state[key] = mx.where(ok, optimizer.state[key], old)
+            return gnorm
+
         def finish(grads, loss):
             # A step whose loss or gradients are not finite is never applied: the update is
             # computed, then every weight and optimizer value is selected back to its old
             # value in the same graph (no extra copy held; the loop then stops or skips).
+            if isinstance(optimizer, GuardedAdamW):
+                return guarded_finish(grads, loss)
             if clip > 0:
                 grads, gnorm = optim.clip_grad_norm(grads, clip)
             else:
                 gnorm = mx.sqrt(sum(mx.sum(mx.square(g.astype(mx.float32))) for _, g in tree_flatten(grads)))
             ok = mx.isfinite(loss) & mx.isfinite(gnorm)
-            old_params = model.trainable_parameters()
             old_state = tree_map(lambda v: v, optimizer.state)  # the same arrays, new containers
+            old_params = model.trainable_parameters()
             optimizer.update(model, grads)
             model.update(tree_map(lambda new, old: mx.where(ok, new, old), model.trainable_parameters(),
                                   old_params))
