@@ -1,0 +1,263 @@
+// mlxtoy kernels: the float32 loops over rows and spans (included by kernels.cpp only).
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace mlxtoy {
+
+namespace {
+
+// Hot loops are compiled twice on x86-64: AVX2+FMA and baseline, picked at load time.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HOT
+#endif
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// e^x for x <= 0 (or moderate x): Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6
+// Taylor polynomial, times 2^n through the exponent bits (the same formula as fastmath._exp).
+inline float poly_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  float t = x * 1.4426950408889634f + shifter;
+  float n = t - shifter;
+  float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+// ---- row kernels ----------------------------------------------------------------------------
+
+// p = softmax(s + bias) over a row of length S; masked (-inf) entries give exactly 0, entries
+// past the row's last unmasked one are not computed. Returns nothing; a row masked entirely
+// is all zeros.
+HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S) {
+  int64_t len = S;
+  while (len > 0 && bias[len - 1] == kNegInf) --len;
+  float m = kNegInf;
+  for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j] + bias[j]);
+  if (m == kNegInf) {
+    std::fill(p, p + S, 0.0f);
+    return;
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < len; ++j) {
+    float v = s[j] + bias[j];
+    float e = v == kNegInf ? 0.0f : poly_exp(v - m);
+    p[j] = e;
+    sum += e;
+  }
+  float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) p[j] *= inv;
+  std::fill(p + len, p + S, 0.0f);
+}
+
+// ds = p * (dp - sum(p * dp)): the softmax's input gradient; p's zero tail is skipped.
+HOT void softmax_grad_row(const float* p, const float* dp, float* ds, int64_t S) {
+  int64_t len = S;
+  while (len > 0 && p[len - 1] == 0.0f) --len;
+  float delta = 0.0f;
+#pragma omp simd reduction(+ : delta)
+  for (int64_t j = 0; j < len; ++j) delta += p[j] * dp[j];
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) ds[j] = p[j] * (dp[j] - delta);
+  std::fill(ds + len, ds + S, 0.0f);
+}
+
+// ce = logsumexp(x) - x[target] and with d: d = softmax(x) - onehot(target), for logits laid out
+// (V, C), one token per column (the output GEMM W @ h.T is the faster one that way round):
+// columns [c0, c1). Each token's sum runs over the vocabulary in order, in double (a float sum
+// over 49K terms loses ~1e-5 of the loss).
+HOT void cross_entropy_columns(const float* x, const int32_t* t, float* ce, float* d, int64_t V, int64_t C,
+                               int64_t c0, int64_t c1) {
+  int64_t n = c1 - c0;
+  std::vector<float> m(n, kNegInf), inv(n);
+  std::vector<double> sum(n, 0.0);
+  for (int64_t v = 0; v < V; ++v) {
+    const float* row = x + v * C + c0;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) m[j] = std::max(m[j], row[j]);
+  }
+  for (int64_t v = 0; v < V; ++v) {
+    const float* row = x + v * C + c0;
+    float* drow = d ? d + v * C + c0 : nullptr;
+    if (drow) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        float e = poly_exp(row[j] - m[j]);
+        drow[j] = e;
+        sum[j] += e;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) sum[j] += poly_exp(row[j] - m[j]);
+    }
+  }
+  // a target outside the vocabulary gives a NaN loss (the step's non-finite guard sees it)
+  auto valid = [&](int64_t j) { return t[c0 + j] >= 0 && t[c0 + j] < V; };
+  for (int64_t j = 0; j < n; ++j) {
+    float picked = valid(j) ? x[t[c0 + j] * C + c0 + j] : std::numeric_limits<float>::quiet_NaN();
+    ce[c0 + j] = m[j] + static_cast<float>(std::log(sum[j])) - picked;
+    inv[j] = static_cast<float>(1.0 / sum[j]);
+  }
+  if (!d) return;
+  for (int64_t v = 0; v < V; ++v) {
+    float* drow = d + v * C + c0;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) drow[j] *= inv[j];
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (valid(j)) d[t[c0 + j] * C + c0 + j] -= 1.0f;
+}
+
+HOT void rms_norm_row(const float* x, const float* w, float* y, int64_t D, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < D; ++j) ss += x[j] * x[j];
+  float r = 1.0f / std::sqrt(ss / D + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) y[j] = w[j] * (x[j] * r);
+}
+
+// y = w * x * r with r = (mean(x^2) + eps)^-1/2:
+// dx = r * w * g - x * r^3 * mean(x * w * g); dw += g * x * r.
+HOT void rms_norm_grad_row(const float* x, const float* w, const float* g, float* dx, float* dw,
+                           int64_t D, float eps) {
+  float ss = 0.0f, xwg = 0.0f;
+#pragma omp simd reduction(+ : ss, xwg)
+  for (int64_t j = 0; j < D; ++j) {
+    ss += x[j] * x[j];
+    xwg += x[j] * w[j] * g[j];
+  }
+  float r = 1.0f / std::sqrt(ss / D + eps);
+  float c = r * r * r * xwg / D;
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) {
+    dx[j] = r * w[j] * g[j] - c * x[j];
+    dw[j] += g[j] * x[j] * r;
+  }
+}
+
+HOT void swiglu_span(const float* a, const float* b, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = a[i] / (1.0f + poly_exp(-a[i])) * b[i];
+}
+
+// y = silu(a) * b: da = g * b * s * (1 + a * (1 - s)) with s = sigmoid(a); db = g * silu(a).
+HOT void swiglu_grad_span(const float* a, const float* b, const float* g, float* da, float* db, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float s = 1.0f / (1.0f + poly_exp(-a[i]));
+    da[i] = g[i] * b[i] * s * (1.0f + a[i] * (1.0f - s));
+    db[i] = g[i] * a[i] * s;
+  }
+}
+
+// y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1). (Four rows at a time, as four
+// reductions in one simd loop, measured 1.6x slower: gcc does not vectorize it as well.)
+HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
+                   int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * K;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += xr[k] * wr[k];
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+// One query row against a KV head's cached keys and values: out = softmax(scale q.k + bias) v.
+// Keys past the bias's last unmasked position are not read (the cache's unused capacity).
+HOT void decode_attention_row(const float* q, const float* k, const float* v, const float* bias, float* out,
+                              float* scores, int64_t S, int64_t D, int64_t Dv, float scale) {
+  int64_t len = S;
+  while (len > 0 && bias[len - 1] == kNegInf) --len;
+  float m = kNegInf;
+  for (int64_t j = 0; j < len; ++j) {
+    const float* kr = k + j * D;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kr[d];
+    scores[j] = dot * scale + bias[j];
+    m = std::max(m, scores[j]);
+  }
+  std::fill(out, out + Dv, 0.0f);
+  if (m == kNegInf) return;  // every key masked: zeros, as the softmax kernel gives
+  float sum = 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    float e = scores[j] == kNegInf ? 0.0f : poly_exp(scores[j] - m);
+    sum += e;
+    if (e == 0.0f) continue;
+    const float* vr = v + j * Dv;
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) out[d] += e * vr[d];
+  }
+  float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t d = 0; d < Dv; ++d) out[d] *= inv;
+}
+
+// AdamW without bias correction, in the order of mlx.optimizers.AdamW's ops, one rounding per op
+// (no contraction into FMAs): m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2,
+// p = p (1 - lr wd) - lr m / (sqrt(v) + eps), g first multiplied by grad_scale (gradient clipping)
+// unless it is 1. ok == 0 keeps p, m and v.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+HOT void adamw_span(const float* p, const float* g, const float* m, const float* v, float* po, float* mo,
+                    float* vo, int64_t n, const float* sc) {
+  const float lr = sc[0], b1 = sc[2], c1 = sc[3], b2 = sc[4], c2 = sc[5], eps = sc[6], wd = sc[7], gs = sc[8];
+  if (sc[1] == 0.0f) {  // a step that is not applied
+    if (po != p) std::memcpy(po, p, n * sizeof(float));
+    if (mo != m) std::memcpy(mo, m, n * sizeof(float));
+    if (vo != v) std::memcpy(vo, v, n * sizeof(float));
+    return;
+  }
+  const float decay = 1.0f - lr * wd;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = gs == 1.0f ? g[i] : g[i] * gs;
+    float mi = b1 * m[i] + c1 * gi;
+    float vi = b2 * v[i] + c2 * (gi * gi);
+    po[i] = p[i] * decay - (lr * mi) / (std::sqrt(vi) + eps);
+    mo[i] = mi;
+    vo[i] = vi;
+  }
+}
+
+constexpr int64_t kSumBlock = 1 << 16;  // sum_squares' fixed blocks
+
+HOT double sum_squares_span(const float* x, int64_t n) {
+  double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(x[i]) * x[i];
+  return acc;
+}
+
+// a GEMV's rows per chunk: about eight chunks per thread, at least 16 rows
+int64_t gemv_chunk(int64_t N, int threads) {
+  return std::max<int64_t>(16, N / (8 * std::max(threads, 1)));
+}
+
+// rows per parallel slice so one slice is at least ~16K elements of work
+int64_t grain(int64_t row_len) {
+  return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(row_len, 1));
+}
+
+}  // namespace
+
+}  // namespace mlxtoy

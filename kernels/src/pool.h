@@ -1,0 +1,154 @@
+// mlxtoy kernels: the thread pool the row loops are split over (included by kernels.cpp only).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
+
+namespace mlxtoy {
+
+// ---- threads --------------------------------------------------------------------------------
+
+namespace {
+
+int default_threads() {
+  if (const char* env = std::getenv("MLXTOY_KERNEL_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Spin this many rounds for the next job (or the workers' end) before sleeping: decoding calls
+// the pool ~200 times per token, and a futex wake-up costs as much as a small GEMV.
+static const int kSpins = std::getenv("MLXTOY_KERNEL_SPINS") ? std::atoi(std::getenv("MLXTOY_KERNEL_SPINS")) : 4000;
+
+// A fixed pool: run_parts(n, grain, fn) calls fn(part, begin, end) on contiguous slices of
+// [0, n) in order of part, one per thread, the calling thread taking part 0; run(n, grain, fn)
+// calls fn(begin, end).
+class Pool {
+ public:
+  Pool() : n_threads_(default_threads()) {
+    for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { work(i); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+      generation_.fetch_add(1);
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+  int threads() const { return n_threads_; }
+
+  using Job = std::function<void(int, int64_t, int64_t)>;
+
+  void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+    run_parts(n, grain, [&](int, int64_t begin, int64_t end) { fn(begin, end); });
+  }
+
+  // fn(begin, end) over chunks of [0, n) handed out first come, first served: a worker that
+  // wakes late takes fewer chunks instead of the caller waiting for its fixed half. Only for
+  // work whose result does not depend on which thread computes which chunk.
+  void run_dynamic(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+    chunk = std::max<int64_t>(chunk, 1);
+    if (n <= chunk || n_threads_ == 1) {
+      fn(0, n);
+      return;
+    }
+    std::atomic<int64_t> next{0};
+    run_parts(n_threads_, 1, [&](int, int64_t, int64_t) {
+      for (int64_t begin; (begin = next.fetch_add(chunk)) < n;) fn(begin, std::min(n, begin + chunk));
+    });
+  }
+
+  void run_parts(int64_t n, int64_t grain, const Job& fn) {
+    int parts = static_cast<int>(std::min<int64_t>(n_threads_, std::max<int64_t>(1, n / std::max<int64_t>(grain, 1))));
+    if (parts <= 1) {
+      fn(0, 0, n);
+      return;
+    }
+    std::lock_guard<std::mutex> serial(run_mutex_);  // one parallel region at a time
+    job_ = &fn;
+    n_ = n;
+    parts_ = parts;
+    pending_.store(n_threads_ - 1);  // every worker checks in, with a slice or without
+    generation_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      wake_.notify_all();
+    }
+    fn(0, 0, n / parts);
+    for (int i = 0; i < kSpins && pending_.load() > 0; ++i) cpu_relax();
+    if (pending_.load() > 0) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [this] { return pending_.load() == 0; });
+    }
+  }
+
+ private:
+  void work(int index) {
+    uint64_t seen = 0;  // the generation at construction: a job posted before this thread ran is still seen
+    while (true) {
+      for (int i = 0; i < kSpins && generation_.load() == seen; ++i) cpu_relax();
+      if (generation_.load() == seen) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        sleepers_.fetch_add(1);
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        sleepers_.fetch_sub(1);
+      }
+      seen = generation_.load();
+      if (stop_) return;
+      int parts = parts_;
+      if (index < parts) (*job_)(index, n_ * index / parts, n_ * (index + 1) / parts);
+      if (pending_.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        done_.notify_one();
+      }
+    }
+  }
+
+  int n_threads_;
+  std::vector<std::thread> workers_;
+  std::mutex mutex_, run_mutex_;
+  std::condition_variable wake_, done_;
+  const Job* job_ = nullptr;  // written before generation_ moves
+  int64_t n_ = 0;
+  int parts_ = 0;
+  std::atomic<int> pending_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<uint64_t> generation_{0};
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+}  // namespace
+
+}  // namespace mlxtoy
