@@ -57,7 +57,6 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   // Softmax: s (..., T, S), bias (Bb, T, S) with Bb 1 (rows_per_bias 0) or s's leading dim
   int64_t T = op == Op::Softmax ? inputs[1].shape(-2) : 0;
   int64_t rows_per_bias = op == Op::Softmax && inputs[1].shape(0) != 1 ? rows / inputs[1].shape(0) : 0;
-  int64_t N = op == Op::Gemv ? inputs[1].shape(0) : 0;  // Gemv: w (N, K)
   std::vector<int64_t> Ns;  // GemvMany: each w_i's rows
   if (op == Op::GemvMany)
     for (size_t i = 1; i < inputs.size(); ++i) Ns.push_back(inputs[i].shape(0));
@@ -67,7 +66,7 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
     att = {inputs[0].shape(0), inputs[0].shape(1), inputs[1].shape(1), inputs[1].shape(2), inputs[2].shape(3),
            inputs[3].shape(0)};
 
-  encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, N, Ns, att]() {
+  encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, Ns, att]() {
     Pool& threads = pool();
     switch (op) {
       case Op::Softmax: {
@@ -146,14 +145,6 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         threads.run(rows * last, 1 << 14, [&](int64_t i0, int64_t i1) {
           swiglu_grad_span(a + i0, b + i0, g + i0, da + i0, db + i0, i1 - i0);
         });
-        break;
-      }
-      case Op::Gemv: {
-        auto x = static_cast<const float*>(in[0]);
-        auto w = static_cast<const float*>(in[1]);
-        auto y = static_cast<float*>(out[0]);
-        threads.run_dynamic(N, gemv_chunk(N, threads.threads()),
-                            [&](int64_t n0, int64_t n1) { gemv_span(x, w, y, rows, N, last, n0, n1); });
         break;
       }
       case Op::GemvMany: {
@@ -301,14 +292,6 @@ std::vector<mx::array> swiglu_grad(const mx::array& a, const mx::array& b, const
               {f32(a, "a"), f32(b, "b"), f32(g, "g")}, st);
 }
 
-mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st) {
-  if (x.ndim() == 0 || w.ndim() != 2 || x.shape(-1) != w.shape(1))
-    throw std::invalid_argument("[mlxtoy_kernels] gemv: x (..., K), w (N, K)");
-  mx::Shape out = x.shape();
-  out.back() = w.shape(0);
-  return make(Kernel::Op::Gemv, 0, {out}, {mx::float32}, {f32(x, "x"), f32(w, "w")}, st)[0];
-}
-
 std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
   if (x.ndim() == 0 || ws.empty())
     throw std::invalid_argument("[mlxtoy_kernels] gemv_many: x (..., K), ws [(N_i, K), ...]");
@@ -325,6 +308,12 @@ std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array
     inputs.push_back(f32(w, "w"));
   }
   return make(Kernel::Op::GemvMany, 0, shapes, dtypes, inputs, st);
+}
+
+mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st) {
+  if (x.ndim() == 0 || w.ndim() != 2 || x.shape(-1) != w.shape(1))
+    throw std::invalid_argument("[mlxtoy_kernels] gemv: x (..., K), w (N, K)");
+  return gemv_many(x, {w}, st)[0];
 }
 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,

@@ -10,7 +10,7 @@ namespace mlxtoy {
 
 class Kernel : public mx::Primitive {
  public:
-  enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, Gemv, GemvMany,
+  enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
                   DecodeAttention, AdamW, SumSquares };
 
   // param: the norms' eps, the attention's scale

@@ -179,45 +179,33 @@ def swiglu(a: mx.array, b: mx.array) -> mx.array:
 _GEMV_ROWS = 4  # at most this many rows of x take the threaded GEMV (decoding)
 
 
-@mx.custom_function
-def _kernel_gemv(x, w):
-    return _K.gemv(x, w)
-
-
-@_kernel_gemv.vjp
-def _kernel_gemv_vjp(primals, cotangent, output):
-    x, w = primals
-    g = _cotangent(cotangent)
-    return g @ w, g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-
-
 def _takes_gemv(x: mx.array, weight: mx.array) -> bool:
     return x.size <= _GEMV_ROWS * x.shape[-1] and _kernel_ok(x, weight)
 
 
-def linear(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel."""
-    return _kernel_gemv(x, weight) if _takes_gemv(x, weight) else x @ weight.T
-
-
 @mx.custom_function
-def _kernel_gemv_many(x, ws):
+def _kernel_gemv(x, ws):
     return _K.gemv_many(x, ws)
 
 
-@_kernel_gemv_many.vjp
-def _kernel_gemv_many_vjp(primals, cotangents, outputs):
+@_kernel_gemv.vjp
+def _kernel_gemv_vjp(primals, cotangents, outputs):
     x, ws = primals
     rows = x.reshape(-1, x.shape[-1])
     dx = sum(g @ w for g, w in zip(cotangents, ws))
     return dx, [g.reshape(-1, g.shape[-1]).T @ rows for g in cotangents]
 
 
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel."""
+    return _kernel_gemv(x, [weight])[0] if _takes_gemv(x, weight) else x @ weight.T
+
+
 def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     """[x @ w.T for w in weights]; when decoding, one threaded GEMV call computes them all (a
     layer's q, k and v, or its gate and up): one split over the threads instead of several."""
     if _takes_gemv(x, weights[0]) and _kernel_ok(*weights):
-        return list(_kernel_gemv_many(x, weights))
+        return list(_kernel_gemv(x, weights))
     return [linear(x, w) for w in weights]
 
 
@@ -228,7 +216,7 @@ class Linear(nn.Linear):
         w = self["weight"]
         if "bias" not in self:
             return linear(x, w)
-        return _kernel_gemv(x, w) + self["bias"] if _takes_gemv(x, w) else mx.addmm(self["bias"], x, w.T)
+        return linear(x, w) + self["bias"] if _takes_gemv(x, w) else mx.addmm(self["bias"], x, w.T)
 
 
 # --- optimizer ---------------------------------------------------------------------------------
