@@ -192,14 +192,14 @@ class Stepper:
             # GuardedAdamW clips, updates and keeps the old values itself, in one pass per weight
             gnorm = mx.sqrt(sum(fastmath.sum_squares(g) for _, g in tree_flatten(grads)))
             ok = mx.isfinite(loss) & mx.isfinite(gnorm)
-            old_state = tree_map(lambda v: v, optimizer.state)
+            # its own scalars (step count, learning rate): the per-weight state it guards itself
+            old_scalars = {k: v for k, v in optimizer.state.items() if isinstance(v, mx.array)}
             optimizer.ok = ok
             optimizer.grad_scale = mx.minimum(clip / (gnorm + 1e-6), 1.0) if clip > 0 else None
             optimizer.update(model, grads)
             optimizer.ok = optimizer.grad_scale = None
-            for key, old in old_state.items():  # its step count and learning rate
-                if isinstance(old, mx.array):
-                    optimizer.state[key] = mx.where(ok, optimizer.state[key], old)
+            for key, old in old_scalars.items():
+                optimizer.state[key] = mx.where(ok, optimizer.state[key], old)
             return gnorm
 
         def finish(grads, loss):
