@@ -30,6 +30,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxtoy.errors import UserError
+from mlxtoy.models import fastmath
 from mlxtoy.models.cache import KVCache, cache_offset, make_cache, trim_cache
 
 if TYPE_CHECKING:  # annotations only: importing generate must not pull in HF `tokenizers`, jinja2
@@ -170,10 +171,11 @@ def _no_dropout(model, has_dropout: bool):
 def _forward_last(model, tokens: mx.array, cache: list) -> mx.array:
     """Logits (B, V) of the last position only: the vocabulary projection is the largest
     matmul of a small model, so prefill must not pay it for every prompt token."""
-    if hasattr(model, "hidden") and hasattr(model, "logits"):
-        h = model.hidden(tokens, cache=cache)
-        return model.logits(h[:, -1, :])
-    return model(tokens, cache=cache)[:, -1, :]
+    with fastmath.inference():
+        if hasattr(model, "hidden") and hasattr(model, "logits"):
+            h = model.hidden(tokens, cache=cache)
+            return model.logits(h[:, -1, :])
+        return model(tokens, cache=cache)[:, -1, :]
 
 
 class _SlotCache:
@@ -214,8 +216,9 @@ def _compiled_decode(model) -> Callable[[mx.array, list], mx.array]:
         for c in cache:
             c.reserve(1)
         offset = mx.array([cache[0].offset], dtype=mx.int32)
-        logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
-                                        [c.values for c in cache])
+        with fastmath.inference():  # (traced here, on the first call and when shapes change)
+            logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
+                                            [c.values for c in cache])
         for c, k, v in zip(cache, keys, values):
             c.keys, c.values = k, v
             c.offset += 1
@@ -247,10 +250,11 @@ def decoder_for(model) -> Callable[[mx.array, list], mx.array]:
 
 
 def _prefill_only(model, tokens: mx.array, cache: list) -> None:
-    if hasattr(model, "hidden"):
-        model.hidden(tokens, cache=cache)
-    else:
-        model(tokens, cache=cache)
+    with fastmath.inference():
+        if hasattr(model, "hidden"):
+            model.hidden(tokens, cache=cache)
+        else:
+            model(tokens, cache=cache)
     mx.eval([c.state for c in cache])
 
 

@@ -416,6 +416,98 @@ def test_fastmath_attention_one_query_uses_kernel_and_matches_mlx():
         np.testing.assert_allclose(np_(o), np_(t), rtol=1e-5, atol=1e-6)
 
 
+# --- RoPE and inference mode -------------------------------------------------------------------
+
+def ref_rope(x: np.ndarray, offset: int, dims: int, traditional: bool, scale: float, inv: np.ndarray) -> np.ndarray:
+    """RoPE in float64 from its definition: x (B, N, T, D), position (offset + t) * scale."""
+    T, half = x.shape[2], dims // 2
+    theta = ((np.arange(T) + offset) * scale)[:, None] * inv.astype(f64)[None, :]  # (T, half)
+    c, s = np.cos(theta), np.sin(theta)
+    a = np.arange(half) * 2 if traditional else np.arange(half)
+    b = a + 1 if traditional else a + half
+    out = x.astype(f64).copy()
+    out[..., a] = x[..., a] * c - x[..., b] * s
+    out[..., b] = x[..., a] * s + x[..., b] * c
+    return out
+
+
+def test_rope_vs_mlx_fast_and_numpy():
+    r = rng(30)
+    x_btnd = r.standard_normal((2, 5, 6, 64))
+    xv = arr(x_btnd).transpose(0, 2, 1, 3)  # (B, N, T, D) as attention has it: a strided view
+    freqs = arr(10000 ** (np.arange(0, 48, 2) / 48) * (1 + r.random(24)))  # llama3-like custom freqs
+    for traditional in (False, True):
+        for dims, scale, offset, fr in ((64, 1.0, 0, None), (48, 0.25, 37, None), (48, 1.0, 5, freqs)):
+            half = dims // 2
+            inv = 1.0 / fr if fr is not None else mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (np.log(10000.0) / half))
+            got = K.rope(xv, mx.array([offset], dtype=mx.int32), inv, dims, traditional, scale)
+            ref = mx.fast.rope(xv, dims, traditional=traditional, base=None if fr is not None else 10000.0,
+                               scale=scale, offset=offset, freqs=fr)
+            np.testing.assert_allclose(np_(got), np_(ref), rtol=0, atol=2e-6)
+            want = ref_rope(np_(xv), offset, dims, traditional, scale, np_(inv))
+            np.testing.assert_allclose(np_(got), want, rtol=0, atol=2e-5)
+            np.testing.assert_array_equal(np.array(got)[..., dims:], np.array(xv)[..., dims:])  # not rotated
+            assert np.abs(np_(got) - np_(xv))[..., :dims].max() > 0.1  # positive control: it turned
+
+
+def test_inference_mode_calls_kernels_bare_with_the_same_values():
+    r = rng(31)
+    x, w = arr(r.standard_normal((1, 1, 64))), arr(1 + 0.1 * r.standard_normal(64))
+    wq = arr(r.standard_normal((48, 64)))
+    q, k, v = arr(r.standard_normal((1, 4, 1, 16))), arr(r.standard_normal((1, 2, 9, 16))), arr(r.standard_normal((1, 2, 9, 16)))
+    calls = [lambda: fastmath.rms_norm(x, w, EPS), lambda: fastmath.swiglu(x, x), lambda: fastmath.linear(x, wq),
+             lambda: fastmath.linear_many(x, [wq, wq])[1], lambda: fastmath.attention(q, k, v, 0.25, None)]
+
+    def graph(out: mx.array) -> str:
+        f = io.StringIO()
+        mx.export_to_dot(f, out)
+        return f.getvalue()
+
+    for call in calls:
+        wrapped = call()
+        with fastmath.inference():
+            bare = call()
+        g_wrapped, g_bare = graph(wrapped), graph(bare)  # before evaluation cuts the graphs
+        assert "CustomTransforms" in g_wrapped and "CustomTransforms" not in g_bare
+        assert "MlxtoyKernel" in g_bare  # positive control: still the kernel
+        np.testing.assert_array_equal(np.array(bare), np.array(wrapped))
+    # no gradient inside: the bare kernel has none; outside it the wrapped one does
+    with fastmath.inference():
+        with pytest.raises((ValueError, RuntimeError)):
+            mx.eval(mx.grad(lambda a: fastmath.swiglu(a, x).sum())(x))
+    mx.eval(mx.grad(lambda a: fastmath.swiglu(a, x).sum())(x))
+
+
+def test_inference_mode_is_per_thread_and_restored():
+    import threading
+
+    seen = {}
+    with fastmath.inference():
+        t = threading.Thread(target=lambda: seen.update(other=fastmath.rope_kernel_ok(mx.zeros((1, 1, 1, 8)))))
+        t.start()
+        t.join()
+        seen["here"] = fastmath.rope_kernel_ok(mx.zeros((1, 1, 1, 8)))
+    assert seen == {"other": False, "here": True}
+    assert not fastmath.rope_kernel_ok(mx.zeros((1, 1, 1, 8)))
+
+
+def test_rope_module_kernel_matches_mx_fast_for_each_scaling():
+    from mlxtoy.config import ModelConfig
+    from mlxtoy.models.llama import RoPE
+
+    x = arr(rng(32).standard_normal((1, 3, 7, 32)))
+    offset = mx.array([11], dtype=mx.int32)
+    for extra in ({}, {"rope_traditional": False, "rope_dims": 16},
+                  {"rope_scaling": {"type": "linear", "factor": 4.0}},
+                  {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}}):
+        rope = RoPE(ModelConfig(d_model=96, n_heads=3, n_kv_heads=3, d_head=32, **extra))
+        outside = rope(x, offset)
+        with fastmath.inference():
+            inside = rope(x, offset)
+        assert uses_kernel(inside) and not uses_kernel(outside)
+        np.testing.assert_allclose(np_(inside), np_(outside), rtol=0, atol=3e-6)
+
+
 # --- optimizer -------------------------------------------------------------------------------
 
 def adamw_inputs(shape=(300, 577), seed=23):
@@ -520,6 +612,11 @@ def test_non_contiguous_inputs_equal_contiguous_copies():
     y = K.gemv(xv, wv)
     same(y, K.gemv(copy(xv), copy(wv)))
     np.testing.assert_allclose(np_(y), np_(xv) @ np_(wv).T, atol=2e-5)
+    xr = arr(r.standard_normal((1, 3, 4, 32)))[..., ::2]  # D itself strided
+    off, inv = mx.array([3], dtype=mx.int32), arr(r.random(8))
+    same(K.rope(xr, off, inv, 16, False, 1.0), K.rope(copy(xr), off, inv, 16, False, 1.0))
+    xb = mx.broadcast_to(arr(r.standard_normal((1, 1, 1, 16))), (2, 3, 4, 16))  # broadcast rows
+    same(K.rope(xb, off, inv, 16, True, 1.0), K.rope(copy(xb), off, inv, 16, True, 1.0))
 
 
 def test_input_validation():
@@ -564,6 +661,11 @@ def test_input_validation():
                                    mx.zeros((1, 5)), 1.0),  # bias length
         lambda: K.decode_attention(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 5, 8)),
                                    mx.zeros((1, 6)), 1.0),  # v's positions
+        lambda: K.rope(mx.zeros((1, 2, 3, 8)), mx.array([0], dtype=mx.int32), mx.ones((3,)), 7, False, 1.0),  # odd
+        lambda: K.rope(mx.zeros((1, 2, 3, 8)), mx.array([0], dtype=mx.int32), mx.ones((5,)), 10, False, 1.0),  # > D
+        lambda: K.rope(mx.zeros((1, 2, 3, 8)), mx.array([0], dtype=mx.int32), mx.ones((2,)), 6, False, 1.0),
+        lambda: K.rope(mx.zeros((1, 2, 3, 8)), mx.array([0.0]), mx.ones((3,)), 6, False, 1.0),  # float offset
+        lambda: K.rope(mx.zeros((2, 3, 8)), mx.array([0], dtype=mx.int32), mx.ones((3,)), 6, False, 1.0),  # 3-d
     ]
     for call in bad:
         with pytest.raises(ValueError, match=r"^\[mlxtoy_kernels\]"):
@@ -575,7 +677,8 @@ def test_input_validation():
             *K.swiglu_grad(x, x, x), K.gemv(x[:1], wg), *K.gemv_many(x[:1], [wg, wg]),
             *K.adamw(x, x, x, x, mx.zeros((9,))), K.sum_squares(x),
             K.decode_attention(mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 6, 8)),
-                               mx.zeros((1, 6)), 1.0)]
+                               mx.zeros((1, 6)), 1.0),
+            K.rope(mx.zeros((1, 2, 3, 8)), mx.array([0], dtype=mx.int32), mx.ones((3,)), 6, False, 1.0)]
     mx.eval(good)
     assert K.gemv(x[:1], wg).shape == (1, 5)
 

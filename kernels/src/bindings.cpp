@@ -36,4 +36,8 @@ NB_MODULE(_ext, m) {
         "one AdamW step (no bias correction) on g * grad_scale -> (p, m, v), in one pass; scalars float32 "
         "[lr, ok, b1, 1 - b1, b2, 1 - b2, eps, weight_decay, grad_scale]: where ok is 0 the old p, m, v "
         "come back");
+  m.def("rope", &mlxtoy::rope, "x"_a, "offset"_a, "inv_freqs"_a, "dims"_a, "traditional"_a, "scale"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "mx.fast.rope's forward for x (B, N, T, D) (any layout): position offset + t (offset one int32), "
+        "angle position * scale * inv_freqs[i] on the pair (i, i + dims / 2), or (2i, 2i + 1) if traditional");
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -28,8 +29,48 @@ void Kernel::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
 
 bool Kernel::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Kernel&>(other);
-  return op_ == o.op_ && param_ == o.param_;
+  return op_ == o.op_ && param_ == o.param_ && iparam_ == o.iparam_;
 }
+
+namespace {
+
+// An input that is not row-contiguous (a transposed or broadcast view) is copied into a
+// contiguous buffer by the task itself, when its data is ready: the ops take any layout
+// without adding a copy node to every graph for the common, contiguous case.
+struct StridedCopy {
+  const char* src;
+  char* dst;
+  mx::Shape shape;
+  mx::Strides strides;  // in elements
+  size_t itemsize;
+
+  void run() const {
+    int nd = static_cast<int>(shape.size());
+    int64_t inner = nd ? shape.back() : 1, outer = 1;
+    for (int d = 0; d + 1 < nd; ++d) outer *= shape[d];
+    bool unit = nd == 0 || strides.back() == 1;
+    std::vector<int64_t> idx(std::max(nd - 1, 0), 0);
+    char* out = dst;
+    for (int64_t r = 0; r < outer; ++r) {
+      int64_t off = 0;
+      for (int d = 0; d + 1 < nd; ++d) off += idx[d] * strides[d];
+      const char* row = src + off * static_cast<int64_t>(itemsize);
+      if (unit) {
+        std::memcpy(out, row, inner * itemsize);
+      } else {
+        for (int64_t j = 0; j < inner; ++j)
+          std::memcpy(out + j * itemsize, row + j * strides.back() * static_cast<int64_t>(itemsize), itemsize);
+      }
+      out += inner * itemsize;
+      for (int d = nd - 2; d >= 0; --d) {
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+      }
+    }
+  }
+};
+
+}  // namespace
 
 void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (size_t i = 0; i < outputs.size(); ++i) {
@@ -47,7 +88,22 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
 
   std::vector<const void*> in;
   std::vector<void*> out;
-  for (auto& a : inputs) in.push_back(a.data<void>());
+  std::vector<StridedCopy> copies;
+  std::vector<mx::array> temps;  // the copies' buffers, held by the task
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const mx::array& a = inputs[i];
+    // RoPE reads x's rows through its strides (rows of unit stride)
+    bool rope_rows = op_ == Op::Rope && i == 0 && a.strides().back() == 1;
+    if (a.flags().row_contiguous || rope_rows) {
+      in.push_back(a.data<void>());
+      continue;
+    }
+    mx::array t(a.shape(), a.dtype(), nullptr, {});
+    t.set_data(mx::allocator::malloc(t.nbytes()));
+    copies.push_back({a.data<char>(), t.data<char>(), a.shape(), a.strides(), a.itemsize()});
+    in.push_back(t.data<void>());
+    temps.push_back(std::move(t));
+  }
   for (auto& a : outputs) out.push_back(a.data<void>());
   const mx::Shape& shape0 = inputs[0].shape();
   int64_t last = shape0.back();
@@ -66,9 +122,39 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
     att = {inputs[0].shape(0), inputs[0].shape(1), inputs[1].shape(1), inputs[1].shape(2), inputs[2].shape(3),
            inputs[3].shape(0)};
 
-  encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, Ns, att]() {
+  // Rope: x (B, N, T, D) read through its strides; 2 * dims + traditional
+  std::array<int64_t, 8> rope{};  // N, T, and x's strides for B, N, T; dims; traditional
+  if (op == Op::Rope) {
+    const mx::array& x = inputs[0];
+    int64_t N = x.shape(1), Tn = x.shape(2);
+    bool copied = !x.flags().row_contiguous && x.strides().back() != 1;  // then read as row-major
+    mx::Strides xs = copied ? mx::Strides{N * Tn * last, Tn * last, last} : x.strides();
+    rope = {N, Tn, xs[0], xs[1], xs[2], iparam_ / 2, iparam_ % 2, 0};
+  }
+
+  encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, Ns, att, rope, copies = std::move(copies),
+                    temps = std::move(temps)]() {
+    for (const auto& c : copies) c.run();
     Pool& threads = pool();
     switch (op) {
+      case Op::Rope: {
+        auto [N, Tn, sb, sn, st, dims, traditional, unused] = rope;
+        (void)unused;
+        auto x = static_cast<const float*>(in[0]);
+        int32_t offset = static_cast<const int32_t*>(in[1])[0];
+        auto inv_freqs = static_cast<const float*>(in[2]);
+        auto y = static_cast<float*>(out[0]);
+        float scale = eps;
+        threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) {
+            int64_t b = r / (N * Tn), n = (r / Tn) % N, t = r % Tn;
+            // positions as mx.fast.rope forms them: (t + offset) in float32, times the scale
+            float pos = (static_cast<float>(t) + static_cast<float>(offset)) * scale;
+            rope_row(x + b * sb + n * sn + t * st, y + r * last, last, dims, traditional != 0, pos, inv_freqs);
+          }
+        });
+        break;
+      }
       case Op::Softmax: {
         auto s = static_cast<const float*>(in[0]);
         auto bias = static_cast<const float*>(in[1]);
@@ -219,18 +305,18 @@ namespace {
 
 mx::array f32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string("[mlxtoy_kernels] ") + what + " must be float32");
-  return mx::contiguous(a);
+  return a;  // any layout: eval_cpu copies a strided view itself
 }
 
 std::vector<mx::array> make(Kernel::Op op, float eps, std::vector<mx::Shape> shapes,
                             std::vector<mx::Dtype> dtypes, std::vector<mx::array> inputs,
-                            mx::StreamOrDevice s) {
+                            mx::StreamOrDevice s, int iparam = 0) {
   for (auto& a : inputs)
     if (a.ndim() == 0) throw std::invalid_argument("[mlxtoy_kernels] inputs must have at least one axis");
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("[mlxtoy_kernels] CPU stream only");
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
-                                std::make_shared<Kernel>(stream, op, eps), std::move(inputs));
+                                std::make_shared<Kernel>(stream, op, eps, iparam), std::move(inputs));
 }
 
 void same_shape(const mx::array& a, const mx::array& b, const char* what) {
@@ -351,6 +437,18 @@ std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::a
                    {flat(p, "p"), flat(g, "g"), flat(m, "m"), flat(v, "v"), f32(scalars, "scalars")}, st);
   for (auto& o : outs) o = mx::reshape(o, p.shape(), st);
   return outs;
+}
+
+mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv_freqs, int dims, bool traditional,
+               float scale, mx::StreamOrDevice st) {
+  if (x.ndim() != 4 || dims <= 0 || dims % 2 != 0 || dims > x.shape(3))
+    throw std::invalid_argument("[mlxtoy_kernels] rope: x (B, N, T, D), dims even and at most D");
+  if (inv_freqs.ndim() != 1 || inv_freqs.shape(0) != dims / 2)
+    throw std::invalid_argument("[mlxtoy_kernels] rope: inv_freqs (dims / 2,)");
+  if (offset.size() != 1 || offset.dtype() != mx::int32)
+    throw std::invalid_argument("[mlxtoy_kernels] rope: offset one int32");
+  return make(Kernel::Op::Rope, scale, {x.shape()}, {mx::float32},
+              {f32(x, "x"), offset, f32(inv_freqs, "inv_freqs")}, st, 2 * dims + (traditional ? 1 : 0))[0];
 }
 
 }  // namespace mlxtoy

@@ -11,10 +11,11 @@ namespace mlxtoy {
 class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
-                  DecodeAttention, AdamW, SumSquares };
+                  DecodeAttention, AdamW, SumSquares, Rope };
 
-  // param: the norms' eps, the attention's scale
-  Kernel(mx::Stream stream, Op op, float param) : mx::Primitive(stream), op_(op), param_(param) {}
+  // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional
+  Kernel(mx::Stream stream, Op op, float param, int iparam = 0)
+      : mx::Primitive(stream), op_(op), param_(param), iparam_(iparam) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -24,6 +25,7 @@ class Kernel : public mx::Primitive {
  private:
   Op op_;
   float param_;
+  int iparam_;
 };
 
 int kernel_threads();
@@ -44,5 +46,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
 std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
                              const mx::array& scalars, mx::StreamOrDevice st = {});
+mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv_freqs, int dims, bool traditional,
+               float scale, mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

@@ -211,6 +211,22 @@ HOT void decode_attention_row(const float* q, const float* k, const float* v, co
   for (int64_t d = 0; d < Dv; ++d) out[d] *= inv;
 }
 
+// RoPE of one row x (length D) at position `pos`, as mx.fast.rope computes it: the pair (i, i + dims/2)
+// (traditional: (2i, 2i + 1)) turned by the angle pos * inv_freqs[i]; entries past dims are copied.
+HOT void rope_row(const float* x, float* y, int64_t D, int64_t dims, bool traditional, float pos,
+                  const float* inv_freqs) {
+  int64_t half = dims / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    float theta = pos * inv_freqs[i];
+    float c = std::cos(theta), s = std::sin(theta);
+    int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
+    float x1 = x[a], x2 = x[b];
+    y[a] = x1 * c - x2 * s;
+    y[b] = x1 * s + x2 * c;
+  }
+  std::copy(x + dims, x + D, y + dims);
+}
+
 // AdamW without bias correction, in the order of mlx.optimizers.AdamW's ops, one rounding per op
 // (no contraction into FMAs): m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2,
 // p = p (1 - lr wd) - lr m / (sqrt(v) + eps), g first multiplied by grad_scale (gradient clipping)

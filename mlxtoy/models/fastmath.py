@@ -16,6 +16,10 @@ with); MLXTOY_KERNELS=0 turns the kernels off.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -121,6 +125,28 @@ def _cotangent(c):
     return c[0] if isinstance(c, (tuple, list)) else c
 
 
+_MODE = threading.local()
+
+
+@contextmanager
+def inference() -> Iterator[None]:
+    """Within (on this thread): graphs that are never differentiated (decoding, prefill) call the
+    kernels bare, without the custom-function node that carries each one's gradient, and RoPE
+    takes its kernel (mx.fast.rope's CPU form is about a dozen nodes). Decoding runs ~2,500
+    graph nodes a token otherwise, each a dispatch on the cores the GEMVs need."""
+    before = getattr(_MODE, "inference", False)
+    _MODE.inference = True
+    try:
+        yield
+    finally:
+        _MODE.inference = before
+
+
+def _bare(*arrays: mx.array) -> bool:
+    """The kernels apply and no gradient is wanted (inside `inference()`)."""
+    return getattr(_MODE, "inference", False) and _kernel_ok(*arrays)
+
+
 # --- RMSNorm, SwiGLU, decode GEMV --------------------------------------------------------------
 
 _RMS_NORMS: dict = {}
@@ -145,6 +171,8 @@ def _kernel_rms_norm(eps: float):
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """weight * x / sqrt(mean(x^2) + eps) over the last axis."""
+    if _bare(x, weight):
+        return _K.rms_norm(x, weight, eps)
     if _kernel_ok(x, weight):
         return _kernel_rms_norm(eps)(x, weight)
     return mx.fast.rms_norm(x, weight, eps)
@@ -171,6 +199,8 @@ def _kernel_swiglu_vjp(primals, cotangent, output):
 
 def swiglu(a: mx.array, b: mx.array) -> mx.array:
     """silu(a) * b (the SwiGLU FFN's gate times its up projection)."""
+    if _bare(a, b):
+        return _K.swiglu(a, b)
     if _kernel_ok(a, b):
         return _kernel_swiglu(a, b)
     return silu(a) * b
@@ -196,16 +226,20 @@ def _kernel_gemv_vjp(primals, cotangents, outputs):
     return dx, [g.reshape(-1, g.shape[-1]).T @ rows for g in cotangents]
 
 
+def _gemv(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
+    return _K.gemv_many(x, ws) if _bare(x) else _kernel_gemv(x, ws)
+
+
 def linear(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel."""
-    return _kernel_gemv(x, [weight])[0] if _takes_gemv(x, weight) else x @ weight.T
+    return _gemv(x, [weight])[0] if _takes_gemv(x, weight) else x @ weight.T
 
 
 def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     """[x @ w.T for w in weights]; when decoding, one threaded GEMV call computes them all (a
     layer's q, k and v, or its gate and up): one split over the threads instead of several."""
     if _takes_gemv(x, weights[0]) and _kernel_ok(*weights):
-        return list(_kernel_gemv(x, weights))
+        return list(_gemv(x, weights))
     return [linear(x, w) for w in weights]
 
 
@@ -217,6 +251,22 @@ class Linear(nn.Linear):
         if "bias" not in self:
             return linear(x, w)
         return linear(x, w) + self["bias"] if _takes_gemv(x, w) else mx.addmm(self["bias"], x, w.T)
+
+
+def rope_kernel_ok(x: mx.array) -> bool:
+    """`rope` applies: inside `inference()`, float32 (B, N, T, D) on CPU with the kernels."""
+    return x.ndim == 4 and _bare(x)
+
+
+def rope(x: mx.array, offset: int | mx.array, inv_freqs: mx.array, dims: int, traditional: bool,
+         scale: float) -> mx.array:
+    """mx.fast.rope's forward as one kernel call (no gradient: see `rope_kernel_ok`), with the
+    inverse frequencies given (base ** (-2i / dims), or 1 / freqs)."""
+    if isinstance(offset, mx.array):
+        offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
+    else:
+        offset = mx.array([offset], dtype=mx.int32)
+    return _K.rope(x, offset, inv_freqs, dims, traditional, scale)
 
 
 # --- optimizer ---------------------------------------------------------------------------------
@@ -378,7 +428,10 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) ->
     if T == 1 and _ON_CPU and _kernel_ok(q, k, v):
         S = k.shape[2]
         bias = additive_mask(mask, 1, S)
-        return _kernel_decode_attention(scale)(q, k, v, bias.reshape(bias.shape[0], S))
+        bias = bias.reshape(bias.shape[0], S)
+        if _bare(q):
+            return _K.decode_attention(q, k, v, bias, scale)
+        return _kernel_decode_attention(scale)(q, k, v, bias)
     if not (_ON_CPU and q.dtype == mx.float32 and T > 1):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     KV, S = k.shape[1], k.shape[2]

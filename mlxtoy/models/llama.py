@@ -23,8 +23,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxtoy.config import ModelConfig
+from mlxtoy.models import fastmath
 from mlxtoy.models.fastmath import Linear, RMSNorm, attention, linear, linear_many, silu, swiglu
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
@@ -125,11 +127,21 @@ class RoPE(nn.Module):
             self.mscale = float(scaling["attention_factor"])
         elif kind not in (None, "none", "default"):
             raise ValueError(f"unsupported rope scaling {kind!r}")
+        # what mx.fast.rope turns pair i by per position (for the kernel): as it computes them
+        half = self.dims // 2
+        if self._freqs is not None:
+            self._inv_freqs = 1.0 / self._freqs
+        else:
+            step = np.float32(np.log(np.float32(self.base))) / np.float32(half)
+            self._inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(step))
+        mx.eval(self._inv_freqs)  # a constant, not ops in every traced graph
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         # x: (B, heads, T, d_head)
         if self._long is not None:
             return self.longrope(x, offset)
+        if fastmath.rope_kernel_ok(x):
+            return fastmath.rope(x, offset, self._inv_freqs, self.dims, self.traditional, self.scale)
         if self._freqs is not None:
             return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None,
                                 scale=self.scale, offset=offset, freqs=self._freqs)
