@@ -60,8 +60,22 @@ def _load_fast_blas() -> None:
         except OSError:
             continue
         _BLAS_NAME, _BLAS_PATH = name, path
+        if name == "mkl":
+            _load_mkl_openmp(os.path.dirname(path))
         return
     _BLAS_NAME = None
+
+
+def _load_mkl_openmp(lib_dir: str) -> None:
+    """MKL's OpenMP runtime (libiomp5, which MKL would otherwise load privately at its first
+    GEMM) with global symbols: the kernels' parallel loops (mlxtoy_kernels) then bind to it and
+    run on the threads MKL's GEMMs run on, instead of a second set of threads fighting them."""
+    for path in sorted(glob.glob(os.path.join(lib_dir, "libiomp5.so*"))):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:
+            continue
 
 
 _load_fast_blas()

@@ -324,18 +324,18 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
         todo = todo[prefill_step:]
     times.prompt_tokens = len(prompt_tokens) - start
     y, logprob = step(todo, sampled=False)
-    mx.async_eval(y, logprob)
+    # the first token is read before the next step is queued: on the CPU backend async_eval
+    # runs most of a queued step before it returns, which would delay the first token by one
+    token = y.item()
+    t1 = time.perf_counter()
+    times.prompt_time = t1 - t0
     n = 0
-    t1 = None
     while True:
         if n + 1 < max_tokens:
             next_y, next_logprob = step(y, sampled=True)
             mx.async_eval(next_y, next_logprob)
-        token = y.item()
-        if n == 0:
-            t1 = time.perf_counter()
-            times.prompt_time = t1 - t0
-        else:
+        if n > 0:
+            token = y.item()
             times.decode_tokens = n
             times.decode_time = time.perf_counter() - t1
         yield token, logprob.item()

@@ -18,6 +18,7 @@ import mlx.nn as nn
 import mlxtoy_kernels as K
 from mlx.utils import tree_flatten
 
+from mlxtoy import backend
 from mlxtoy.models import fastmath
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -704,11 +705,13 @@ p = K.softmax_bias(mx.array(d["s"]), mx.array(d["bias"]))
 ce, dl = K.cross_entropy_columns(mx.array(d["logits"]), mx.array(d["t"]), True)
 y = K.gemv_many(mx.array(d["x"]), [mx.array(d["w"]), mx.array(d["w"][:100])])
 np.savez(sys.argv[2], p=np.array(p), ce=np.array(ce), d=np.array(dl), y0=np.array(y[0]), y1=np.array(y[1]),
-         sq=np.array(K.sum_squares(mx.array(d["w"]))), threads=K.threads())
+         sq=np.array(K.sum_squares(mx.array(d["w"]))), threads=K.threads(), openmp=K.openmp())
 """
 
 
-def test_one_thread_gives_the_same_bits(tmp_path):
+@pytest.mark.parametrize("env", [{"MLXTOY_KERNEL_THREADS": "1"}, {"MLXTOY_KERNEL_POOL": "own"}],
+                         ids=["one-thread", "own-pool"])
+def test_one_thread_and_either_pool_give_the_same_bits(tmp_path, env):
     r = rng(16)
     T = 64
     logits, t = ce_inputs(V=2003, N=37, seed=17)
@@ -719,9 +722,13 @@ def test_one_thread_gives_the_same_bits(tmp_path):
     d["bias"][:, :, 0] = 0  # every row sees its first position
     np.savez(tmp_path / "in.npz", **d)
     out = tmp_path / "out.npz"
-    run_py(THREADS_SCRIPT, tmp_path / "in.npz", out, MLXTOY_KERNEL_THREADS="1")
+    run_py(THREADS_SCRIPT, tmp_path / "in.npz", out, **env)
     got = np.load(out)
-    assert int(got["threads"]) == 1 and K.threads() >= 1
+    if "MLXTOY_KERNEL_THREADS" in env:
+        assert int(got["threads"]) == 1 and K.threads() >= 1
+    else:  # this process runs on MKL's OpenMP threads where MKL is the BLAS, the other its own pool
+        assert not bool(got["openmp"]) and K.threads() == int(got["threads"])
+        assert K.openmp() == (backend.INFO.blas == "mkl")
     p = K.softmax_bias(arr(d["s"]), arr(d["bias"]))
     ce, dl = K.cross_entropy_columns(arr(d["logits"]), mx.array(d["t"]), True)
     np.testing.assert_array_equal(got["p"], np.array(p))

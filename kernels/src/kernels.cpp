@@ -23,6 +23,8 @@ namespace mlxtoy {
 
 int kernel_threads() { return pool().threads(); }
 
+bool kernel_openmp() { return pool().openmp(); }
+
 void Kernel::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[mlxtoy_kernels] CPU kernels only");
 }

@@ -29,6 +29,7 @@ class Kernel : public mx::Primitive {
 };
 
 int kernel_threads();
+bool kernel_openmp();
 mx::array softmax_bias(const mx::array& s, const mx::array& bias, mx::StreamOrDevice st = {});
 mx::array softmax_grad(const mx::array& p, const mx::array& dp, mx::StreamOrDevice st = {});
 std::vector<mx::array> cross_entropy_columns(const mx::array& logits_t, const mx::array& targets, bool grad,

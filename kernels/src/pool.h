@@ -15,6 +15,14 @@
 #include <sched.h>
 #endif
 
+#ifdef MLXTOY_OPENMP
+#include <dlfcn.h>
+#include <omp.h>
+
+#include <cstring>
+#include <string>
+#endif
+
 namespace mlxtoy {
 
 // ---- threads --------------------------------------------------------------------------------
@@ -45,13 +53,29 @@ inline void cpu_relax() {
 // the pool ~200 times per token, and a futex wake-up costs as much as a small GEMV.
 static const int kSpins = std::getenv("MLXTOY_KERNEL_SPINS") ? std::atoi(std::getenv("MLXTOY_KERNEL_SPINS")) : 4000;
 
+// Whether the parallel loops run as OpenMP regions: when the OpenMP runtime this module bound to
+// is Intel's (libiomp5, loaded with global symbols by mlxtoy.backend next to MKL), its threads
+// are the ones MKL's GEMMs run on, so the kernels share one team with the GEMMs instead of a
+// second set of threads that fights MKL's spinning ones for the cores. Otherwise (libgomp, no
+// OpenMP, another BLAS) the pool's own threads. MLXTOY_KERNEL_POOL=own|openmp forces one.
+bool use_openmp() {
+#ifdef MLXTOY_OPENMP
+  if (const char* env = std::getenv("MLXTOY_KERNEL_POOL")) return std::string(env) == "openmp";
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&omp_get_thread_num), &info) && info.dli_fname)
+    return std::strstr(info.dli_fname, "iomp") != nullptr;
+#endif
+  return false;
+}
+
 // A fixed pool: run_parts(n, grain, fn) calls fn(part, begin, end) on contiguous slices of
 // [0, n) in order of part, one per thread, the calling thread taking part 0; run(n, grain, fn)
 // calls fn(begin, end).
 class Pool {
  public:
-  Pool() : n_threads_(default_threads()) {
-    for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { work(i); });
+  Pool() : n_threads_(default_threads()), openmp_(use_openmp()) {
+    if (!openmp_)
+      for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { work(i); });
   }
   ~Pool() {
     {
@@ -63,6 +87,7 @@ class Pool {
     for (auto& w : workers_) w.join();
   }
   int threads() const { return n_threads_; }
+  bool openmp() const { return openmp_; }
 
   using Job = std::function<void(int, int64_t, int64_t)>;
 
@@ -91,6 +116,16 @@ class Pool {
       fn(0, 0, n);
       return;
     }
+#ifdef MLXTOY_OPENMP
+    if (openmp_) {
+#pragma omp parallel num_threads(parts)
+      {
+        int i = omp_get_thread_num();
+        fn(i, n * i / parts, n * (i + 1) / parts);
+      }
+      return;
+    }
+#endif
     std::lock_guard<std::mutex> serial(run_mutex_);  // one parallel region at a time
     job_ = &fn;
     n_ = n;
@@ -132,6 +167,7 @@ class Pool {
   }
 
   int n_threads_;
+  bool openmp_;
   std::vector<std::thread> workers_;
   std::mutex mutex_, run_mutex_;
   std::condition_variable wake_, done_;

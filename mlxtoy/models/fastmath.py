@@ -107,7 +107,8 @@ KERNELS = _K is not None  # the compiled kernels are in use
 def kernels_status() -> str:
     """Whether the compiled kernels are in use, and if not why (for `mlxtoy inspect --env`)."""
     if KERNELS:
-        return f"on ({_K.threads()} threads)"
+        team = "MKL's OpenMP threads" if _K.openmp() else "their own pool"
+        return f"on ({_K.threads()} threads: {team})"
     if not _ON_CPU:
         return "off (not the CPU backend, or MLXTOY_FAST_MATH=0)"
     if mlxtoy_kernels is None:
