@@ -5,7 +5,9 @@
 
 For each engine: prompt tokens/s = prompt tokens / time to the first new token (prefill plus one
 sampling step), decode tokens/s = tokens after the first / their time. Greedy, EOS ignored, the
-same 128 prompt token ids for every engine; medians over --repeats round-robin rounds after one warm-up each.
+same 128 prompt token ids for every engine; each engine runs in its own process (a warm-up run,
+then one measured run) so no engine's threads interfere with another's; medians over --repeats
+round-robin rounds.
 
 - mlxtoy: the model dequantized to float32 (the CPU compute dtype), `generate_tokens`.
 - mlx-lm: the same float32 weights written as a Hugging Face folder with mlxtoy's save_hf and
@@ -18,8 +20,10 @@ same 128 prompt token ids for every engine; medians over --repeats round-robin r
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,19 +60,51 @@ def timed(token_iter, n_prompt: int, n_decode: int) -> tuple[float, float]:
     return n_prompt / (t1 - t0), (count - 1) / (t2 - t1)
 
 
-def bench_all(engines: list[tuple[str, object]], n_prompt: int, n_decode: int, repeats: int) -> list[dict]:
-    """Round-robin: every engine runs once per round, so a busy machine slows all alike."""
-    for _, make_iter in engines:
-        timed(make_iter(), n_prompt, min(n_decode, 16))  # warm-up (allocations, first dispatch)
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in engines}
-    for r in range(repeats):
-        for name, make_iter in engines:
-            runs[name].append(timed(make_iter(), n_prompt, n_decode))
-            p, d = runs[name][-1]
-            print(f"  round {r + 1}: {name:26s} prompt {p:7.1f} tok/s   decode {d:6.1f} tok/s",
-                  file=sys.stderr, flush=True)
-    return [{"engine": name, "prompt_tps": statistics.median(x[0] for x in rs),
-             "decode_tps": statistics.median(x[1] for x in rs)} for name, rs in runs.items()]
+ENGINES = ("mlxtoy", "mlx-lm", "llama.cpp-q4_1", "llama.cpp-f32")
+
+
+def make_engine(engine: str, args, files: dict) -> tuple[str, object]:
+    """-> (label, a function returning a fresh iterator of new tokens) for one engine."""
+    from mlxtoy.generate import generate_tokens
+    from mlxtoy.loading import build_model, load_weights
+
+    cfg, weights, meta, tokenizer = load_weights(args.model)
+    ids = prompt_ids(tokenizer, args.prompt_tokens)
+    n_d = args.decode_tokens
+    if engine == "mlxtoy":
+        model = build_model(cfg, weights)
+        return "mlxtoy (f32)", lambda: (t for t, _ in generate_tokens(model, ids, max_tokens=n_d + 1))
+    if engine == "mlx-lm":
+        from pathlib import Path
+
+        from mlx_lm.generate import generate_step
+        from mlx_lm.utils import load_model
+
+        lm_model, _ = load_model(Path(files["hf"]))
+        prompt = mx.array(ids)
+        return "mlx-lm (f32)", lambda: (t for t, _ in generate_step(prompt, lm_model, max_tokens=n_d + 1))
+    import llama_cpp
+
+    path = files["gguf"] if engine == "llama.cpp-q4_1" else files["f32"]
+    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
+
+    def run():
+        llm.reset()  # no prompt-cache reuse between runs
+        return llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
+
+    kind = "Q4_1" if engine == "llama.cpp-q4_1" else "F32"
+    return f"llama.cpp ({kind}, {args.threads} thr)", run
+
+
+def worker(args) -> None:
+    """One engine in this process: a warm-up run, then one measured run (prompt, decode tok/s)."""
+    files = json.loads(args.files)
+    label, make_iter = make_engine(args.worker, args, files)
+    n_p = args.prompt_tokens
+    timed(make_iter(), n_p, min(args.decode_tokens, 16))  # warm-up (allocations, first dispatch, traces)
+    p, d = timed(make_iter(), n_p, args.decode_tokens)
+    print("RESULT " + json.dumps({"engine": label, "prompt_tps": p, "decode_tps": d}))
 
 
 def main() -> int:
@@ -79,68 +115,59 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--skip", nargs="*", default=[], choices=["mlxtoy", "mlx-lm", "llama.cpp"])
+    ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--files", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
 
     from mlxtoy import backend
-    from mlxtoy.generate import generate_tokens
     from mlxtoy.io.registry import resolve_model
-    from mlxtoy.loading import build_model, load_weights
+    from mlxtoy.loading import load_weights
 
     kind, gguf_path = resolve_model(args.model)
     if kind != "gguf":
         raise SystemExit("bench_generate needs a GGUF model (llama.cpp runs the file itself)")
-    cfg, weights, meta, tokenizer = load_weights(args.model)
-    ids = prompt_ids(tokenizer, args.prompt_tokens)
-    n_p, n_d, reps = len(ids), args.decode_tokens, args.repeats
-    print(f"SmolLM2 generation bench: {n_p} prompt tokens, {n_d} decode tokens, greedy, "
-          f"median of {reps} round-robin rounds; {backend.INFO.describe()}; load average {os.getloadavg()[0]:.2f}",
-          file=sys.stderr, flush=True)
-    engines: list[tuple[str, object]] = []
-    closers = []
+    engines = [e for e in ENGINES if e.split("-")[0] not in args.skip and e not in args.skip]
+    print(f"SmolLM2 generation bench: {args.prompt_tokens} prompt tokens, {args.decode_tokens} decode tokens, "
+          f"greedy, each engine in its own process, median of {args.repeats} round-robin rounds; "
+          f"{backend.INFO.describe()}; load average {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-gen-") as tmp:
-        if "mlxtoy" not in args.skip:
-            model = build_model(cfg, weights)
-            engines.append(("mlxtoy (f32)", lambda: (t for t, _ in generate_tokens(
-                model, ids, max_tokens=n_d + 1))))
-        if "mlx-lm" not in args.skip:
-            from pathlib import Path
-
-            from mlx_lm.generate import generate_step
-            from mlx_lm.utils import load_model
-
+        files = {"gguf": str(gguf_path)}
+        if "mlx-lm" in engines:
             from mlxtoy.io.hf import save_hf
 
-            hf_dir = os.path.join(tmp, "hf")
-            save_hf(hf_dir, cfg, weights, tokenizer)
-            lm_model, _ = load_model(Path(hf_dir))
-            prompt = mx.array(ids)
-            engines.append(("mlx-lm (f32)", lambda: (t for t, _ in generate_step(
-                prompt, lm_model, max_tokens=n_d + 1))))
-        del weights
-        if "llama.cpp" not in args.skip:
-            import llama_cpp
-
+            cfg, weights, meta, tokenizer = load_weights(args.model)
+            files["hf"] = os.path.join(tmp, "hf")
+            save_hf(files["hf"], cfg, weights, tokenizer)
+            del weights
+        if "llama.cpp-f32" in engines:
             sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
             from helpers_gguf import retype_gguf_to_f32
 
-            f32 = retype_gguf_to_f32(str(gguf_path), os.path.join(tmp, "f32.gguf"))
-            for label, path in ((f"llama.cpp (Q4_1, {args.threads} thr)", str(gguf_path)),
-                                (f"llama.cpp (F32, {args.threads} thr)", f32)):
-                llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_threads=args.threads,
-                                      n_threads_batch=args.threads, verbose=False)
-                closers.append(llm)
-
-                def run(llm=llm):
-                    llm.reset()  # no prompt-cache reuse between runs
-                    return llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
-
-                engines.append((label, run))
-        rows = bench_all(engines, n_p, n_d, reps)
-        for llm in closers:
-            llm.close()
+            files["f32"] = retype_gguf_to_f32(str(gguf_path), os.path.join(tmp, "f32.gguf"))
+        # Round-robin, one process per engine and round: a busy machine slows all alike, and no
+        # engine's threads (still spinning after its run) share a process with another's.
+        for r in range(args.repeats):
+            for engine in engines:
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--files", json.dumps(files),
+                       "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
+                       "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+                if p.returncode != 0 or line is None:
+                    print(f"{engine}: failed\n{p.stderr[-3000:]}", file=sys.stderr)
+                    continue
+                res = json.loads(line[7:])
+                runs.setdefault(res["engine"], []).append(res)
+                print(f"  round {r + 1}: {res['engine']:26s} prompt {res['prompt_tps']:7.1f} tok/s   "
+                      f"decode {res['decode_tps']:6.1f} tok/s", file=sys.stderr, flush=True)
     print(f"{'engine':26s} {'prompt tok/s':>12s} {'decode tok/s':>12s}")
-    for r in rows:
-        print(f"{r['engine']:26s} {r['prompt_tps']:12.1f} {r['decode_tps']:12.1f}")
+    for name, rs in runs.items():
+        print(f"{name:26s} {statistics.median(x['prompt_tps'] for x in rs):12.1f} "
+              f"{statistics.median(x['decode_tps'] for x in rs):12.1f}")
     return 0
 
 
