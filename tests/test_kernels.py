@@ -366,6 +366,30 @@ def test_gemv_many_vs_numpy_and_gradient():
         np.testing.assert_allclose(np_(o), np_(rf), rtol=1e-5, atol=1e-5)
 
 
+def test_gemv_many_per_head_weights_give_head_shaped_outputs_and_gradients():
+    r = rng(24)
+    K_ = 96
+    w3 = [arr(r.standard_normal((h, 16, K_)) / np.sqrt(K_)) for h in (6, 2)]  # (heads, d_head, K)
+    w2 = arr(r.standard_normal((40, K_)) / np.sqrt(K_))
+    x = arr(r.standard_normal((1, 1, K_)))
+    ys = K.gemv_many(x, [*w3, w2])
+    assert [y.shape for y in ys] == [(1, 1, 6, 16), (1, 1, 2, 16), (1, 1, 40)]
+    for y, w in zip(ys, [*w3, w2]):
+        want = (np_(x).reshape(1, K_) @ np_(w).reshape(-1, K_).T).reshape(y.shape)
+        np.testing.assert_allclose(np_(y), want, rtol=0, atol=2e-5)
+    # fastmath.linear_many: the kernel for one row, the reshaped GEMM for many; the same values and gradients
+    ref = lambda x, ws: [(x @ w.reshape(-1, K_).T).reshape(*x.shape[:-1], *w.shape[:-1]) for w in ws]
+    for xs in (x, arr(r.standard_normal((2, 5, K_)))):
+        gs = [arr(r.standard_normal((*xs.shape[:-1], *w.shape[:-1]))) for w in w3]
+        loss = lambda f: lambda x, a, b: sum((y * g).sum() for y, g in zip(f(x, [a, b]), gs))
+        ours = mx.grad(loss(fastmath.linear_many), argnums=(0, 1, 2))(xs, *w3)
+        theirs = mx.grad(loss(ref), argnums=(0, 1, 2))(xs, *w3)
+        for o, t in zip(ours, theirs):
+            assert o.shape == t.shape
+            np.testing.assert_allclose(np_(o), np_(t), rtol=1e-5, atol=1e-5)
+    assert uses_kernel(*fastmath.linear_many(x, w3))  # positive control: one row took the kernel
+
+
 def ref_decode_attention(q, k, v, bias, scale):
     """float64: each query head h against KV head h // (H / KV); fully masked rows give zeros."""
     B, H, _, _ = q.shape
@@ -653,6 +677,7 @@ def test_input_validation():
         lambda: K.sum_squares(mx.zeros((0,))),
         lambda: K.gemv_many(x[:1], []),
         lambda: K.gemv_many(x[:1], [wg, mx.zeros((5, 7))]),
+        lambda: K.gemv_many(x[:1], [mx.zeros((8,))]),  # a weight needs an output axis
         lambda: K.gemv_many(x[:1], [wg, wg.astype(mx.float16)]),
         lambda: K.decode_attention(mx.zeros((1, 4, 2, 8)), mx.zeros((1, 2, 6, 8)), mx.zeros((1, 2, 6, 8)),
                                    mx.zeros((1, 6)), 1.0),  # two query positions

@@ -26,7 +26,7 @@ NB_MODULE(_ext, m) {
   m.def("gemv", &mlxtoy::gemv, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ w.T for few rows of x (decoding), split over threads by w's rows");
   m.def("gemv_many", &mlxtoy::gemv_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "[x @ w.T for w in ws] in one call (one split over threads for all of them)");
+        "[x @ w.T for w in ws] in one call (one split over threads for all of them); a weight (..., K) of more axes gives x.shape[:-1] + w.shape[:-1] (a per-head (H, Dh, K) weight: (..., H, Dh))");
   m.def("decode_attention", &mlxtoy::decode_attention, "q"_a, "k"_a, "v"_a, "bias"_a, "scale"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "softmax(scale q k^T + bias) v for one query position: q (B, H, 1, D), k (B, KV, S, D), "

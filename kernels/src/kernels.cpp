@@ -115,9 +115,9 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   // Softmax: s (..., T, S), bias (Bb, T, S) with Bb 1 (rows_per_bias 0) or s's leading dim
   int64_t T = op == Op::Softmax ? inputs[1].shape(-2) : 0;
   int64_t rows_per_bias = op == Op::Softmax && inputs[1].shape(0) != 1 ? rows / inputs[1].shape(0) : 0;
-  std::vector<int64_t> Ns;  // GemvMany: each w_i's rows
+  std::vector<int64_t> Ns;  // GemvMany: each w_i's rows (all its axes but the last, flattened)
   if (op == Op::GemvMany)
-    for (size_t i = 1; i < inputs.size(); ++i) Ns.push_back(inputs[i].shape(0));
+    for (size_t i = 1; i < inputs.size(); ++i) Ns.push_back(inputs[i].size() / std::max<int64_t>(last, 1));
   // DecodeAttention: q (B, H, 1, D), k (B, KV, S, D), v (B, KV, S, Dv), bias (Bb, S)
   std::array<int64_t, 6> att{};  // B, H, KV, S, Dv, Bb
   if (op == Op::DecodeAttention)
@@ -381,16 +381,16 @@ std::vector<mx::array> swiglu_grad(const mx::array& a, const mx::array& b, const
 }
 
 std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
-  if (x.ndim() == 0 || ws.empty())
-    throw std::invalid_argument("[mlxtoy_kernels] gemv_many: x (..., K), ws [(N_i, K), ...]");
+  const char* usage = "[mlxtoy_kernels] gemv_many: x (..., K), ws [(..., K), ...]";
+  if (x.ndim() == 0 || ws.empty()) throw std::invalid_argument(usage);
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
   std::vector<mx::array> inputs{f32(x, "x")};
   for (auto& w : ws) {
-    if (w.ndim() != 2 || w.shape(1) != x.shape(-1))
-      throw std::invalid_argument("[mlxtoy_kernels] gemv_many: x (..., K), ws [(N_i, K), ...]");
-    mx::Shape out = x.shape();
-    out.back() = w.shape(0);
+    if (w.ndim() < 2 || w.shape(-1) != x.shape(-1)) throw std::invalid_argument(usage);
+    // x's leading axes, then w's: a per-head weight (H, Dh, K) gives (..., H, Dh)
+    mx::Shape out(x.shape().begin(), x.shape().end() - 1);
+    out.insert(out.end(), w.shape().begin(), w.shape().end() - 1);
     shapes.push_back(out);
     dtypes.push_back(mx::float32);
     inputs.push_back(f32(w, "w"));

@@ -222,9 +222,11 @@ def _kernel_gemv(x, ws):
 @_kernel_gemv.vjp
 def _kernel_gemv_vjp(primals, cotangents, outputs):
     x, ws = primals
-    rows = x.reshape(-1, x.shape[-1])
-    dx = sum(g @ w for g, w in zip(cotangents, ws))
-    return dx, [g.reshape(-1, g.shape[-1]).T @ rows for g in cotangents]
+    K = x.shape[-1]
+    rows = x.reshape(-1, K)
+    flat = [g.reshape(rows.shape[0], -1) for g in cotangents]  # (rows, N) per weight
+    dx = sum(g @ w.reshape(-1, K) for g, w in zip(flat, ws)).reshape(x.shape)
+    return dx, [(g.T @ rows).reshape(w.shape) for g, w in zip(flat, ws)]
 
 
 def _gemv(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
@@ -237,11 +239,19 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
 
 
 def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
-    """[x @ w.T for w in weights]; when decoding, one threaded GEMV call computes them all (a
-    layer's q, k and v, or its gate and up): one split over the threads instead of several."""
+    """[x @ w.T for w in weights], a weight of more axes (..., K) giving x.shape[:-1] +
+    w.shape[:-1] (a per-head (heads, d_head, K) weight: (..., heads, d_head)). When decoding
+    one threaded GEMV call computes them all (a layer's q, k and v, or its gate and up): one
+    split over the threads, and no reshapes around it."""
     if _takes_gemv(x, weights[0]) and _kernel_ok(*weights):
         return list(_gemv(x, weights))
-    return [linear(x, w) for w in weights]
+    out = []
+    for w in weights:
+        if w.ndim == 2:
+            out.append(linear(x, w))
+        else:
+            out.append(linear(x, w.reshape(-1, w.shape[-1])).reshape(*x.shape[:-1], *w.shape[:-1]))
+    return out
 
 
 class Linear(nn.Linear):

@@ -71,8 +71,8 @@ def project_heads(x: mx.array, projections: list[nn.Module]) -> list[mx.array]:
     """Each projection applied to x; plain HeadProjections (no adapter) take one `linear_many`
     call together, which decoding runs as one threaded GEMV."""
     if all(type(p) is HeadProjection for p in projections):
-        ys = linear_many(x, [p.flat_weight() for p in projections])
-        return [p.heads(y) for p, y in zip(projections, ys)]
+        ys = linear_many(x, [p.weight for p in projections])  # (..., n_heads, d_head) each
+        return [y + p.bias if "bias" in p else y for p, y in zip(projections, ys)]
     return [p(x) for p in projections]
 
 
