@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlxtoy.config import TrainConfig
 from mlxtoy.loading import load
 from mlxtoy.models.lora import apply_lora
-from mlxtoy.models.fastmath import attention, silu
+from mlxtoy.models.fastmath import attention, rms_norm, swiglu
 from mlxtoy.train.objectives import output_cross_entropy, sft_loss
 from mlxtoy.train.step import Stepper, make_optimizer
 from mlxtoy.train.data import Batch
@@ -52,8 +52,8 @@ q = mx.random.normal((B, 9, T, 64)); k = mx.random.normal((B, 3, T, 64)); v = mx
 ag = mx.compile(mx.grad(lambda q, k, v: (attention(q, k, v, 0.125, "causal") * r).sum(), argnums=(0, 1, 2)))
 bench("attention fwd + bwd (x30 layers)", lambda: mx.eval(ag(q, k, v)), scale=30)
 g = mx.random.normal((B * T, 1536)); u = mx.random.normal((B * T, 1536))
-sg = mx.compile(mx.grad(lambda g, u: (silu(g) * u * xf).sum(), argnums=(0, 1)))
+sg = mx.compile(mx.grad(lambda g, u: (swiglu(g, u) * xf).sum(), argnums=(0, 1)))
 bench("SwiGLU elementwise fwd + bwd (x30)", lambda: mx.eval(sg(g, u)), scale=30)
 nw = mx.ones((576,)); rr = mx.random.normal((B * T, 576))
-ng = mx.compile(mx.grad(lambda x: (mx.fast.rms_norm(x, nw, 1e-5) * rr).sum()))
+ng = mx.compile(mx.grad(lambda x: (rms_norm(x, nw, 1e-5) * rr).sum()))
 bench("RMSNorm fwd + bwd (x60)", lambda: mx.eval(ng(xs)), scale=60)

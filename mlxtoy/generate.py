@@ -295,15 +295,15 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
     window = sampling.repetition_window if sampling.repetition_penalty != 1.0 else 0
     recent = mx.array(list(prompt_tokens[-window:]) if window else [], dtype=mx.uint32)
 
-    decode = None
-    if compile_decode and hasattr(model, "hidden") and all(isinstance(c, KVCache) for c in cache) \
-            and not getattr(model, "sliding_window", False):  # models.tiny slides in Python
-        decode = decoder_for(model)
+    compiled = compile_decode and hasattr(model, "hidden") and all(isinstance(c, KVCache) for c in cache) \
+        and not getattr(model, "sliding_window", False)  # models.tiny slides in Python
+    decode = None  # fetched after the first token, so its structure check is not in that token's latency
 
     def step(tokens: mx.array, sampled: bool):
-        nonlocal key, recent
+        nonlocal key, recent, decode
         with _no_dropout(model, dropout):
-            if sampled and decode is not None:
+            if sampled and compiled:
+                decode = decode or decoder_for(model)
                 logits = decode(tokens[None], cache)
             else:
                 logits = _forward_last(model, tokens[None], cache)
