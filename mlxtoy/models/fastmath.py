@@ -10,8 +10,9 @@ Where the compiled kernels of `kernels/` (the `mlxtoy_kernels` package, MLX prim
 are installed, float32 CPU work goes through them instead: MLX runs its CPU elementwise and
 reduction ops unfused on one thread, and MKL runs the one-row GEMVs of decoding on one thread,
 so the softmaxes, cross-entropy, RMSNorm, SwiGLU and decode GEMVs are fused and split over the
-cores there. The pure-MLX forms here stay the fallback (and the reference the tests compare
-with); MLXTOY_KERNELS=0 turns the kernels off.
+cores there; inside `inference()` (decoding, prefill) they are called without gradient wrappers
+and RoPE takes its kernel too. The pure-MLX forms here stay the fallback (and the reference the
+tests compare with); MLXTOY_KERNELS=0 turns the kernels off.
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ _MODE = threading.local()
 def inference() -> Iterator[None]:
     """Within (on this thread): graphs that are never differentiated (decoding, prefill) call the
     kernels bare, without the custom-function node that carries each one's gradient, and RoPE
-    takes its kernel (mx.fast.rope's CPU form is about a dozen nodes). Decoding runs ~2,500
-    graph nodes a token otherwise, each a dispatch on the cores the GEMVs need."""
+    takes its kernel (mx.fast.rope's CPU form is about a dozen nodes): every graph node of a
+    decoded token is a dispatch on the cores its GEMVs need."""
     before = getattr(_MODE, "inference", False)
     _MODE.inference = True
     try:
