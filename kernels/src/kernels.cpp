@@ -92,11 +92,11 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   std::vector<void*> out;
   std::vector<StridedCopy> copies;
   std::vector<mx::array> temps;  // the copies' buffers, held by the task
+  // RoPE reads x's rows through x's strides where the rows have unit stride (else a copy)
+  const bool rope_strided = op_ == Op::Rope && inputs[0].strides().back() == 1;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const mx::array& a = inputs[i];
-    // RoPE reads x's rows through its strides (rows of unit stride)
-    bool rope_rows = op_ == Op::Rope && i == 0 && a.strides().back() == 1;
-    if (a.flags().row_contiguous || rope_rows) {
+    if (a.flags().row_contiguous || (i == 0 && rope_strided)) {
       in.push_back(a.data<void>());
       continue;
     }
@@ -124,14 +124,13 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
     att = {inputs[0].shape(0), inputs[0].shape(1), inputs[1].shape(1), inputs[1].shape(2), inputs[2].shape(3),
            inputs[3].shape(0)};
 
-  // Rope: x (B, N, T, D) read through its strides; 2 * dims + traditional
-  std::array<int64_t, 8> rope{};  // N, T, and x's strides for B, N, T; dims; traditional
+  // Rope: x (B, N, T, D); iparam 2 * dims + traditional
+  std::array<int64_t, 7> rope{};  // N, T, the strides of B, N, T as read; dims; traditional
   if (op == Op::Rope) {
     const mx::array& x = inputs[0];
     int64_t N = x.shape(1), Tn = x.shape(2);
-    bool copied = !x.flags().row_contiguous && x.strides().back() != 1;  // then read as row-major
-    mx::Strides xs = copied ? mx::Strides{N * Tn * last, Tn * last, last} : x.strides();
-    rope = {N, Tn, xs[0], xs[1], xs[2], iparam_ / 2, iparam_ % 2, 0};
+    mx::Strides xs = rope_strided ? x.strides() : mx::Strides{N * Tn * last, Tn * last, last};  // else the copy
+    rope = {N, Tn, xs[0], xs[1], xs[2], iparam_ / 2, iparam_ % 2};
   }
 
   encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, Ns, att, rope, copies = std::move(copies),
@@ -140,8 +139,7 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
     Pool& threads = pool();
     switch (op) {
       case Op::Rope: {
-        auto [N, Tn, sb, sn, st, dims, traditional, unused] = rope;
-        (void)unused;
+        auto [N, Tn, sb, sn, st, dims, traditional] = rope;
         auto x = static_cast<const float*>(in[0]);
         int32_t offset = static_cast<const int32_t*>(in[1])[0];
         auto inv_freqs = static_cast<const float*>(in[2]);

@@ -37,12 +37,17 @@ inline float poly_exp(float x) {
 
 // ---- row kernels ----------------------------------------------------------------------------
 
+// A row's length up to its last unmasked (not -inf) bias entry: what lies past it is never read.
+inline int64_t open_length(const float* bias, int64_t S) {
+  while (S > 0 && bias[S - 1] == kNegInf) --S;
+  return S;
+}
+
 // p = softmax(s + bias) over a row of length S; masked (-inf) entries give exactly 0, entries
 // past the row's last unmasked one are not computed. Returns nothing; a row masked entirely
 // is all zeros.
 HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S) {
-  int64_t len = S;
-  while (len > 0 && bias[len - 1] == kNegInf) --len;
+  int64_t len = open_length(bias, S);
   float m = kNegInf;
   for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j] + bias[j]);
   if (m == kNegInf) {
@@ -184,8 +189,7 @@ HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t 
 // Keys past the bias's last unmasked position are not read (the cache's unused capacity).
 HOT void decode_attention_row(const float* q, const float* k, const float* v, const float* bias, float* out,
                               float* scores, int64_t S, int64_t D, int64_t Dv, float scale) {
-  int64_t len = S;
-  while (len > 0 && bias[len - 1] == kNegInf) --len;
+  int64_t len = open_length(bias, S);
   float m = kNegInf;
   for (int64_t j = 0; j < len; ++j) {
     const float* kr = k + j * D;
