@@ -68,10 +68,10 @@ def make_engine(engine: str, args, files: dict) -> tuple[str, object]:
     from mlxtoy.generate import generate_tokens
     from mlxtoy.loading import build_model, load_weights
 
-    cfg, weights, meta, tokenizer = load_weights(args.model)
-    ids = prompt_ids(tokenizer, args.prompt_tokens)
+    ids = files["ids"]  # tokenized once, by the parent: the same ids for every engine
     n_d = args.decode_tokens
     if engine == "mlxtoy":
+        cfg, weights, _, _ = load_weights(args.model)
         model = build_model(cfg, weights)
         return "mlxtoy (f32)", lambda: (t for t, _ in generate_tokens(model, ids, max_tokens=n_d + 1))
     if engine == "mlx-lm":
@@ -135,14 +135,14 @@ def main() -> int:
           f"{backend.INFO.describe()}; load average {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-gen-") as tmp:
-        files = {"gguf": str(gguf_path)}
+        cfg, weights, meta, tokenizer = load_weights(args.model)
+        files = {"gguf": str(gguf_path), "ids": prompt_ids(tokenizer, args.prompt_tokens)}
         if "mlx-lm" in engines:
             from mlxtoy.io.hf import save_hf
 
-            cfg, weights, meta, tokenizer = load_weights(args.model)
             files["hf"] = os.path.join(tmp, "hf")
             save_hf(files["hf"], cfg, weights, tokenizer)
-            del weights
+        del weights
         if "llama.cpp-f32" in engines:
             sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
             from helpers_gguf import retype_gguf_to_f32
