@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 
 from mlxtoy.errors import UserError
 from mlxtoy.models import fastmath
-from mlxtoy.models.cache import KVCache, cache_offset, make_cache, trim_cache
+from mlxtoy.models.cache import KVCache, SlotCache, cache_offset, make_cache, trim_cache
 
 if TYPE_CHECKING:  # annotations only: importing generate must not pull in HF `tokenizers`, jinja2
     from mlxtoy.io.tokenizer import TokenizerLike
@@ -178,20 +178,6 @@ def _forward_last(model, tokens: mx.array, cache: list) -> mx.array:
         return model(tokens, cache=cache)[:, -1, :]
 
 
-class _SlotCache:
-    """A layer's cache inside the compiled decode step: writes the new position into the
-    fixed-size buffer at a traced offset and returns the whole buffer; the attention mask
-    hides the slots past the offset."""
-
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
-        self.keys, self.values, self.offset = keys, values, offset
-
-    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, k, self.offset, axes=(2,))
-        self.values = mx.slice_update(self.values, v, self.offset, axes=(2,))
-        return self.keys, self.values
-
-
 def _compiled_decode(model) -> Callable[[mx.array, list], mx.array]:
     """-> step(tokens (1, 1), cache) -> logits (1, V): the one-token forward as one compiled
     graph, with the position a traced input so the graph is reused token after token.
@@ -205,7 +191,7 @@ def _compiled_decode(model) -> Callable[[mx.array, list], mx.array]:
     """
 
     def forward(tokens, offset, keys, values):
-        slots = [_SlotCache(k, v, offset) for k, v in zip(keys, values)]
+        slots = [SlotCache(k, v, offset) for k, v in zip(keys, values)]
         mask = (mx.arange(keys[0].shape[2]) <= offset)[None, None, None, :]
         h = model.hidden(tokens, mask=mask, cache=slots)
         return model.logits(h[:, -1, :]), [s.keys for s in slots], [s.values for s in slots]
@@ -313,7 +299,7 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
         if not sampling.greedy:
             key, sub = mx.random.split(key)
         token = sampler(logits, recent, sub)
-        logprob = logits[0, token[0]] - mx.logsumexp(logits[0], axis=-1)
+        logprob = logits[0, token[0]] - fastmath.logsumexp(logits[0])
         return token, logprob
 
     t0 = time.perf_counter()

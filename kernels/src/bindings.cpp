@@ -33,6 +33,9 @@ NB_MODULE(_ext, m) {
         "v (B, KV, S, Dv), bias (1|B, S) of 0 and -inf; query head h reads KV head h // (H / KV)");
   m.def("sum_squares", &mlxtoy::sum_squares, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "sum(x^2) as float32 (1,), summed in double over fixed blocks: the same bits on any thread count");
+  m.def("logsumexp", &mlxtoy::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "log(sum(exp(x))) over the last axis -> x.shape[:-1] ((1,) for a vector): the polynomial exp, "
+        "summed in double over fixed blocks of each row, threaded; no gradient");
   m.def("adamw", &mlxtoy::adamw, "p"_a, "g"_a, "m"_a, "v"_a, "scalars"_a, nb::kw_only(), "stream"_a = nb::none(),
         "one AdamW step (no bias correction) on g * grad_scale -> (p, m, v), in one pass; scalars float32 "
         "[lr, ok, b1, 1 - b1, b2, 1 - b2, eps, weight_decay, grad_scale]: where ok is 0 the old p, m, v "
@@ -41,4 +44,11 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(),
         "mx.fast.rope's forward for x (B, N, T, D) (any layout): position offset + t (offset one int32), "
         "angle position * scale * inv_freqs[i] on the pair (i, i + dims / 2), or (2i, 2i + 1) if traditional");
+  m.def("decode_block", &mlxtoy::decode_block, "x"_a, "weights"_a, "biases"_a, "keys"_a, "values"_a, "offset"_a,
+        "inv_freqs"_a, "rope_dims"_a, "traditional"_a, "eps"_a, "attn_scale"_a, "rope_scale"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "one pre-norm Llama block for one token -> (x, keys, values): x (1, 1, D); weights [attn_norm, q (H, Dh, D), "
+        "k (KV, Dh, D), v, o (D, H * Dh), ffn_norm, gate (F, D), up, down (D, F)]; biases [] or [q (H, Dh), k, v]; "
+        "keys/values (1, KV, S, Dh) get the token's k (RoPE'd) and v at slot offset (one int32) and the query "
+        "attends to slots 0..offset; RoPE as the rope kernel's; the caches are updated in place when donated");
 }

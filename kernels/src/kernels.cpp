@@ -14,6 +14,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 #include "kernels.h"
+#include "copy.h"   // strided inputs made contiguous
 #include "loops.h"  // the float32 loops
 #include "pool.h"   // the threads they are split over
 
@@ -34,45 +35,6 @@ bool Kernel::is_equivalent(const mx::Primitive& other) const {
   return op_ == o.op_ && param_ == o.param_ && iparam_ == o.iparam_;
 }
 
-namespace {
-
-// An input that is not row-contiguous (a transposed or broadcast view) is copied into a
-// contiguous buffer by the task itself, when its data is ready: the ops take any layout
-// without adding a copy node to every graph for the common, contiguous case.
-struct StridedCopy {
-  const char* src;
-  char* dst;
-  mx::Shape shape;
-  mx::Strides strides;  // in elements
-  size_t itemsize;
-
-  void run() const {
-    int nd = static_cast<int>(shape.size());
-    int64_t inner = nd ? shape.back() : 1, outer = 1;
-    for (int d = 0; d + 1 < nd; ++d) outer *= shape[d];
-    bool unit = nd == 0 || strides.back() == 1;
-    std::vector<int64_t> idx(std::max(nd - 1, 0), 0);
-    char* out = dst;
-    for (int64_t r = 0; r < outer; ++r) {
-      int64_t off = 0;
-      for (int d = 0; d + 1 < nd; ++d) off += idx[d] * strides[d];
-      const char* row = src + off * static_cast<int64_t>(itemsize);
-      if (unit) {
-        std::memcpy(out, row, inner * itemsize);
-      } else {
-        for (int64_t j = 0; j < inner; ++j)
-          std::memcpy(out + j * itemsize, row + j * strides.back() * static_cast<int64_t>(itemsize), itemsize);
-      }
-      out += inner * itemsize;
-      for (int d = nd - 2; d >= 0; --d) {
-        if (++idx[d] < shape[d]) break;
-        idx[d] = 0;
-      }
-    }
-  }
-};
-
-}  // namespace
 
 void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (size_t i = 0; i < outputs.size(); ++i) {
@@ -262,6 +224,30 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         static_cast<float*>(out[0])[0] = static_cast<float>(total);
         break;
       }
+      case Op::LogSumExp: {
+        // each row in fixed blocks (the same bits on any thread count), combined in order
+        auto x = static_cast<const float*>(in[0]);
+        auto y = static_cast<float*>(out[0]);
+        int64_t per_row = (last + kLseBlock - 1) / kLseBlock, blocks = rows * per_row;
+        std::vector<float> bm(blocks);
+        std::vector<double> bs(blocks);
+        threads.run(blocks, 2, [&](int64_t b0, int64_t b1) {
+          for (int64_t b = b0; b < b1; ++b) {
+            int64_t r = b / per_row, j = (b % per_row) * kLseBlock;
+            lse_block(x + r * last + j, std::min(kLseBlock, last - j), &bm[b], &bs[b]);
+          }
+        });
+        for (int64_t r = 0; r < rows; ++r) {
+          float m = kNegInf;
+          for (int64_t b = r * per_row; b < (r + 1) * per_row; ++b) m = std::max(m, bm[b]);
+          double s = 0.0;
+          if (m != kNegInf && std::isfinite(m))
+            for (int64_t b = r * per_row; b < (r + 1) * per_row; ++b)
+              if (bs[b] > 0.0) s += bs[b] * static_cast<double>(poly_exp(bm[b] - m));
+          y[r] = std::isfinite(m) ? m + static_cast<float>(std::log(s)) : m;  // all -inf: -inf; +inf, NaN: as given
+        }
+        break;
+      }
       case Op::AdamW: {
         auto p = static_cast<const float*>(in[0]);
         auto g = static_cast<const float*>(in[1]);
@@ -420,6 +406,13 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
   if (x.size() == 0) throw std::invalid_argument("[mlxtoy_kernels] sum_squares: x is empty");
   auto flat = f32(mx::reshape(x, {static_cast<int>(x.size()), 1}, st), "x");
   return make(Kernel::Op::SumSquares, 0, {{1}}, {mx::float32}, {flat}, st)[0];
+}
+
+mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st) {
+  if (x.ndim() == 0 || x.shape(-1) == 0) throw std::invalid_argument("[mlxtoy_kernels] logsumexp: x (..., V), V > 0");
+  mx::Shape out(x.shape().begin(), x.shape().end() - 1);
+  if (out.empty()) out.push_back(1);
+  return make(Kernel::Op::LogSumExp, 0, {out}, {mx::float32}, {f32(x, "x")}, st)[0];
 }
 
 std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,

@@ -11,7 +11,7 @@ namespace mlxtoy {
 class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
-                  DecodeAttention, AdamW, SumSquares, Rope };
+                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp };
 
   // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional
   Kernel(mx::Stream stream, Op op, float param, int iparam = 0)
@@ -26,6 +26,26 @@ class Kernel : public mx::Primitive {
   Op op_;
   float param_;
   int iparam_;
+};
+
+// One pre-norm Llama block for one decoded token (B = 1, T = 1), as one task on the kernels'
+// team with barriers between its phases (see decode.cpp).
+class DecodeBlock : public mx::Primitive {
+ public:
+  DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, float eps, float attn_scale,
+              float rope_scale)
+      : mx::Primitive(stream), rope_dims_(rope_dims), traditional_(traditional), qkv_bias_(qkv_bias), eps_(eps),
+        attn_scale_(attn_scale), rope_scale_(rope_scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxtoyDecodeBlock"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int rope_dims_;
+  bool traditional_, qkv_bias_;
+  float eps_, attn_scale_, rope_scale_;
 };
 
 int kernel_threads();
@@ -45,9 +65,16 @@ std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
                            float scale, mx::StreamOrDevice st = {});
 mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
+mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st = {});
 std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
                              const mx::array& scalars, mx::StreamOrDevice st = {});
 mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv_freqs, int dims, bool traditional,
                float scale, mx::StreamOrDevice st = {});
+
+std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::array>& weights,
+                                    const std::vector<mx::array>& biases, const mx::array& keys,
+                                    const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
+                                    int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
+                                    mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

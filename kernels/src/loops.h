@@ -185,18 +185,17 @@ HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t 
   }
 }
 
-// One query row against a KV head's cached keys and values: out = softmax(scale q.k + bias) v.
-// Keys past the bias's last unmasked position are not read (the cache's unused capacity).
-HOT void decode_attention_row(const float* q, const float* k, const float* v, const float* bias, float* out,
-                              float* scores, int64_t S, int64_t D, int64_t Dv, float scale) {
-  int64_t len = open_length(bias, S);
+// One query row against the first `len` cached keys and values of its KV head:
+// out = softmax(scale q.k + bias) v, bias (0 or -inf) optional (nullptr: none masked).
+HOT void attend_row(const float* q, const float* k, const float* v, const float* bias, float* out, float* scores,
+                    int64_t len, int64_t D, int64_t Dv, float scale) {
   float m = kNegInf;
   for (int64_t j = 0; j < len; ++j) {
     const float* kr = k + j * D;
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < D; ++d) dot += q[d] * kr[d];
-    scores[j] = dot * scale + bias[j];
+    scores[j] = dot * scale + (bias ? bias[j] : 0.0f);
     m = std::max(m, scores[j]);
   }
   std::fill(out, out + Dv, 0.0f);
@@ -213,6 +212,13 @@ HOT void decode_attention_row(const float* q, const float* k, const float* v, co
   float inv = 1.0f / sum;
 #pragma omp simd
   for (int64_t d = 0; d < Dv; ++d) out[d] *= inv;
+}
+
+// attend_row over S cached positions with a bias row: keys past the bias's last unmasked
+// position are not read (the cache's unused capacity).
+inline void decode_attention_row(const float* q, const float* k, const float* v, const float* bias, float* out,
+                                 float* scores, int64_t S, int64_t D, int64_t Dv, float scale) {
+  attend_row(q, k, v, bias, out, scores, open_length(bias, S), D, Dv, scale);
 }
 
 // RoPE of one row x (length D) at position `pos`, as mx.fast.rope computes it: the pair (i, i + dims/2)
@@ -260,6 +266,20 @@ HOT void adamw_span(const float* p, const float* g, const float* m, const float*
 }
 
 constexpr int64_t kSumBlock = 1 << 16;  // sum_squares' fixed blocks
+constexpr int64_t kLseBlock = 1 << 13;  // logsumexp's fixed blocks of a row
+
+// A block's (max, sum of e^(x - max)) for logsumexp, the sum in double; -inf entries add 0.
+HOT void lse_block(const float* x, int64_t n, float* m_out, double* s_out) {
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  double s = 0.0;
+  if (m != kNegInf) {
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) s += x[i] == kNegInf ? 0.0f : poly_exp(x[i] - m);
+  }
+  *m_out = m;
+  *s_out = s;
+}
 
 HOT double sum_squares_span(const float* x, int64_t n) {
   double acc = 0.0;

@@ -26,10 +26,9 @@
 namespace mlxtoy {
 
 // ---- threads --------------------------------------------------------------------------------
+// (Not in an anonymous namespace: every translation unit shares the one pool.)
 
-namespace {
-
-int default_threads() {
+inline int default_threads() {
   if (const char* env = std::getenv("MLXTOY_KERNEL_THREADS")) {
     int n = std::atoi(env);
     if (n > 0) return n;
@@ -51,14 +50,14 @@ inline void cpu_relax() {
 
 // Spin this many rounds for the next job (or the workers' end) before sleeping: decoding calls
 // the pool ~200 times per token, and a futex wake-up costs as much as a small GEMV.
-static const int kSpins = std::getenv("MLXTOY_KERNEL_SPINS") ? std::atoi(std::getenv("MLXTOY_KERNEL_SPINS")) : 4000;
+inline const int kSpins = std::getenv("MLXTOY_KERNEL_SPINS") ? std::atoi(std::getenv("MLXTOY_KERNEL_SPINS")) : 4000;
 
 // Whether the parallel loops run as OpenMP regions: when the OpenMP runtime this module bound to
 // is Intel's (libiomp5, loaded with global symbols by mlxtoy.backend next to MKL), its threads
 // are the ones MKL's GEMMs run on, so the kernels share one team with the GEMMs instead of a
 // second set of threads that fights MKL's spinning ones for the cores. Otherwise (libgomp, no
 // OpenMP, another BLAS) the pool's own threads. MLXTOY_KERNEL_POOL=own|openmp forces one.
-bool use_openmp() {
+inline bool use_openmp() {
 #ifdef MLXTOY_OPENMP
   if (const char* env = std::getenv("MLXTOY_KERNEL_POOL")) return std::string(env) == "openmp";
   Dl_info info;
@@ -67,6 +66,49 @@ bool use_openmp() {
 #endif
   return false;
 }
+
+// Waits until all `parts` threads of a team have called wait() (a sense-reversing spin barrier,
+// yielding the core after kSpins rounds): for the own pool's teams.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int parts) : parts_(parts) {}
+  void wait() {
+    int phase = phase_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == parts_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      phase_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int i = 0; phase_.load(std::memory_order_acquire) == phase; ++i) {
+      if (i < kSpins) cpu_relax();
+      else std::this_thread::yield();
+    }
+  }
+
+ private:
+  int parts_;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> phase_{0};
+};
+
+// One thread's place in a team that runs a job with phases: part of parts, and sync(), which
+// returns once every part has reached it (an OpenMP barrier on MKL's team, else a SpinBarrier).
+struct Team {
+  int part;
+  int parts;
+  SpinBarrier* barrier;
+
+  void sync() const {
+    if (parts == 1) return;
+    if (barrier) {
+      barrier->wait();
+      return;
+    }
+#ifdef MLXTOY_OPENMP
+#pragma omp barrier
+#endif
+  }
+};
 
 // A fixed pool: run_parts(n, grain, fn) calls fn(part, begin, end) on contiguous slices of
 // [0, n) in order of part, one per thread, the calling thread taking part 0; run(n, grain, fn)
@@ -108,6 +150,24 @@ class Pool {
     run_parts(n_threads_, 1, [&](int, int64_t, int64_t) {
       for (int64_t begin; (begin = next.fetch_add(chunk)) < n;) fn(begin, std::min(n, begin + chunk));
     });
+  }
+
+  // fn(team) on every thread at once, for work that needs barriers between its phases: the
+  // team's size is the one the runtime gave (an OpenMP team may be smaller than asked for).
+  void run_team(const std::function<void(const Team&)>& fn) {
+    if (n_threads_ == 1) {
+      fn(Team{0, 1, nullptr});
+      return;
+    }
+#ifdef MLXTOY_OPENMP
+    if (openmp_) {
+#pragma omp parallel num_threads(n_threads_)
+      fn(Team{omp_get_thread_num(), omp_get_num_threads(), nullptr});
+      return;
+    }
+#endif
+    SpinBarrier barrier(n_threads_);
+    run_parts(n_threads_, 1, [&](int part, int64_t, int64_t) { fn(Team{part, n_threads_, &barrier}); });
   }
 
   void run_parts(int64_t n, int64_t grain, const Job& fn) {
@@ -180,11 +240,9 @@ class Pool {
   bool stop_ = false;
 };
 
-Pool& pool() {
+inline Pool& pool() {
   static Pool p;
   return p;
 }
-
-}  // namespace
 
 }  // namespace mlxtoy

@@ -78,6 +78,23 @@ class KVCache:
         return self.keys.nbytes + self.values.nbytes
 
 
+class SlotCache:
+    """A layer's cache inside the compiled decode step (`mlxtoy.generate`): the fixed-size
+    buffers of a KVCache and the traced position `offset` (one int32) of the token being
+    decoded. The new keys/values go into slot `offset`; the step's attention sees slots
+    0..offset, which is all a block fusing its decode step may assume."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the position into slot `offset`; return the whole buffers (the attention
+        mask hides the slots past the offset)."""
+        self.keys = mx.slice_update(self.keys, k, self.offset, axes=(2,))
+        self.values = mx.slice_update(self.values, v, self.offset, axes=(2,))
+        return self.keys, self.values
+
+
 def make_cache(model) -> list[KVCache]:
     """One empty KVCache per transformer layer of `model`."""
     return [KVCache() for _ in model.layers]

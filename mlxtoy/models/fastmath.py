@@ -281,6 +281,30 @@ def rope(x: mx.array, offset: int | mx.array, inv_freqs: mx.array, dims: int, tr
     return _K.rope(x, offset, inv_freqs, dims, traditional, scale)
 
 
+FUSED_DECODE = backend.os.environ.get("MLXTOY_FUSED_DECODE", "1") != "0"  # tests compare both ways
+
+
+def decode_block_ok(x: mx.array, *arrays: mx.array) -> bool:
+    """`decode_block` applies: inside `inference()`, one token of one sequence, float32 arrays
+    on CPU with the kernels (MLXTOY_FUSED_DECODE=0 turns it off)."""
+    return FUSED_DECODE and x.ndim == 3 and x.shape[:2] == (1, 1) and _bare(x, *arrays)
+
+
+def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], keys: mx.array,
+                 values: mx.array, offset: mx.array, inv_freqs: mx.array, rope_dims: int,
+                 traditional: bool, eps: float, attn_scale: float,
+                 rope_scale: float) -> tuple[mx.array, mx.array, mx.array]:
+    """A pre-norm Llama block's step for one token as one kernel call -> (x, keys, values):
+    weights [attn_norm, q, k, v (per head), o, ffn_norm, gate, up, down], biases [] or
+    [q, k, v]; the token's k (RoPE'd, as `rope`) and v go into slot `offset` of the caches
+    (B = 1, (1, KV, S, Dh)), updated in place where the graph holds them alone, and the query
+    attends to slots 0..offset. The same values as the block's kernels one by one."""
+    offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
+    y, keys, values = _K.decode_block(x, weights, biases, keys, values, offset, inv_freqs, rope_dims,
+                                      traditional, eps, attn_scale, rope_scale)
+    return y, keys, values
+
+
 # --- optimizer ---------------------------------------------------------------------------------
 
 def sum_squares(x: mx.array) -> mx.array:
@@ -306,6 +330,16 @@ def adamw_step(parameter: mx.array, gradient: mx.array, m: mx.array, v: mx.array
                               mx.array([b1, 1 - b1, b2, 1 - b2, eps, weight_decay], dtype=mx.float32), scale])
     p, m, v = _K.adamw(parameter, gradient, m, v, scalars)
     return p, m, v
+
+
+def logsumexp(x: mx.array) -> mx.array:
+    """log(sum(exp(x))) over the last axis (no gradient with the kernel): float32 on CPU takes
+    the threaded kernel (MLX's runs its exp on one thread; a sampled token's log-probability
+    over a 49K vocabulary cost a millisecond a token), summed in double."""
+    if _kernel_ok(x) and x.size:
+        y = _K.logsumexp(x)
+        return y.reshape(x.shape[:-1])
+    return mx.logsumexp(x, axis=-1)
 
 
 # --- cross-entropy -------------------------------------------------------------------------------

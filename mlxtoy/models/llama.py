@@ -27,6 +27,7 @@ import numpy as np
 
 from mlxtoy.config import ModelConfig
 from mlxtoy.models import fastmath
+from mlxtoy.models.cache import SlotCache
 from mlxtoy.models.fastmath import Linear, RMSNorm, attention, linear, linear_many, silu, swiglu
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
@@ -291,6 +292,10 @@ class Block(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
                  taps: dict | None = None) -> mx.array:
+        if taps is None and isinstance(cache, SlotCache):
+            fused = self.decode_fused(x, cache)
+            if fused is not None:
+                return fused
         h = self.attn_norm(x)
         head_taps = {} if taps is not None and taps.get("_heads") else None
         a = self.attn(h, mask, cache, head_taps)
@@ -305,6 +310,31 @@ class Block(nn.Module):
             taps["attn_norm"], taps["ffn_out"], taps["resid_post"] = h, ffn_out, x
             if head_taps:
                 taps.update(head_taps)
+        return x
+
+
+    def decode_fused(self, x: mx.array, cache: SlotCache) -> mx.array | None:
+        """This block's step for one decoded token as one kernel call (`fastmath.decode_block`),
+        when it is a plain Llama block (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window,
+        post-norm or adapter, SwiGLU) and the kernel applies; None otherwise."""
+        a, f = self.attn, self.ffn
+        plain = (type(self.attn_norm) is RMSNorm and type(self.ffn_norm) is RMSNorm
+                 and self.attn_norm.eps == self.ffn_norm.eps and "post_attn_norm" not in self
+                 and type(a) is Attention and "q_norm" not in a and a.window is None
+                 and all(type(p) is HeadProjection for p in (a.q, a.k, a.v))
+                 and "rope" in a and type(a.rope) is RoPE and a.rope._long is None
+                 and type(f) is FeedForward and f.act is silu
+                 and all(type(m) is Linear and "bias" not in m for m in (a.o, f.gate, f.up, f.down)))
+        if not plain:
+            return None
+        biases = [p.bias for p in (a.q, a.k, a.v) if "bias" in p]
+        weights = [self.attn_norm.weight, a.q.weight, a.k.weight, a.v.weight, a.o.weight,
+                   self.ffn_norm.weight, f.gate.weight, f.up.weight, f.down.weight]
+        if len(biases) not in (0, 3) or not fastmath.decode_block_ok(x, cache.keys, cache.values, *weights, *biases):
+            return None
+        x, cache.keys, cache.values = fastmath.decode_block(
+            x, weights, biases, cache.keys, cache.values, cache.offset, a.rope._inv_freqs, a.rope.dims,
+            a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale)
         return x
 
 

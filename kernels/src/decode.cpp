@@ -1,0 +1,225 @@
+// One pre-norm Llama block for one decoded token, as one MLX primitive: RMSNorm, per-head q/k/v
+// (optional biases), RoPE, the new k/v written into the cache's slot `offset`, one-query GQA
+// attention over positions 0..offset, W_o and the residual, RMSNorm, SwiGLU and the residual.
+//
+// Decoding is bound by memory bandwidth (every weight read once per token), but as ~20 graph
+// nodes per layer each node's dispatch and each step's fork-join on the kernels' threads come
+// between the GEMVs. Here the block is one task: its phases are split over the team (head by
+// head, or row chunks handed out first come, first served) with a barrier between phases. Every
+// value is computed by the same loops (loops.h) in the same order as the unfused kernels.
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "copy.h"
+#include "kernels.h"
+#include "loops.h"
+#include "pool.h"
+
+namespace mlxtoy {
+
+void DecodeBlock::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[mlxtoy_kernels] CPU kernels only");
+}
+
+bool DecodeBlock::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const DecodeBlock&>(other);
+  return rope_dims_ == o.rope_dims_ && traditional_ == o.traditional_ && qkv_bias_ == o.qkv_bias_ &&
+         eps_ == o.eps_ && attn_scale_ == o.attn_scale_ && rope_scale_ == o.rope_scale_;
+}
+
+namespace {
+// inputs: x, the nine weights (attn_norm, q, k, v, o, ffn_norm, gate, up, down), keys, values,
+// offset, inv_freqs, then the q/k/v biases if any
+enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kInvFreqs, kBiasQ };
+}  // namespace
+
+void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  std::vector<StridedCopy> copies;
+  std::vector<mx::array> temps;
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  // The caches are written in place, whether or not the graph holds them alone: an output's
+  // buffer is held until the task that wrote it finishes (with its siblings', so a multi-output
+  // primitive's outputs are never donatable while the next decode step is queued behind it),
+  // and a copy of the whole cache per layer per token would cost more than the block. Only
+  // slot `offset` is written, which no earlier step reads; the caller keeps no other use of
+  // the old arrays (see decode_block). A strided view is copied.
+  for (int c = 0; c < 2; ++c) {
+    const mx::array& in = inputs[kKeys + c];
+    mx::array& out = outputs[1 + c];
+    if (in.flags().row_contiguous) {
+      out.copy_shared_buffer(in);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      copies.push_back({in.data<char>(), out.data<char>(), in.shape(), in.strides(), in.itemsize()});
+    }
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) encoder.set_input_array(in);
+  for (auto& out : outputs) encoder.set_output_array(out);
+
+  std::vector<const float*> in(inputs.size(), nullptr);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const mx::array& a = inputs[i];
+    if (i == kKeys || i == kValues) continue;  // read through the outputs
+    if (a.flags().row_contiguous) {
+      in[i] = a.data<float>();
+      continue;
+    }
+    mx::array t(a.shape(), a.dtype(), nullptr, {});
+    t.set_data(mx::allocator::malloc(t.nbytes()));
+    copies.push_back({a.data<char>(), t.data<char>(), a.shape(), a.strides(), a.itemsize()});
+    in[i] = t.data<float>();
+    temps.push_back(std::move(t));
+  }
+  float* y = outputs[0].data<float>();
+  float* kc = outputs[1].data<float>();
+  float* vc = outputs[2].data<float>();
+  const int64_t D = inputs[kX].shape(-1), H = inputs[kQ].shape(0), Dh = inputs[kQ].shape(1);
+  const int64_t KV = inputs[kK].shape(0), F = inputs[kGate].shape(0), S = inputs[kKeys].shape(2);
+  const int dims = rope_dims_;
+  const bool traditional = traditional_, bias = qkv_bias_;
+  const float eps = eps_, attn_scale = attn_scale_, rope_scale = rope_scale_;
+
+  encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
+    for (const auto& c : copies) c.run();
+    const float *x = in[kX], *wq = in[kQ], *wk = in[kK], *wv = in[kV], *wo = in[kO], *wg = in[kGate],
+                *wu = in[kUp], *wd = in[kDown], *inv_freqs = in[kInvFreqs];
+    const float *bq = bias ? in[kBiasQ] : nullptr, *bk = bias ? in[kBiasQ + 1] : nullptr,
+                *bv = bias ? in[kBiasQ + 2] : nullptr;
+    // the offset is read when the task runs (a traced input of the compiled decode step)
+    const int64_t off = reinterpret_cast<const int32_t*>(in[kOffset])[0];
+    if (off < 0 || off >= S) {  // no slot to write: loud NaNs rather than a write out of bounds
+      std::fill(y, y + D, std::numeric_limits<float>::quiet_NaN());
+      return;
+    }
+    // positions as mx.fast.rope forms them: (t + offset) in float32, times the scale (t = 0)
+    const float pos = (0.0f + static_cast<float>(off)) * rope_scale;
+    const int64_t group = H / KV, units = H + 2 * KV;
+    std::vector<float> q(H * Dh), att(H * Dh), gate(F), up(F), act(F);
+    std::array<std::atomic<int64_t>, 5> next{};  // each phase's next unit
+
+    pool().run_team([&](const Team& team) {
+      const int64_t chunk_d = gemv_chunk(D, team.parts), chunk_f = gemv_chunk(F, team.parts);
+      std::vector<float> xn(D), tmp(std::max(Dh, chunk_d)), scores(off + 1);
+      auto add_bias = [&](float* row, const float* b) {
+        if (b)
+          for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
+      };
+
+      // q, k and v of the normed input, a head at a time; RoPE on q and k; k and v into slot `off`
+      rms_norm_row(x, in[kAttnNorm], xn.data(), D, eps);
+      for (int64_t u; (u = next[0].fetch_add(1)) < units;) {
+        if (u < H) {
+          gemv_span(xn.data(), wq + u * Dh * D, tmp.data(), 1, Dh, D, 0, Dh);
+          add_bias(tmp.data(), bq ? bq + u * Dh : nullptr);
+          rope_row(tmp.data(), q.data() + u * Dh, Dh, dims, traditional, pos, inv_freqs);
+        } else if (u < H + KV) {
+          int64_t kv = u - H;
+          gemv_span(xn.data(), wk + kv * Dh * D, tmp.data(), 1, Dh, D, 0, Dh);
+          add_bias(tmp.data(), bk ? bk + kv * Dh : nullptr);
+          rope_row(tmp.data(), kc + (kv * S + off) * Dh, Dh, dims, traditional, pos, inv_freqs);
+        } else {
+          int64_t kv = u - H - KV;
+          float* slot = vc + (kv * S + off) * Dh;
+          gemv_span(xn.data(), wv + kv * Dh * D, slot, 1, Dh, D, 0, Dh);
+          add_bias(slot, bv ? bv + kv * Dh : nullptr);
+        }
+      }
+      team.sync();
+
+      // each query head against its KV head's positions 0..off
+      for (int64_t h; (h = next[1].fetch_add(1)) < H;) {
+        int64_t kv = h / group;
+        attend_row(q.data() + h * Dh, kc + kv * S * Dh, vc + kv * S * Dh, nullptr, att.data() + h * Dh,
+                   scores.data(), off + 1, Dh, Dh, attn_scale);
+      }
+      team.sync();
+
+      // y = x + W_o att
+      for (int64_t r0; (r0 = next[2].fetch_add(chunk_d)) < D;) {
+        int64_t r1 = std::min(D, r0 + chunk_d);
+        gemv_span(att.data(), wo, y, 1, D, H * Dh, r0, r1);
+        for (int64_t r = r0; r < r1; ++r) y[r] = x[r] + y[r];
+      }
+      team.sync();
+
+      // act = silu(W_gate yn) * (W_up yn), yn the normed y
+      rms_norm_row(y, in[kFfnNorm], xn.data(), D, eps);
+      for (int64_t r0; (r0 = next[3].fetch_add(chunk_f)) < F;) {
+        int64_t r1 = std::min(F, r0 + chunk_f);
+        gemv_span(xn.data(), wg, gate.data(), 1, F, D, r0, r1);
+        gemv_span(xn.data(), wu, up.data(), 1, F, D, r0, r1);
+        swiglu_span(gate.data() + r0, up.data() + r0, act.data() + r0, r1 - r0);
+      }
+      team.sync();
+
+      // y = y + W_down act
+      for (int64_t r0; (r0 = next[4].fetch_add(chunk_d)) < D;) {
+        int64_t r1 = std::min(D, r0 + chunk_d);
+        gemv_span(act.data(), wd + r0 * F, tmp.data(), 1, r1 - r0, F, 0, r1 - r0);
+        for (int64_t r = r0; r < r1; ++r) y[r] = y[r] + tmp[r - r0];
+      }
+    });
+  });
+}
+
+std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::array>& weights,
+                                    const std::vector<mx::array>& biases, const mx::array& keys,
+                                    const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
+                                    int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
+                                    mx::StreamOrDevice st) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("[mlxtoy_kernels] decode_block: " + what);
+  };
+  if (weights.size() != 9) fail("weights [attn_norm, q, k, v, o, ffn_norm, gate, up, down]");
+  if (!biases.empty() && biases.size() != 3) fail("biases [] or [q, k, v]");
+  const auto &wq = weights[1], &wk = weights[2], &wv = weights[3], &wo = weights[4], &wg = weights[6],
+             &wu = weights[7], &wd = weights[8];
+  if (x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) != 1) fail("x (1, 1, D): one token of one sequence");
+  int D = x.shape(2);
+  if (wq.ndim() != 3 || wk.ndim() != 3 || wv.ndim() != 3 || wq.shape(2) != D || wk.shape(2) != D ||
+      wv.shape(2) != D || wk.shape() != wv.shape() || wk.shape(1) != wq.shape(1) || wk.shape(0) == 0 ||
+      wq.shape(0) % wk.shape(0) != 0)
+    fail("q (H, Dh, D), k and v (KV, Dh, D), H a multiple of KV");
+  int H = wq.shape(0), KV = wk.shape(0), Dh = wq.shape(1);
+  if (weights[0].shape() != mx::Shape{D} || weights[5].shape() != mx::Shape{D}) fail("norm weights (D,)");
+  if (wo.shape() != mx::Shape{D, H * Dh}) fail("o (D, H * Dh)");
+  if (wg.ndim() != 2 || wg.shape(1) != D || wu.shape() != wg.shape() || wd.shape() != mx::Shape{D, wg.shape(0)})
+    fail("gate and up (F, D), down (D, F)");
+  if (keys.ndim() != 4 || keys.shape(0) != 1 || keys.shape(1) != KV || keys.shape(3) != Dh ||
+      values.shape() != keys.shape())
+    fail("keys and values (1, KV, S, Dh)");
+  if (offset.size() != 1 || offset.dtype() != mx::int32) fail("offset one int32");
+  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > Dh || inv_freqs.shape() != mx::Shape{rope_dims / 2})
+    fail("rope_dims even and at most Dh, inv_freqs (rope_dims / 2,)");
+  if (!biases.empty() && (biases[0].shape() != mx::Shape{H, Dh} || biases[1].shape() != mx::Shape{KV, Dh} ||
+                          biases[2].shape() != mx::Shape{KV, Dh}))
+    fail("biases q (H, Dh), k and v (KV, Dh)");
+  std::vector<mx::array> inputs{x};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  inputs.insert(inputs.end(), {keys, values});
+  std::vector<mx::array> floats(inputs);
+  floats.push_back(inv_freqs);
+  floats.insert(floats.end(), biases.begin(), biases.end());
+  for (auto& a : floats)
+    if (a.dtype() != mx::float32) fail("float32 arrays only");
+  inputs.push_back(offset);
+  inputs.push_back(inv_freqs);
+  inputs.insert(inputs.end(), biases.begin(), biases.end());
+  auto stream = mx::to_stream(st);
+  if (stream.device != mx::Device::cpu) fail("CPU stream only");
+  auto prim = std::make_shared<DecodeBlock>(stream, rope_dims, traditional, !biases.empty(), eps, attn_scale,
+                                            rope_scale);
+  return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+                                prim, std::move(inputs));
+}
+
+}  // namespace mlxtoy

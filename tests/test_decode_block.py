@@ -1,0 +1,232 @@
+"""The fused decode block (`mlxtoy_kernels.decode_block`: one kernel per layer per decoded
+token) against the model's own uncached forward (GEMMs and the grouped attention, a path that
+shares none of its code) and the unfused kernels, over the Llama options it takes (GQA, q/k/v
+biases, partial and traditional RoPE, RoPE scalings); its fall-back where a block is not plain;
+its input checks; and the threaded logsumexp that gives each decoded token its log-probability."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+import mlx.core as mx
+import mlxtoy_kernels as K
+
+from mlxtoy.config import ModelConfig
+from mlxtoy.generate import decoder_for, generate_tokens
+from mlxtoy.loading import build_model
+from mlxtoy.models import fastmath
+from mlxtoy.models.cache import make_cache
+from mlxtoy.models.lora import apply_lora
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = dict(vocab_size=300, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_ff=96,
+            rope_base=10000.0, context_length=512, tie_embeddings=True)
+VARIANTS = {
+    "gqa": dict(arch="llama", n_heads=6, n_kv_heads=2),
+    "mha-qkv-bias": dict(arch="qwen2", n_kv_heads=4, qkv_bias=True),
+    "partial-traditional-rope": dict(arch="llama", rope_dims=8, rope_traditional=True),
+    "llama3-scaling": dict(arch="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64}),
+    "linear-scaling": dict(arch="llama", rope_scaling={"type": "linear", "factor": 2.0}),
+}
+PROMPT = [5, 17, 200, 33, 90, 41, 7, 128, 250, 3, 64, 11, 99]
+
+
+def tiny(variant: dict, seed: int = 0):
+    mx.random.seed(seed)
+    model = build_model(ModelConfig(**(BASE | variant)))
+    for layer in model.layers:
+        layer.attn_norm.weight = 1 + 0.1 * mx.random.normal(layer.attn_norm.weight.shape)
+        layer.ffn_norm.weight = 1 + 0.1 * mx.random.normal(layer.ffn_norm.weight.shape)
+        for proj in (layer.attn.q, layer.attn.k, layer.attn.v):
+            if "bias" in proj:  # biases start at zero: make them matter
+                proj.bias = 0.5 * mx.random.normal(proj.bias.shape)
+    model.tok_embeddings.weight = 2.0 * model.tok_embeddings.weight  # greedy choices far from ties
+    mx.eval(model.parameters())
+    return model
+
+
+def graph_text(*outputs: mx.array) -> str:
+    f = io.StringIO()
+    mx.export_to_dot(f, *outputs)
+    return f.getvalue()
+
+
+def decode_steps(model, n: int, fused: bool) -> tuple[list[np.ndarray], list[str], list]:
+    """Prefill PROMPT into a KV cache, then n greedy steps through the compiled decoder ->
+    (each step's logits, each step's graph, the cache); the tokens fed are the argmaxes of the
+    logits before."""
+    fastmath.FUSED_DECODE = fused
+    try:
+        object.__setattr__(model, "mlxtoy_decoder", None)  # a trace of this setting
+        cache = make_cache(model)
+        logits = model(mx.array([PROMPT]), cache=cache)[:, -1]
+        step = decoder_for(model)
+        out, graphs = [], []
+        for _ in range(n):
+            token = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            logits = step(token[None], cache)
+            graphs.append(graph_text(logits))
+            mx.eval(logits)
+            out.append(np.array(logits[0]))
+        return out, graphs, cache
+    finally:
+        fastmath.FUSED_DECODE = True
+        object.__setattr__(model, "mlxtoy_decoder", None)
+
+
+def uncached_logits(model, steps: list[np.ndarray]) -> list[np.ndarray]:
+    """The same steps by one uncached forward over the prompt and the tokens fed."""
+    first = int(np.argmax(np.array(model(mx.array([PROMPT]))[0, -1])))
+    fed = [first] + [int(np.argmax(s)) for s in steps[:-1]]
+    logits = np.array(model(mx.array([PROMPT + fed]))[0])
+    return [logits[len(PROMPT) + i] for i in range(len(steps))]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_fused_decode_matches_the_uncached_forward_and_the_unfused_kernels(name):
+    model = tiny(VARIANTS[name])
+    fused, graphs, cache = decode_steps(model, 6, fused=True)
+    # the fused path really ran: one block primitive per layer, no per-op slice update of the cache
+    assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
+    assert "SliceUpdate" not in graphs[-1]
+    for i, (got, ref) in enumerate(zip(fused, uncached_logits(model, fused))):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4, err_msg=f"{name}: step {i}")
+    unfused, unfused_graphs, unfused_cache = decode_steps(model, 6, fused=False)
+    assert "MlxtoyDecodeBlock" not in unfused_graphs[-1]  # positive control: the other path
+    for got, ref in zip(fused, unfused):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    # the caches hold the same keys and values at every written slot (the fused kernel writes in place)
+    n = cache[0].offset
+    assert n == unfused_cache[0].offset == len(PROMPT) + 6
+    for c, u in zip(cache, unfused_cache):
+        np.testing.assert_allclose(np.array(c.keys[..., :n, :]), np.array(u.keys[..., :n, :]), atol=1e-6)
+        np.testing.assert_allclose(np.array(c.values[..., :n, :]), np.array(u.values[..., :n, :]), atol=1e-6)
+
+
+def test_blocks_that_are_not_plain_decode_unfused_and_still_right():
+    model = tiny(VARIANTS["gqa"])
+    apply_lora(model, ["q", "v"], 4, 8.0)
+    for layer in model.layers:  # adapters that change the output
+        layer.attn.q.lora_b = 0.1 * mx.random.normal(layer.attn.q.lora_b.shape)
+    mx.eval(model.parameters())
+    steps, graphs, _ = decode_steps(model, 4, fused=True)
+    assert "MlxtoyDecodeBlock" not in graphs[-1]
+    for got, ref in zip(steps, uncached_logits(model, steps)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    qk_norm = tiny(dict(arch="qwen3", qk_norm=True))
+    steps, graphs, _ = decode_steps(qk_norm, 3, fused=True)
+    assert "MlxtoyDecodeBlock" not in graphs[-1]
+    for got, ref in zip(steps, uncached_logits(qk_norm, steps)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_crosses_a_cache_growth_with_the_fused_blocks():
+    """Past KVCache.step positions the buffers grow (a new trace, the old slots copied over)."""
+    model = tiny(VARIANTS["gqa"])
+    prompt = PROMPT * 19  # 247 tokens: decoding crosses position 256
+    tokens = [t for t, _ in generate_tokens(model, prompt, max_tokens=20)]
+    logits = np.array(model(mx.array([prompt + tokens[:-1]]))[0, len(prompt) - 1:])
+    ref = logits.argmax(-1).tolist()
+    for i, (a, b) in enumerate(zip(tokens, ref)):
+        top2 = np.sort(logits[i])[-2:]
+        assert a == b or top2[1] - top2[0] < 1e-3, f"step {i}: {a} vs {b}"
+
+
+def block_args(D=32, H=4, KV=2, Dh=8, F=48, S=16, bias=False, seed=0):
+    r = np.random.default_rng(seed)
+    a = lambda *shape: mx.array(r.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]))  # noqa: E731
+    weights = [1 + a(D), a(H, Dh, D), a(KV, Dh, D), a(KV, Dh, D), a(D, H * Dh), 1 + a(D), a(F, D), a(F, D), a(D, F)]
+    biases = [a(H, Dh), a(KV, Dh), a(KV, Dh)] if bias else []
+    return dict(x=a(1, 1, D), weights=weights, biases=biases, keys=a(1, KV, S, Dh), values=a(1, KV, S, Dh),
+                offset=mx.array([5], dtype=mx.int32), inv_freqs=mx.array(10000.0 ** (-np.arange(0, Dh, 2) / Dh),
+                                                                            dtype=mx.float32),
+                rope_dims=Dh, traditional=False, eps=1e-5, attn_scale=Dh**-0.5, rope_scale=1.0)
+
+
+def test_decode_block_input_checks():
+    good = block_args()
+    y, k, v = K.decode_block(**good)  # positive control: a well-formed call runs
+    mx.eval(y, k, v)
+    assert np.isfinite(np.array(y)).all()
+    bad = {
+        "two tokens": dict(x=mx.zeros((1, 2, 32))),
+        "H not a multiple of KV": dict(weights=[good["weights"][0], mx.zeros((3, 8, 32))] + good["weights"][2:]),
+        "o of the wrong width": dict(weights=good["weights"][:4] + [mx.zeros((32, 24))] + good["weights"][5:]),
+        "cache of other heads": dict(keys=mx.zeros((1, 3, 16, 8)), values=mx.zeros((1, 3, 16, 8))),
+        "offset not int32": dict(offset=mx.array([5], dtype=mx.int64)),
+        "odd rope dims": dict(rope_dims=7),
+        "two biases": dict(biases=[mx.zeros((4, 8)), mx.zeros((2, 8))]),
+        "float16 weights": dict(weights=[w.astype(mx.float16) for w in good["weights"]]),
+    }
+    for what, change in bad.items():
+        with pytest.raises(ValueError, match="decode_block"):
+            K.decode_block(**(good | change))
+    # a slot past the cache's capacity is never written: NaNs instead
+    before = np.array(good["keys"])
+    y, k, _ = K.decode_block(**(good | dict(offset=mx.array([16], dtype=mx.int32))))
+    assert np.isnan(np.array(y)).all() and np.array_equal(np.array(k), before)
+
+
+def ref_logsumexp(x: np.ndarray) -> np.ndarray:
+    """float64 logsumexp over the last axis of finite x."""
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[..., 0]
+
+
+def test_logsumexp_kernel_vs_float64():
+    r = np.random.default_rng(1)
+    for shape in [(49152,), (3, 20000), (2, 1), (4, 8193)]:  # one block, several, a tail of one
+        x = (5 * r.standard_normal(shape)).astype(np.float32)
+        got = np.array(K.logsumexp(mx.array(x)), dtype=np.float64).reshape(shape[:-1] or (1,))
+        np.testing.assert_allclose(got, ref_logsumexp(x).reshape(got.shape), rtol=1e-6, atol=1e-6)
+        # more accurate than MLX's own float sum over the row, and what fastmath.logsumexp gives
+        np.testing.assert_array_equal(np.array(fastmath.logsumexp(mx.array(x))).reshape(got.shape), got)
+    x = np.array([[-np.inf] * 5, [0.0, -np.inf, 0.0, -np.inf, -np.inf]], dtype=np.float32)
+    got = np.array(K.logsumexp(mx.array(x)))
+    assert got[0] == -np.inf and abs(got[1] - np.log(2.0)) < 1e-6  # masked entries add nothing
+
+
+DECODE_SCRIPT = """
+import sys, numpy as np
+sys.path.insert(0, "tests")
+import mlxtoy, mlx.core as mx, mlxtoy_kernels as K
+from test_decode_block import block_args
+y, k, v = K.decode_block(**block_args(D=96, H=6, KV=2, Dh=16, F=400, S=64, bias=True, seed=4))
+x = np.random.default_rng(5).standard_normal((3, 30000)).astype(np.float32)
+np.savez(sys.argv[1], y=np.array(y), k=np.array(k), v=np.array(v), lse=np.array(K.logsumexp(mx.array(x))),
+         threads=K.threads(), openmp=K.openmp())
+"""
+
+
+@pytest.mark.parametrize("env", [{"MLXTOY_KERNEL_THREADS": "1"}, {"MLXTOY_KERNEL_POOL": "own"},
+                                 {"MLXTOY_KERNEL_POOL": "own", "MLXTOY_KERNEL_THREADS": "3"}],
+                         ids=["one-thread", "own-pool", "own-pool-3"])
+def test_decode_block_same_bits_on_any_team(tmp_path, env):
+    """The phases are split head by head and row chunk by row chunk, first come first served,
+    with barriers between them: one thread, the own pool's spin barrier (also with more threads
+    than cores) and MKL's OpenMP team give the same bits."""
+    out = tmp_path / "out.npz"
+    proc = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, str(out)], cwd=REPO, env=os.environ | env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = np.load(out)
+    assert int(got["threads"]) == int(env.get("MLXTOY_KERNEL_THREADS", K.threads()))
+    if "MLXTOY_KERNEL_POOL" in env:
+        assert not bool(got["openmp"])
+    y, k, v = K.decode_block(**block_args(D=96, H=6, KV=2, Dh=16, F=400, S=64, bias=True, seed=4))
+    np.testing.assert_array_equal(got["y"], np.array(y))
+    np.testing.assert_array_equal(got["k"], np.array(k))
+    np.testing.assert_array_equal(got["v"], np.array(v))
+    x = np.random.default_rng(5).standard_normal((3, 30000)).astype(np.float32)
+    np.testing.assert_array_equal(got["lse"], np.array(K.logsumexp(mx.array(x))))
+    np.testing.assert_allclose(got["lse"], ref_logsumexp(x), rtol=1e-6)  # positive control: right, not merely alike
