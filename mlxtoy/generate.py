@@ -178,9 +178,10 @@ def _forward_last(model, tokens: mx.array, cache: list) -> mx.array:
         return model(tokens, cache=cache)[:, -1, :]
 
 
-def _compiled_decode(model) -> Callable[[mx.array, list], mx.array]:
-    """-> step(tokens (1, 1), cache) -> logits (1, V): the one-token forward as one compiled
-    graph, with the position a traced input so the graph is reused token after token.
+def _compiled_decode(model) -> Callable[[mx.array, list, list], mx.array]:
+    """-> step(tokens (1, 1), cache, packs) -> logits (1, V): the one-token forward as one
+    compiled graph, with the position a traced input so the graph is reused token after token;
+    packs: per layer, the packed matrices its fused block reads (inputs, like the weights).
 
     The graph's shapes depend only on the cache buffers' capacity, which grows every
     `KVCache.step` tokens (a new trace then, ~50 ms). Building the eager graph costs ~6 ms of
@@ -190,21 +191,21 @@ def _compiled_decode(model) -> Callable[[mx.array, list], mx.array]:
     function when the model's structure changes, so it is never served a stale trace.
     """
 
-    def forward(tokens, offset, keys, values):
-        slots = [SlotCache(k, v, offset) for k, v in zip(keys, values)]
+    def forward(tokens, offset, keys, values, packs):
+        slots = [SlotCache(k, v, offset, p) for k, v, p in zip(keys, values, packs)]
         mask = (mx.arange(keys[0].shape[2]) <= offset)[None, None, None, :]
         h = model.hidden(tokens, mask=mask, cache=slots)
         return model.logits(h[:, -1, :]), [s.keys for s in slots], [s.values for s in slots]
 
     compiled = mx.compile(forward, inputs=model.state)
 
-    def step(tokens: mx.array, cache: list) -> mx.array:
+    def step(tokens: mx.array, cache: list, packs: list[dict]) -> mx.array:
         for c in cache:
             c.reserve(1)
         offset = mx.array([cache[0].offset], dtype=mx.int32)
         with fastmath.inference():  # (traced here, on the first call and when shapes change)
             logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
-                                            [c.values for c in cache])
+                                            [c.values for c in cache], packs)
         for c, k, v in zip(cache, keys, values):
             c.keys, c.values = k, v
             c.offset += 1
@@ -226,13 +227,21 @@ def decoder_for(model) -> Callable[[mx.array, list], mx.array]:
     is the same: a chat or a trainer's sample generations then reuse the trace instead of
     paying it before every first token. (Kept as a plain attribute, not a module child: the
     model -> trace -> model cycle is then one the garbage collector frees.)"""
-    structure = _structure(model)
+    # the layers' matrices packed for decoding (made once, then kept while the weights are the
+    # same arrays); which ones are packed is part of the trace's structure
+    packs = [layer.decode_packs() if hasattr(layer, "decode_packs") else {} for layer in getattr(model, "layers", [])]
+    structure = (_structure(model), tuple(tuple(sorted(p)) for p in packs))
     kept = vars(model).get("mlxtoy_decoder")
-    if kept is not None and kept[0] == structure:
-        return kept[1]
-    step = _compiled_decode(model)
-    object.__setattr__(model, "mlxtoy_decoder", (structure, step))
-    return step
+    if kept is not None and kept[0] == structure and all(
+            p.keys() == q.keys() and all(p[k] is q[k] for k in p) for p, q in zip(packs, kept[2])):
+        return kept[3]
+    step = kept[1] if kept is not None and kept[0] == structure else _compiled_decode(model)
+
+    def decode(tokens: mx.array, cache: list) -> mx.array:
+        return step(tokens, cache, packs)
+
+    object.__setattr__(model, "mlxtoy_decoder", (structure, step, packs, decode))
+    return decode
 
 
 def _prefill_only(model, tokens: mx.array, cache: list) -> None:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import gguf
 import numpy as np
 import pytest
 
@@ -141,10 +142,32 @@ def test_generation_crosses_a_cache_growth_with_the_fused_blocks():
         assert a == b or top2[1] - top2[0] < 1e-3, f"step {i}: {a} vs {b}"
 
 
-def block_args(D=32, H=4, KV=2, Dh=8, F=48, S=16, bias=False, seed=0):
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+MATRICES = (1, 2, 3, 4, 6, 7, 8)  # the matrices among the block's weights (the rest are norms)
+
+
+def q4_grid(w: np.ndarray) -> np.ndarray:
+    """w on a Q4_1 grid, by gguf-py's own quantizer and dequantizer: what a Q4_1 GGUF loads as."""
+    flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, w.shape[-1])
+    return gguf.quants.dequantize(gguf.quants.quantize(flat, Q4_1), Q4_1).reshape(w.shape).astype(np.float32)
+
+
+def q4_model(variant: dict, seed: int = 0):
+    """`tiny` with every block matrix on a Q4_1 grid."""
+    model = tiny(variant, seed)
+    for layer in model.layers:
+        for m in (layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, layer.ffn.gate, layer.ffn.up, layer.ffn.down):
+            m.weight = mx.array(q4_grid(np.array(m.weight)))
+    mx.eval(model.parameters())
+    return model
+
+
+def block_args(D=32, H=4, KV=2, Dh=8, F=48, S=16, bias=False, seed=0, q4=False):
     r = np.random.default_rng(seed)
     a = lambda *shape: mx.array(r.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]))  # noqa: E731
     weights = [1 + a(D), a(H, Dh, D), a(KV, Dh, D), a(KV, Dh, D), a(D, H * Dh), 1 + a(D), a(F, D), a(F, D), a(D, F)]
+    if q4:  # the matrices on a Q4_1 grid, packed
+        weights = [K.pack_q4(mx.array(q4_grid(np.array(w))))[0] if i in MATRICES else w for i, w in enumerate(weights)]
     biases = [a(H, Dh), a(KV, Dh), a(KV, Dh)] if bias else []
     return dict(x=a(1, 1, D), weights=weights, biases=biases, keys=a(1, KV, S, Dh), values=a(1, KV, S, Dh),
                 offset=mx.array([5], dtype=mx.int32), inv_freqs=mx.array(10000.0 ** (-np.arange(0, Dh, 2) / Dh),
@@ -166,6 +189,8 @@ def test_decode_block_input_checks():
         "odd rope dims": dict(rope_dims=7),
         "two biases": dict(biases=[mx.zeros((4, 8)), mx.zeros((2, 8))]),
         "float16 weights": dict(weights=[w.astype(mx.float16) for w in good["weights"]]),
+        "packed of the wrong width": dict(weights=good["weights"][:6] + [mx.zeros((48, 23), dtype=mx.uint8)]
+                                          + good["weights"][7:]),
     }
     for what, change in bad.items():
         with pytest.raises(ValueError, match="decode_block"):
@@ -202,8 +227,9 @@ sys.path.insert(0, "tests")
 import mlxtoy, mlx.core as mx, mlxtoy_kernels as K
 from test_decode_block import block_args
 y, k, v = K.decode_block(**block_args(D=96, H=6, KV=2, Dh=16, F=400, S=64, bias=True, seed=4))
+yq, _, _ = K.decode_block(**block_args(D=96, H=6, KV=2, Dh=16, F=416, S=64, bias=True, seed=4, q4=True))
 x = np.random.default_rng(5).standard_normal((3, 30000)).astype(np.float32)
-np.savez(sys.argv[1], y=np.array(y), k=np.array(k), v=np.array(v), lse=np.array(K.logsumexp(mx.array(x))),
+np.savez(sys.argv[1], y=np.array(y), k=np.array(k), v=np.array(v), yq=np.array(yq), lse=np.array(K.logsumexp(mx.array(x))),
          threads=K.threads(), openmp=K.openmp())
 """
 
@@ -227,6 +253,93 @@ def test_decode_block_same_bits_on_any_team(tmp_path, env):
     np.testing.assert_array_equal(got["y"], np.array(y))
     np.testing.assert_array_equal(got["k"], np.array(k))
     np.testing.assert_array_equal(got["v"], np.array(v))
+    yq, _, _ = K.decode_block(**block_args(D=96, H=6, KV=2, Dh=16, F=416, S=64, bias=True, seed=4, q4=True))
+    np.testing.assert_array_equal(got["yq"], np.array(yq))
     x = np.random.default_rng(5).standard_normal((3, 30000)).astype(np.float32)
     np.testing.assert_array_equal(got["lse"], np.array(K.logsumexp(mx.array(x))))
     np.testing.assert_allclose(got["lse"], ref_logsumexp(x), rtol=1e-6)  # positive control: right, not merely alike
+
+
+# --- decoding from 4-bit weights -------------------------------------------------------------
+
+def unpack_q4(packed: np.ndarray, K: int) -> np.ndarray:
+    """The packed rows back to weights, read from the documented layout: per block of 32, float32
+    d and m, then 16 bytes whose low nibble is weight j and high nibble weight j + 16."""
+    rows = packed.reshape(-1, K // 32, 24)
+    d = rows[..., 0:4].copy().view(np.float32)[..., 0]
+    m = rows[..., 4:8].copy().view(np.float32)[..., 0]
+    qs = rows[..., 8:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32)
+    return (d[..., None] * q + m[..., None]).reshape(-1, K).astype(np.float32)
+
+
+def test_pack_q4_is_lossless_on_a_q4_1_grid_and_refuses_anything_else():
+    r = np.random.default_rng(7)
+    w = r.standard_normal((40, 96)).astype(np.float32)
+    grid = q4_grid(w)
+    grid[3, :32] = 0.25  # a constant block (d = 0)
+    packed, ok = K.pack_q4(mx.array(grid))
+    assert int(ok.item()) == 1 and packed.shape == (40, 96 // 32 * 24) and packed.dtype == mx.uint8
+    np.testing.assert_array_equal(unpack_q4(np.array(packed), 96), grid)  # every weight, to the bit
+    assert fastmath.pack_q4(mx.array(grid)) is not None
+    off = grid.copy()
+    off[17, 50] = np.nextafter(off[17, 50], np.float32(10))  # one weight one ulp off the grid
+    assert int(K.pack_q4(mx.array(off))[1].item()) == 0 and fastmath.pack_q4(mx.array(off)) is None
+    assert fastmath.pack_q4(mx.array(w)) is None  # float weights: not a grid
+    assert fastmath.pack_q4(mx.array(grid[:, :80])) is None  # K not a multiple of 32
+
+
+def test_decode_from_packed_q4_weights_matches_the_uncached_forward():
+    model = q4_model(VARIANTS["gqa"])
+    assert all(sorted(layer.decode_packs()) == [str(i) for i in MATRICES] for layer in model.layers)
+    packed, graphs, _ = decode_steps(model, 6, fused=True)
+    assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
+    for got, ref in zip(packed, uncached_logits(model, packed)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    fastmath.PACKED_DECODE = False  # positive control: the float32 matrices through the same kernel
+    try:
+        for layer in model.layers:
+            object.__setattr__(layer, "mlxtoy_packs", None)
+        assert all(layer.decode_packs() == {} for layer in model.layers)
+        plain, _, _ = decode_steps(model, 6, fused=True)
+    finally:
+        fastmath.PACKED_DECODE = True
+        for layer in model.layers:
+            object.__setattr__(layer, "mlxtoy_packs", None)
+    for got, ref in zip(packed, plain):
+        assert not np.array_equal(got, ref)  # the sums ran another way (per block, d and m apart)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packs_follow_the_weights():
+    """A generation after the weights change never decodes from the old packs: weights scaled by 2
+    (still a grid: packed again), then moved off the grid (float32 again); checked against the
+    uncached forward each time."""
+    from mlx.utils import tree_map
+
+    model = q4_model(VARIANTS["gqa"])
+    prompt = PROMPT * 2
+
+    def check() -> list[int]:
+        tokens = [t for t, _ in generate_tokens(model, prompt, max_tokens=8)]
+        logits = np.array(model(mx.array([prompt + tokens[:-1]]))[0, len(prompt) - 1:])
+        for i, (a, b) in enumerate(zip(tokens, logits.argmax(-1).tolist())):
+            top2 = np.sort(logits[i])[-2:]
+            assert a == b or top2[1] - top2[0] < 1e-3, f"step {i}: {a} vs {b}"
+        return tokens
+
+    first = check()
+    packs = model.layers[0].decode_packs()
+    assert len(packs) == len(MATRICES)
+    model.update(tree_map(lambda p: p * 2.0, model.parameters()))
+    mx.eval(model.parameters())
+    doubled = check()
+    again = model.layers[0].decode_packs()
+    assert len(again) == len(MATRICES) and all(again[k] is not packs[k] for k in packs)
+    r = np.random.default_rng(3)
+    model.update(tree_map(lambda p: p + mx.array(1e-3 * r.standard_normal(p.shape).astype(np.float32)),
+                          model.parameters()))
+    mx.eval(model.parameters())
+    moved = check()
+    assert model.layers[0].decode_packs() == {}
+    assert len({tuple(first), tuple(doubled), tuple(moved)}) >= 2  # positive control: the changes show

@@ -36,6 +36,10 @@ NB_MODULE(_ext, m) {
   m.def("logsumexp", &mlxtoy::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "log(sum(exp(x))) over the last axis -> x.shape[:-1] ((1,) for a vector): the polynomial exp, "
         "summed in double over fixed blocks of each row, threaded; no gradient");
+  m.def("pack_q4", &mlxtoy::pack_q4, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "w (..., K) float32 -> (packed uint8 (..., K / 32 * 24), ok (1,) int32): each block of 32 weights as "
+        "float32 d and m and 4-bit q with w = d * q + m exactly (ok 1), as a Q4_1 GGUF dequantizes; ok 0 where "
+        "some weight is not (the packing is then of no use)");
   m.def("adamw", &mlxtoy::adamw, "p"_a, "g"_a, "m"_a, "v"_a, "scalars"_a, nb::kw_only(), "stream"_a = nb::none(),
         "one AdamW step (no bias correction) on g * grad_scale -> (p, m, v), in one pass; scalars float32 "
         "[lr, ok, b1, 1 - b1, b2, 1 - b2, eps, weight_decay, grad_scale]: where ok is 0 the old p, m, v "

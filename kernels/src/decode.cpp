@@ -32,13 +32,29 @@ void DecodeBlock::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>
 bool DecodeBlock::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const DecodeBlock&>(other);
   return rope_dims_ == o.rope_dims_ && traditional_ == o.traditional_ && qkv_bias_ == o.qkv_bias_ &&
-         eps_ == o.eps_ && attn_scale_ == o.attn_scale_ && rope_scale_ == o.rope_scale_;
+         eps_ == o.eps_ && attn_scale_ == o.attn_scale_ && rope_scale_ == o.rope_scale_ && packed_ == o.packed_;
 }
 
 namespace {
 // inputs: x, the nine weights (attn_norm, q, k, v, o, ffn_norm, gate, up, down), keys, values,
 // offset, inv_freqs, then the q/k/v biases if any
 enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kInvFreqs, kBiasQ };
+
+// A weight matrix (N, K) in float32 or Q4-packed; rows(n) is the matrix from row n on.
+struct Matrix {
+  const float* f32;
+  const Q4Block* q4;
+  int64_t K;
+
+  Matrix rows(int64_t n) const {
+    return q4 ? Matrix{nullptr, q4 + n * (K / kQ4), K} : Matrix{f32 + n * K, nullptr, K};
+  }
+  // y[n] for n in [n0, n1) of x times this matrix's rows; xs: x's block sums (Q4 only)
+  void gemv(const float* x, const float* xs, float* y, int64_t n0, int64_t n1) const {
+    if (q4) gemv_q4_span(x, xs, q4, y, K, n0, n1);
+    else gemv_span(x, f32, y, 1, n1, K, n0, n1);
+  }
+};
 }  // namespace
 
 void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -65,18 +81,18 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   for (auto& in : inputs) encoder.set_input_array(in);
   for (auto& out : outputs) encoder.set_output_array(out);
 
-  std::vector<const float*> in(inputs.size(), nullptr);
+  std::vector<const void*> in(inputs.size(), nullptr);
   for (size_t i = 0; i < inputs.size(); ++i) {
     const mx::array& a = inputs[i];
     if (i == kKeys || i == kValues) continue;  // read through the outputs
     if (a.flags().row_contiguous) {
-      in[i] = a.data<float>();
+      in[i] = a.data<void>();
       continue;
     }
     mx::array t(a.shape(), a.dtype(), nullptr, {});
     t.set_data(mx::allocator::malloc(t.nbytes()));
     copies.push_back({a.data<char>(), t.data<char>(), a.shape(), a.strides(), a.itemsize()});
-    in[i] = t.data<float>();
+    in[i] = t.data<void>();
     temps.push_back(std::move(t));
   }
   float* y = outputs[0].data<float>();
@@ -87,15 +103,22 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const int dims = rope_dims_;
   const bool traditional = traditional_, bias = qkv_bias_;
   const float eps = eps_, attn_scale = attn_scale_, rope_scale = rope_scale_;
+  const int packed = packed_;
 
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
     for (const auto& c : copies) c.run();
-    const float *x = in[kX], *wq = in[kQ], *wk = in[kK], *wv = in[kV], *wo = in[kO], *wg = in[kGate],
-                *wu = in[kUp], *wd = in[kDown], *inv_freqs = in[kInvFreqs];
-    const float *bq = bias ? in[kBiasQ] : nullptr, *bk = bias ? in[kBiasQ + 1] : nullptr,
-                *bv = bias ? in[kBiasQ + 2] : nullptr;
+    auto f = [&](int i) { return static_cast<const float*>(in[i]); };
+    auto matrix = [&](int i, int64_t K) {
+      bool q4 = packed & (1 << (i - kQ));
+      return Matrix{q4 ? nullptr : f(i), q4 ? static_cast<const Q4Block*>(in[i]) : nullptr, K};
+    };
+    const float *x = f(kX), *inv_freqs = f(kInvFreqs);
+    const Matrix wq = matrix(kQ, D), wk = matrix(kK, D), wv = matrix(kV, D), wo = matrix(kO, H * Dh),
+                 wg = matrix(kGate, D), wu = matrix(kUp, D), wd = matrix(kDown, F);
+    const float *bq = bias ? f(kBiasQ) : nullptr, *bk = bias ? f(kBiasQ + 1) : nullptr,
+                *bv = bias ? f(kBiasQ + 2) : nullptr;
     // the offset is read when the task runs (a traced input of the compiled decode step)
-    const int64_t off = reinterpret_cast<const int32_t*>(in[kOffset])[0];
+    const int64_t off = static_cast<const int32_t*>(in[kOffset])[0];
     if (off < 0 || off >= S) {  // no slot to write: loud NaNs rather than a write out of bounds
       std::fill(y, y + D, std::numeric_limits<float>::quiet_NaN());
       return;
@@ -109,27 +132,29 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     pool().run_team([&](const Team& team) {
       const int64_t chunk_d = gemv_chunk(D, team.parts), chunk_f = gemv_chunk(F, team.parts);
       std::vector<float> xn(D), tmp(std::max(Dh, chunk_d)), scores(off + 1);
+      std::vector<float> xs(std::max(D, std::max(H * Dh, F)) / kQ4 + 1);  // block sums of a GEMV's input
       auto add_bias = [&](float* row, const float* b) {
         if (b)
           for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
       };
 
       // q, k and v of the normed input, a head at a time; RoPE on q and k; k and v into slot `off`
-      rms_norm_row(x, in[kAttnNorm], xn.data(), D, eps);
+      rms_norm_row(x, f(kAttnNorm), xn.data(), D, eps);
+      if (packed) block_sums(xn.data(), D, xs.data());
       for (int64_t u; (u = next[0].fetch_add(1)) < units;) {
         if (u < H) {
-          gemv_span(xn.data(), wq + u * Dh * D, tmp.data(), 1, Dh, D, 0, Dh);
+          wq.rows(u * Dh).gemv(xn.data(), xs.data(), tmp.data(), 0, Dh);
           add_bias(tmp.data(), bq ? bq + u * Dh : nullptr);
           rope_row(tmp.data(), q.data() + u * Dh, Dh, dims, traditional, pos, inv_freqs);
         } else if (u < H + KV) {
           int64_t kv = u - H;
-          gemv_span(xn.data(), wk + kv * Dh * D, tmp.data(), 1, Dh, D, 0, Dh);
+          wk.rows(kv * Dh).gemv(xn.data(), xs.data(), tmp.data(), 0, Dh);
           add_bias(tmp.data(), bk ? bk + kv * Dh : nullptr);
           rope_row(tmp.data(), kc + (kv * S + off) * Dh, Dh, dims, traditional, pos, inv_freqs);
         } else {
           int64_t kv = u - H - KV;
           float* slot = vc + (kv * S + off) * Dh;
-          gemv_span(xn.data(), wv + kv * Dh * D, slot, 1, Dh, D, 0, Dh);
+          wv.rows(kv * Dh).gemv(xn.data(), xs.data(), slot, 0, Dh);
           add_bias(slot, bv ? bv + kv * Dh : nullptr);
         }
       }
@@ -144,27 +169,30 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       team.sync();
 
       // y = x + W_o att
+      if (packed) block_sums(att.data(), H * Dh, xs.data());
       for (int64_t r0; (r0 = next[2].fetch_add(chunk_d)) < D;) {
         int64_t r1 = std::min(D, r0 + chunk_d);
-        gemv_span(att.data(), wo, y, 1, D, H * Dh, r0, r1);
+        wo.gemv(att.data(), xs.data(), y, r0, r1);
         for (int64_t r = r0; r < r1; ++r) y[r] = x[r] + y[r];
       }
       team.sync();
 
       // act = silu(W_gate yn) * (W_up yn), yn the normed y
-      rms_norm_row(y, in[kFfnNorm], xn.data(), D, eps);
+      rms_norm_row(y, f(kFfnNorm), xn.data(), D, eps);
+      if (packed) block_sums(xn.data(), D, xs.data());
       for (int64_t r0; (r0 = next[3].fetch_add(chunk_f)) < F;) {
         int64_t r1 = std::min(F, r0 + chunk_f);
-        gemv_span(xn.data(), wg, gate.data(), 1, F, D, r0, r1);
-        gemv_span(xn.data(), wu, up.data(), 1, F, D, r0, r1);
+        wg.gemv(xn.data(), xs.data(), gate.data(), r0, r1);
+        wu.gemv(xn.data(), xs.data(), up.data(), r0, r1);
         swiglu_span(gate.data() + r0, up.data() + r0, act.data() + r0, r1 - r0);
       }
       team.sync();
 
       // y = y + W_down act
+      if (packed) block_sums(act.data(), F, xs.data());
       for (int64_t r0; (r0 = next[4].fetch_add(chunk_d)) < D;) {
         int64_t r1 = std::min(D, r0 + chunk_d);
-        gemv_span(act.data(), wd + r0 * F, tmp.data(), 1, r1 - r0, F, 0, r1 - r0);
+        wd.rows(r0).gemv(act.data(), xs.data(), tmp.data(), 0, r1 - r0);
         for (int64_t r = r0; r < r1; ++r) y[r] = y[r] + tmp[r - r0];
       }
     });
@@ -181,19 +209,31 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   };
   if (weights.size() != 9) fail("weights [attn_norm, q, k, v, o, ffn_norm, gate, up, down]");
   if (!biases.empty() && biases.size() != 3) fail("biases [] or [q, k, v]");
-  const auto &wq = weights[1], &wk = weights[2], &wv = weights[3], &wo = weights[4], &wg = weights[6],
-             &wu = weights[7], &wd = weights[8];
   if (x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) != 1) fail("x (1, 1, D): one token of one sequence");
-  int D = x.shape(2);
-  if (wq.ndim() != 3 || wk.ndim() != 3 || wv.ndim() != 3 || wq.shape(2) != D || wk.shape(2) != D ||
-      wv.shape(2) != D || wk.shape() != wv.shape() || wk.shape(1) != wq.shape(1) || wk.shape(0) == 0 ||
-      wq.shape(0) % wk.shape(0) != 0)
+  const int D = x.shape(2);
+  // a matrix's width: K float32, or K / 32 blocks of 24 bytes where it is Q4-packed (uint8)
+  int packed = 0;
+  auto width = [&](int i, int K) {
+    const mx::array& w = weights[i];
+    if (w.dtype() != mx::uint8) return K;
+    packed |= 1 << (i - 1);
+    return K % kQ4 == 0 ? static_cast<int>(K / kQ4 * sizeof(Q4Block)) : -1;
+  };
+  // the matrices' logical shapes (their last axis read through `width`)
+  auto lead = [&](int i) { return mx::Shape(weights[i].shape().begin(), weights[i].shape().end() - 1); };
+  const auto &wq = weights[1], &wk = weights[2], &wv = weights[3];
+  if (wq.ndim() != 3 || wk.ndim() != 3 || wv.ndim() != 3 || lead(2) != lead(3) || wk.shape(1) != wq.shape(1) ||
+      wk.shape(0) == 0 || wq.shape(0) % wk.shape(0) != 0 || wq.shape(2) != width(1, D) ||
+      wk.shape(2) != width(2, D) || wv.shape(2) != width(3, D))
     fail("q (H, Dh, D), k and v (KV, Dh, D), H a multiple of KV");
-  int H = wq.shape(0), KV = wk.shape(0), Dh = wq.shape(1);
+  const int H = wq.shape(0), KV = wk.shape(0), Dh = wq.shape(1);
   if (weights[0].shape() != mx::Shape{D} || weights[5].shape() != mx::Shape{D}) fail("norm weights (D,)");
-  if (wo.shape() != mx::Shape{D, H * Dh}) fail("o (D, H * Dh)");
-  if (wg.ndim() != 2 || wg.shape(1) != D || wu.shape() != wg.shape() || wd.shape() != mx::Shape{D, wg.shape(0)})
+  if (weights[4].shape() != mx::Shape{D, width(4, H * Dh)}) fail("o (D, H * Dh)");
+  if (weights[6].ndim() != 2 || lead(7) != lead(6) || weights[6].shape(1) != width(6, D) ||
+      weights[7].shape(1) != width(7, D))
     fail("gate and up (F, D), down (D, F)");
+  const int F = weights[6].shape(0);
+  if (weights[8].shape() != mx::Shape{D, width(8, F)}) fail("gate and up (F, D), down (D, F)");
   if (keys.ndim() != 4 || keys.shape(0) != 1 || keys.shape(1) != KV || keys.shape(3) != Dh ||
       values.shape() != keys.shape())
     fail("keys and values (1, KV, S, Dh)");
@@ -206,18 +246,19 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   std::vector<mx::array> inputs{x};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   inputs.insert(inputs.end(), {keys, values});
-  std::vector<mx::array> floats(inputs);
-  floats.push_back(inv_freqs);
+  std::vector<mx::array> floats{x, keys, values, inv_freqs};
+  for (size_t i = 0; i < weights.size(); ++i)
+    if (weights[i].dtype() != mx::uint8) floats.push_back(weights[i]);
   floats.insert(floats.end(), biases.begin(), biases.end());
   for (auto& a : floats)
-    if (a.dtype() != mx::float32) fail("float32 arrays only");
+    if (a.dtype() != mx::float32) fail("float32 arrays only (a matrix may be Q4-packed uint8)");
   inputs.push_back(offset);
   inputs.push_back(inv_freqs);
   inputs.insert(inputs.end(), biases.begin(), biases.end());
   auto stream = mx::to_stream(st);
   if (stream.device != mx::Device::cpu) fail("CPU stream only");
   auto prim = std::make_shared<DecodeBlock>(stream, rope_dims, traditional, !biases.empty(), eps, attn_scale,
-                                            rope_scale);
+                                            rope_scale, packed);
   return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
                                 prim, std::move(inputs));
 }

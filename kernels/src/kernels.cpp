@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -248,6 +249,17 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         }
         break;
       }
+      case Op::PackQ4: {
+        auto w = static_cast<const float*>(in[0]);
+        auto blocks = static_cast<Q4Block*>(out[0]);
+        std::atomic<bool> lossless{true};
+        threads.run(rows, 16, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1 && lossless.load(std::memory_order_relaxed); ++r)
+            if (!pack_q4_row(w + r * last, last, blocks + r * (last / kQ4))) lossless = false;
+        });
+        static_cast<int32_t*>(out[1])[0] = lossless ? 1 : 0;
+        break;
+      }
       case Op::AdamW: {
         auto p = static_cast<const float*>(in[0]);
         auto g = static_cast<const float*>(in[1]);
@@ -406,6 +418,14 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
   if (x.size() == 0) throw std::invalid_argument("[mlxtoy_kernels] sum_squares: x is empty");
   auto flat = f32(mx::reshape(x, {static_cast<int>(x.size()), 1}, st), "x");
   return make(Kernel::Op::SumSquares, 0, {{1}}, {mx::float32}, {flat}, st)[0];
+}
+
+std::vector<mx::array> pack_q4(const mx::array& w, mx::StreamOrDevice st) {
+  if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0)
+    throw std::invalid_argument("[mlxtoy_kernels] pack_q4: w (..., K), K a multiple of 32");
+  mx::Shape packed(w.shape().begin(), w.shape().end() - 1);
+  packed.push_back(static_cast<int>(w.shape(-1) / kQ4 * sizeof(Q4Block)));
+  return make(Kernel::Op::PackQ4, 0, {packed, {1}}, {mx::uint8, mx::int32}, {f32(w, "w")}, st);
 }
 
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st) {

@@ -11,7 +11,7 @@ namespace mlxtoy {
 class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
-                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp };
+                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, PackQ4 };
 
   // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional
   Kernel(mx::Stream stream, Op op, float param, int iparam = 0)
@@ -32,10 +32,12 @@ class Kernel : public mx::Primitive {
 // team with barriers between its phases (see decode.cpp).
 class DecodeBlock : public mx::Primitive {
  public:
+  // packed: bit w - 1 set where weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down) is
+  // Q4-packed (pack_q4)
   DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, float eps, float attn_scale,
-              float rope_scale)
+              float rope_scale, int packed)
       : mx::Primitive(stream), rope_dims_(rope_dims), traditional_(traditional), qkv_bias_(qkv_bias), eps_(eps),
-        attn_scale_(attn_scale), rope_scale_(rope_scale) {}
+        attn_scale_(attn_scale), rope_scale_(rope_scale), packed_(packed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -46,6 +48,7 @@ class DecodeBlock : public mx::Primitive {
   int rope_dims_;
   bool traditional_, qkv_bias_;
   float eps_, attn_scale_, rope_scale_;
+  int packed_;
 };
 
 int kernel_threads();
@@ -66,6 +69,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                            float scale, mx::StreamOrDevice st = {});
 mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st = {});
+std::vector<mx::array> pack_q4(const mx::array& w, mx::StreamOrDevice st = {});
 std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
                              const mx::array& scalars, mx::StreamOrDevice st = {});
 mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv_freqs, int dims, bool traditional,

@@ -288,6 +288,138 @@ HOT double sum_squares_span(const float* x, int64_t n) {
   return acc;
 }
 
+// ---- lossless 4-bit weights ------------------------------------------------------------------
+// A row of weights that are all of the form d * q + m (q in 0..15) per block of 32, as a Q4_1
+// GGUF dequantizes to, kept as (d, m, 16 bytes of nibbles: element j in the low nibble of byte
+// j, element j + 16 in the high one): decoding reads 0.75 bytes a weight instead of 4.
+struct Q4Block {
+  float d, m;
+  uint8_t qs[16];
+};
+static_assert(sizeof(Q4Block) == 24, "Q4Block is 24 bytes");
+constexpr int64_t kQ4 = 32;  // weights per block
+
+// Packs a row of K (a multiple of 32) weights; false where any weight is not exactly
+// fl(fl(d * q) + m) for the block's d = (max - min) / 15 and m = min (gguf-py's dequantization
+// in float32, one rounding per op): then the row is not a 4-bit grid and must stay float32.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) {
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    const float* x = w + b * kQ4;
+    float lo = x[0], hi = x[0];
+    for (int j = 1; j < kQ4; ++j) {
+      lo = std::min(lo, x[j]);
+      hi = std::max(hi, x[j]);
+    }
+    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+    Q4Block& blk = out[b];
+    blk.m = lo;
+    blk.d = (hi - lo) / 15.0f;
+    // the quantizer's d was rounded to float16: try the float32 quotient's neighbours too
+    bool ok = false;
+    for (float d : {blk.d, std::nextafter(blk.d, 0.0f), std::nextafter(blk.d, 1e30f)}) {
+      ok = true;
+      for (int j = 0; j < kQ4 && ok; ++j) {
+        float q = d > 0.0f ? std::nearbyint((x[j] - lo) / d) : 0.0f;
+        q = std::min(std::max(q, 0.0f), 15.0f);
+        float back = d * q;
+        back = back + lo;
+        ok = back == x[j];
+        uint8_t nib = static_cast<uint8_t>(q);
+        if (j < 16) blk.qs[j] = nib;
+        else blk.qs[j - 16] = static_cast<uint8_t>(blk.qs[j - 16] | (nib << 4));
+      }
+      if (ok) {
+        blk.d = d;
+        break;
+      }
+    }
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// xs[b] = the sum of x over block b (the m terms of a Q4 row's dot product)
+inline void block_sums(const float* x, int64_t K, float* xs) {
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    float s = 0.0f;
+    for (int j = 0; j < kQ4; ++j) s += x[b * kQ4 + j];
+    xs[b] = s;
+  }
+}
+
+// y[n] = sum_k x[k] * W[n, k] for rows n in [n0, n1) of a Q4-packed W (K / 32 blocks a row), as
+// sum over blocks of d * (x . q) + m * xs[block]
+inline void gemv_q4_span_portable(const float* x, const float* xs, const Q4Block* w, float* y, int64_t K,
+                                  int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const Q4Block* row = w + n * nb;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const Q4Block& blk = row[b];
+      const float* xb = x + b * kQ4;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int j = 0; j < 16; ++j)
+        dot += xb[j] * static_cast<float>(blk.qs[j] & 15) + xb[j + 16] * static_cast<float>(blk.qs[j] >> 4);
+      acc += blk.d * dot + blk.m * xs[b];
+    }
+    y[n] = acc;
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+// The same with AVX2: the nibbles widened to 8 floats at a time, d * (x . q) kept in 8 lanes
+// across the row's blocks, the m terms summed apart.
+__attribute__((target("avx2,fma"))) inline void gemv_q4_span_avx2(const float* x, const float* xs, const Q4Block* w,
+                                                                  float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ4;
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    const Q4Block* row = w + n * nb;
+    __m256 acc = _mm256_setzero_ps();
+    float macc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const Q4Block& blk = row[b];
+      const float* xb = x + b * kQ4;
+      __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs));
+      __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+      __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(xb), q0);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q1, dot);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q2, dot);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q3, dot);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(blk.d), dot, acc);
+      macc += blk.m * xs[b];
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[n] = _mm_cvtss_f32(s) + macc;
+  }
+}
+
+inline void gemv_q4_span(const float* x, const float* xs, const Q4Block* w, float* y, int64_t K, int64_t n0,
+                         int64_t n1) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) gemv_q4_span_avx2(x, xs, w, y, K, n0, n1);
+  else gemv_q4_span_portable(x, xs, w, y, K, n0, n1);
+}
+#else
+inline void gemv_q4_span(const float* x, const float* xs, const Q4Block* w, float* y, int64_t K, int64_t n0,
+                         int64_t n1) {
+  gemv_q4_span_portable(x, xs, w, y, K, n0, n1);
+}
+#endif
+
 // a GEMV's rows per chunk: about eight chunks per thread, at least 16 rows
 int64_t gemv_chunk(int64_t N, int threads) {
   return std::max<int64_t>(16, N / (8 * std::max(threads, 1)));

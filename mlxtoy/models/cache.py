@@ -82,10 +82,13 @@ class SlotCache:
     """A layer's cache inside the compiled decode step (`mlxtoy.generate`): the fixed-size
     buffers of a KVCache and the traced position `offset` (one int32) of the token being
     decoded. The new keys/values go into slot `offset`; the step's attention sees slots
-    0..offset, which is all a block fusing its decode step may assume."""
+    0..offset, which is all a block fusing its decode step may assume. `packed`: the layer's
+    matrices in the packed form its fused step reads (see `Block.decode_packs`)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array,
+                 packed: dict[str, mx.array] | None = None):
         self.keys, self.values, self.offset = keys, values, offset
+        self.packed = packed or {}
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write the position into slot `offset`; return the whole buffers (the attention

@@ -282,6 +282,19 @@ def rope(x: mx.array, offset: int | mx.array, inv_freqs: mx.array, dims: int, tr
 
 
 FUSED_DECODE = backend.os.environ.get("MLXTOY_FUSED_DECODE", "1") != "0"  # tests compare both ways
+PACKED_DECODE = backend.os.environ.get("MLXTOY_PACKED_DECODE", "1") != "0"
+
+
+def pack_q4(w: mx.array) -> mx.array | None:
+    """w (..., K) as blocks of 32 weights d * q + m (q 4-bit, d and m float32; 0.75 bytes a weight)
+    for the fused decode step, where every weight is exactly that (as a Q4_1 GGUF dequantizes), so
+    decoding reads the same weights from a fifth of the bytes; None where not (or without the
+    kernels, or with MLXTOY_PACKED_DECODE=0)."""
+    if not (PACKED_DECODE and _kernel_ok(w) and w.ndim >= 2 and w.shape[-1] % 32 == 0):
+        return None
+    packed, ok = _K.pack_q4(w)
+    mx.eval(packed, ok)
+    return packed if ok.item() else None
 
 
 def decode_block_ok(x: mx.array, *arrays: mx.array) -> bool:
@@ -295,7 +308,8 @@ def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], k
                  traditional: bool, eps: float, attn_scale: float,
                  rope_scale: float) -> tuple[mx.array, mx.array, mx.array]:
     """A pre-norm Llama block's step for one token as one kernel call -> (x, keys, values):
-    weights [attn_norm, q, k, v (per head), o, ffn_norm, gate, up, down], biases [] or
+    weights [attn_norm, q, k, v (per head), o, ffn_norm, gate, up, down] (a matrix float32 or
+    `pack_q4`ed), biases [] or
     [q, k, v]; the token's k (RoPE'd, as `rope`) and v go into slot `offset` of the caches
     (B = 1, (1, KV, S, Dh)), updated in place where the graph holds them alone, and the query
     attends to slots 0..offset. The same values as the block's kernels one by one."""

@@ -313,10 +313,10 @@ class Block(nn.Module):
         return x
 
 
-    def decode_fused(self, x: mx.array, cache: SlotCache) -> mx.array | None:
-        """This block's step for one decoded token as one kernel call (`fastmath.decode_block`),
-        when it is a plain Llama block (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window,
-        post-norm or adapter, SwiGLU) and the kernel applies; None otherwise."""
+    def fused_weights(self) -> list[mx.array] | None:
+        """[attn_norm, q, k, v, o, ffn_norm, gate, up, down] for `fastmath.decode_block` when this
+        is a plain Llama block (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm
+        or adapter, SwiGLU, no biases but q/k/v's), else None."""
         a, f = self.attn, self.ffn
         plain = (type(self.attn_norm) is RMSNorm and type(self.ffn_norm) is RMSNorm
                  and self.attn_norm.eps == self.ffn_norm.eps and "post_attn_norm" not in self
@@ -327,11 +327,41 @@ class Block(nn.Module):
                  and all(type(m) is Linear and "bias" not in m for m in (a.o, f.gate, f.up, f.down)))
         if not plain:
             return None
+        return [self.attn_norm.weight, a.q.weight, a.k.weight, a.v.weight, a.o.weight,
+                self.ffn_norm.weight, f.gate.weight, f.up.weight, f.down.weight]
+
+    def decode_packs(self) -> dict[str, mx.array]:
+        """This block's matrices as 4-bit blocks for decoding where that is lossless (the weights
+        of a Q4_1 GGUF: `fastmath.pack_q4`), keyed by their index in `fused_weights`; kept while
+        the weights are the same arrays (none are kept for weights that do not pack)."""
+        weights = self.fused_weights()
+        if weights is None:
+            return {}
+        kept = vars(self).get("mlxtoy_packs")
+        if kept is not None and all(a is b for a, b in zip(kept[0], weights, strict=True)):
+            return kept[1]
+        packs = {}
+        for i in (1, 2, 3, 4, 6, 7, 8):
+            packed = fastmath.pack_q4(weights[i])
+            if packed is None:
+                break  # trained weights: not a 4-bit grid (one failed matrix says as much)
+            packs[str(i)] = packed
+        if packs:
+            object.__setattr__(self, "mlxtoy_packs", (tuple(weights), packs))
+        return packs
+
+    def decode_fused(self, x: mx.array, cache: SlotCache) -> mx.array | None:
+        """This block's step for one decoded token as one kernel call (`fastmath.decode_block`),
+        with the cache's packed matrices where it has them; None where the block is not plain
+        or the kernel does not apply."""
+        weights = self.fused_weights()
+        if weights is None:
+            return None
+        a = self.attn
         biases = [p.bias for p in (a.q, a.k, a.v) if "bias" in p]
-        weights = [self.attn_norm.weight, a.q.weight, a.k.weight, a.v.weight, a.o.weight,
-                   self.ffn_norm.weight, f.gate.weight, f.up.weight, f.down.weight]
         if len(biases) not in (0, 3) or not fastmath.decode_block_ok(x, cache.keys, cache.values, *weights, *biases):
             return None
+        weights = [cache.packed.get(str(i), w) for i, w in enumerate(weights)]
         x, cache.keys, cache.values = fastmath.decode_block(
             x, weights, biases, cache.keys, cache.values, cache.offset, a.rope._inv_freqs, a.rope.dims,
             a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale)
