@@ -181,7 +181,8 @@ def _forward_last(model, tokens: mx.array, cache: list) -> mx.array:
 def _compiled_decode(model) -> Callable[[mx.array, list, list], mx.array]:
     """-> step(tokens (1, 1), cache, packs) -> logits (1, V): the one-token forward as one
     compiled graph, with the position a traced input so the graph is reused token after token;
-    packs: per layer, the packed matrices its fused block reads (inputs, like the weights).
+    packs: per layer, the packed matrices its fused block reads; head: [] or [the packed output
+    matrix] (inputs, like the weights).
 
     The graph's shapes depend only on the cache buffers' capacity, which grows every
     `KVCache.step` tokens (a new trace then, ~50 ms). Building the eager graph costs ~6 ms of
@@ -191,21 +192,22 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list], mx.array]:
     function when the model's structure changes, so it is never served a stale trace.
     """
 
-    def forward(tokens, offset, keys, values, packs):
+    def forward(tokens, offset, keys, values, packs, head):
         slots = [SlotCache(k, v, offset, p) for k, v, p in zip(keys, values, packs)]
         mask = (mx.arange(keys[0].shape[2]) <= offset)[None, None, None, :]
-        h = model.hidden(tokens, mask=mask, cache=slots)
-        return model.logits(h[:, -1, :]), [s.keys for s in slots], [s.values for s in slots]
+        h = model.hidden(tokens, mask=mask, cache=slots)[:, -1, :]
+        logits = fastmath.linear_packed(h, head[0]) if head else model.logits(h)
+        return logits, [s.keys for s in slots], [s.values for s in slots]
 
     compiled = mx.compile(forward, inputs=model.state)
 
-    def step(tokens: mx.array, cache: list, packs: list[dict]) -> mx.array:
+    def step(tokens: mx.array, cache: list, packs: list[dict], head: list) -> mx.array:
         for c in cache:
             c.reserve(1)
         offset = mx.array([cache[0].offset], dtype=mx.int32)
         with fastmath.inference():  # (traced here, on the first call and when shapes change)
             logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
-                                            [c.values for c in cache], packs)
+                                            [c.values for c in cache], packs, head)
         for c, k, v in zip(cache, keys, values):
             c.keys, c.values = k, v
             c.offset += 1
@@ -230,17 +232,19 @@ def decoder_for(model) -> Callable[[mx.array, list], mx.array]:
     # the layers' matrices packed for decoding (made once, then kept while the weights are the
     # same arrays); which ones are packed is part of the trace's structure
     packs = [layer.decode_packs() if hasattr(layer, "decode_packs") else {} for layer in getattr(model, "layers", [])]
-    structure = (_structure(model), tuple(tuple(sorted(p)) for p in packs))
+    head = model.decode_head_pack() if hasattr(model, "decode_head_pack") else None
+    head = [head] if head is not None and fastmath.FUSED_DECODE else []
+    structure = (_structure(model), tuple(tuple(sorted(p)) for p in packs), len(head))
     kept = vars(model).get("mlxtoy_decoder")
-    if kept is not None and kept[0] == structure and all(
+    if kept is not None and kept[0] == structure and all(a is b for a, b in zip(head, kept[3])) and all(
             p.keys() == q.keys() and all(p[k] is q[k] for k in p) for p, q in zip(packs, kept[2])):
-        return kept[3]
+        return kept[4]
     step = kept[1] if kept is not None and kept[0] == structure else _compiled_decode(model)
 
     def decode(tokens: mx.array, cache: list) -> mx.array:
-        return step(tokens, cache, packs)
+        return step(tokens, cache, packs, head)
 
-    object.__setattr__(model, "mlxtoy_decoder", (structure, step, packs, decode))
+    object.__setattr__(model, "mlxtoy_decoder", (structure, step, packs, head, decode))
     return decode
 
 

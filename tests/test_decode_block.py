@@ -143,21 +143,26 @@ def test_generation_crosses_a_cache_growth_with_the_fused_blocks():
 
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 MATRICES = (1, 2, 3, 4, 6, 7, 8)  # the matrices among the block's weights (the rest are norms)
 
 
-def q4_grid(w: np.ndarray) -> np.ndarray:
-    """w on a Q4_1 grid, by gguf-py's own quantizer and dequantizer: what a Q4_1 GGUF loads as."""
+def q4_grid(w: np.ndarray, qtype=Q4_1) -> np.ndarray:
+    """w on a Q4_1 (or `qtype`) grid, by gguf-py's own quantizer and dequantizer: what a GGUF of
+    that type loads as."""
     flat = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, w.shape[-1])
-    return gguf.quants.dequantize(gguf.quants.quantize(flat, Q4_1), Q4_1).reshape(w.shape).astype(np.float32)
+    return gguf.quants.dequantize(gguf.quants.quantize(flat, qtype), qtype).reshape(w.shape).astype(np.float32)
 
 
-def q4_model(variant: dict, seed: int = 0):
-    """`tiny` with every block matrix on a Q4_1 grid."""
+def q4_model(variant: dict, seed: int = 0, qtype=Q4_1, head=False):
+    """`tiny` with every block matrix on a Q4_1 (or `qtype`) grid; with `head`, the (tied) output
+    matrix on a Q8_0 grid too."""
     model = tiny(variant, seed)
     for layer in model.layers:
         for m in (layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o, layer.ffn.gate, layer.ffn.up, layer.ffn.down):
-            m.weight = mx.array(q4_grid(np.array(m.weight)))
+            m.weight = mx.array(q4_grid(np.array(m.weight), qtype))
+    if head:
+        model.tok_embeddings.weight = mx.array(q4_grid(np.array(model.tok_embeddings.weight), Q8_0))
     mx.eval(model.parameters())
     return model
 
@@ -167,7 +172,7 @@ def block_args(D=32, H=4, KV=2, Dh=8, F=48, S=16, bias=False, seed=0, q4=False):
     a = lambda *shape: mx.array(r.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]))  # noqa: E731
     weights = [1 + a(D), a(H, Dh, D), a(KV, Dh, D), a(KV, Dh, D), a(D, H * Dh), 1 + a(D), a(F, D), a(F, D), a(D, F)]
     if q4:  # the matrices on a Q4_1 grid, packed
-        weights = [K.pack_q4(mx.array(q4_grid(np.array(w))))[0] if i in MATRICES else w for i, w in enumerate(weights)]
+        weights = [K.pack(mx.array(q4_grid(np.array(w))), 4)[0] if i in MATRICES else w for i, w in enumerate(weights)]
     biases = [a(H, Dh), a(KV, Dh), a(KV, Dh)] if bias else []
     return dict(x=a(1, 1, D), weights=weights, biases=biases, keys=a(1, KV, S, Dh), values=a(1, KV, S, Dh),
                 offset=mx.array([5], dtype=mx.int32), inv_freqs=mx.array(10000.0 ** (-np.arange(0, Dh, 2) / Dh),
@@ -278,15 +283,15 @@ def test_pack_q4_is_lossless_on_a_q4_1_grid_and_refuses_anything_else():
     w = r.standard_normal((40, 96)).astype(np.float32)
     grid = q4_grid(w)
     grid[3, :32] = 0.25  # a constant block (d = 0)
-    packed, ok = K.pack_q4(mx.array(grid))
+    packed, ok = K.pack(mx.array(grid), 4)
     assert int(ok.item()) == 1 and packed.shape == (40, 96 // 32 * 24) and packed.dtype == mx.uint8
     np.testing.assert_array_equal(unpack_q4(np.array(packed), 96), grid)  # every weight, to the bit
-    assert fastmath.pack_q4(mx.array(grid)) is not None
+    assert fastmath.pack_lossless(mx.array(grid)) is not None
     off = grid.copy()
     off[17, 50] = np.nextafter(off[17, 50], np.float32(10))  # one weight one ulp off the grid
-    assert int(K.pack_q4(mx.array(off))[1].item()) == 0 and fastmath.pack_q4(mx.array(off)) is None
-    assert fastmath.pack_q4(mx.array(w)) is None  # float weights: not a grid
-    assert fastmath.pack_q4(mx.array(grid[:, :80])) is None  # K not a multiple of 32
+    assert int(K.pack(mx.array(off), 4)[1].item()) == 0 and fastmath.pack_lossless(mx.array(off)) is None
+    assert fastmath.pack_lossless(mx.array(w)) is None  # float weights: not a grid
+    assert fastmath.pack_lossless(mx.array(grid[:, :80])) is None  # K not a multiple of 32
 
 
 def test_decode_from_packed_q4_weights_matches_the_uncached_forward():
@@ -309,6 +314,24 @@ def test_decode_from_packed_q4_weights_matches_the_uncached_forward():
     for got, ref in zip(packed, plain):
         assert not np.array_equal(got, ref)  # the sums ran another way (per block, d and m apart)
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_from_q8_0_weights_and_a_packed_output_matrix():
+    model = q4_model(VARIANTS["mha-qkv-bias"], qtype=Q8_0, head=True)
+    packs = model.layers[0].decode_packs()
+    assert sorted(packs) == [str(i) for i in MATRICES]
+    assert packs["1"].shape[-1] == 64 // 32 * 36  # 8-bit blocks (a Q8_0 grid is no 4-bit one)
+    head = model.decode_head_pack()
+    assert head is not None and head.shape == (300, 64 // 32 * 36)
+    x = mx.random.normal((1, 64))
+    np.testing.assert_allclose(np.array(fastmath.linear_packed(x, head)),
+                               np.array(x @ model.tok_embeddings.weight.T), rtol=1e-5, atol=1e-5)
+    packed, graphs, _ = decode_steps(model, 6, fused=True)
+    assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
+    for got, ref in zip(packed, uncached_logits(model, packed)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="gemv_packed"):
+        K.gemv_packed(mx.zeros((1, 64)), mx.zeros((300, 50), dtype=mx.uint8))
 
 
 def test_packs_follow_the_weights():

@@ -36,10 +36,14 @@ NB_MODULE(_ext, m) {
   m.def("logsumexp", &mlxtoy::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "log(sum(exp(x))) over the last axis -> x.shape[:-1] ((1,) for a vector): the polynomial exp, "
         "summed in double over fixed blocks of each row, threaded; no gradient");
-  m.def("pack_q4", &mlxtoy::pack_q4, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "w (..., K) float32 -> (packed uint8 (..., K / 32 * 24), ok (1,) int32): each block of 32 weights as "
-        "float32 d and m and 4-bit q with w = d * q + m exactly (ok 1), as a Q4_1 GGUF dequantizes; ok 0 where "
-        "some weight is not (the packing is then of no use)");
+  m.def("pack", &mlxtoy::pack, "w"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "w (..., K) float32 -> (packed uint8, ok (1,) int32): each block of 32 weights along K as bits 4: "
+        "float32 d and m then 16 bytes (weight j in the low nibble of byte j, j + 16 in the high one), "
+        "w = d * q + m (24 bytes); bits 8: float32 d then 32 int8, w = d * q (36 bytes). ok 1 where every "
+        "weight is exactly that (as a Q4_1 or Q8_0 GGUF dequantizes), 0 where some is not (the packing "
+        "is then of no use)");
+  m.def("gemv_packed", &mlxtoy::gemv_packed, "x"_a, "packed"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ w.T for a few rows of x and w packed by pack (the width says 4 or 8 bits), threaded; no gradient");
   m.def("adamw", &mlxtoy::adamw, "p"_a, "g"_a, "m"_a, "v"_a, "scalars"_a, nb::kw_only(), "stream"_a = nb::none(),
         "one AdamW step (no bias correction) on g * grad_scale -> (p, m, v), in one pass; scalars float32 "
         "[lr, ok, b1, 1 - b1, b2, 1 - b2, eps, weight_decay, grad_scale]: where ok is 0 the old p, m, v "

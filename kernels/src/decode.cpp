@@ -40,18 +40,21 @@ namespace {
 // offset, inv_freqs, then the q/k/v biases if any
 enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kInvFreqs, kBiasQ };
 
-// A weight matrix (N, K) in float32 or Q4-packed; rows(n) is the matrix from row n on.
+// A weight matrix (N, K) in float32, Q4- or Q8-packed; rows(n) is the matrix from row n on.
 struct Matrix {
   const float* f32;
   const Q4Block* q4;
+  const Q8Block* q8;
   int64_t K;
 
   Matrix rows(int64_t n) const {
-    return q4 ? Matrix{nullptr, q4 + n * (K / kQ4), K} : Matrix{f32 + n * K, nullptr, K};
+    int64_t nb = K / kQ4;
+    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K};
   }
   // y[n] for n in [n0, n1) of x times this matrix's rows; xs: x's block sums (Q4 only)
   void gemv(const float* x, const float* xs, float* y, int64_t n0, int64_t n1) const {
     if (q4) gemv_q4_span(x, xs, q4, y, K, n0, n1);
+    else if (q8) gemv_q8_span(x, q8, y, K, n0, n1);
     else gemv_span(x, f32, y, 1, n1, K, n0, n1);
   }
 };
@@ -109,8 +112,9 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     for (const auto& c : copies) c.run();
     auto f = [&](int i) { return static_cast<const float*>(in[i]); };
     auto matrix = [&](int i, int64_t K) {
-      bool q4 = packed & (1 << (i - kQ));
-      return Matrix{q4 ? nullptr : f(i), q4 ? static_cast<const Q4Block*>(in[i]) : nullptr, K};
+      int form = (packed >> (2 * (i - kQ))) & 3;  // 0 float32, 1 Q4, 2 Q8
+      return Matrix{form == 0 ? f(i) : nullptr, form == 1 ? static_cast<const Q4Block*>(in[i]) : nullptr,
+                    form == 2 ? static_cast<const Q8Block*>(in[i]) : nullptr, K};
     };
     const float *x = f(kX), *inv_freqs = f(kInvFreqs);
     const Matrix wq = matrix(kQ, D), wk = matrix(kK, D), wv = matrix(kV, D), wo = matrix(kO, H * Dh),
@@ -211,13 +215,14 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   if (!biases.empty() && biases.size() != 3) fail("biases [] or [q, k, v]");
   if (x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) != 1) fail("x (1, 1, D): one token of one sequence");
   const int D = x.shape(2);
-  // a matrix's width: K float32, or K / 32 blocks of 24 bytes where it is Q4-packed (uint8)
+  // a matrix's width: K float32, or a packed width (uint8: Q4 or Q8 blocks, told apart by it)
   int packed = 0;
   auto width = [&](int i, int K) {
     const mx::array& w = weights[i];
     if (w.dtype() != mx::uint8) return K;
-    packed |= 1 << (i - 1);
-    return K % kQ4 == 0 ? static_cast<int>(K / kQ4 * sizeof(Q4Block)) : -1;
+    int form = w.shape(-1) == packed_width(K, 4) ? 1 : w.shape(-1) == packed_width(K, 8) ? 2 : 0;
+    packed |= form << (2 * (i - 1));
+    return form ? w.shape(-1) : -1;
   };
   // the matrices' logical shapes (their last axis read through `width`)
   auto lead = [&](int i) { return mx::Shape(weights[i].shape().begin(), weights[i].shape().end() - 1); };

@@ -79,6 +79,7 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   int64_t T = op == Op::Softmax ? inputs[1].shape(-2) : 0;
   int64_t rows_per_bias = op == Op::Softmax && inputs[1].shape(0) != 1 ? rows / inputs[1].shape(0) : 0;
   std::vector<int64_t> Ns;  // GemvMany: each w_i's rows (all its axes but the last, flattened)
+  if (op == Op::GemvPacked) Ns.push_back(inputs[1].shape(0));
   if (op == Op::GemvMany)
     for (size_t i = 1; i < inputs.size(); ++i) Ns.push_back(inputs[i].size() / std::max<int64_t>(last, 1));
   // DecodeAttention: q (B, H, 1, D), k (B, KV, S, D), v (B, KV, S, Dv), bias (Bb, S)
@@ -96,7 +97,8 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
     rope = {N, Tn, xs[0], xs[1], xs[2], iparam_ / 2, iparam_ % 2};
   }
 
-  encoder.dispatch([op, eps, in, out, rows, last, T, rows_per_bias, Ns, att, rope, copies = std::move(copies),
+  const int bits = iparam_;  // Pack, GemvPacked
+  encoder.dispatch([op, eps, bits, in, out, rows, last, T, rows_per_bias, Ns, att, rope, copies = std::move(copies),
                     temps = std::move(temps)]() {
     for (const auto& c : copies) c.run();
     Pool& threads = pool();
@@ -249,15 +251,35 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         }
         break;
       }
-      case Op::PackQ4: {
+      case Op::Pack: {
         auto w = static_cast<const float*>(in[0]);
-        auto blocks = static_cast<Q4Block*>(out[0]);
         std::atomic<bool> lossless{true};
         threads.run(rows, 16, [&](int64_t r0, int64_t r1) {
-          for (int64_t r = r0; r < r1 && lossless.load(std::memory_order_relaxed); ++r)
-            if (!pack_q4_row(w + r * last, last, blocks + r * (last / kQ4))) lossless = false;
+          for (int64_t r = r0; r < r1 && lossless.load(std::memory_order_relaxed); ++r) {
+            bool ok = bits == 4 ? pack_q4_row(w + r * last, last, static_cast<Q4Block*>(out[0]) + r * (last / kQ4))
+                                : pack_q8_row(w + r * last, last, static_cast<Q8Block*>(out[0]) + r * (last / kQ4));
+            if (!ok) lossless = false;
+          }
         });
         static_cast<int32_t*>(out[1])[0] = lossless ? 1 : 0;
+        break;
+      }
+      case Op::GemvPacked: {
+        // x (rows, K); the packed matrix's rows split first come, first served
+        auto x = static_cast<const float*>(in[0]);
+        auto y = static_cast<float*>(out[0]);
+        int64_t N = Ns[0];
+        std::vector<float> xs(rows * (last / kQ4));
+        for (int64_t r = 0; r < rows; ++r) block_sums(x + r * last, last, xs.data() + r * (last / kQ4));
+        threads.run_dynamic(N, gemv_chunk(N, threads.threads()), [&](int64_t n0, int64_t n1) {
+          for (int64_t r = 0; r < rows; ++r) {
+            if (bits == 4)
+              gemv_q4_span(x + r * last, xs.data() + r * (last / kQ4), static_cast<const Q4Block*>(in[1]), y + r * N,
+                           last, n0, n1);
+            else
+              gemv_q8_span(x + r * last, static_cast<const Q8Block*>(in[1]), y + r * N, last, n0, n1);
+          }
+        });
         break;
       }
       case Op::AdamW: {
@@ -420,12 +442,23 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
   return make(Kernel::Op::SumSquares, 0, {{1}}, {mx::float32}, {flat}, st)[0];
 }
 
-std::vector<mx::array> pack_q4(const mx::array& w, mx::StreamOrDevice st) {
-  if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0)
-    throw std::invalid_argument("[mlxtoy_kernels] pack_q4: w (..., K), K a multiple of 32");
+std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st) {
+  if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0 || (bits != 4 && bits != 8))
+    throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, bits 4 or 8");
   mx::Shape packed(w.shape().begin(), w.shape().end() - 1);
-  packed.push_back(static_cast<int>(w.shape(-1) / kQ4 * sizeof(Q4Block)));
-  return make(Kernel::Op::PackQ4, 0, {packed, {1}}, {mx::uint8, mx::int32}, {f32(w, "w")}, st);
+  packed.push_back(static_cast<int>(packed_width(w.shape(-1), bits)));
+  return make(Kernel::Op::Pack, 0, {packed, {1}}, {mx::uint8, mx::int32}, {f32(w, "w")}, st, bits);
+}
+
+mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st) {
+  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 24 or 36) uint8";
+  if (x.ndim() == 0 || packed.ndim() != 2 || packed.dtype() != mx::uint8) throw std::invalid_argument(usage);
+  int64_t K = x.shape(-1);
+  int bits = packed.shape(1) == packed_width(K, 4) ? 4 : packed.shape(1) == packed_width(K, 8) ? 8 : 0;
+  if (bits == 0) throw std::invalid_argument(usage);
+  mx::Shape out(x.shape().begin(), x.shape().end() - 1);
+  out.push_back(packed.shape(0));
+  return make(Kernel::Op::GemvPacked, 0, {out}, {mx::float32}, {f32(x, "x"), packed}, st, bits)[0];
 }
 
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st) {

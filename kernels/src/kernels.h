@@ -11,9 +11,10 @@ namespace mlxtoy {
 class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
-                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, PackQ4 };
+                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, Pack, GemvPacked };
 
-  // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional
+  // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional,
+  // a packing's bits
   Kernel(mx::Stream stream, Op op, float param, int iparam = 0)
       : mx::Primitive(stream), op_(op), param_(param), iparam_(iparam) {}
 
@@ -32,8 +33,8 @@ class Kernel : public mx::Primitive {
 // team with barriers between its phases (see decode.cpp).
 class DecodeBlock : public mx::Primitive {
  public:
-  // packed: bit w - 1 set where weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down) is
-  // Q4-packed (pack_q4)
+  // packed: for weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down), bits
+  // 2 (w - 1) .. 2 (w - 1) + 1: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack)
   DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, float eps, float attn_scale,
               float rope_scale, int packed)
       : mx::Primitive(stream), rope_dims_(rope_dims), traditional_(traditional), qkv_bias_(qkv_bias), eps_(eps),
@@ -69,7 +70,8 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                            float scale, mx::StreamOrDevice st = {});
 mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st = {});
-std::vector<mx::array> pack_q4(const mx::array& w, mx::StreamOrDevice st = {});
+std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st = {});
+mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st = {});
 std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
                              const mx::array& scalars, mx::StreamOrDevice st = {});
 mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv_freqs, int dims, bool traditional,

@@ -420,6 +420,102 @@ inline void gemv_q4_span(const float* x, const float* xs, const Q4Block* w, floa
 }
 #endif
 
+// ---- lossless 8-bit weights ------------------------------------------------------------------
+// A row of weights that are all d * q (q in -127..127) per block of 32, as a Q8_0 GGUF
+// dequantizes to: (d, 32 signed bytes), 1.125 bytes a weight.
+struct Q8Block {
+  float d;
+  int8_t qs[32];
+};
+static_assert(sizeof(Q8Block) == 36, "Q8Block is 36 bytes");
+
+// Packs a row of K (a multiple of 32) weights; false where any weight is not exactly
+// fl(d * q) for the block's d = absmax / 127 (or a float32 neighbour of it).
+inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) {
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    const float* x = w + b * kQ4;
+    float amax = 0.0f;
+    for (int j = 0; j < kQ4; ++j) amax = std::max(amax, std::fabs(x[j]));
+    if (!std::isfinite(amax)) return false;
+    Q8Block& blk = out[b];
+    float d0 = amax / 127.0f;
+    bool ok = false;
+    for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
+      ok = true;
+      for (int j = 0; j < kQ4 && ok; ++j) {
+        float q = d > 0.0f ? std::nearbyint(x[j] / d) : 0.0f;
+        q = std::min(std::max(q, -127.0f), 127.0f);
+        ok = d * q == x[j];
+        blk.qs[j] = static_cast<int8_t>(q);
+      }
+      if (ok) {
+        blk.d = d;
+        break;
+      }
+    }
+    if (!ok) return false;
+  }
+  return true;
+}
+
+inline void gemv_q8_span_portable(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const Q8Block* row = w + n * nb;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * kQ4;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int j = 0; j < 32; ++j) dot += xb[j] * static_cast<float>(row[b].qs[j]);
+      acc += row[b].d * dot;
+    }
+    y[n] = acc;
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2,fma"))) inline void gemv_q8_span_avx2(const float* x, const Q8Block* w, float* y,
+                                                                  int64_t K, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const Q8Block* row = w + n * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * kQ4;
+      const int8_t* qs = row[b].qs;
+      __m256 dot = _mm256_setzero_ps();
+      for (int j = 0; j < 32; j += 8) {
+        __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + j));
+        dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + j), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), dot);
+      }
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(row[b].d), dot, acc);
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[n] = _mm_cvtss_f32(s);
+  }
+}
+
+inline void gemv_q8_span(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) gemv_q8_span_avx2(x, w, y, K, n0, n1);
+  else gemv_q8_span_portable(x, w, y, K, n0, n1);
+}
+#else
+inline void gemv_q8_span(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  gemv_q8_span_portable(x, w, y, K, n0, n1);
+}
+#endif
+
+// The bytes of a packed row of K weights: Q4 blocks or Q8 blocks (distinct sizes, so a packed
+// array's width says which); -1 for neither.
+inline int64_t packed_width(int64_t K, int bits) {
+  if (K % kQ4 != 0) return -1;
+  return K / kQ4 * static_cast<int64_t>(bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block));
+}
+
 // a GEMV's rows per chunk: about eight chunks per thread, at least 16 rows
 int64_t gemv_chunk(int64_t N, int threads) {
   return std::max<int64_t>(16, N / (8 * std::max(threads, 1)));

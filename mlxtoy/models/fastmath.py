@@ -285,16 +285,25 @@ FUSED_DECODE = backend.os.environ.get("MLXTOY_FUSED_DECODE", "1") != "0"  # test
 PACKED_DECODE = backend.os.environ.get("MLXTOY_PACKED_DECODE", "1") != "0"
 
 
-def pack_q4(w: mx.array) -> mx.array | None:
-    """w (..., K) as blocks of 32 weights d * q + m (q 4-bit, d and m float32; 0.75 bytes a weight)
-    for the fused decode step, where every weight is exactly that (as a Q4_1 GGUF dequantizes), so
-    decoding reads the same weights from a fifth of the bytes; None where not (or without the
-    kernels, or with MLXTOY_PACKED_DECODE=0)."""
+def pack_lossless(w: mx.array) -> mx.array | None:
+    """w (..., K) packed for decoding where that is lossless: as blocks of 32 weights d * q + m
+    (q 4-bit; 0.75 bytes a weight, the weights of a Q4_1 GGUF) or d * q (q 8-bit; 1.125 bytes,
+    Q8_0's), d and m float32, whichever holds every weight exactly; decoding then reads the same
+    weights from a fraction of the bytes. None where neither does (trained or float weights),
+    without the kernels, or with MLXTOY_PACKED_DECODE=0. The packed width tells the two apart."""
     if not (PACKED_DECODE and _kernel_ok(w) and w.ndim >= 2 and w.shape[-1] % 32 == 0):
         return None
-    packed, ok = _K.pack_q4(w)
-    mx.eval(packed, ok)
-    return packed if ok.item() else None
+    for bits in (4, 8):
+        packed, ok = _K.pack(w, bits)
+        mx.eval(packed, ok)
+        if ok.item():
+            return packed
+    return None
+
+
+def linear_packed(x: mx.array, packed: mx.array) -> mx.array:
+    """x @ w.T for a few rows of x and w packed by `pack_lossless` (2-D), threaded; no gradient."""
+    return _K.gemv_packed(x, packed)
 
 
 def decode_block_ok(x: mx.array, *arrays: mx.array) -> bool:
@@ -309,7 +318,7 @@ def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], k
                  rope_scale: float) -> tuple[mx.array, mx.array, mx.array]:
     """A pre-norm Llama block's step for one token as one kernel call -> (x, keys, values):
     weights [attn_norm, q, k, v (per head), o, ffn_norm, gate, up, down] (a matrix float32 or
-    `pack_q4`ed), biases [] or
+    `pack_lossless`ed), biases [] or
     [q, k, v]; the token's k (RoPE'd, as `rope`) and v go into slot `offset` of the caches
     (B = 1, (1, KV, S, Dh)), updated in place where the graph holds them alone, and the query
     attends to slots 0..offset. The same values as the block's kernels one by one."""

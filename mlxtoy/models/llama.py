@@ -331,9 +331,9 @@ class Block(nn.Module):
                 self.ffn_norm.weight, f.gate.weight, f.up.weight, f.down.weight]
 
     def decode_packs(self) -> dict[str, mx.array]:
-        """This block's matrices as 4-bit blocks for decoding where that is lossless (the weights
-        of a Q4_1 GGUF: `fastmath.pack_q4`), keyed by their index in `fused_weights`; kept while
-        the weights are the same arrays (none are kept for weights that do not pack)."""
+        """This block's matrices packed for decoding where that is lossless (the weights of a
+        Q4_1 or Q8_0 GGUF: `fastmath.pack_lossless`), keyed by their index in `fused_weights`;
+        kept while the weights are the same arrays (none are kept for weights that do not pack)."""
         weights = self.fused_weights()
         if weights is None:
             return {}
@@ -342,7 +342,7 @@ class Block(nn.Module):
             return kept[1]
         packs = {}
         for i in (1, 2, 3, 4, 6, 7, 8):
-            packed = fastmath.pack_q4(weights[i])
+            packed = fastmath.pack_lossless(weights[i])
             if packed is None:
                 break  # trained weights: not a 4-bit grid (one failed matrix says as much)
             packs[str(i)] = packed
@@ -412,6 +412,29 @@ class LlamaModel(nn.Module):
                     if not site.startswith("_"):
                         taps[(i, site)] = value
         return self.norm(x)
+
+    def output_matrix(self) -> mx.array | None:
+        """The (vocab, d_model) matrix W with `logits(h)` = h @ W.T (the output layer's, or the
+        tied embedding table), where that is all `logits` does; else None."""
+        if type(self).logits is not LlamaModel.logits:
+            return None
+        if "output" in self:
+            out = self.output
+            return out.weight if type(out) is Linear and "bias" not in out else None
+        return self.tok_embeddings.weight if type(self.tok_embeddings) is nn.Embedding else None
+
+    def decode_head_pack(self) -> mx.array | None:
+        """`output_matrix()` packed for decoding where that is lossless (as `Block.decode_packs`),
+        kept while it is the same array."""
+        w = self.output_matrix()
+        if w is None:
+            return None
+        kept = vars(self).get("mlxtoy_head_pack")
+        if kept is not None and kept[0] is w:
+            return kept[1]
+        packed = fastmath.pack_lossless(w)
+        object.__setattr__(self, "mlxtoy_head_pack", (w, packed) if packed is not None else None)
+        return packed
 
     def logits(self, h: mx.array) -> mx.array:
         if "output" in self:
