@@ -9,7 +9,10 @@ same 128 prompt token ids for every engine; each engine runs in its own process 
 then one measured run) so no engine's threads interfere with another's; medians over --repeats
 round-robin rounds.
 
-- mlxtoy: the model dequantized to float32 (the CPU compute dtype), `generate_tokens`.
+- mlxtoy: the model dequantized to float32 (the CPU compute dtype), `generate_tokens`; decoding
+  reads the matrices that are exactly 4- or 8-bit blocks (all of a Q4_1/Q8_0 GGUF's) packed
+  (`fastmath.pack_lossless`), packed once in the warm-up run. "mlxtoy (f32 decode)" is the same
+  with MLXTOY_PACKED_DECODE=0: every weight read as float32, as llama.cpp's F32 run reads them.
 - mlx-lm: the same float32 weights written as a Hugging Face folder with mlxtoy's save_hf and
   loaded by mlx-lm, `mlx_lm.generate.generate_step` (mlxtoy is imported first, so both use
   the same fast BLAS).
@@ -60,7 +63,8 @@ def timed(token_iter, n_prompt: int, n_decode: int) -> tuple[float, float]:
     return n_prompt / (t1 - t0), (count - 1) / (t2 - t1)
 
 
-ENGINES = ("mlxtoy", "mlx-lm", "llama.cpp-q4_1", "llama.cpp-f32")
+ENGINES = ("mlxtoy", "mlxtoy-f32", "mlx-lm", "llama.cpp-q4_1", "llama.cpp-f32")
+ENV = {"mlxtoy-f32": {"MLXTOY_PACKED_DECODE": "0"}}  # read at import: set for the worker process
 
 
 def make_engine(engine: str, args, files: dict) -> tuple[str, object]:
@@ -70,10 +74,11 @@ def make_engine(engine: str, args, files: dict) -> tuple[str, object]:
 
     ids = files["ids"]  # tokenized once, by the parent: the same ids for every engine
     n_d = args.decode_tokens
-    if engine == "mlxtoy":
+    if engine.startswith("mlxtoy"):
         cfg, weights, _, _ = load_weights(args.model)
         model = build_model(cfg, weights)
-        return "mlxtoy (f32)", lambda: (t for t, _ in generate_tokens(model, ids, max_tokens=n_d + 1))
+        label = "mlxtoy (f32 decode)" if engine == "mlxtoy-f32" else "mlxtoy (packed decode)"
+        return label, lambda: (t for t, _ in generate_tokens(model, ids, max_tokens=n_d + 1))
     if engine == "mlx-lm":
         from pathlib import Path
 
@@ -155,7 +160,7 @@ def main() -> int:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--files", json.dumps(files),
                        "--model", args.model, "--prompt-tokens", str(args.prompt_tokens),
                        "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]
-                p = subprocess.run(cmd, capture_output=True, text=True)
+                p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | ENV.get(engine, {}))
                 line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
                 if p.returncode != 0 or line is None:
                     print(f"{engine}: failed\n{p.stderr[-3000:]}", file=sys.stderr)

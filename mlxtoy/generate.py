@@ -201,6 +201,8 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list], mx.array]:
 
     compiled = mx.compile(forward, inputs=model.state)
 
+    traced: set[int] = set()  # the cache capacities traced for
+
     def step(tokens: mx.array, cache: list, packs: list[dict], head: list) -> mx.array:
         for c in cache:
             c.reserve(1)
@@ -208,6 +210,10 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list], mx.array]:
         with fastmath.inference():  # (traced here, on the first call and when shapes change)
             logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
                                             [c.values for c in cache], packs, head)
+        if cache[0].capacity not in traced:  # a trace: the model holds new objects for its weights
+            traced.add(cache[0].capacity)
+            if hasattr(model, "repin_packs"):
+                model.repin_packs()
         for c, k, v in zip(cache, keys, values):
             c.keys, c.values = k, v
             c.offset += 1

@@ -354,6 +354,7 @@ def test_packs_follow_the_weights():
     first = check()
     packs = model.layers[0].decode_packs()
     assert len(packs) == len(MATRICES)
+    assert check() == first and model.layers[0].decode_packs() is packs  # kept across generations (and traces)
     model.update(tree_map(lambda p: p * 2.0, model.parameters()))
     mx.eval(model.parameters())
     doubled = check()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -299,6 +299,14 @@ def pack_lossless(w: mx.array) -> mx.array | None:
         if ok.item():
             return packed
     return None
+
+
+def same_arrays(kept: Sequence[mx.array], now: Sequence[mx.array]) -> bool:
+    """Whether `now` holds the arrays packed earlier: the same objects, or equal values (tracing
+    a compiled function hands a module back new array objects for the same weights)."""
+    return len(kept) == len(now) and all(a is b or (a.shape == b.shape and a.dtype == b.dtype
+                                                      and mx.array_equal(a, b).item())
+                                         for a, b in zip(kept, now))
 
 
 def linear_packed(x: mx.array, packed: mx.array) -> mx.array:

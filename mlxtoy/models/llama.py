@@ -338,7 +338,8 @@ class Block(nn.Module):
         if weights is None:
             return {}
         kept = vars(self).get("mlxtoy_packs")
-        if kept is not None and all(a is b for a, b in zip(kept[0], weights, strict=True)):
+        if kept is not None and fastmath.same_arrays(kept[0], weights):
+            object.__setattr__(self, "mlxtoy_packs", (tuple(weights), kept[1]))
             return kept[1]
         packs = {}
         for i in (1, 2, 3, 4, 6, 7, 8):
@@ -430,11 +431,24 @@ class LlamaModel(nn.Module):
         if w is None:
             return None
         kept = vars(self).get("mlxtoy_head_pack")
-        if kept is not None and kept[0] is w:
+        if kept is not None and fastmath.same_arrays([kept[0]], [w]):
+            object.__setattr__(self, "mlxtoy_head_pack", (w, kept[1]))
             return kept[1]
         packed = fastmath.pack_lossless(w)
         object.__setattr__(self, "mlxtoy_head_pack", (w, packed) if packed is not None else None)
         return packed
+
+    def repin_packs(self) -> None:
+        """Keep the decode packs for the weights' current array objects, without comparing
+        values: tracing a compiled function hands a module new objects for the same weights.
+        Only right after such a trace, before anything can have changed the weights."""
+        for layer in self.layers:
+            kept = vars(layer).get("mlxtoy_packs")
+            if kept is not None:
+                object.__setattr__(layer, "mlxtoy_packs", (tuple(layer.fused_weights()), kept[1]))
+        kept = vars(self).get("mlxtoy_head_pack")
+        if kept is not None:
+            object.__setattr__(self, "mlxtoy_head_pack", (self.output_matrix(), kept[1]))
 
     def logits(self, h: mx.array) -> mx.array:
         if "output" in self:
