@@ -347,8 +347,8 @@ class Block(nn.Module):
             if packed is None:
                 break  # trained weights: not a 4-bit grid (one failed matrix says as much)
             packs[str(i)] = packed
-        if packs:
-            object.__setattr__(self, "mlxtoy_packs", (tuple(weights), packs))
+        # what is kept always matches the weights last looked at (`repin_packs` relies on it)
+        object.__setattr__(self, "mlxtoy_packs", (tuple(weights), packs) if packs else None)
         return packs
 
     def decode_fused(self, x: mx.array, cache: SlotCache) -> mx.array | None:
