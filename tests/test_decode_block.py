@@ -367,3 +367,12 @@ def test_packs_follow_the_weights():
     moved = check()
     assert model.layers[0].decode_packs() == {}
     assert len({tuple(first), tuple(doubled), tuple(moved)}) >= 2  # positive control: the changes show
+    model = q4_model(VARIANTS["gqa"], seed=1)  # packed, then given adapters: decoded unfused and right
+    check()
+    assert model.layers[0].decode_packs()
+    apply_lora(model, ["q", "v"], 4, 8.0)
+    for layer in model.layers:
+        layer.attn.v.lora_b = 0.2 * mx.random.normal(layer.attn.v.lora_b.shape)
+    mx.eval(model.parameters())
+    check()
+    assert model.layers[0].decode_packs() == {}

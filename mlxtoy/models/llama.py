@@ -336,6 +336,7 @@ class Block(nn.Module):
         kept while the weights are the same arrays (none are kept for weights that do not pack)."""
         weights = self.fused_weights()
         if weights is None:
+            object.__setattr__(self, "mlxtoy_packs", None)
             return {}
         kept = vars(self).get("mlxtoy_packs")
         if kept is not None and fastmath.same_arrays(kept[0], weights):
@@ -444,8 +445,9 @@ class LlamaModel(nn.Module):
         Only right after such a trace, before anything can have changed the weights."""
         for layer in self.layers:
             kept = vars(layer).get("mlxtoy_packs")
-            if kept is not None:
-                object.__setattr__(layer, "mlxtoy_packs", (tuple(layer.fused_weights()), kept[1]))
+            weights = layer.fused_weights() if kept is not None else None
+            if weights is not None:
+                object.__setattr__(layer, "mlxtoy_packs", (tuple(weights), kept[1]))
         kept = vars(self).get("mlxtoy_head_pack")
         if kept is not None:
             object.__setattr__(self, "mlxtoy_head_pack", (self.output_matrix(), kept[1]))
