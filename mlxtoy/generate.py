@@ -178,8 +178,8 @@ def _forward_last(model, tokens: mx.array, cache: list) -> mx.array:
         return model(tokens, cache=cache)[:, -1, :]
 
 
-def _compiled_decode(model) -> Callable[[mx.array, list, list], mx.array]:
-    """-> step(tokens (1, 1), cache, packs) -> logits (1, V): the one-token forward as one
+def _compiled_decode(model) -> Callable[[mx.array, list, list, list], mx.array]:
+    """-> step(tokens (1, 1), cache, packs, head) -> logits (1, V): the one-token forward as one
     compiled graph, with the position a traced input so the graph is reused token after token;
     packs: per layer, the packed matrices its fused block reads; head: [] or [the packed output
     matrix] (inputs, like the weights).

@@ -312,7 +312,6 @@ class Block(nn.Module):
                 taps.update(head_taps)
         return x
 
-
     def fused_weights(self) -> list[mx.array] | None:
         """[attn_norm, q, k, v, o, ffn_norm, gate, up, down] for `fastmath.decode_block` when this
         is a plain Llama block (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm
