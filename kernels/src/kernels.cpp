@@ -1,8 +1,10 @@
 // mlxtoy's CPU kernels: the float32 row-wise work that MLX's CPU backend runs unfused and on
 // one thread (softmax, cross-entropy, RMSNorm, SwiGLU) and the small-batch GEMV of decoding
-// (which MKL runs on one thread), the one-query attention of decoding, and AdamW's update. Each
-// is an MLX primitive evaluated on the CPU stream; rows are split over a small thread pool
-// (pool.h), the loops are in loops.h. Gradients are wired up in Python (mx.custom_function).
+// (which MKL runs on one thread), the one-query attention of decoding, AdamW's update, a
+// logsumexp, and the lossless 4/8-bit packing of weights for decoding with its GEMV. Each is an
+// MLX primitive evaluated on the CPU stream; rows are split over a small thread pool (pool.h),
+// the loops are in loops.h, the fused decode block in decode.cpp. Gradients are wired up in
+// Python (mx.custom_function).
 
 #include <algorithm>
 #include <array>

@@ -1,4 +1,4 @@
-// mlxtoy kernels: the float32 loops over rows and spans (included by kernels.cpp only).
+// mlxtoy kernels: the float32 loops over rows and spans (included by kernels.cpp and decode.cpp).
 #pragma once
 
 #include <algorithm>
@@ -8,6 +8,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>  // the packed GEMVs' AVX2 forms
+#endif
 
 namespace mlxtoy {
 
@@ -372,8 +376,6 @@ inline void gemv_q4_span_portable(const float* x, const float* xs, const Q4Block
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-
 // The same with AVX2: the nibbles widened to 8 floats at a time, d * (x . q) kept in 8 lanes
 // across the row's blocks, the m terms summed apart.
 __attribute__((target("avx2,fma"))) inline void gemv_q4_span_avx2(const float* x, const float* xs, const Q4Block* w,

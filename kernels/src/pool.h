@@ -1,4 +1,5 @@
-// mlxtoy kernels: the thread pool the row loops are split over (included by kernels.cpp only).
+// mlxtoy kernels: the thread pool the row loops are split over (included by kernels.cpp and
+// decode.cpp, which share the one pool).
 #pragma once
 
 #include <algorithm>
