@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
 
 namespace mx = mlx::core;
@@ -50,6 +51,19 @@ struct StridedCopy {
     }
   }
 };
+
+// A task's pointer to input `a`: its own data where `in_place` (row-contiguous, or a layout the
+// op reads through its strides), else a contiguous buffer the task fills first (a StridedCopy
+// appended to `copies`; the buffer is held in `temps`, which the task holds).
+inline const void* task_data(const mx::array& a, bool in_place, std::vector<StridedCopy>& copies,
+                             std::vector<mx::array>& temps) {
+  if (in_place) return a.data<void>();
+  mx::array t(a.shape(), a.dtype(), nullptr, {});
+  t.set_data(mx::allocator::malloc(t.nbytes()));
+  copies.push_back({a.data<char>(), t.data<char>(), a.shape(), a.strides(), a.itemsize()});
+  temps.push_back(t);
+  return t.data<void>();
+}
 
 }  // namespace
 

@@ -39,25 +39,6 @@ namespace {
 // inputs: x, the nine weights (attn_norm, q, k, v, o, ffn_norm, gate, up, down), keys, values,
 // offset, inv_freqs, then the q/k/v biases if any
 enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kInvFreqs, kBiasQ };
-
-// A weight matrix (N, K) in float32, Q4- or Q8-packed; rows(n) is the matrix from row n on.
-struct Matrix {
-  const float* f32;
-  const Q4Block* q4;
-  const Q8Block* q8;
-  int64_t K;
-
-  Matrix rows(int64_t n) const {
-    int64_t nb = K / kQ4;
-    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K};
-  }
-  // y[n] for n in [n0, n1) of x times this matrix's rows; xs: x's block sums (Q4 only)
-  void gemv(const float* x, const float* xs, float* y, int64_t n0, int64_t n1) const {
-    if (q4) gemv_q4_span(x, xs, q4, y, K, n0, n1);
-    else if (q8) gemv_q8_span(x, q8, y, K, n0, n1);
-    else gemv_span(x, f32, y, 1, n1, K, n0, n1);
-  }
-};
 }  // namespace
 
 void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -85,19 +66,9 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   for (auto& out : outputs) encoder.set_output_array(out);
 
   std::vector<const void*> in(inputs.size(), nullptr);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const mx::array& a = inputs[i];
-    if (i == kKeys || i == kValues) continue;  // read through the outputs
-    if (a.flags().row_contiguous) {
-      in[i] = a.data<void>();
-      continue;
-    }
-    mx::array t(a.shape(), a.dtype(), nullptr, {});
-    t.set_data(mx::allocator::malloc(t.nbytes()));
-    copies.push_back({a.data<char>(), t.data<char>(), a.shape(), a.strides(), a.itemsize()});
-    in[i] = t.data<void>();
-    temps.push_back(std::move(t));
-  }
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (i != kKeys && i != kValues)  // those are read through the outputs
+      in[i] = task_data(inputs[i], inputs[i].flags().row_contiguous, copies, temps);
   float* y = outputs[0].data<float>();
   float* kc = outputs[1].data<float>();
   float* vc = outputs[2].data<float>();

@@ -59,18 +59,8 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   std::vector<mx::array> temps;  // the copies' buffers, held by the task
   // RoPE reads x's rows through x's strides where the rows have unit stride (else a copy)
   const bool rope_strided = op_ == Op::Rope && inputs[0].strides().back() == 1;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const mx::array& a = inputs[i];
-    if (a.flags().row_contiguous || (i == 0 && rope_strided)) {
-      in.push_back(a.data<void>());
-      continue;
-    }
-    mx::array t(a.shape(), a.dtype(), nullptr, {});
-    t.set_data(mx::allocator::malloc(t.nbytes()));
-    copies.push_back({a.data<char>(), t.data<char>(), a.shape(), a.strides(), a.itemsize()});
-    in.push_back(t.data<void>());
-    temps.push_back(std::move(t));
-  }
+  for (size_t i = 0; i < inputs.size(); ++i)
+    in.push_back(task_data(inputs[i], inputs[i].flags().row_contiguous || (i == 0 && rope_strided), copies, temps));
   for (auto& a : outputs) out.push_back(a.data<void>());
   const mx::Shape& shape0 = inputs[0].shape();
   int64_t last = shape0.back();
@@ -80,7 +70,8 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   // Softmax: s (..., T, S), bias (Bb, T, S) with Bb 1 (rows_per_bias 0) or s's leading dim
   int64_t T = op == Op::Softmax ? inputs[1].shape(-2) : 0;
   int64_t rows_per_bias = op == Op::Softmax && inputs[1].shape(0) != 1 ? rows / inputs[1].shape(0) : 0;
-  std::vector<int64_t> Ns;  // GemvMany: each w_i's rows (all its axes but the last, flattened)
+  // GemvMany: each w_i's rows (all its axes but the last, flattened); GemvPacked: its matrix's rows
+  std::vector<int64_t> Ns;
   if (op == Op::GemvPacked) Ns.push_back(inputs[1].shape(0));
   if (op == Op::GemvMany)
     for (size_t i = 1; i < inputs.size(); ++i) Ns.push_back(inputs[i].size() / std::max<int64_t>(last, 1));
@@ -246,7 +237,7 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
           float m = kNegInf;
           for (int64_t b = r * per_row; b < (r + 1) * per_row; ++b) m = std::max(m, bm[b]);
           double s = 0.0;
-          if (m != kNegInf && std::isfinite(m))
+          if (std::isfinite(m))
             for (int64_t b = r * per_row; b < (r + 1) * per_row; ++b)
               if (bs[b] > 0.0) s += bs[b] * static_cast<double>(poly_exp(bm[b] - m));
           y[r] = std::isfinite(m) ? m + static_cast<float>(std::log(s)) : m;  // all -inf: -inf; +inf, NaN: as given
@@ -273,14 +264,10 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         int64_t N = Ns[0];
         std::vector<float> xs(rows * (last / kQ4));
         for (int64_t r = 0; r < rows; ++r) block_sums(x + r * last, last, xs.data() + r * (last / kQ4));
+        const Matrix w{nullptr, bits == 4 ? static_cast<const Q4Block*>(in[1]) : nullptr,
+                       bits == 8 ? static_cast<const Q8Block*>(in[1]) : nullptr, last};
         threads.run_dynamic(N, gemv_chunk(N, threads.threads()), [&](int64_t n0, int64_t n1) {
-          for (int64_t r = 0; r < rows; ++r) {
-            if (bits == 4)
-              gemv_q4_span(x + r * last, xs.data() + r * (last / kQ4), static_cast<const Q4Block*>(in[1]), y + r * N,
-                           last, n0, n1);
-            else
-              gemv_q8_span(x + r * last, static_cast<const Q8Block*>(in[1]), y + r * N, last, n0, n1);
-          }
+          for (int64_t r = 0; r < rows; ++r) w.gemv(x + r * last, xs.data() + r * (last / kQ4), y + r * N, n0, n1);
         });
         break;
       }

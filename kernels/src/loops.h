@@ -518,6 +518,25 @@ inline int64_t packed_width(int64_t K, int bits) {
   return K / kQ4 * static_cast<int64_t>(bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block));
 }
 
+// A weight matrix (N, K) in float32, Q4- or Q8-packed; rows(n) is the matrix from row n on.
+struct Matrix {
+  const float* f32;
+  const Q4Block* q4;
+  const Q8Block* q8;
+  int64_t K;
+
+  Matrix rows(int64_t n) const {
+    int64_t nb = K / kQ4;
+    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K};
+  }
+  // y[n] for n in [n0, n1) of x times this matrix's rows; xs: x's block sums (Q4 only)
+  void gemv(const float* x, const float* xs, float* y, int64_t n0, int64_t n1) const {
+    if (q4) gemv_q4_span(x, xs, q4, y, K, n0, n1);
+    else if (q8) gemv_q8_span(x, q8, y, K, n0, n1);
+    else gemv_span(x, f32, y, 1, n1, K, n0, n1);
+  }
+};
+
 // a GEMV's rows per chunk: about eight chunks per thread, at least 16 rows
 int64_t gemv_chunk(int64_t N, int threads) {
   return std::max<int64_t>(16, N / (8 * std::max(threads, 1)));
