@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -301,14 +301,6 @@ def pack_lossless(w: mx.array) -> mx.array | None:
     return None
 
 
-def same_arrays(kept: Sequence[mx.array], now: Sequence[mx.array]) -> bool:
-    """Whether `now` holds the arrays packed earlier: the same objects, or equal values (tracing
-    a compiled function hands a module back new array objects for the same weights)."""
-    return len(kept) == len(now) and all(a is b or (a.shape == b.shape and a.dtype == b.dtype
-                                                      and mx.array_equal(a, b).item())
-                                         for a, b in zip(kept, now))
-
-
 def linear_packed(x: mx.array, packed: mx.array) -> mx.array:
     """x @ w.T for a few rows of x and w packed by `pack_lossless` (2-D), threaded; no gradient."""
     return _K.gemv_packed(x, packed)
@@ -326,10 +318,10 @@ def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], k
                  rope_scale: float) -> tuple[mx.array, mx.array, mx.array]:
     """A pre-norm Llama block's step for one token as one kernel call -> (x, keys, values):
     weights [attn_norm, q, k, v (per head), o, ffn_norm, gate, up, down] (a matrix float32 or
-    `pack_lossless`ed), biases [] or
-    [q, k, v]; the token's k (RoPE'd, as `rope`) and v go into slot `offset` of the caches
-    (B = 1, (1, KV, S, Dh)), updated in place where the graph holds them alone, and the query
-    attends to slots 0..offset. The same values as the block's kernels one by one."""
+    `pack_lossless`ed), biases [] or [q, k, v]; the token's k (RoPE'd, as `rope`) and v go into
+    slot `offset` of the caches (B = 1, (1, KV, S, Dh)), written in place (the returned caches
+    share the given ones' buffers: the caller keeps no other use of them), and the query attends
+    to slots 0..offset. The same values as the block's kernels one by one."""
     offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
     y, keys, values = _K.decode_block(x, weights, biases, keys, values, offset, inv_freqs, rope_dims,
                                       traditional, eps, attn_scale, rope_scale)

@@ -19,7 +19,7 @@ are computed as one batched head axis: one GEMM per projection, one attention ca
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -315,12 +315,13 @@ class Block(nn.Module):
     def fused_weights(self) -> list[mx.array] | None:
         """[attn_norm, q, k, v, o, ffn_norm, gate, up, down] for `fastmath.decode_block` when this
         is a plain Llama block (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm
-        or adapter, SwiGLU, no biases but q/k/v's), else None."""
+        or adapter, SwiGLU, no biases but q/k/v's, all three or none), else None."""
         a, f = self.attn, self.ffn
         plain = (type(self.attn_norm) is RMSNorm and type(self.ffn_norm) is RMSNorm
                  and self.attn_norm.eps == self.ffn_norm.eps and "post_attn_norm" not in self
                  and type(a) is Attention and "q_norm" not in a and a.window is None
                  and all(type(p) is HeadProjection for p in (a.q, a.k, a.v))
+                 and len({"bias" in p for p in (a.q, a.k, a.v)}) == 1  # q, k and v biased alike
                  and "rope" in a and type(a.rope) is RoPE and a.rope._long is None
                  and type(f) is FeedForward and f.act is silu
                  and all(type(m) is Linear and "bias" not in m for m in (a.o, f.gate, f.up, f.down)))
@@ -332,24 +333,8 @@ class Block(nn.Module):
     def decode_packs(self) -> dict[str, mx.array]:
         """This block's matrices packed for decoding where that is lossless (the weights of a
         Q4_1 or Q8_0 GGUF: `fastmath.pack_lossless`), keyed by their index in `fused_weights`;
-        kept while the weights are the same arrays (none are kept for weights that do not pack)."""
-        weights = self.fused_weights()
-        if weights is None:
-            object.__setattr__(self, "mlxtoy_packs", None)
-            return {}
-        kept = vars(self).get("mlxtoy_packs")
-        if kept is not None and fastmath.same_arrays(kept[0], weights):
-            object.__setattr__(self, "mlxtoy_packs", (tuple(weights), kept[1]))
-            return kept[1]
-        packs = {}
-        for i in (1, 2, 3, 4, 6, 7, 8):
-            packed = fastmath.pack_lossless(weights[i])
-            if packed is None:
-                break  # trained weights: not a 4-bit grid (one failed matrix says as much)
-            packs[str(i)] = packed
-        # what is kept always matches the weights last looked at (`repin_packs` relies on it)
-        object.__setattr__(self, "mlxtoy_packs", (tuple(weights), packs) if packs else None)
-        return packs
+        kept while the weights are the same (see `kept_packs`)."""
+        return kept_packs(self, self.fused_weights(), BLOCK_MATRICES)
 
     def decode_fused(self, x: mx.array, cache: SlotCache) -> mx.array | None:
         """This block's step for one decoded token as one kernel call (`fastmath.decode_block`),
@@ -360,13 +345,47 @@ class Block(nn.Module):
             return None
         a = self.attn
         biases = [p.bias for p in (a.q, a.k, a.v) if "bias" in p]
-        if len(biases) not in (0, 3) or not fastmath.decode_block_ok(x, cache.keys, cache.values, *weights, *biases):
+        if not fastmath.decode_block_ok(x, cache.keys, cache.values, *weights, *biases):
             return None
         weights = [cache.packed.get(str(i), w) for i, w in enumerate(weights)]
         x, cache.keys, cache.values = fastmath.decode_block(
             x, weights, biases, cache.keys, cache.values, cache.offset, a.rope._inv_freqs, a.rope.dims,
             a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale)
         return x
+
+
+BLOCK_MATRICES = (1, 2, 3, 4, 6, 7, 8)  # the matrices among `Block.fused_weights` (the rest are norms)
+
+
+def kept_packs(owner: nn.Module, weights: list[mx.array] | None, which: Sequence[int]) -> dict[str, mx.array]:
+    """`fastmath.pack_lossless` of weights[i] for i in `which`, keyed str(i), kept on `owner`
+    while the weights are the same arrays: the same objects, or equal values (tracing a compiled
+    function hands a module new objects for the same weights). Packing stops at the first matrix
+    that does not pack (trained weights: one says as much for all). What is kept always matches
+    the weights last looked at, which `repin_packs` relies on; nothing for None weights or
+    weights that do not pack."""
+    kept = vars(owner).get("mlxtoy_packs")
+    if weights is not None and kept is not None and len(kept[0]) == len(weights) and all(
+            a is b or (a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item())
+            for a, b in zip(kept[0], weights)):
+        object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), kept[1]))
+        return kept[1]
+    packs = {}
+    for i in which if weights is not None else ():
+        packed = fastmath.pack_lossless(weights[i])
+        if packed is None:
+            break
+        packs[str(i)] = packed
+    object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), packs) if packs else None)
+    return packs
+
+
+def repin_packs(owner: nn.Module, weights: list[mx.array] | None) -> None:
+    """The packs kept on `owner` (`kept_packs`) now kept for these array objects of the same
+    weights, without comparing values (right after a trace only)."""
+    kept = vars(owner).get("mlxtoy_packs")
+    if kept is not None and weights is not None:
+        object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), kept[1]))
 
 
 class LlamaModel(nn.Module):
@@ -425,31 +444,19 @@ class LlamaModel(nn.Module):
         return self.tok_embeddings.weight if type(self.tok_embeddings) is nn.Embedding else None
 
     def decode_head_pack(self) -> mx.array | None:
-        """`output_matrix()` packed for decoding where that is lossless (as `Block.decode_packs`),
-        kept while it is the same array."""
+        """`output_matrix()` packed for decoding where that is lossless (as `Block.decode_packs`)."""
         w = self.output_matrix()
-        if w is None:
-            return None
-        kept = vars(self).get("mlxtoy_head_pack")
-        if kept is not None and fastmath.same_arrays([kept[0]], [w]):
-            object.__setattr__(self, "mlxtoy_head_pack", (w, kept[1]))
-            return kept[1]
-        packed = fastmath.pack_lossless(w)
-        object.__setattr__(self, "mlxtoy_head_pack", (w, packed) if packed is not None else None)
-        return packed
+        return kept_packs(self, None if w is None else [w], (0,)).get("0")
 
     def repin_packs(self) -> None:
         """Keep the decode packs for the weights' current array objects, without comparing
         values: tracing a compiled function hands a module new objects for the same weights.
         Only right after such a trace, before anything can have changed the weights."""
         for layer in self.layers:
-            kept = vars(layer).get("mlxtoy_packs")
-            weights = layer.fused_weights() if kept is not None else None
-            if weights is not None:
-                object.__setattr__(layer, "mlxtoy_packs", (tuple(weights), kept[1]))
-        kept = vars(self).get("mlxtoy_head_pack")
-        if kept is not None:
-            object.__setattr__(self, "mlxtoy_head_pack", (self.output_matrix(), kept[1]))
+            if isinstance(layer, Block):
+                repin_packs(layer, layer.fused_weights())
+        w = self.output_matrix()
+        repin_packs(self, None if w is None else [w])
 
     def logits(self, h: mx.array) -> mx.array:
         if "output" in self:
