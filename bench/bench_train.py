@@ -65,17 +65,19 @@ def worker_mlxtoy(method: str, hf: str, data: str, steps: int) -> dict:
     from mlxtoy.config import TrainConfig
     from mlxtoy.train.job import run_job
 
-    out = tempfile.mkdtemp(prefix="bench-mlxtoy-")
-    cfg = TrainConfig(model=hf, data=data, out=os.path.join(out, "run"), method=method, steps=steps,
-                      batch_size=BATCH, seq_len=SEQ, lr=1e-5 if method == "full" else 1e-4,
-                      lora_rank=8, lora_alpha=16, lora_targets=["q", "v"], eval_every=0, schedule="constant",
-                      eval_batches=1, save_every=0, grad_clip=0, dtype="float32")
     tps: list[float] = []
-    t0 = time.perf_counter()
-    res = run_job(lambda: (cfg, False), handle_sigint=False,
-                  emit=lambda e: (tps.append(e.tokens_per_sec)) if e.event == "step" else None).result
+    # the run's checkpoints (~2 GB for a full fine-tune) go with the directory
+    with tempfile.TemporaryDirectory(prefix="bench-mlxtoy-") as out:
+        cfg = TrainConfig(model=hf, data=data, out=os.path.join(out, "run"), method=method, steps=steps,
+                          batch_size=BATCH, seq_len=SEQ, lr=1e-5 if method == "full" else 1e-4,
+                          lora_rank=8, lora_alpha=16, lora_targets=["q", "v"], eval_every=0,
+                          schedule="constant", eval_batches=1, save_every=0, grad_clip=0, dtype="float32")
+        t0 = time.perf_counter()
+        res = run_job(lambda: (cfg, False), handle_sigint=False,
+                      emit=lambda e: (tps.append(e.tokens_per_sec)) if e.event == "step" else None).result
+        wall = time.perf_counter() - t0
     return {"tokens_per_sec": tps, "loss": res.losses, "peak_gb": mx.get_peak_memory() / 1e9,
-            "rss_gb": _rss_gb(), "wall": time.perf_counter() - t0}
+            "rss_gb": _rss_gb(), "wall": wall}
 
 
 def worker_mlxlm(method: str, hf: str, data: str, steps: int) -> dict:
@@ -108,21 +110,22 @@ def worker_mlxlm(method: str, hf: str, data: str, steps: int) -> dict:
             tps.append(info["tokens_per_second"])
             losses.append(info["train_loss"])
 
-    adapter = os.path.join(tempfile.mkdtemp(prefix="bench-mlxlm-"), "adapters.safetensors")
-    # max_seq_length 257: mlx-lm feeds batch[:, :-1], so rows are 256 inputs, as ours are
-    args = TrainingArgs(batch_size=BATCH, iters=steps, val_batches=1, steps_per_report=1,
-                        steps_per_eval=10**9, steps_per_save=10**9, max_seq_length=SEQ + 1,
-                        adapter_file=adapter)
-    opt = optim.AdamW(learning_rate=1e-5 if method == "full" else 1e-4, weight_decay=0.0)
-    t0 = time.perf_counter()
     import io
     from contextlib import redirect_stdout
 
-    with redirect_stdout(io.StringIO()):  # its own progress lines would clutter ours
-        train(model=model, optimizer=opt, train_dataset=train_set, val_dataset=valid_set, args=args,
-              training_callback=CB())
+    opt = optim.AdamW(learning_rate=1e-5 if method == "full" else 1e-4, weight_decay=0.0)
+    with tempfile.TemporaryDirectory(prefix="bench-mlxlm-") as out:
+        # max_seq_length 257: mlx-lm feeds batch[:, :-1], so rows are 256 inputs, as ours are
+        args = TrainingArgs(batch_size=BATCH, iters=steps, val_batches=1, steps_per_report=1,
+                            steps_per_eval=10**9, steps_per_save=10**9, max_seq_length=SEQ + 1,
+                            adapter_file=os.path.join(out, "adapters.safetensors"))
+        t0 = time.perf_counter()
+        with redirect_stdout(io.StringIO()):  # its own progress lines would clutter ours
+            train(model=model, optimizer=opt, train_dataset=train_set, val_dataset=valid_set, args=args,
+                  training_callback=CB())
+        wall = time.perf_counter() - t0
     return {"tokens_per_sec": tps, "loss": losses, "peak_gb": mx.get_peak_memory() / 1e9,
-            "rss_gb": _rss_gb(), "wall": time.perf_counter() - t0}
+            "rss_gb": _rss_gb(), "wall": wall}
 
 
 def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
