@@ -294,6 +294,27 @@ def test_pack_q4_is_lossless_on_a_q4_1_grid_and_refuses_anything_else():
     assert fastmath.pack_lossless(mx.array(grid[:, :80])) is None  # K not a multiple of 32
 
 
+def test_pack_q8_is_lossless_on_a_q8_0_grid_and_neither_packs_a_non_finite_weight():
+    r = np.random.default_rng(8)
+    grid = q4_grid(r.standard_normal((24, 128)).astype(np.float32), Q8_0)
+    grid[5, 64:96] = 0.0  # an all-zero block (d = 0)
+    packed, ok = K.pack(mx.array(grid), 8)
+    assert int(ok.item()) == 1 and packed.shape == (24, 128 // 32 * 36)
+    # the documented layout: per block of 32, float32 d, then 32 signed bytes q; weight = d * q
+    rows = np.array(packed).reshape(24, 4, 36)
+    d = rows[..., 0:4].copy().view(np.float32)
+    q = rows[..., 4:].copy().view(np.int8).astype(np.float32)
+    np.testing.assert_array_equal((d * q).reshape(24, 128), grid)
+    assert int(K.pack(mx.array(grid), 4)[1].item()) == 0  # a Q8_0 grid is no 4-bit one
+    q4 = q4_grid(r.standard_normal((8, 64)).astype(np.float32))
+    for bits, w in ((4, q4), (8, grid)):
+        assert int(K.pack(mx.array(w), bits)[1].item()) == 1  # positive control
+        for bad in (np.nan, np.inf, -np.inf):
+            v = w.copy()
+            v[2, 40] = bad  # inside a block whose other weights set its range
+            assert int(K.pack(mx.array(v), bits)[1].item()) == 0, (bits, bad)
+
+
 def test_decode_from_packed_q4_weights_matches_the_uncached_forward():
     model = q4_model(VARIANTS["gqa"])
     assert all(sorted(layer.decode_packs()) == [str(i) for i in MATRICES] for layer in model.layers)

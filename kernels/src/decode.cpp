@@ -21,6 +21,7 @@
 #include "copy.h"
 #include "kernels.h"
 #include "loops.h"
+#include "packed.h"
 #include "pool.h"
 
 namespace mlxtoy {

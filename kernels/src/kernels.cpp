@@ -3,8 +3,8 @@
 // (which MKL runs on one thread), the one-query attention of decoding, AdamW's update, a
 // logsumexp, and the lossless 4/8-bit packing of weights for decoding with its GEMV. Each is an
 // MLX primitive evaluated on the CPU stream; rows are split over a small thread pool (pool.h),
-// the loops are in loops.h, the fused decode block in decode.cpp. Gradients are wired up in
-// Python (mx.custom_function).
+// the loops are in loops.h (packed weights in packed.h), the fused decode block in decode.cpp.
+// Gradients are wired up in Python (mx.custom_function).
 
 #include <algorithm>
 #include <array>
@@ -19,6 +19,7 @@
 #include "kernels.h"
 #include "copy.h"   // strided inputs made contiguous
 #include "loops.h"  // the float32 loops
+#include "packed.h"  // lossless 4/8-bit weights
 #include "pool.h"   // the threads they are split over
 
 namespace mlxtoy {

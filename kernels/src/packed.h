@@ -1,0 +1,386 @@
+// mlxtoy kernels: weights kept packed for decoding where that is lossless (4-bit and 8-bit
+// blocks of 32), their packers and GEMVs, and the Matrix a decode reads through in any of the
+// three forms (included by kernels.cpp and decode.cpp).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>  // the AVX2 forms
+#endif
+
+#include "loops.h"  // gemv_span, for the float32 form
+
+namespace mlxtoy {
+
+namespace {
+
+// ---- lossless 4-bit weights ------------------------------------------------------------------
+// A row of weights that are all of the form d * q + m (q in 0..15) per block of 32, as a Q4_1
+// GGUF dequantizes to, kept as (d, m, 16 bytes of nibbles: element j in the low nibble of byte
+// j, element j + 16 in the high one): decoding reads 0.75 bytes a weight instead of 4.
+struct Q4Block {
+  float d, m;
+  uint8_t qs[16];
+};
+static_assert(sizeof(Q4Block) == 24, "Q4Block is 24 bytes");
+constexpr int64_t kQ4 = 32;  // weights per block
+
+// Packs a row of K (a multiple of 32) weights; false where any weight is not exactly
+// fl(fl(d * q) + m) for the block's d = (max - min) / 15 and m = min (gguf-py's dequantization
+// in float32, one rounding per op): then the row is not a 4-bit grid and must stay float32.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+inline bool pack_q4_row_portable(const float* w, int64_t K, Q4Block* out) {
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    const float* x = w + b * kQ4;
+    float lo = x[0], hi = x[0];
+    for (int j = 1; j < kQ4; ++j) {
+      lo = std::min(lo, x[j]);
+      hi = std::max(hi, x[j]);
+    }
+    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+    Q4Block& blk = out[b];
+    blk.m = lo;
+    blk.d = (hi - lo) / 15.0f;
+    // the quantizer's d was rounded to float16: try the float32 quotient's neighbours too
+    bool ok = false;
+    for (float d : {blk.d, std::nextafter(blk.d, 0.0f), std::nextafter(blk.d, 1e30f)}) {
+      ok = true;
+      for (int j = 0; j < kQ4 && ok; ++j) {
+        float q = d > 0.0f ? std::nearbyint((x[j] - lo) / d) : 0.0f;
+        q = std::min(std::max(q, 0.0f), 15.0f);
+        float back = d * q;
+        back = back + lo;
+        ok = back == x[j];
+        uint8_t nib = static_cast<uint8_t>(q);
+        if (j < 16) blk.qs[j] = nib;
+        else blk.qs[j - 16] = static_cast<uint8_t>(blk.qs[j - 16] | (nib << 4));
+      }
+      if (ok) {
+        blk.d = d;
+        break;
+      }
+    }
+    if (!ok) return false;
+  }
+  return true;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The packers' AVX2 forms: 8 weights a vector, the same divisions, roundings and checks. AVX2
+// alone, without FMA, so d * q + m stays two roundings.
+__attribute__((target("avx2"))) inline float hmin8(__m256 v) {
+  __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_min_ss(s, _mm_movehdup_ps(s)));
+}
+
+__attribute__((target("avx2"))) inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// q = nearbyint((x - lo) / d) clamped to [0, 15] (0 where d is 0) for the block's 4 vectors;
+// true where fl(fl(d * q) + lo) == x for all 32
+__attribute__((target("avx2"))) inline bool q4_block_avx2(const __m256 (&x)[4], float lo, float d, __m256i (&q)[4]) {
+  const __m256 vlo = _mm256_set1_ps(lo), vd = _mm256_set1_ps(d), top = _mm256_set1_ps(15.0f);
+  const __m256 zero = _mm256_setzero_ps();
+  int same = 0xFF;
+  for (int v = 0; v < 4; ++v) {
+    __m256 qf = d > 0.0f ? _mm256_div_ps(_mm256_sub_ps(x[v], vlo), vd) : zero;
+    qf = _mm256_round_ps(qf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qf = _mm256_min_ps(_mm256_max_ps(qf, zero), top);
+    __m256 back = _mm256_add_ps(_mm256_mul_ps(vd, qf), vlo);
+    same &= _mm256_movemask_ps(_mm256_cmp_ps(back, x[v], _CMP_EQ_OQ));
+    q[v] = _mm256_cvtps_epi32(qf);
+  }
+  return same == 0xFF;
+}
+
+__attribute__((target("avx2"))) inline bool pack_q4_row_avx2(const float* w, int64_t K, Q4Block* out) {
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    const float* p = w + b * kQ4;
+    __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+    float lo = hmin8(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
+    float hi = hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
+    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;  // a NaN fails the check below
+    const float d0 = (hi - lo) / 15.0f;
+    __m256i q[4];
+    bool ok = false;
+    float d = d0;
+    for (float c : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)})
+      if (q4_block_avx2(x, lo, c, q)) {
+        ok = true;
+        d = c;
+        break;
+      }
+    if (!ok) return false;
+    alignas(32) int32_t qi[32];
+    for (int v = 0; v < 4; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * v), q[v]);
+    Q4Block& blk = out[b];
+    blk.d = d;
+    blk.m = lo;
+    for (int j = 0; j < 16; ++j) blk.qs[j] = static_cast<uint8_t>(qi[j] | (qi[j + 16] << 4));
+  }
+  return true;
+}
+
+inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2 ? pack_q4_row_avx2(w, K, out) : pack_q4_row_portable(w, K, out);
+}
+#else
+inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) { return pack_q4_row_portable(w, K, out); }
+#endif
+
+// xs[b] = the sum of x over block b (the m terms of a Q4 row's dot product)
+inline void block_sums(const float* x, int64_t K, float* xs) {
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    float s = 0.0f;
+    for (int j = 0; j < kQ4; ++j) s += x[b * kQ4 + j];
+    xs[b] = s;
+  }
+}
+
+// y[n] = sum_k x[k] * W[n, k] for rows n in [n0, n1) of a Q4-packed W (K / 32 blocks a row), as
+// sum over blocks of d * (x . q) + m * xs[block]
+inline void gemv_q4_span_portable(const float* x, const float* xs, const Q4Block* w, float* y, int64_t K,
+                                  int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const Q4Block* row = w + n * nb;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const Q4Block& blk = row[b];
+      const float* xb = x + b * kQ4;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int j = 0; j < 16; ++j)
+        dot += xb[j] * static_cast<float>(blk.qs[j] & 15) + xb[j + 16] * static_cast<float>(blk.qs[j] >> 4);
+      acc += blk.d * dot + blk.m * xs[b];
+    }
+    y[n] = acc;
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The same with AVX2: the nibbles widened to 8 floats at a time, d * (x . q) kept in 8 lanes
+// across the row's blocks, the m terms summed apart.
+__attribute__((target("avx2,fma"))) inline void gemv_q4_span_avx2(const float* x, const float* xs, const Q4Block* w,
+                                                                  float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ4;
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    const Q4Block* row = w + n * nb;
+    __m256 acc = _mm256_setzero_ps();
+    float macc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const Q4Block& blk = row[b];
+      const float* xb = x + b * kQ4;
+      __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs));
+      __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+      __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(xb), q0);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q1, dot);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q2, dot);
+      dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q3, dot);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(blk.d), dot, acc);
+      macc += blk.m * xs[b];
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[n] = _mm_cvtss_f32(s) + macc;
+  }
+}
+
+inline void gemv_q4_span(const float* x, const float* xs, const Q4Block* w, float* y, int64_t K, int64_t n0,
+                         int64_t n1) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) gemv_q4_span_avx2(x, xs, w, y, K, n0, n1);
+  else gemv_q4_span_portable(x, xs, w, y, K, n0, n1);
+}
+#else
+inline void gemv_q4_span(const float* x, const float* xs, const Q4Block* w, float* y, int64_t K, int64_t n0,
+                         int64_t n1) {
+  gemv_q4_span_portable(x, xs, w, y, K, n0, n1);
+}
+#endif
+
+// ---- lossless 8-bit weights ------------------------------------------------------------------
+// A row of weights that are all d * q (q in -127..127) per block of 32, as a Q8_0 GGUF
+// dequantizes to: (d, 32 signed bytes), 1.125 bytes a weight.
+struct Q8Block {
+  float d;
+  int8_t qs[32];
+};
+static_assert(sizeof(Q8Block) == 36, "Q8Block is 36 bytes");
+
+// Packs a row of K (a multiple of 32) weights; false where any weight is not exactly
+// fl(d * q) for the block's d = absmax / 127 (or a float32 neighbour of it).
+inline bool pack_q8_row_portable(const float* w, int64_t K, Q8Block* out) {
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    const float* x = w + b * kQ4;
+    float amax = 0.0f;
+    for (int j = 0; j < kQ4; ++j) amax = std::max(amax, std::fabs(x[j]));
+    if (!std::isfinite(amax)) return false;
+    Q8Block& blk = out[b];
+    float d0 = amax / 127.0f;
+    bool ok = false;
+    for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
+      ok = true;
+      for (int j = 0; j < kQ4 && ok; ++j) {
+        float q = d > 0.0f ? std::nearbyint(x[j] / d) : 0.0f;
+        q = std::min(std::max(q, -127.0f), 127.0f);
+        ok = d * q == x[j];
+        blk.qs[j] = static_cast<int8_t>(q);
+      }
+      if (ok) {
+        blk.d = d;
+        break;
+      }
+    }
+    if (!ok) return false;
+  }
+  return true;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// q = nearbyint(x / d) clamped to [-127, 127] (0 where d is 0); true where fl(d * q) == x for all 32
+__attribute__((target("avx2"))) inline bool q8_block_avx2(const __m256 (&x)[4], float d, __m256i (&q)[4]) {
+  const __m256 vd = _mm256_set1_ps(d), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
+  int same = 0xFF;
+  for (int v = 0; v < 4; ++v) {
+    __m256 qf = d > 0.0f ? _mm256_div_ps(x[v], vd) : _mm256_setzero_ps();
+    qf = _mm256_round_ps(qf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    qf = _mm256_min_ps(_mm256_max_ps(qf, bottom), top);
+    same &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(vd, qf), x[v], _CMP_EQ_OQ));
+    q[v] = _mm256_cvtps_epi32(qf);
+  }
+  return same == 0xFF;
+}
+
+__attribute__((target("avx2"))) inline bool pack_q8_row_avx2(const float* w, int64_t K, Q8Block* out) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    const float* p = w + b * kQ4;
+    __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+    __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], abs_mask), _mm256_and_ps(x[1], abs_mask)),
+                             _mm256_max_ps(_mm256_and_ps(x[2], abs_mask), _mm256_and_ps(x[3], abs_mask)));
+    float amax = hmax8(a);
+    if (!std::isfinite(amax)) return false;  // a NaN fails the check below
+    const float d0 = amax / 127.0f;
+    __m256i q[4];
+    bool ok = false;
+    float d = d0;
+    for (float c : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)})
+      if (q8_block_avx2(x, c, q)) {
+        ok = true;
+        d = c;
+        break;
+      }
+    if (!ok) return false;
+    alignas(32) int32_t qi[32];
+    for (int v = 0; v < 4; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * v), q[v]);
+    Q8Block& blk = out[b];
+    blk.d = d;
+    for (int j = 0; j < 32; ++j) blk.qs[j] = static_cast<int8_t>(qi[j]);
+  }
+  return true;
+}
+
+inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2 ? pack_q8_row_avx2(w, K, out) : pack_q8_row_portable(w, K, out);
+}
+#else
+inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) { return pack_q8_row_portable(w, K, out); }
+#endif
+
+inline void gemv_q8_span_portable(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const Q8Block* row = w + n * nb;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * kQ4;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int j = 0; j < 32; ++j) dot += xb[j] * static_cast<float>(row[b].qs[j]);
+      acc += row[b].d * dot;
+    }
+    y[n] = acc;
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx2,fma"))) inline void gemv_q8_span_avx2(const float* x, const Q8Block* w, float* y,
+                                                                  int64_t K, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const Q8Block* row = w + n * nb;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * kQ4;
+      const int8_t* qs = row[b].qs;
+      __m256 dot = _mm256_setzero_ps();
+      for (int j = 0; j < 32; j += 8) {
+        __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + j));
+        dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + j), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), dot);
+      }
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(row[b].d), dot, acc);
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[n] = _mm_cvtss_f32(s);
+  }
+}
+
+inline void gemv_q8_span(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) gemv_q8_span_avx2(x, w, y, K, n0, n1);
+  else gemv_q8_span_portable(x, w, y, K, n0, n1);
+}
+#else
+inline void gemv_q8_span(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  gemv_q8_span_portable(x, w, y, K, n0, n1);
+}
+#endif
+
+// The bytes of a packed row of K weights: Q4 blocks or Q8 blocks (distinct sizes, so a packed
+// array's width says which); -1 for neither.
+inline int64_t packed_width(int64_t K, int bits) {
+  if (K % kQ4 != 0) return -1;
+  return K / kQ4 * static_cast<int64_t>(bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block));
+}
+
+// A weight matrix (N, K) in float32, Q4- or Q8-packed; rows(n) is the matrix from row n on.
+struct Matrix {
+  const float* f32;
+  const Q4Block* q4;
+  const Q8Block* q8;
+  int64_t K;
+
+  Matrix rows(int64_t n) const {
+    int64_t nb = K / kQ4;
+    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K};
+  }
+  // y[n] for n in [n0, n1) of x times this matrix's rows; xs: x's block sums (Q4 only)
+  void gemv(const float* x, const float* xs, float* y, int64_t n0, int64_t n1) const {
+    if (q4) gemv_q4_span(x, xs, q4, y, K, n0, n1);
+    else if (q8) gemv_q8_span(x, q8, y, K, n0, n1);
+    else gemv_span(x, f32, y, 1, n1, K, n0, n1);
+  }
+};
+
+}  // namespace
+
+}  // namespace mlxtoy
