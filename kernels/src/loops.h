@@ -9,12 +9,17 @@
 #include <limits>
 #include <vector>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>  // the packed GEMVs' and packers' AVX2 forms (packed.h)
+#define MLXTOY_AVX2 1
+#endif
+
 namespace mlxtoy {
 
 namespace {
 
 // Hot loops are compiled twice on x86-64: AVX2+FMA and baseline, picked at load time.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef MLXTOY_AVX2
 #define HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define HOT
@@ -170,7 +175,8 @@ HOT void swiglu_grad_span(const float* a, const float* b, const float* g, float*
 }
 
 // y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1). (Four rows at a time, as four
-// reductions in one simd loop, measured 1.6x slower: gcc does not vectorize it as well.)
+// reductions in one simd loop, measured 1.6x slower: gcc does not vectorize it as well. For one
+// row, AVX2 with four rows of W a pass was slower too, and four accumulators on a row no faster.)
 HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                    int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {

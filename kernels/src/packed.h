@@ -6,11 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>  // the AVX2 forms
-#endif
-
-#include "loops.h"  // gemv_span, for the float32 form
+#include "loops.h"  // gemv_span for the float32 form; immintrin.h and MLXTOY_AVX2 for the AVX2 forms
 
 namespace mlxtoy {
 
@@ -69,9 +65,14 @@ inline bool pack_q4_row_portable(const float* w, int64_t K, Q4Block* out) {
   return true;
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-// The packers' AVX2 forms: 8 weights a vector, the same divisions, roundings and checks. AVX2
-// alone, without FMA, so d * q + m stays two roundings.
+#ifdef MLXTOY_AVX2
+// the sum, min and max of 8 lanes
+__attribute__((target("avx2"))) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 __attribute__((target("avx2"))) inline float hmin8(__m256 v) {
   __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_min_ps(s, _mm_movehl_ps(s, s));
@@ -84,6 +85,8 @@ __attribute__((target("avx2"))) inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
+// The packers' AVX2 forms: 8 weights a vector, the same divisions, roundings and checks; AVX2
+// alone, without FMA, so d * q + m stays two roundings.
 // q = nearbyint((x - lo) / d) clamped to [0, 15] (0 where d is 0) for the block's 4 vectors;
 // true where fl(fl(d * q) + lo) == x for all 32
 __attribute__((target("avx2"))) inline bool q4_block_avx2(const __m256 (&x)[4], float lo, float d, __m256i (&q)[4]) {
@@ -167,7 +170,7 @@ inline void gemv_q4_span_portable(const float* x, const float* xs, const Q4Block
   }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef MLXTOY_AVX2
 // The same with AVX2: the nibbles widened to 8 floats at a time, d * (x . q) kept in 8 lanes
 // across the row's blocks, the m terms summed apart.
 __attribute__((target("avx2,fma"))) inline void gemv_q4_span_avx2(const float* x, const float* xs, const Q4Block* w,
@@ -194,10 +197,7 @@ __attribute__((target("avx2,fma"))) inline void gemv_q4_span_avx2(const float* x
       acc = _mm256_fmadd_ps(_mm256_set1_ps(blk.d), dot, acc);
       macc += blk.m * xs[b];
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    y[n] = _mm_cvtss_f32(s) + macc;
+    y[n] = hsum8(acc) + macc;
   }
 }
 
@@ -252,7 +252,7 @@ inline bool pack_q8_row_portable(const float* w, int64_t K, Q8Block* out) {
   return true;
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef MLXTOY_AVX2
 // q = nearbyint(x / d) clamped to [-127, 127] (0 where d is 0); true where fl(d * q) == x for all 32
 __attribute__((target("avx2"))) inline bool q8_block_avx2(const __m256 (&x)[4], float d, __m256i (&q)[4]) {
   const __m256 vd = _mm256_set1_ps(d), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
@@ -320,7 +320,7 @@ inline void gemv_q8_span_portable(const float* x, const Q8Block* w, float* y, in
   }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef MLXTOY_AVX2
 __attribute__((target("avx2,fma"))) inline void gemv_q8_span_avx2(const float* x, const Q8Block* w, float* y,
                                                                   int64_t K, int64_t n0, int64_t n1) {
   const int64_t nb = K / kQ4;
@@ -337,10 +337,7 @@ __attribute__((target("avx2,fma"))) inline void gemv_q8_span_avx2(const float* x
       }
       acc = _mm256_fmadd_ps(_mm256_set1_ps(row[b].d), dot, acc);
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    y[n] = _mm_cvtss_f32(s);
+    y[n] = hsum8(acc);
   }
 }
 
