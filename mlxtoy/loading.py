@@ -23,7 +23,7 @@ from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.io.char_tokenizer import CharTokenizer
 from mlxtoy.arch.registry import build_module, spec_of
-from mlxtoy.io.gguf_read import dequantize_tensor, load_gguf, open_gguf, read_metadata
+from mlxtoy.io.gguf_read import dequantize_tensor, load_gguf, open_gguf
 from mlxtoy.io.hf import load_hf
 from mlxtoy.io.registry import resolve_model
 from mlxtoy.io.tokenizer import Tokenizer
@@ -110,7 +110,7 @@ def load_tokenizer(model_arg: str):
     """Just the tokenizer of MODEL (GGUF metadata or an HF folder); no weights read."""
     kind, path = resolve_model(model_arg)
     if kind == "gguf":
-        return Tokenizer.from_gguf_metadata(read_metadata(open_gguf(path)), source=path)
+        return Tokenizer.from_gguf_metadata(open_gguf(path).metadata, source=path)
     return Tokenizer.from_hf_folder(path)
 
 
@@ -119,9 +119,9 @@ def load_donor(model_arg: str) -> tuple[mx.array, Any]:
     in float32, its tokenizer). Only that one tensor is read from a GGUF."""
     kind, path = resolve_model(model_arg)
     if kind == "gguf":
-        reader = open_gguf(path)
-        md = read_metadata(reader)
-        t = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        file = open_gguf(path)
+        md = file.metadata
+        t = next((t for t in file.tensors if t.name == "token_embd.weight"), None)
         if t is None:
             raise UserError(f"{path}: no token_embd.weight tensor to use as a donor table")
         table = mx.array(np.ascontiguousarray(dequantize_tensor(t, path), dtype=np.float32))

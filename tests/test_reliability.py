@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from helpers_train import REPO, qa_rows, run_cli, write_jsonl, write_tiny_model_folder
 from mlxtoy.errors import UserError
 from mlxtoy.io import chat_template
-from mlxtoy.io.gguf_file import open_gguf, read_metadata
+from mlxtoy.io.gguf_file import open_gguf
 from mlxtoy.io.gguf_read import config_from_metadata
 from mlxtoy.rundir import LOCK, read_metrics
 from mlxtoy.train.records import read_data
@@ -343,7 +343,7 @@ def test_model_metadata_is_validated(work, tmp_path):
         _rewrite_gguf(base, path, changes)
         assert_user_error(run_cli("inspect", path), needle)
     # positive control: the unchanged file's metadata reads as a model config
-    assert config_from_metadata(read_metadata(open_gguf(base)), base)[1].n_heads == 4
+    assert config_from_metadata(open_gguf(base).metadata, base)[1].n_heads == 4
     for name, edit, needle in (
             ("list", lambda c: [c], "expected a JSON object"),
             ("heads", lambda c: {**c, "num_attention_heads": 0}, "num_attention_heads"),

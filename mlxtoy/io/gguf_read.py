@@ -17,9 +17,9 @@ from mlxtoy.arch.registry import expected_shapes, spec_for_gguf
 from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, split
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.io.gguf_file import dequantize_tensor, open_gguf, read_metadata
+from mlxtoy.io.gguf_file import dequantize_tensor, open_gguf
 
-__all__ = ["config_from_metadata", "dequantize_tensor", "load_gguf", "open_gguf", "read_metadata"]
+__all__ = ["config_from_metadata", "dequantize_tensor", "load_gguf", "open_gguf"]
 
 
 def config_from_metadata(md: dict[str, Any], path: str) -> tuple[ArchSpec, ModelConfig]:
@@ -34,10 +34,10 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
               progress: Callable[[int, int], None] | None = None):
     """-> (ModelConfig, {param_name: mx.array}, LoadedMeta). Weights in `dtype` (default float32)."""
     dtype = dtype or mx.float32
-    reader = open_gguf(path)
-    md = read_metadata(reader)
+    file = open_gguf(path)
+    md = file.metadata
     spec, cfg = config_from_metadata(md, path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in file.tensors}
     held: dict[str, np.ndarray] = {}
 
     def read(name: str) -> np.ndarray:
@@ -61,7 +61,7 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     if spec.gguf_extra_in is not None:
         spec.gguf_extra_in(cfg, lambda n: dequantize_tensor(tensors[n], path) if n in tensors else None)
     if spec.fix_config is not None:
-        single = {t.ours[0]: tuple(int(n) for n in reversed(tensors[t.gguf].shape.tolist()))
+        single = {t.ours[0]: tuple(reversed(tensors[t.gguf].shape))
                   for t in spec.tensors if not t.block and t.gguf in tensors}
         spec.fix_config(cfg, single)
     shapes = expected_shapes(cfg)
