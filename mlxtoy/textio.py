@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator
 
+import numpy as np
+
 from mlxtoy.errors import UserError
 
 MAX_JSON_DEPTH = 64  # far beyond any real record; Python's parser recurses per level
@@ -56,25 +58,22 @@ def iter_lines(path: str) -> Iterator[tuple[int, str]]:
 
 
 def _depth(text: str) -> int:
-    """Upper bound of the nesting depth of a JSON text (brackets outside strings)."""
-    depth = best = 0
-    in_str = escaped = False
-    for ch in text:
-        if in_str:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            best = max(best, depth)
-        elif ch in "]}":
-            depth -= 1
-    return best
+    """Upper bound of the nesting depth of a JSON text (brackets outside strings), in numpy:
+    a tokenizer.json is megabytes, which a loop over its characters took 0.3 s to walk."""
+    b = np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8)
+    if b.size == 0:
+        return 0
+    at = np.arange(b.size, dtype=np.int32 if b.size < 2**31 else np.int64)
+    # a character is escaped when an odd run of backslashes ends just before it
+    run = at - np.maximum.accumulate(np.where(b == 92, -1, at))
+    escaped = np.zeros(b.size, dtype=bool)
+    escaped[1:] = (run[:-1] & 1).astype(bool)
+    del at, run
+    quote = (b == 34) & ~escaped
+    inside = np.bitwise_xor.accumulate(quote.view(np.uint8)).view(bool)  # after an odd count of quotes
+    opens = ((b == 91) | (b == 123)) & ~inside
+    closes = ((b == 93) | (b == 125)) & ~inside
+    return max(int(np.cumsum(opens.view(np.int8) - closes.view(np.int8), dtype=np.int64).max()), 0)
 
 
 def parse_json(text: str, where: str) -> Any:

@@ -33,6 +33,7 @@ from mlxtoy.io import chat_template
 from mlxtoy.io.gguf_file import open_gguf
 from mlxtoy.io.gguf_read import config_from_metadata
 from mlxtoy.rundir import LOCK, read_metrics
+from mlxtoy.textio import MAX_JSON_DEPTH, parse_json
 from mlxtoy.train.records import read_data
 
 SMALL = ["--steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0", "--save-every", "0"]
@@ -149,6 +150,40 @@ def test_json_edge_cases_in_data(work, tmp_path):
         path = tmp_path / f"{name}.jsonl"
         path.write_text('{"text": "ok"}\n' + line + "\n")
         assert_user_error(train(work, tmp_path / f"o-{name}", data=str(path)), f"{name}.jsonl:2")
+
+
+def _nesting(value) -> int:
+    if isinstance(value, (list, dict)):
+        children = value.values() if isinstance(value, dict) else value
+        return 1 + max((_nesting(c) for c in children), default=0)
+    return 0
+
+
+# strings full of the characters a bracket counter could trip on: brackets, quotes, backslashes
+TRICKY = st.text(alphabet='ab[]{}"\\\u00e9\n', max_size=6)
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | TRICKY,
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TRICKY, inner, max_size=3),
+                           max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=JSON_VALUES, ascii_only=st.booleans(), over=st.booleans())
+def test_json_nesting_limit_counts_only_brackets_outside_strings(value, ascii_only, over):
+    """json.dumps of random values whose strings hold brackets, quotes and backslashes, wrapped
+    in lists to exactly the limit (parsed) or one past it (refused)."""
+    target = MAX_JSON_DEPTH + (1 if over else 0)
+    depth = _nesting(value)
+    if depth > target:
+        return
+    wrapped = value
+    for _ in range(target - depth):
+        wrapped = [wrapped]
+    text = json.dumps(wrapped, ensure_ascii=ascii_only)
+    if over:
+        with pytest.raises(UserError, match="nested deeper"):
+            parse_json(text, "x.json")
+    else:
+        assert parse_json(text, "x.json") == wrapped
 
 
 # --------------------------------------------------------------------------- 3. YAML types
