@@ -12,7 +12,7 @@ namespace mlxtoy {
 
 namespace {
 
-// ---- lossless 4-bit weights ------------------------------------------------------------------
+// ---- lossless 4-bit and 8-bit weights -------------------------------------------------------
 // A row of weights that are all of the form d * q + m (q in 0..15) per block of 32, as a Q4_1
 // GGUF dequantizes to, kept as (d, m, 16 bytes of nibbles: element j in the low nibble of byte
 // j, element j + 16 in the high one): decoding reads 0.75 bytes a weight instead of 4.
@@ -21,48 +21,61 @@ struct Q4Block {
   uint8_t qs[16];
 };
 static_assert(sizeof(Q4Block) == 24, "Q4Block is 24 bytes");
-constexpr int64_t kQ4 = 32;  // weights per block
+constexpr int64_t kQ4 = 32;  // weights per block (both kinds)
 
-// Packs a row of K (a multiple of 32) weights; false where any weight is not exactly
-// fl(fl(d * q) + m) for the block's d = (max - min) / 15 and m = min (gguf-py's dequantization
-// in float32, one rounding per op): then the row is not a 4-bit grid and must stay float32.
+// A row of weights that are all d * q (q in -127..127) per block of 32, as a Q8_0 GGUF
+// dequantizes to: (d, 32 signed bytes), 1.125 bytes a weight.
+struct Q8Block {
+  float d;
+  int8_t qs[32];
+};
+static_assert(sizeof(Q8Block) == 36, "Q8Block is 36 bytes");
+
+// A block of 32 weights on a grid: every weight exactly fl(fl(d * q) + base) for integer q in
+// [qmin, qmax] (gguf-py's dequantization in float32, one rounding per op). 4-bit: base = min,
+// d = (max - min) / 15, q in 0..15 (Q4_1); 8-bit: base = 0, d = absmax / 127, q in -127..127
+// (Q8_0, whose fl(d * q) adding +0 leaves as it compares). The quantizer's d was rounded to
+// float16, so the float32 quotient's neighbours are tried too.
+struct Grid {
+  float d, base;
+  int32_t q[32];
+};
+
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-inline bool pack_q4_row_portable(const float* w, int64_t K, Q4Block* out) {
-  for (int64_t b = 0; b < K / kQ4; ++b) {
-    const float* x = w + b * kQ4;
+inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
+  float d0, qmin, qmax;
+  if (four_bit) {
     float lo = x[0], hi = x[0];
     for (int j = 1; j < kQ4; ++j) {
       lo = std::min(lo, x[j]);
       hi = std::max(hi, x[j]);
     }
     if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
-    Q4Block& blk = out[b];
-    blk.m = lo;
-    blk.d = (hi - lo) / 15.0f;
-    // the quantizer's d was rounded to float16: try the float32 quotient's neighbours too
-    bool ok = false;
-    for (float d : {blk.d, std::nextafter(blk.d, 0.0f), std::nextafter(blk.d, 1e30f)}) {
-      ok = true;
-      for (int j = 0; j < kQ4 && ok; ++j) {
-        float q = d > 0.0f ? std::nearbyint((x[j] - lo) / d) : 0.0f;
-        q = std::min(std::max(q, 0.0f), 15.0f);
-        float back = d * q;
-        back = back + lo;
-        ok = back == x[j];
-        uint8_t nib = static_cast<uint8_t>(q);
-        if (j < 16) blk.qs[j] = nib;
-        else blk.qs[j - 16] = static_cast<uint8_t>(blk.qs[j - 16] | (nib << 4));
-      }
-      if (ok) {
-        blk.d = d;
-        break;
-      }
-    }
-    if (!ok) return false;
+    g.base = lo, d0 = (hi - lo) / 15.0f, qmin = 0.0f, qmax = 15.0f;
+  } else {
+    float amax = 0.0f;
+    for (int j = 0; j < kQ4; ++j) amax = std::max(amax, std::fabs(x[j]));
+    if (!std::isfinite(amax)) return false;
+    g.base = 0.0f, d0 = amax / 127.0f, qmin = -127.0f, qmax = 127.0f;
   }
-  return true;
+  for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
+    bool ok = true;
+    for (int j = 0; j < kQ4 && ok; ++j) {
+      float q = d > 0.0f ? std::nearbyint((x[j] - g.base) / d) : 0.0f;
+      q = std::min(std::max(q, qmin), qmax);
+      float back = d * q;
+      back = back + g.base;
+      ok = back == x[j];
+      g.q[j] = static_cast<int32_t>(q);
+    }
+    if (ok) {
+      g.d = d;
+      return true;
+    }
+  }
+  return false;
 }
 
 #ifdef MLXTOY_AVX2
@@ -85,61 +98,77 @@ __attribute__((target("avx2"))) inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-// The packers' AVX2 forms: 8 weights a vector, the same divisions, roundings and checks; AVX2
-// alone, without FMA, so d * q + m stays two roundings.
-// q = nearbyint((x - lo) / d) clamped to [0, 15] (0 where d is 0) for the block's 4 vectors;
-// true where fl(fl(d * q) + lo) == x for all 32
-__attribute__((target("avx2"))) inline bool q4_block_avx2(const __m256 (&x)[4], float lo, float d, __m256i (&q)[4]) {
-  const __m256 vlo = _mm256_set1_ps(lo), vd = _mm256_set1_ps(d), top = _mm256_set1_ps(15.0f);
-  const __m256 zero = _mm256_setzero_ps();
-  int same = 0xFF;
-  for (int v = 0; v < 4; ++v) {
-    __m256 qf = d > 0.0f ? _mm256_div_ps(_mm256_sub_ps(x[v], vlo), vd) : zero;
-    qf = _mm256_round_ps(qf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    qf = _mm256_min_ps(_mm256_max_ps(qf, zero), top);
-    __m256 back = _mm256_add_ps(_mm256_mul_ps(vd, qf), vlo);
-    same &= _mm256_movemask_ps(_mm256_cmp_ps(back, x[v], _CMP_EQ_OQ));
-    q[v] = _mm256_cvtps_epi32(qf);
-  }
-  return same == 0xFF;
-}
-
-__attribute__((target("avx2"))) inline bool pack_q4_row_avx2(const float* w, int64_t K, Q4Block* out) {
-  for (int64_t b = 0; b < K / kQ4; ++b) {
-    const float* p = w + b * kQ4;
-    __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+// The same with AVX2, 8 weights a vector: the same divisions, roundings and checks; AVX2 alone,
+// without FMA, so d * q + base stays two roundings.
+__attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, bool four_bit, Grid& g) {
+  const __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+  float d0, qmin, qmax;
+  if (four_bit) {
     float lo = hmin8(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
     float hi = hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
     if (!std::isfinite(lo) || !std::isfinite(hi)) return false;  // a NaN fails the check below
-    const float d0 = (hi - lo) / 15.0f;
+    g.base = lo, d0 = (hi - lo) / 15.0f, qmin = 0.0f, qmax = 15.0f;
+  } else {
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], abs), _mm256_and_ps(x[1], abs)),
+                                     _mm256_max_ps(_mm256_and_ps(x[2], abs), _mm256_and_ps(x[3], abs))));
+    if (!std::isfinite(amax)) return false;  // a NaN fails the check below
+    g.base = 0.0f, d0 = amax / 127.0f, qmin = -127.0f, qmax = 127.0f;
+  }
+  const __m256 base = _mm256_set1_ps(g.base), low = _mm256_set1_ps(qmin), high = _mm256_set1_ps(qmax);
+  for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
+    const __m256 vd = _mm256_set1_ps(d);
     __m256i q[4];
-    bool ok = false;
-    float d = d0;
-    for (float c : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)})
-      if (q4_block_avx2(x, lo, c, q)) {
-        ok = true;
-        d = c;
-        break;
-      }
-    if (!ok) return false;
-    alignas(32) int32_t qi[32];
-    for (int v = 0; v < 4; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * v), q[v]);
-    Q4Block& blk = out[b];
-    blk.d = d;
-    blk.m = lo;
-    for (int j = 0; j < 16; ++j) blk.qs[j] = static_cast<uint8_t>(qi[j] | (qi[j + 16] << 4));
+    int same = 0xFF;
+    for (int v = 0; v < 4; ++v) {
+      __m256 qf = d > 0.0f ? _mm256_div_ps(_mm256_sub_ps(x[v], base), vd) : _mm256_setzero_ps();
+      qf = _mm256_round_ps(qf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      qf = _mm256_min_ps(_mm256_max_ps(qf, low), high);
+      __m256 back = _mm256_add_ps(_mm256_mul_ps(vd, qf), base);
+      same &= _mm256_movemask_ps(_mm256_cmp_ps(back, x[v], _CMP_EQ_OQ));
+      q[v] = _mm256_cvtps_epi32(qf);
+    }
+    if (same == 0xFF) {
+      for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.q + 8 * v), q[v]);
+      g.d = d;
+      return true;
+    }
+  }
+  return false;
+}
+
+inline bool grid_block(const float* x, bool four_bit, Grid& g) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2 ? grid_block_avx2(x, four_bit, g) : grid_block_portable(x, four_bit, g);
+}
+#else
+inline bool grid_block(const float* x, bool four_bit, Grid& g) { return grid_block_portable(x, four_bit, g); }
+#endif
+
+// Packs a row of K (a multiple of 32) weights; false where any block is not on its grid: then
+// the row must stay float32.
+inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) {
+  Grid g;
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    if (!grid_block(w + b * kQ4, true, g)) return false;
+    out[b].d = g.d;
+    out[b].m = g.base;
+    for (int j = 0; j < 16; ++j) out[b].qs[j] = static_cast<uint8_t>(g.q[j] | (g.q[j + 16] << 4));
   }
   return true;
 }
 
-inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2 ? pack_q4_row_avx2(w, K, out) : pack_q4_row_portable(w, K, out);
+inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) {
+  Grid g;
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    if (!grid_block(w + b * kQ4, false, g)) return false;
+    out[b].d = g.d;
+    for (int j = 0; j < kQ4; ++j) out[b].qs[j] = static_cast<int8_t>(g.q[j]);
+  }
+  return true;
 }
-#else
-inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) { return pack_q4_row_portable(w, K, out); }
-#endif
 
+// ---- the 4-bit GEMV ----
 // xs[b] = the sum of x over block b (the m terms of a Q4 row's dot product)
 inline void block_sums(const float* x, int64_t K, float* xs) {
   for (int64_t b = 0; b < K / kQ4; ++b) {
@@ -214,96 +243,7 @@ inline void gemv_q4_span(const float* x, const float* xs, const Q4Block* w, floa
 }
 #endif
 
-// ---- lossless 8-bit weights ------------------------------------------------------------------
-// A row of weights that are all d * q (q in -127..127) per block of 32, as a Q8_0 GGUF
-// dequantizes to: (d, 32 signed bytes), 1.125 bytes a weight.
-struct Q8Block {
-  float d;
-  int8_t qs[32];
-};
-static_assert(sizeof(Q8Block) == 36, "Q8Block is 36 bytes");
-
-// Packs a row of K (a multiple of 32) weights; false where any weight is not exactly
-// fl(d * q) for the block's d = absmax / 127 (or a float32 neighbour of it).
-inline bool pack_q8_row_portable(const float* w, int64_t K, Q8Block* out) {
-  for (int64_t b = 0; b < K / kQ4; ++b) {
-    const float* x = w + b * kQ4;
-    float amax = 0.0f;
-    for (int j = 0; j < kQ4; ++j) amax = std::max(amax, std::fabs(x[j]));
-    if (!std::isfinite(amax)) return false;
-    Q8Block& blk = out[b];
-    float d0 = amax / 127.0f;
-    bool ok = false;
-    for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
-      ok = true;
-      for (int j = 0; j < kQ4 && ok; ++j) {
-        float q = d > 0.0f ? std::nearbyint(x[j] / d) : 0.0f;
-        q = std::min(std::max(q, -127.0f), 127.0f);
-        ok = d * q == x[j];
-        blk.qs[j] = static_cast<int8_t>(q);
-      }
-      if (ok) {
-        blk.d = d;
-        break;
-      }
-    }
-    if (!ok) return false;
-  }
-  return true;
-}
-
-#ifdef MLXTOY_AVX2
-// q = nearbyint(x / d) clamped to [-127, 127] (0 where d is 0); true where fl(d * q) == x for all 32
-__attribute__((target("avx2"))) inline bool q8_block_avx2(const __m256 (&x)[4], float d, __m256i (&q)[4]) {
-  const __m256 vd = _mm256_set1_ps(d), top = _mm256_set1_ps(127.0f), bottom = _mm256_set1_ps(-127.0f);
-  int same = 0xFF;
-  for (int v = 0; v < 4; ++v) {
-    __m256 qf = d > 0.0f ? _mm256_div_ps(x[v], vd) : _mm256_setzero_ps();
-    qf = _mm256_round_ps(qf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    qf = _mm256_min_ps(_mm256_max_ps(qf, bottom), top);
-    same &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(vd, qf), x[v], _CMP_EQ_OQ));
-    q[v] = _mm256_cvtps_epi32(qf);
-  }
-  return same == 0xFF;
-}
-
-__attribute__((target("avx2"))) inline bool pack_q8_row_avx2(const float* w, int64_t K, Q8Block* out) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int64_t b = 0; b < K / kQ4; ++b) {
-    const float* p = w + b * kQ4;
-    __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
-    __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], abs_mask), _mm256_and_ps(x[1], abs_mask)),
-                             _mm256_max_ps(_mm256_and_ps(x[2], abs_mask), _mm256_and_ps(x[3], abs_mask)));
-    float amax = hmax8(a);
-    if (!std::isfinite(amax)) return false;  // a NaN fails the check below
-    const float d0 = amax / 127.0f;
-    __m256i q[4];
-    bool ok = false;
-    float d = d0;
-    for (float c : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)})
-      if (q8_block_avx2(x, c, q)) {
-        ok = true;
-        d = c;
-        break;
-      }
-    if (!ok) return false;
-    alignas(32) int32_t qi[32];
-    for (int v = 0; v < 4; ++v) _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * v), q[v]);
-    Q8Block& blk = out[b];
-    blk.d = d;
-    for (int j = 0; j < 32; ++j) blk.qs[j] = static_cast<int8_t>(qi[j]);
-  }
-  return true;
-}
-
-inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2 ? pack_q8_row_avx2(w, K, out) : pack_q8_row_portable(w, K, out);
-}
-#else
-inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) { return pack_q8_row_portable(w, K, out); }
-#endif
-
+// ---- the 8-bit GEMV ----
 inline void gemv_q8_span_portable(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t nb = K / kQ4;
   for (int64_t n = n0; n < n1; ++n) {
