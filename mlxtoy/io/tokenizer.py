@@ -150,7 +150,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, md: dict[str, Any], source: str = "") -> "Tokenizer":
-        """Build from GGUF key/values (plain Python values, as gguf-py's `contents()` gives)."""
+        """Build from GGUF key/values (plain Python values, as `mlxtoy.io.gguf_file.read_gguf` gives)."""
         src = source or "GGUF metadata"
         raw_tokens = _list(md.get("tokenizer.ggml.tokens"))
         if not raw_tokens:
