@@ -197,7 +197,8 @@ def test_gpt2_cached_decoding_matches_uncached(gpt2_gguf):
 
 
 def test_gpt2_greedy_generation_matches_recompute(gpt2_gguf):
-    from mlxtoy.generate import SamplingParams, generate_tokens
+    from mlxtoy.generate import generate_tokens
+    from mlxtoy.sampling import SamplingParams
 
     model, *_ = _load(gpt2_gguf)
     prompt = _tokens(12, seed=8)

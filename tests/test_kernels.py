@@ -797,7 +797,8 @@ def model_outputs(weights_path, batch_path) -> dict:
     """The tiny Llama of CFG with the saved weights: sft_loss and its gradients on the saved
     batch (packed rows: block-causal masks), plain per-token losses, and 8 greedy KV-cached tokens."""
     from mlxtoy.config import ModelConfig
-    from mlxtoy.generate import SamplingParams, generate_tokens
+    from mlxtoy.generate import generate_tokens
+    from mlxtoy.sampling import SamplingParams
     from mlxtoy.loading import build_model
     from mlxtoy.train.objectives import sft_loss, token_losses
 

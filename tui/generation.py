@@ -17,7 +17,8 @@ from typing import Any, Callable
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 
-from mlxtoy.generate import ChatSession, SamplingParams, stream_generate
+from mlxtoy.generate import ChatSession, stream_generate
+from mlxtoy.sampling import SamplingParams
 from mlxtoy.loading import load
 
 

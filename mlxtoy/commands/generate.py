@@ -12,7 +12,8 @@ import argparse
 import sys
 
 from mlxtoy.errors import UserError
-from mlxtoy.generate import SamplingParams, encode_chat, stream_generate
+from mlxtoy.generate import encode_chat, stream_generate
+from mlxtoy.sampling import SamplingParams
 from mlxtoy.loading import load
 
 
