@@ -1,4 +1,4 @@
-"""Generation: KV-cache decoding, sampling, streaming detokenization and chat.
+"""Generation: KV-cache decoding, streaming detokenization and chat.
 
 The pieces, smallest first (sampling, pure functions on logits, is `mlxtoy.sampling`):
 - `generate_tokens`: chunked prefill into a KV cache, then one-token decode steps, each one

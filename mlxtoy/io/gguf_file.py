@@ -25,10 +25,9 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
-# GGUF value types -> struct format (strings and arrays are walked)
+# GGUF value types -> struct format, which numpy reads as a dtype too (strings and arrays are walked)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_SIZES = {t: struct.calcsize(f) for t, f in _SCALARS.items()}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 4
@@ -77,7 +76,7 @@ class _Walker:
                 raise self.fail(f"{key}: array of {count} items is longer than the file")
             if item in _SCALARS:
                 start = self.take(count * least, key)
-                return np.frombuffer(self.buf, _NUMPY[item], count, start).tolist()
+                return np.frombuffer(self.buf, np.dtype(_SCALARS[item]), count, start).tolist()
             if item == _STRING:  # vocabularies: 100k+ strings, so a tight loop
                 pos, buf, size, unpack = self.pos, self.buf, self.size, struct.unpack_from
                 out = []

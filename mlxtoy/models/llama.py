@@ -364,14 +364,17 @@ def kept_packs(owner: nn.Module, weights: list[mx.array] | None, which: Sequence
     that does not pack (trained weights: one says as much for all). What is kept always matches
     the weights last looked at, which `repin_packs` relies on; nothing for None weights or
     weights that do not pack."""
+    if weights is None:
+        object.__setattr__(owner, "mlxtoy_packs", None)
+        return {}
     kept = vars(owner).get("mlxtoy_packs")
-    if weights is not None and kept is not None and len(kept[0]) == len(weights) and all(
+    if kept is not None and len(kept[0]) == len(weights) and all(
             a is b or (a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item())
             for a, b in zip(kept[0], weights)):
         object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), kept[1]))
         return kept[1]
     packs = {}
-    for i in which if weights is not None else ():
+    for i in which:
         packed = fastmath.pack_lossless(weights[i])
         if packed is None:
             break
