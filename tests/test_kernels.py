@@ -441,6 +441,120 @@ def test_fastmath_attention_one_query_uses_kernel_and_matches_mlx():
         np.testing.assert_allclose(np_(o), np_(t), rtol=1e-5, atol=1e-6)
 
 
+# --- attention over many query positions (training, prefill) ---------------------------------
+
+def ref_block_attention(q, k, v, bias, scale, d_out):
+    """float64 attention and its gradient from the formulas, for the kernels' layout: q (B, KV,
+    G*T, D) with G query heads stacked per KV head, bias (1|B, T, S) -> out, p, (dq, dk, dv)."""
+    GT, T = q.shape[2], bias.shape[1]
+    b = np.tile(bias.astype(f64), (1, GT // T, 1))[:, None]  # (1|B, 1, G*T, S)
+    s = scale * (q.astype(f64) @ k.astype(f64).swapaxes(-1, -2)) + b
+    m = s.max(axis=-1, keepdims=True)
+    dead = m == NEG_INF
+    e = np.where(s == NEG_INF, 0.0, np.exp(s - np.where(dead, 0.0, m)))
+    p = np.where(dead, 0.0, e / np.where(dead, 1.0, e.sum(axis=-1, keepdims=True)))
+    out = p @ v.astype(f64)
+    dv = p.swapaxes(-1, -2) @ d_out
+    dp = d_out @ v.astype(f64).swapaxes(-1, -2)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    return out, p, (scale * ds @ k, scale * ds.swapaxes(-1, -2) @ q, dv)
+
+
+def check_block_attention(B, KV, G, T, S, D, bias, seed, scale=0.125):
+    r = rng(seed)
+    q, k, v = r.standard_normal((B, KV, G * T, D)), r.standard_normal((B, KV, S, D)), r.standard_normal((B, KV, S, D))
+    d_out = r.standard_normal((B, KV, G * T, D))
+    out, p = K.attention(arr(q), arr(k), arr(v), arr(bias), scale)
+    grads = K.attention_grad(arr(q), arr(k), arr(v), arr(bias), p, arr(d_out), scale)
+    want_out, want_p, want_grads = ref_block_attention(q, k, v, bias, scale, d_out)
+    np.testing.assert_allclose(np_(p), want_p, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np_(out), want_out, rtol=0, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(np_(got), want, rtol=0, atol=2e-5)
+    return np_(p)
+
+
+def test_block_attention_vs_numpy_causal_gqa_and_cache_prefix():
+    # GQA groups of 3 over 2 KV heads; T past one and two row blocks, not a multiple of them
+    check_block_attention(2, 2, 3, 150, 150, 16, mask_bias(causal(150, 150))[None], seed=40)
+    # the last 70 of 200 positions (a prefill after a cached prefix): every key block is open
+    check_block_attention(1, 3, 1, 70, 200, 8, mask_bias(causal(70, 200))[None], seed=41)
+    # no mask at all, and an additive bias of finite values (ALiBi-like) with a masked tail
+    check_block_attention(2, 1, 2, 33, 33, 8, np.zeros((1, 33, 33), np.float32), seed=42)
+    slopes = -0.1 * np.abs(np.arange(33)[None, :] - np.arange(33)[:, None]).astype(np.float32)
+    check_block_attention(1, 1, 1, 33, 33, 8, np.where(causal(33, 33), slopes, NEG_INF)[None].astype(np.float32), seed=43)
+
+
+def test_block_attention_per_batch_masks_and_fully_masked_rows():
+    # packed rows: per batch, a block-causal mask; row 0 of batch 1 and the keys 90.. sees nobody
+    T = 130
+    seg = np.stack([np.repeat([0, 1, 2], [40, 60, 30]), np.repeat([0, 1], [100, 30])])
+    allowed = (seg[:, :, None] == seg[:, None, :]) & causal(T, T)[None]
+    allowed[1, 0] = False
+    allowed[:, :, 90:] &= False
+    p = check_block_attention(2, 2, 2, T, T, 16, mask_bias(allowed), seed=44)
+    assert (p[1, :, 0] == 0).all() and (p[1, :, T] == 0).all()  # the masked row, in both query heads
+    assert (p[..., 90:] == 0).all()
+
+
+def test_block_attention_skips_closed_keys_and_is_the_same_on_one_thread():
+    """Keys past a row block's last open one are never read: NaN there changes nothing (a
+    positive control: NaN in an open key does). The sums over rows are in a fixed order: one
+    kernel thread gives the same bits."""
+    r = rng(45)
+    T, D = 192, 16
+    q, k, v = (arr(r.standard_normal((2, 2, 2 * T, D))) for _ in range(3))
+    k, v = k[:, :, :T], v[:, :, :T]
+    bias = arr(mask_bias(causal(T, T))[None])
+    out, p = K.attention(q, k, v, bias, 0.25)
+    rows = np.r_[0:128, T:T + 128]  # each query head's first two row blocks: they see keys < 128
+    for poison_at, changes in ((128, False), (10, True)):
+        k_nan = mx.concatenate([k[:, :, :poison_at], mx.full((2, 2, T - poison_at, D), mx.nan)], axis=2)
+        got = np.array(K.attention(q, k_nan, v, bias, 0.25)[0])
+        assert np.isnan(got[:, :, rows]).any() == changes
+        assert np.isnan(got).any()  # the later rows read the poisoned keys
+        if not changes:
+            np.testing.assert_array_equal(got[:, :, rows], np.array(out)[:, :, rows])
+    d_out = arr(r.standard_normal((2, 2, 2 * T, D)))
+    code = ("import sys, numpy as np, mlxtoy, mlx.core as mx, mlxtoy_kernels as K\n"
+            "a = [mx.array(x) for x in np.load(sys.argv[1]).values()]\n"
+            "out, p = K.attention(a[0], a[1], a[2], a[3], 0.25)\n"
+            "np.savez(sys.argv[1], *[np.array(x) for x in [out, p, *K.attention_grad(a[0], a[1], a[2], a[3], p, a[4], 0.25)]])")
+    results = []
+    for threads in ("1", "2"):
+        path = os.path.join(REPO, ".pytest-attention-%s.npz" % threads)
+        np.savez(path, *[np.array(x) for x in (q, k, v, bias, d_out)])
+        try:
+            run_py(code, path, MLXTOY_KERNEL_THREADS=threads)
+            results.append([x for x in np.load(path).values()])
+        finally:
+            os.remove(path)
+    for one, two in zip(*results):
+        np.testing.assert_array_equal(one, two)
+
+
+def test_fastmath_attention_many_queries_uses_block_kernel_and_matches_mlx():
+    """Training's attention (T > 1) is the kernels' block attention, forward and gradient, and
+    agrees with mx.fast's (a different implementation) under a causal and a boolean mask."""
+    assert fastmath.BLOCK_ATTENTION  # CI installs MKL and the kernels: the path under test
+    r = rng(46)
+    q, k, v = arr(r.standard_normal((2, 6, 90, 16))), arr(r.standard_normal((2, 2, 90, 16))), arr(r.standard_normal((2, 2, 90, 16)))
+    g = arr(r.standard_normal((2, 6, 90, 16)))
+    seg = mx.array(np.stack([np.repeat([0, 1], [50, 40]), np.zeros(90, int)]))  # two documents, one
+    for mask in ("causal", (seg[:, None, :, None] == seg[:, None, None, :]) & (mx.arange(90)[:, None] >= mx.arange(90)[None, :])):
+        out = fastmath.attention(q, k, v, 0.25, mask)
+        f = io.StringIO()
+        mx.export_to_dot(f, out)
+        assert "MlxtoyBlockAttention" in f.getvalue()
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+        np.testing.assert_allclose(np_(out), np_(ref), rtol=0, atol=5e-6)
+        ours = mx.grad(lambda q, k, v: (fastmath.attention(q, k, v, 0.25, mask) * g).sum(), argnums=(0, 1, 2))(q, k, v)
+        theirs = mx.grad(lambda q, k, v: (mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask) * g).sum(),
+                         argnums=(0, 1, 2))(q, k, v)
+        for o, t in zip(ours, theirs):
+            np.testing.assert_allclose(np_(o), np_(t), rtol=1e-5, atol=1e-5)
+
+
 # --- RoPE and inference mode -------------------------------------------------------------------
 
 def ref_rope(x: np.ndarray, offset: int, dims: int, traditional: bool, scale: float, inv: np.ndarray) -> np.ndarray:

@@ -31,6 +31,13 @@ NB_MODULE(_ext, m) {
         "stream"_a = nb::none(),
         "softmax(scale q k^T + bias) v for one query position: q (B, H, 1, D), k (B, KV, S, D), "
         "v (B, KV, S, Dv), bias (1|B, S) of 0 and -inf; query head h reads KV head h // (H / KV)");
+  m.def("attention", &mlxtoy::attention, "q"_a, "k"_a, "v"_a, "bias"_a, "scale"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "(out, p): p = softmax(scale q k^T + bias), out = p v, for q (B, KV, G * T, D) (each KV head's G query "
+        "heads stacked along the rows), k (B, KV, S, D), v (B, KV, S, Dv), bias (1|B, T, S) additive; keys past "
+        "a block of rows' last open one are not computed");
+  m.def("attention_grad", &mlxtoy::attention_grad, "q"_a, "k"_a, "v"_a, "bias"_a, "p"_a, "d_out"_a, "scale"_a,
+        nb::kw_only(), "stream"_a = nb::none(), "(dq, dk, dv) of attention for out's cotangent d_out, from its p");
   m.def("sum_squares", &mlxtoy::sum_squares, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "sum(x^2) as float32 (1,), summed in double over fixed blocks: the same bits on any thread count");
   m.def("logsumexp", &mlxtoy::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),

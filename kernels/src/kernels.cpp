@@ -121,7 +121,8 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r) {
             int64_t b = rows_per_bias ? r / rows_per_bias : 0;
-            softmax_row(s + r * last, bias + (b * T + r % T) * last, p + r * last, last);
+            const float* row_bias = bias + (b * T + r % T) * last;
+            softmax_row(s + r * last, row_bias, p + r * last, last, open_length(row_bias, last));
           }
         });
         break;
@@ -131,7 +132,11 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         auto dp = static_cast<const float*>(in[1]);
         auto ds = static_cast<float*>(out[0]);
         threads.run(rows, grain(last), [&](int64_t r0, int64_t r1) {
-          for (int64_t r = r0; r < r1; ++r) softmax_grad_row(p + r * last, dp + r * last, ds + r * last, last);
+          for (int64_t r = r0; r < r1; ++r) {
+            int64_t len = last;  // p's zero tail (a masked one) skipped
+            while (len > 0 && p[r * last + len - 1] == 0.0f) --len;
+            softmax_grad_row(p + r * last, dp + r * last, ds + r * last, last, len);
+          }
         });
         break;
       }

@@ -52,6 +52,23 @@ class DecodeBlock : public mx::Primitive {
   int packed_;
 };
 
+// Attention over many query positions (training, prefill) and its gradient, as row blocks whose
+// GEMMs stop at the block's last open key: a causal mask's closed half is never computed (see
+// attention.cpp).
+class BlockAttention : public mx::Primitive {
+ public:
+  BlockAttention(mx::Stream stream, bool grad, float scale) : mx::Primitive(stream), grad_(grad), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxtoyBlockAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  bool grad_;
+  float scale_;
+};
+
 int kernel_threads();
 bool kernel_openmp();
 mx::array softmax_bias(const mx::array& s, const mx::array& bias, mx::StreamOrDevice st = {});
@@ -68,6 +85,11 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st = {
 std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st = {});
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
                            float scale, mx::StreamOrDevice st = {});
+std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
+                                 float scale, mx::StreamOrDevice st = {});
+std::vector<mx::array> attention_grad(const mx::array& q, const mx::array& k, const mx::array& v,
+                                      const mx::array& bias, const mx::array& p, const mx::array& d_out, float scale,
+                                      mx::StreamOrDevice st = {});
 mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st = {});
 std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st = {});

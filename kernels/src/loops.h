@@ -48,12 +48,12 @@ inline int64_t open_length(const float* bias, int64_t S) {
   return S;
 }
 
-// p = softmax(s + bias) over a row of length S; masked (-inf) entries give exactly 0, entries
-// past the row's last unmasked one are not computed. Returns nothing; a row masked entirely
-// is all zeros.
-HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S) {
-  int64_t len = open_length(bias, S);
+// p = softmax(s + bias) over a row of length S whose `open_length` is len; masked (-inf) entries
+// give exactly 0, entries past len are not read (s may be shorter) and set to 0. A row masked
+// entirely is all zeros. p may be s.
+HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S, int64_t len) {
   float m = kNegInf;
+#pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j] + bias[j]);
   if (m == kNegInf) {
     std::fill(p, p + S, 0.0f);
@@ -63,7 +63,8 @@ HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < len; ++j) {
     float v = s[j] + bias[j];
-    float e = v == kNegInf ? 0.0f : poly_exp(v - m);
+    float e = poly_exp(v - m);  // computed for masked entries too, then dropped: no branch in the loop
+    e = v == kNegInf ? 0.0f : e;
     p[j] = e;
     sum += e;
   }
@@ -73,10 +74,9 @@ HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S) {
   std::fill(p + len, p + S, 0.0f);
 }
 
-// ds = p * (dp - sum(p * dp)): the softmax's input gradient; p's zero tail is skipped.
-HOT void softmax_grad_row(const float* p, const float* dp, float* ds, int64_t S) {
-  int64_t len = S;
-  while (len > 0 && p[len - 1] == 0.0f) --len;
+// ds = p * (dp - sum(p * dp)): the softmax's input gradient, for a row of p that is 0 past len
+// (dp is not read there and ds set to 0). ds may be dp.
+HOT void softmax_grad_row(const float* p, const float* dp, float* ds, int64_t S, int64_t len) {
   float delta = 0.0f;
 #pragma omp simd reduction(+ : delta)
   for (int64_t j = 0; j < len; ++j) delta += p[j] * dp[j];

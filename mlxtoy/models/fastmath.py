@@ -489,6 +489,33 @@ def _kernel_decode_attention(scale: float):
     return fn
 
 
+# The kernels' block attention calls the BLAS from inside their threads: only where those are
+# MKL's OpenMP team (MKL then runs each call on the calling thread; BLAS threads of its own
+# under a pool of ours would oversubscribe the cores).
+BLOCK_ATTENTION = KERNELS and _K.openmp() and backend.os.environ.get("MLXTOY_BLOCK_ATTENTION", "1") != "0"
+
+_BLOCK_ATTENTIONS: dict = {}
+
+
+def _kernel_block_attention(scale: float):
+    """The kernels' attention over many query positions for this scale, with its gradient:
+    (q (B, KV, G*T, D), k, v, bias (B|1, T, S)) -> (out, p) as `_grouped_attention`."""
+    fn = _BLOCK_ATTENTIONS.get(scale)
+    if fn is None:
+        @mx.custom_function
+        def fn(q, k, v, bias):
+            return tuple(_K.attention(q, k, v, bias, scale))
+
+        @fn.vjp
+        def fn_vjp(primals, cotangents, outputs):
+            q, k, v, bias = primals
+            dq, dk, dv = _K.attention_grad(q, k, v, bias, outputs[1], cotangents[0], scale)
+            return dq, dk, dv, mx.zeros_like(bias)
+
+        _BLOCK_ATTENTIONS[scale] = fn
+    return fn
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
     """Scaled dot-product attention, q (B, H, T, D), k/v (B, KV, S, D) -> (B, H, T, D); the
     fast forms here for float32 on CPU (one query position: the decode kernel, which reads
@@ -504,7 +531,11 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) ->
     if not (_ON_CPU and q.dtype == mx.float32 and T > 1):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     KV, S = k.shape[1], k.shape[2]
-    bias = additive_mask(mask, T, S)[:, :, None]  # (B|1, 1, 1, T, S)
-    out, _ = _grouped_attention(q.reshape(B, KV, (H // KV) * T, D), k, v, bias,
-                                mx.array(scale, dtype=q.dtype))
+    stacked = q.reshape(B, KV, (H // KV) * T, D)
+    bias = additive_mask(mask, T, S)  # (B|1, 1, T, S)
+    if BLOCK_ATTENTION:
+        bias = bias.reshape(bias.shape[0], T, S)
+        out = _K.attention(stacked, k, v, bias, scale)[0] if _bare(q) else _kernel_block_attention(scale)(stacked, k, v, bias)[0]
+    else:
+        out, _ = _grouped_attention(stacked, k, v, bias[:, :, None], mx.array(scale, dtype=q.dtype))
     return out.reshape(B, H, T, D)
