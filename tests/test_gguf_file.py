@@ -74,3 +74,46 @@ def test_read_gguf_agrees_with_gguf_py_on_every_value_type_and_tensor(tmp_path):
             want = gguf.quants.dequantize(gguf.quants.quantize(want, gguf.GGMLQuantizationType.Q8_0),
                                           gguf.GGMLQuantizationType.Q8_0)
         assert got.shape == want.shape and np.array_equal(got, want.astype(np.float32)), mine.name
+
+
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def test_native_dequantize_gives_gguf_py_bits_for_every_block_type():
+    """The kernels' dequantizer against gguf-py's numpy one, bit for bit, on random blocks:
+    every byte random, so the half-precision scales include subnormals, zeros, infinities and
+    NaNs, and every packed field takes all its values. A flipped quant bit changes the output
+    (positive control), and the types it does not take are refused."""
+    import mlxtoy_kernels as K
+
+    r = np.random.default_rng(7)
+    for name in NATIVE_TYPES:
+        qtype = gguf.GGMLQuantizationType[name]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        assert K.dequantizes(int(qtype))
+        data = r.integers(0, 256, (3000, type_size), dtype=np.uint8)
+        # half the blocks with tame scales (finite, normal), so most values are finite numbers
+        tame = r.standard_normal((1500, 2)).astype(np.float16).view(np.uint8)  # (1500, 4): two halves a block
+        if name == "Q6_K":  # the scale d is the last two bytes
+            data[:1500, -2:] = tame[:, :2]
+        else:
+            data[:1500, :2] = tame[:, :2]
+            if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):  # the min / dmin
+                data[:1500, 2:4] = tame[:, 2:]
+        with np.errstate(invalid="ignore", over="ignore"):  # the random scales include inf and NaN
+            want = gguf.quants.dequantize(data, qtype).reshape(-1)
+        got = K.dequantize(data.reshape(-1), int(qtype), data.shape[0] * block_size)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=name)
+        assert np.isfinite(got).mean() > 0.4  # the comparison covered real numbers
+        flipped = data.copy()
+        flipped[0, -1] ^= 0x10  # a bit of a quant (Q6_K: of its scale d's half)
+        assert not np.array_equal(K.dequantize(flipped.reshape(-1), int(qtype), got.size), got)
+    for name in ("Q2_K", "Q3_K", "F16", "IQ4_NL"):
+        assert not K.dequantizes(int(gguf.GGMLQuantizationType[name]))
+    try:
+        K.dequantize(np.zeros(35, np.uint8), int(gguf.GGMLQuantizationType.Q8_0), 32)  # not whole blocks
+    except ValueError as e:
+        assert "35 bytes" in str(e)
+    else:
+        raise AssertionError("a ragged buffer was accepted")

@@ -1,4 +1,5 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -38,6 +39,27 @@ NB_MODULE(_ext, m) {
         "a block of rows' last open one are not computed");
   m.def("attention_grad", &mlxtoy::attention_grad, "q"_a, "k"_a, "v"_a, "bias"_a, "p"_a, "d_out"_a, "scale"_a,
         nb::kw_only(), "stream"_a = nb::none(), "(dq, dk, dv) of attention for out's cotangent d_out, from its p");
+  m.def("dequantizes", &mlxtoy::dequantizes, "type"_a, "whether dequantize reads this GGMLQuantizationType");
+  m.def(
+      "dequantize",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, int type, int64_t n_values) {
+        auto* out = new float[static_cast<size_t>(n_values)];
+        nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+        {
+          nb::gil_scoped_release unlocked;
+          try {
+            mlxtoy::dequantize(data.data(), static_cast<int64_t>(data.shape(0)), type, out, n_values);
+          } catch (...) {
+            nb::gil_scoped_acquire locked;
+            throw;
+          }
+        }
+        size_t shape[1] = {static_cast<size_t>(n_values)};
+        return nb::ndarray<nb::numpy, float, nb::ndim<1>>(out, 1, shape, owner);
+      },
+      "data"_a, "type"_a, "n_values"_a,
+      "GGUF blocks (uint8, C-contiguous) of GGMLQuantizationType type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+      "Q6_K) -> float32 (n_values,), the values gguf-py's dequantize gives, threaded; a plain function on numpy arrays");
   m.def("sum_squares", &mlxtoy::sum_squares, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "sum(x^2) as float32 (1,), summed in double over fixed blocks: the same bits on any thread count");
   m.def("logsumexp", &mlxtoy::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),

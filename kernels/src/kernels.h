@@ -69,6 +69,10 @@ class BlockAttention : public mx::Primitive {
   float scale_;
 };
 
+// GGUF blocks (GGMLQuantizationType `type`) to float32, as gguf-py computes them (dequant.cpp)
+bool dequantizes(int type);
+void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int64_t n_values);
+
 int kernel_threads();
 bool kernel_openmp();
 mx::array softmax_bias(const mx::array& s, const mx::array& bias, mx::StreamOrDevice st = {});

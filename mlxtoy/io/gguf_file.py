@@ -4,8 +4,9 @@ The reader (`mlxtoy.io.gguf_read`) and the writer (`mlxtoy.io.gguf_write`), whic
 architecture's spec (`mlxtoy.arch`), stand on this; it knows no layout of ours.
 
 The header is walked here (every count bounded by the file size) and the file memory-mapped;
-each tensor is dequantized on its own by gguf-py (to float32, exactly as GGML's reference
-dequantizers do), so a reader never holds the weights twice.
+each tensor is dequantized on its own (to float32, exactly as GGML's reference dequantizers
+do), so a reader never holds the weights twice: the common block types by the compiled kernels
+(`mlxtoy_kernels.dequantize`, threaded, the same values), the rest by gguf-py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ from typing import Any
 import numpy as np
 
 from mlxtoy.errors import UserError
+
+try:  # the compiled kernels dequantize the common block types natively (threaded); else gguf-py
+    import mlxtoy_kernels
+except (ImportError, OSError):
+    mlxtoy_kernels = None
+if os.environ.get("MLXTOY_KERNELS", "1") == "0":
+    mlxtoy_kernels = None
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -198,6 +206,8 @@ def dequantize_tensor(tensor: GGUFTensor, path: str) -> np.ndarray:
         elif qtype == gguf.GGMLQuantizationType.BF16:
             raw = tensor.data.view(np.uint16).astype(np.uint32) << 16
             arr = raw.view(np.float32)
+        elif mlxtoy_kernels is not None and mlxtoy_kernels.dequantizes(int(qtype)):
+            arr = mlxtoy_kernels.dequantize(tensor.data.reshape(-1), int(qtype), math.prod(shape))
         else:
             arr = gguf.quants.dequantize(tensor.data, qtype)
         return arr.reshape(shape)

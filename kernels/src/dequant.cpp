@@ -1,0 +1,166 @@
+// GGUF block formats to float32, for loading: the simple blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+// and the K-quants of the common mixes (Q4_K, Q5_K, Q6_K). Each weight is computed with the
+// float32 operations, in the order, of gguf-py's numpy dequantizers (GGML's reference
+// formulas): a scale times a small integer, then an offset added or subtracted as a separate
+// rounding (no fused multiply-add: this file is compiled with fp-contract off). Blocks are
+// split over the kernels' threads; the caller releases Python's lock.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "kernels.h"
+#include "pool.h"
+
+namespace mlxtoy {
+
+namespace {
+
+// IEEE half -> float, exactly (subnormals, infinities and NaN payloads as numpy converts them)
+float half(const uint8_t* p) {
+  uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    do {
+      ++e;
+      man <<= 1;
+    } while ((man & 0x400) == 0);
+    bits = sign | static_cast<uint32_t>(112 - e) << 23 | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+constexpr int64_t kQK = 256;  // a K-quant super-block
+
+void q4_0(const uint8_t* b, float* y) {
+  float d = half(b);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>((b[2 + j] & 0x0F) - 8);
+    y[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+  }
+}
+
+void q4_1(const uint8_t* b, float* y) {
+  float d = half(b), m = half(b + 2);
+  for (int j = 0; j < 16; ++j) {
+    float lo = d * static_cast<float>(b[4 + j] & 0x0F), hi = d * static_cast<float>(b[4 + j] >> 4);
+    y[j] = lo + m;
+    y[j + 16] = hi + m;
+  }
+}
+
+void q5(const uint8_t* b, float* y, bool with_min) {
+  float d = half(b), m = with_min ? half(b + 2) : 0.0f;
+  const uint8_t* qhp = b + (with_min ? 4 : 2);
+  uint32_t qh = static_cast<uint32_t>(qhp[0]) | qhp[1] << 8 | qhp[2] << 16 | static_cast<uint32_t>(qhp[3]) << 24;
+  const uint8_t* qs = qhp + 4;
+  for (int j = 0; j < 32; ++j) {
+    int q = (j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4) | ((qh >> j) & 1) << 4;
+    if (with_min) {
+      float v = d * static_cast<float>(q);
+      y[j] = v + m;
+    } else {
+      y[j] = d * static_cast<float>(q - 16);
+    }
+  }
+}
+
+void q8_0(const uint8_t* b, float* y) {
+  float d = half(b);
+  for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+}
+
+// Q4_K / Q5_K: 8 groups of 32 with 6-bit scales and mins packed in 12 bytes
+void scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[4 + j] & 63;
+  } else {
+    *sc = (s[8 + j - 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    *mn = (s[8 + j - 4] >> 4) | ((s[4 + j - 4] >> 2) & 0x30);
+  }
+}
+
+void q45_k(const uint8_t* b, float* y, bool five) {
+  float d = half(b), dmin = half(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = five ? b + 16 : nullptr;
+  const uint8_t* qs = b + (five ? 48 : 16);
+  for (int g = 0; g < 8; ++g) {
+    int sc, mn;
+    scale_min(scales, g, &sc, &mn);
+    float dg = d * static_cast<float>(sc), mg = dmin * static_cast<float>(mn);
+    const uint8_t* q = qs + (g / 2) * 32;
+    for (int i = 0; i < 32; ++i) {
+      int v = g % 2 ? q[i] >> 4 : q[i] & 0x0F;
+      if (five) v |= ((qh[i] >> g) & 1) << 4;
+      float t = dg * static_cast<float>(v);
+      y[g * 32 + i] = t - mg;
+    }
+  }
+}
+
+void q6_k(const uint8_t* b, float* y) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  float d = half(b + 208);
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 32; ++i) {
+        uint8_t l = ql[h * 64 + (k % 2) * 32 + i];
+        int q = ((k < 2 ? l & 0x0F : l >> 4) | ((qh[h * 32 + i] >> (2 * k)) & 3) << 4) - 32;
+        int o = (h * 4 + k) * 32 + i;
+        float ds = d * static_cast<float>(scales[o / 16]);
+        y[o] = ds * static_cast<float>(q);
+      }
+}
+
+struct Format {
+  int64_t bytes, values;
+  void (*fn)(const uint8_t*, float*);
+};
+
+Format format(int type) {
+  switch (type) {  // GGMLQuantizationType
+    case 2: return {18, 32, q4_0};
+    case 3: return {20, 32, q4_1};
+    case 6: return {22, 32, [](const uint8_t* b, float* y) { q5(b, y, false); }};
+    case 7: return {24, 32, [](const uint8_t* b, float* y) { q5(b, y, true); }};
+    case 8: return {34, 32, q8_0};
+    case 12: return {144, kQK, [](const uint8_t* b, float* y) { q45_k(b, y, false); }};
+    case 13: return {176, kQK, [](const uint8_t* b, float* y) { q45_k(b, y, true); }};
+    case 14: return {210, kQK, q6_k};
+    default: return {0, 0, nullptr};
+  }
+}
+
+}  // namespace
+
+bool dequantizes(int type) { return format(type).fn != nullptr; }
+
+void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int64_t n_values) {
+  Format f = format(type);
+  if (f.fn == nullptr) throw std::invalid_argument("[mlxtoy_kernels] dequantize: type " + std::to_string(type));
+  if (n_bytes % f.bytes != 0 || n_bytes / f.bytes * f.values != n_values)
+    throw std::invalid_argument("[mlxtoy_kernels] dequantize: " + std::to_string(n_bytes) + " bytes are not " +
+                                std::to_string(n_values) + " values of type " + std::to_string(type));
+  int64_t blocks = n_bytes / f.bytes;
+  pool().run(blocks, 1024, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) f.fn(data + b * f.bytes, out + b * f.values);
+  });
+}
+
+}  // namespace mlxtoy
