@@ -461,17 +461,25 @@ def ref_block_attention(q, k, v, bias, scale, d_out):
 
 
 def check_block_attention(B, KV, G, T, S, D, bias, seed, scale=0.125):
+    """The kernels' attention and its gradient against `ref_block_attention`; the stats are each
+    row's max and 1 / sum (so logsumexp = max - log(1 / sum)). -> the reference p."""
     r = rng(seed)
     q, k, v = r.standard_normal((B, KV, G * T, D)), r.standard_normal((B, KV, S, D)), r.standard_normal((B, KV, S, D))
     d_out = r.standard_normal((B, KV, G * T, D))
-    out, p = K.attention(arr(q), arr(k), arr(v), arr(bias), scale)
-    grads = K.attention_grad(arr(q), arr(k), arr(v), arr(bias), p, arr(d_out), scale)
+    out, stats = K.attention(arr(q), arr(k), arr(v), arr(bias), scale)
+    grads = K.attention_grad(arr(q), arr(k), arr(v), arr(bias), stats, arr(d_out), scale)
     want_out, want_p, want_grads = ref_block_attention(q, k, v, bias, scale, d_out)
-    np.testing.assert_allclose(np_(p), want_p, rtol=0, atol=1e-6)
     np.testing.assert_allclose(np_(out), want_out, rtol=0, atol=1e-5)
     for got, want in zip(grads, want_grads):
         np.testing.assert_allclose(np_(got), want, rtol=0, atol=2e-5)
-    return np_(p)
+    s_ref = scale * (q @ k.swapaxes(-1, -2)) + np.tile(bias.astype(f64), (1, G, 1))[:, None]
+    live = np.isfinite(s_ref).any(axis=-1)
+    m, inv = np_(stats)[..., 0], np_(stats)[..., 1]
+    with np.errstate(divide="ignore", invalid="ignore"):  # the fully masked rows: -inf, 0
+        lse = np.log(np.exp(s_ref - np.where(live, s_ref.max(-1), 0)[..., None]).sum(-1)) + s_ref.max(-1)
+        np.testing.assert_allclose((m - np.log(inv))[live], lse[live], rtol=0, atol=2e-5)
+    assert (m[~live] == NEG_INF).all() and (inv[~live] == 0).all()
+    return want_p
 
 
 def test_block_attention_vs_numpy_causal_gqa_and_cache_prefix():
@@ -486,7 +494,8 @@ def test_block_attention_vs_numpy_causal_gqa_and_cache_prefix():
 
 
 def test_block_attention_per_batch_masks_and_fully_masked_rows():
-    # packed rows: per batch, a block-causal mask; row 0 of batch 1 and the keys 90.. sees nobody
+    # packed rows: per batch, a block-causal mask; row 0 of batch 1 sees nobody, and no one the
+    # keys from 90 (open lengths inside a key block)
     T = 130
     seg = np.stack([np.repeat([0, 1, 2], [40, 60, 30]), np.repeat([0, 1], [100, 30])])
     allowed = (seg[:, :, None] == seg[:, None, :]) & causal(T, T)[None]
@@ -506,7 +515,7 @@ def test_block_attention_skips_closed_keys_and_is_the_same_on_one_thread():
     q, k, v = (arr(r.standard_normal((2, 2, 2 * T, D))) for _ in range(3))
     k, v = k[:, :, :T], v[:, :, :T]
     bias = arr(mask_bias(causal(T, T))[None])
-    out, p = K.attention(q, k, v, bias, 0.25)
+    out, _ = K.attention(q, k, v, bias, 0.25)
     rows = np.r_[0:128, T:T + 128]  # each query head's first two row blocks: they see keys < 128
     for poison_at, changes in ((128, False), (10, True)):
         k_nan = mx.concatenate([k[:, :, :poison_at], mx.full((2, 2, T - poison_at, D), mx.nan)], axis=2)
@@ -518,8 +527,8 @@ def test_block_attention_skips_closed_keys_and_is_the_same_on_one_thread():
     d_out = arr(r.standard_normal((2, 2, 2 * T, D)))
     code = ("import sys, numpy as np, mlxtoy, mlx.core as mx, mlxtoy_kernels as K\n"
             "a = [mx.array(x) for x in np.load(sys.argv[1]).values()]\n"
-            "out, p = K.attention(a[0], a[1], a[2], a[3], 0.25)\n"
-            "np.savez(sys.argv[1], *[np.array(x) for x in [out, p, *K.attention_grad(a[0], a[1], a[2], a[3], p, a[4], 0.25)]])")
+            "out, stats = K.attention(a[0], a[1], a[2], a[3], 0.25)\n"
+            "np.savez(sys.argv[1], *[np.array(x) for x in [out, stats, *K.attention_grad(a[0], a[1], a[2], a[3], stats, a[4], 0.25)]])")
     results = []
     for threads in ("1", "2"):
         path = os.path.join(REPO, ".pytest-attention-%s.npz" % threads)

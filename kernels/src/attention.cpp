@@ -1,16 +1,17 @@
 // Attention over many query positions, forward and backward, for training and prefill:
 //   p = softmax(scale q k^T + bias), out = p v;   (dq, dk, dv) for out's cotangent.
 // q (B, KV, G*T, D) holds each KV head's G query heads stacked along the rows, k (B, KV, S, D),
-// v (B, KV, S, Dv), bias (1|B, T, S) additive (0 and -inf). p is an output: the backward reads
-// it instead of recomputing the exponentials.
+// v (B, KV, S, Dv), bias (1|B, T, S) additive (0 and -inf).
 //
 // The rows go in blocks of kBlock query positions, and a block's GEMMs run only over the keys
 // up to the last one any of its rows may see (its "open length", from the bias): under a causal
 // mask the closed upper triangle is skipped but for the diagonal blocks. Each block is one task
 // on the kernels' threads with its GEMMs on the BLAS MLX calls (MKL runs them on one thread
-// inside the team). The backward's dk and dv sum over query rows: there a task owns a block of
-// keys and runs over the row blocks in order, so no two tasks write one value and the sums do
-// not depend on the thread count.
+// inside the team). p is not kept between the passes (it is B x H x T x S per layer): the
+// forward returns each row's maximum and 1 / sum, and the backward computes the scores again
+// and from them the same p. The backward's dk and dv sum over query rows: there a task owns a
+// block of keys and runs over the row blocks in order, so no two tasks write one value and the
+// sums do not depend on the thread count.
 
 #include <algorithm>
 #include <cstdint>
@@ -105,13 +106,17 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2], &bias = inputs[3];
   const Dims d{q.shape(0), k.shape(1), q.shape(2) / bias.shape(1), bias.shape(1), k.shape(2), q.shape(3),
                v.shape(3), bias.shape(0)};
-  // the backward's ds (B, KV, G * T, S), a buffer of the task's own
+  // the backward's p and ds (B, KV, G * T, S), buffers of the task's own
+  float* p = nullptr;
+  float* ds = nullptr;
   if (grad_) {
-    mx::array ds(inputs[4].shape(), mx::float32, nullptr, {});
-    ds.set_data(mx::allocator::malloc(ds.nbytes()));
-    temps.push_back(ds);
+    for (float** buffer : {&p, &ds}) {
+      mx::array t({q.shape(0), q.shape(1), q.shape(2), k.shape(2)}, mx::float32, nullptr, {});
+      t.set_data(mx::allocator::malloc(t.nbytes()));
+      temps.push_back(t);
+      *buffer = t.data<float>();
+    }
   }
-  float* ds = grad_ ? temps.back().data<float>() : nullptr;
   const bool grad = grad_;
   const float scale = scale_;
 
@@ -123,25 +128,33 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     auto item_of = [](auto* base, int64_t item, int64_t rows_per_item, int64_t width) {
       return base + item * rows_per_item * width;
     };
+    // the columns of a row block's p and ds that the passes read: its open length, up to a
+    // whole key block
+    auto read_width = [&](int64_t kl) { return std::min(d.S, (kl + kBlock - 1) / kBlock * kBlock); };
     if (!grad) {
-      // out, p from q, k, v, bias
-      float *o = out[0], *p = out[1];
+      // out, stats (m, 1 / sum per row) from q, k, v, bias; p in a scratch row block
+      float *o = out[0], *stats = out[1];
       threads.run_dynamic(n_row_tasks, 1, [&](int64_t t0, int64_t t1) {
+        thread_local std::vector<float> scratch;
+        scratch.resize(static_cast<size_t>(kBlock * d.S));
+        float* pr = scratch.data();
         for (int64_t task = t0; task < t1; ++task) {
           RowBlock rb(task, d);
-          float* pr = item_of(p, rb.item, GT, d.S) + rb.first_row * d.S;
           float* orow = item_of(o, rb.item, GT, d.Dv) + rb.first_row * d.Dv;
+          float* st = item_of(stats, rb.item, GT, 2) + rb.first_row * 2;
           int64_t kl = open.block[rb.block(d)];
           if (kl == 0) {
-            std::fill(pr, pr + rb.rows * d.S, 0.0f);
             std::fill(orow, orow + rb.rows * d.Dv, 0.0f);
+            for (int64_t r = 0; r < rb.rows; ++r) st[2 * r] = kNegInf, st[2 * r + 1] = 0.0f;
             continue;
           }
           gemm(false, true, rb.rows, kl, d.D, scale, item_of(in[0], rb.item, GT, d.D) + rb.first_row * d.D, d.D,
                item_of(in[1], rb.item, d.S, d.D), d.D, 0.0f, pr, d.S);
           for (int64_t r = 0; r < rb.rows; ++r) {
             int64_t br = rb.bias_row(d) + r;
-            softmax_row(pr + r * d.S, in[3] + br * d.S, pr + r * d.S, d.S, open.row[br]);
+            RowStats rs = softmax_row(pr + r * d.S, in[3] + br * d.S, pr + r * d.S, kl, open.row[br]);
+            st[2 * r] = rs.m;
+            st[2 * r + 1] = rs.inv;
           }
           gemm(false, false, rb.rows, d.Dv, kl, 1.0f, pr, d.S, item_of(in[2], rb.item, d.S, d.Dv), d.Dv, 0.0f, orow,
                d.Dv);
@@ -149,24 +162,33 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       });
       return;
     }
-    // dq, dk, dv from q, k, v, bias, p, d_out. Pass 1, per row block: ds = softmax_grad(p, d_out v^T), dq = scale ds k.
-    const float *p = in[4], *dout = in[5];
+    // dq, dk, dv from q, k, v, bias, stats, d_out. Pass 1, per row block: p again, ds =
+    // softmax_grad(p, d_out v^T), dq = scale ds k.
+    const float *stats = in[4], *dout = in[5];
     float *dq = out[0], *dk = out[1], *dv = out[2];
     threads.run_dynamic(n_row_tasks, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t task = t0; task < t1; ++task) {
         RowBlock rb(task, d);
         float* dqr = item_of(dq, rb.item, GT, d.D) + rb.first_row * d.D;
         int64_t kl = open.block[rb.block(d)];
-        if (kl == 0) {  // p is 0 here, and pass 2 does not read these rows of ds
+        if (kl == 0) {  // p is 0 here, and pass 2 does not read these rows
           std::fill(dqr, dqr + rb.rows * d.D, 0.0f);
           continue;
         }
-        const float* pr = item_of(p, rb.item, GT, d.S) + rb.first_row * d.S;
+        int64_t width = read_width(kl);
+        float* pr = item_of(p, rb.item, GT, d.S) + rb.first_row * d.S;
         float* dsr = item_of(ds, rb.item, GT, d.S) + rb.first_row * d.S;
+        const float* st = item_of(stats, rb.item, GT, 2) + rb.first_row * 2;
+        gemm(false, true, rb.rows, kl, d.D, scale, item_of(in[0], rb.item, GT, d.D) + rb.first_row * d.D, d.D,
+             item_of(in[1], rb.item, d.S, d.D), d.D, 0.0f, pr, d.S);
         gemm(false, true, rb.rows, kl, d.Dv, 1.0f, item_of(dout, rb.item, GT, d.Dv) + rb.first_row * d.Dv, d.Dv,
              item_of(in[2], rb.item, d.S, d.Dv), d.Dv, 0.0f, dsr, d.S);
-        for (int64_t r = 0; r < rb.rows; ++r)
-          softmax_grad_row(pr + r * d.S, dsr + r * d.S, dsr + r * d.S, d.S, open.row[rb.bias_row(d) + r]);
+        for (int64_t r = 0; r < rb.rows; ++r) {
+          int64_t br = rb.bias_row(d) + r;
+          softmax_row_again(pr + r * d.S, in[3] + br * d.S, pr + r * d.S, width, open.row[br],
+                            RowStats{st[2 * r], st[2 * r + 1]});
+          softmax_grad_row(pr + r * d.S, dsr + r * d.S, dsr + r * d.S, width, open.row[br]);
+        }
         gemm(false, false, rb.rows, d.D, kl, scale, dsr, d.S, item_of(in[1], rb.item, d.S, d.D), d.D, 0.0f, dqr, d.D);
       }
     });
@@ -238,18 +260,18 @@ std::vector<mx::array> make(bool grad, float scale, std::vector<mx::Shape> shape
 std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
                                  float scale, mx::StreamOrDevice st) {
   check(q, k, v, bias);
-  mx::Shape out{q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, p{q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
-  return make(false, scale, {out, p}, {q, k, v, bias}, st);
+  mx::Shape out{q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, stats{q.shape(0), q.shape(1), q.shape(2), 2};
+  return make(false, scale, {out, stats}, {q, k, v, bias}, st);
 }
 
 std::vector<mx::array> attention_grad(const mx::array& q, const mx::array& k, const mx::array& v,
-                                      const mx::array& bias, const mx::array& p, const mx::array& d_out, float scale,
-                                      mx::StreamOrDevice st) {
+                                      const mx::array& bias, const mx::array& stats, const mx::array& d_out,
+                                      float scale, mx::StreamOrDevice st) {
   check(q, k, v, bias);
-  mx::Shape ps{q.shape(0), q.shape(1), q.shape(2), k.shape(2)}, os{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
-  if (p.shape() != ps || d_out.shape() != os || p.dtype() != mx::float32 || d_out.dtype() != mx::float32)
-    throw std::invalid_argument("[mlxtoy_kernels] attention_grad: p (B, KV, G * T, S), d_out (B, KV, G * T, Dv)");
-  return make(true, scale, {q.shape(), k.shape(), v.shape()}, {q, k, v, bias, p, d_out}, st);
+  mx::Shape ss{q.shape(0), q.shape(1), q.shape(2), 2}, os{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
+  if (stats.shape() != ss || d_out.shape() != os || stats.dtype() != mx::float32 || d_out.dtype() != mx::float32)
+    throw std::invalid_argument("[mlxtoy_kernels] attention_grad: stats (B, KV, G * T, 2), d_out (B, KV, G * T, Dv)");
+  return make(true, scale, {q.shape(), k.shape(), v.shape()}, {q, k, v, bias, stats, d_out}, st);
 }
 
 }  // namespace mlxtoy

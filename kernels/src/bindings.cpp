@@ -34,11 +34,12 @@ NB_MODULE(_ext, m) {
         "v (B, KV, S, Dv), bias (1|B, S) of 0 and -inf; query head h reads KV head h // (H / KV)");
   m.def("attention", &mlxtoy::attention, "q"_a, "k"_a, "v"_a, "bias"_a, "scale"_a, nb::kw_only(),
         "stream"_a = nb::none(),
-        "(out, p): p = softmax(scale q k^T + bias), out = p v, for q (B, KV, G * T, D) (each KV head's G query "
-        "heads stacked along the rows), k (B, KV, S, D), v (B, KV, S, Dv), bias (1|B, T, S) additive; keys past "
-        "a block of rows' last open one are not computed");
-  m.def("attention_grad", &mlxtoy::attention_grad, "q"_a, "k"_a, "v"_a, "bias"_a, "p"_a, "d_out"_a, "scale"_a,
-        nb::kw_only(), "stream"_a = nb::none(), "(dq, dk, dv) of attention for out's cotangent d_out, from its p");
+        "(out, stats): out = softmax(scale q k^T + bias) v for q (B, KV, G * T, D) (each KV head's G query heads "
+        "stacked along the rows), k (B, KV, S, D), v (B, KV, S, Dv), bias (1|B, T, S) additive; stats (B, KV, G * T, "
+        "2) each row's max and 1 / sum (for the gradient); keys past a block of rows' last open one are not computed");
+  m.def("attention_grad", &mlxtoy::attention_grad, "q"_a, "k"_a, "v"_a, "bias"_a, "stats"_a, "d_out"_a, "scale"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "(dq, dk, dv) of attention for out's cotangent d_out, from its stats (the probabilities are computed again)");
   m.def("dequantizes", &mlxtoy::dequantizes, "type"_a, "whether dequantize reads this GGMLQuantizationType");
   m.def(
       "dequantize",

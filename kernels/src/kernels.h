@@ -53,8 +53,8 @@ class DecodeBlock : public mx::Primitive {
 };
 
 // Attention over many query positions (training, prefill) and its gradient, as row blocks whose
-// GEMMs stop at the block's last open key: a causal mask's closed half is never computed (see
-// attention.cpp).
+// GEMMs stop at the block's last open key: a causal mask's closed half is never computed, and
+// the probabilities are not kept for the gradient (see attention.cpp).
 class BlockAttention : public mx::Primitive {
  public:
   BlockAttention(mx::Stream stream, bool grad, float scale) : mx::Primitive(stream), grad_(grad), scale_(scale) {}
@@ -92,8 +92,8 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
                                  float scale, mx::StreamOrDevice st = {});
 std::vector<mx::array> attention_grad(const mx::array& q, const mx::array& k, const mx::array& v,
-                                      const mx::array& bias, const mx::array& p, const mx::array& d_out, float scale,
-                                      mx::StreamOrDevice st = {});
+                                      const mx::array& bias, const mx::array& stats, const mx::array& d_out,
+                                      float scale, mx::StreamOrDevice st = {});
 mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st = {});
 std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st = {});

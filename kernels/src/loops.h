@@ -48,16 +48,21 @@ inline int64_t open_length(const float* bias, int64_t S) {
   return S;
 }
 
+// A softmax row's maximum and 1 / sum: enough to compute its probabilities again from the scores.
+struct RowStats {
+  float m, inv;
+};
+
 // p = softmax(s + bias) over a row of length S whose `open_length` is len; masked (-inf) entries
 // give exactly 0, entries past len are not read (s may be shorter) and set to 0. A row masked
-// entirely is all zeros. p may be s.
-HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S, int64_t len) {
+// entirely is all zeros (stats m = -inf). p may be s.
+HOT RowStats softmax_row(const float* s, const float* bias, float* p, int64_t S, int64_t len) {
   float m = kNegInf;
 #pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < len; ++j) m = std::max(m, s[j] + bias[j]);
   if (m == kNegInf) {
     std::fill(p, p + S, 0.0f);
-    return;
+    return {m, 0.0f};
   }
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -71,6 +76,23 @@ HOT void softmax_row(const float* s, const float* bias, float* p, int64_t S, int
   float inv = 1.0f / sum;
 #pragma omp simd
   for (int64_t j = 0; j < len; ++j) p[j] *= inv;
+  std::fill(p + len, p + S, 0.0f);
+  return {m, inv};
+}
+
+// softmax_row's p again from the same scores and its stats: the same bits, without the sums.
+HOT void softmax_row_again(const float* s, const float* bias, float* p, int64_t S, int64_t len, RowStats st) {
+  if (st.m == kNegInf) {
+    std::fill(p, p + S, 0.0f);
+    return;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) {
+    float v = s[j] + bias[j];
+    float e = poly_exp(v - st.m);
+    e = v == kNegInf ? 0.0f : e;
+    p[j] = e * st.inv;
+  }
   std::fill(p + len, p + S, 0.0f);
 }
 

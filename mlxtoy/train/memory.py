@@ -13,7 +13,7 @@ The estimate is a sum of parts, each from real shapes and byte sizes:
 - activations: what the backward pass needs per block and per token (the residual stream
   twice, the q / k / v heads, the attention probabilities -- B x H x T x T, twice: MLX trains
   through its unfused attention on CPU and Metal; CUDA's fused backward may keep less, and the
-  estimate is then high --, the gated FFN's three d_ff-wide
+  estimate is then high; none with the CPU kernels' block attention --, the gated FFN's three d_ff-wide
   tensors, and the inputs of the projections whose weights or adapters train), for every block
   at or after the first one that trains; with --grad-checkpoint only each block's input and
   output, plus one block recomputed in the backward pass;
@@ -38,15 +38,17 @@ from mlx.utils import tree_flatten
 from mlxtoy import backend
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.models.fastmath import KERNELS
+from mlxtoy.models.fastmath import BLOCK_ATTENTION, KERNELS
 from mlxtoy.train.build import train_dtype
 from mlxtoy.train.objectives import loss_logits_alive, output_layer
 from mlxtoy.train.step import block_matrix
 
 GB = 1e9
 # calibration, measured on the compiled step (CPU, float32; see the module docstring)
-# (B, H, T, T) arrays a block keeps: the softmax with the CPU kernels, else masked scores too
-ATTN_COPIES = 1 if KERNELS else 2
+# (B, H, T, T) arrays a block keeps: none with the kernels' block attention (it keeps two
+# floats a row and computes the probabilities again), else the softmax, and without the CPU
+# kernels the masked scores too
+ATTN_COPIES = 0 if BLOCK_ATTENTION else 1 if KERNELS else 2
 BLOCKS_TRANSIENT = 1.5  # beyond the kept activations: the block being differentiated
 # a recomputed block, its backward and its temporaries (fitted to measured peaks, with and
 # without the CPU kernels: their blocks keep less, so one block is a smaller unit)
@@ -225,6 +227,8 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
         acts = kept + int(BLOCKS_TRANSIENT_CHECKPOINTED * widest)
     else:
         acts = sum(per_block) + int(BLOCKS_TRANSIENT * widest)
+    if BLOCK_ATTENTION and per_block:  # the block attention's backward: p and ds of one layer, float32
+        acts += 2 * rows * m.n_heads * T * T * 4
     # the loss: with the CPU kernels fused with the output projection (a chunk of tokens'
     # logits and float32 gradient at a time, every token's gradient when the output weight
     # trains); else measured as much as whole logits (compute dtype) with the float32 softmax
