@@ -117,3 +117,19 @@ def test_native_dequantize_gives_gguf_py_bits_for_every_block_type():
         assert "35 bytes" in str(e)
     else:
         raise AssertionError("a ragged buffer was accepted")
+
+
+def test_process_exits_cleanly_after_native_dequantize_and_kernel_attention():
+    """Dequantizing on Python's thread, then attention and decoding on MLX's stream thread, then
+    exit: the process ends with status 0 every time (an OpenMP team started from both threads
+    made libiomp's shutdown crash in about a third of such runs)."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, mlxtoy, mlx.core as mx, mlxtoy_kernels as K\n"
+            "w = K.dequantize(np.random.default_rng(0).integers(0, 127, 34 * 4096, dtype=np.uint8), 8, 32 * 4096)\n"
+            "q = mx.random.normal((1, 2, 64, 16)); k = mx.random.normal((1, 2, 64, 16))\n"
+            "mx.eval(K.attention(q, k, k, mx.zeros((1, 64, 64)), 0.25)[0] + mx.array(w).sum())\n")
+    for _ in range(8):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

@@ -113,7 +113,9 @@ def test_estimate_follows_grad_checkpoint_on_a_synthetic_model(work, tmp_path):
     for method in ("scratch", "lora"):  # both move the same way
         (est_off, got_off), (est_on, got_on) = figures[method, False], figures[method, True]
         assert got_on < got_off and est_on < est_off, method
-    assert figures["lora", True][1] < 0.85 * figures["lora", False][1]  # frozen blocks: a real saving
+    # frozen blocks: a real saving (smaller since the block attention keeps no probabilities:
+    # 0.83-0.86 of the peak without checkpointing measured)
+    assert figures["lora", True][1] < 0.9 * figures["lora", False][1]
 
 
 def test_optimizer_state_follows_the_optimizer(work, tmp_path):

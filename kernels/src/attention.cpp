@@ -106,17 +106,16 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2], &bias = inputs[3];
   const Dims d{q.shape(0), k.shape(1), q.shape(2) / bias.shape(1), bias.shape(1), k.shape(2), q.shape(3),
                v.shape(3), bias.shape(0)};
-  // the backward's p and ds (B, KV, G * T, S), buffers of the task's own
-  float* p = nullptr;
-  float* ds = nullptr;
-  if (grad_) {
-    for (float** buffer : {&p, &ds}) {
-      mx::array t({q.shape(0), q.shape(1), q.shape(2), k.shape(2)}, mx::float32, nullptr, {});
-      t.set_data(mx::allocator::malloc(t.nbytes()));
-      temps.push_back(t);
-      *buffer = t.data<float>();
-    }
-  }
+  // p (B, KV, G * T, S) for the forward's row blocks, and the backward's p and ds: buffers of
+  // the task's own, freed with it
+  auto buffer = [&]() {
+    mx::array t({q.shape(0), q.shape(1), q.shape(2), k.shape(2)}, mx::float32, nullptr, {});
+    t.set_data(mx::allocator::malloc(t.nbytes()));
+    temps.push_back(t);
+    return t.data<float>();
+  };
+  float* p = buffer();
+  float* ds = grad_ ? buffer() : nullptr;
   const bool grad = grad_;
   const float scale = scale_;
 
@@ -132,14 +131,12 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     // whole key block
     auto read_width = [&](int64_t kl) { return std::min(d.S, (kl + kBlock - 1) / kBlock * kBlock); };
     if (!grad) {
-      // out, stats (m, 1 / sum per row) from q, k, v, bias; p in a scratch row block
+      // out, stats (m, 1 / sum per row) from q, k, v, bias
       float *o = out[0], *stats = out[1];
       threads.run_dynamic(n_row_tasks, 1, [&](int64_t t0, int64_t t1) {
-        thread_local std::vector<float> scratch;
-        scratch.resize(static_cast<size_t>(kBlock * d.S));
-        float* pr = scratch.data();
         for (int64_t task = t0; task < t1; ++task) {
           RowBlock rb(task, d);
+          float* pr = item_of(p, rb.item, GT, d.S) + rb.first_row * d.S;
           float* orow = item_of(o, rb.item, GT, d.Dv) + rb.first_row * d.Dv;
           float* st = item_of(stats, rb.item, GT, 2) + rb.first_row * 2;
           int64_t kl = open.block[rb.block(d)];

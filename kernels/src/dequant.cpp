@@ -3,14 +3,17 @@
 // float32 operations, in the order, of gguf-py's numpy dequantizers (GGML's reference
 // formulas): a scale times a small integer, then an offset added or subtracted as a separate
 // rounding (no fused multiply-add: this file is compiled with fp-contract off). Blocks are
-// split over the kernels' threads; the caller releases Python's lock.
+// split over as many threads as the kernels use; the caller releases Python's lock.
 
 #pragma GCC optimize("fp-contract=off")
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "kernels.h"
 #include "pool.h"
@@ -158,9 +161,17 @@ void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int6
     throw std::invalid_argument("[mlxtoy_kernels] dequantize: " + std::to_string(n_bytes) + " bytes are not " +
                                 std::to_string(n_values) + " values of type " + std::to_string(type));
   int64_t blocks = n_bytes / f.bytes;
-  pool().run(blocks, 1024, [&](int64_t b0, int64_t b1) {
+  auto part = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) f.fn(data + b * f.bytes, out + b * f.values);
-  });
+  };
+  // threads of its own, not the kernels' team: this runs on the caller's (Python's) thread, and
+  // an OpenMP team started from there as well as from MLX's stream thread left libiomp's
+  // shutdown racing one of them at exit
+  int64_t parts = std::min<int64_t>(pool().threads(), blocks / 1024 + 1);
+  std::vector<std::thread> others;
+  for (int64_t i = 1; i < parts; ++i) others.emplace_back(part, blocks * i / parts, blocks * (i + 1) / parts);
+  part(0, blocks / parts);
+  for (auto& t : others) t.join();
 }
 
 }  // namespace mlxtoy

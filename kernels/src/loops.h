@@ -48,6 +48,13 @@ inline int64_t open_length(const float* bias, int64_t S) {
   return S;
 }
 
+// e^(v - m), exactly 0 where v is masked (-inf): computed for masked entries too, then dropped,
+// so the loops around it have no branch
+inline float masked_exp(float v, float m) {
+  float e = poly_exp(v - m);
+  return v == kNegInf ? 0.0f : e;
+}
+
 // A softmax row's maximum and 1 / sum: enough to compute its probabilities again from the scores.
 struct RowStats {
   float m, inv;
@@ -67,9 +74,7 @@ HOT RowStats softmax_row(const float* s, const float* bias, float* p, int64_t S,
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < len; ++j) {
-    float v = s[j] + bias[j];
-    float e = poly_exp(v - m);  // computed for masked entries too, then dropped: no branch in the loop
-    e = v == kNegInf ? 0.0f : e;
+    float e = masked_exp(s[j] + bias[j], m);
     p[j] = e;
     sum += e;
   }
@@ -87,12 +92,7 @@ HOT void softmax_row_again(const float* s, const float* bias, float* p, int64_t 
     return;
   }
 #pragma omp simd
-  for (int64_t j = 0; j < len; ++j) {
-    float v = s[j] + bias[j];
-    float e = poly_exp(v - st.m);
-    e = v == kNegInf ? 0.0f : e;
-    p[j] = e * st.inv;
-  }
+  for (int64_t j = 0; j < len; ++j) p[j] = masked_exp(s[j] + bias[j], st.m) * st.inv;
   std::fill(p + len, p + S, 0.0f);
 }
 
@@ -230,7 +230,7 @@ HOT void attend_row(const float* q, const float* k, const float* v, const float*
   if (m == kNegInf) return;  // every key masked: zeros, as the softmax kernel gives
   float sum = 0.0f;
   for (int64_t j = 0; j < len; ++j) {
-    float e = scores[j] == kNegInf ? 0.0f : poly_exp(scores[j] - m);
+    float e = masked_exp(scores[j], m);
     sum += e;
     if (e == 0.0f) continue;
     const float* vr = v + j * Dv;
@@ -299,11 +299,12 @@ constexpr int64_t kLseBlock = 1 << 13;  // logsumexp's fixed blocks of a row
 // A block's (max, sum of e^(x - max)) for logsumexp, the sum in double; -inf entries add 0.
 HOT void lse_block(const float* x, int64_t n, float* m_out, double* s_out) {
   float m = kNegInf;
+#pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
   double s = 0.0;
   if (m != kNegInf) {
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; ++i) s += x[i] == kNegInf ? 0.0f : poly_exp(x[i] - m);
+    for (int64_t i = 0; i < n; ++i) s += masked_exp(x[i], m);
   }
   *m_out = m;
   *s_out = s;
