@@ -499,7 +499,8 @@ _BLOCK_ATTENTIONS: dict = {}
 
 def _kernel_block_attention(scale: float):
     """The kernels' attention over many query positions for this scale, with its gradient:
-    (q (B, KV, G*T, D), k, v, bias (B|1, T, S)) -> (out, p) as `_grouped_attention`."""
+    (q (B, KV, G*T, D), k, v, bias (B|1, T, S)) -> (out, stats): out as `_grouped_attention`'s,
+    stats each row's max and 1 / sum, from which the gradient computes the probabilities again."""
     fn = _BLOCK_ATTENTIONS.get(scale)
     if fn is None:
         @mx.custom_function
