@@ -30,6 +30,23 @@ extern "C" void cblas_sgemm(int layout, int trans_a, int trans_b, int m, int n, 
 
 namespace mlxtoy {
 
+// Attention over many query positions (training, prefill) and its gradient, as row blocks whose
+// GEMMs stop at the block's last open key: a causal mask's closed half is never computed, and
+// the probabilities are not kept for the gradient.
+class BlockAttention : public mx::Primitive {
+ public:
+  BlockAttention(mx::Stream stream, bool grad, float scale) : mx::Primitive(stream), grad_(grad), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "MlxtoyBlockAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  bool grad_;
+  float scale_;
+};
+
 namespace {
 
 constexpr int64_t kBlock = 64;

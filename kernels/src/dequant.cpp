@@ -167,7 +167,7 @@ void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int6
   // threads of its own, not the kernels' team: this runs on the caller's (Python's) thread, and
   // an OpenMP team started from there as well as from MLX's stream thread left libiomp's
   // shutdown racing one of them at exit
-  int64_t parts = std::min<int64_t>(pool().threads(), blocks / 1024 + 1);
+  int64_t parts = std::min<int64_t>(default_threads(), blocks / 1024 + 1);
   std::vector<std::thread> others;
   for (int64_t i = 1; i < parts; ++i) others.emplace_back(part, blocks * i / parts, blocks * (i + 1) / parts);
   part(0, blocks / parts);

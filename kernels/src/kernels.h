@@ -52,23 +52,6 @@ class DecodeBlock : public mx::Primitive {
   int packed_;
 };
 
-// Attention over many query positions (training, prefill) and its gradient, as row blocks whose
-// GEMMs stop at the block's last open key: a causal mask's closed half is never computed, and
-// the probabilities are not kept for the gradient (see attention.cpp).
-class BlockAttention : public mx::Primitive {
- public:
-  BlockAttention(mx::Stream stream, bool grad, float scale) : mx::Primitive(stream), grad_(grad), scale_(scale) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "MlxtoyBlockAttention"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-
- private:
-  bool grad_;
-  float scale_;
-};
-
 // GGUF blocks (GGMLQuantizationType `type`) to float32, as gguf-py computes them (dequant.cpp)
 bool dequantizes(int type);
 void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int64_t n_values);
