@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import os
 import platform
 import sys
@@ -18,32 +19,96 @@ from dataclasses import dataclass
 
 _BLAS_NAME: str | None = None
 _BLAS_PATH: str | None = None
+_BLAS_CORE: str | None = None  # OpenBLAS's kernel family ("SkylakeX", "Haswell", ...)
+
+# PyPI's OpenBLAS (scipy-openblas32) prefixes its symbols; mlxtoy_kernels' libmlxtoy_blas gives
+# MLX the plain CBLAS names for them.
+_OPENBLAS_PREFIX = "scipy_"
 
 
-def _blas_candidates() -> list[tuple[str, str]]:
-    """Optimized BLAS libraries we know how to load, best first, as (name, path)."""
-    found: list[tuple[str, str]] = []
-    override = os.environ.get("MLXTOY_BLAS")
-    if override:
-        if override.lower() in ("none", "off", "0"):
-            return []
+def cpu_features() -> tuple[str, set[str]]:
+    """The CPU's vendor and feature flags, from /proc/cpuinfo (empty where there is none)."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id":
+                    vendor = value.strip()
+                elif key == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+def _package_dir(name: str) -> str | None:
+    """Where an installed package lives, without importing it (mlxtoy_kernels imports mlx.core)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def blas_candidates(vendor: str, flags: set[str]) -> list[tuple[str, str]]:
+    """Optimized BLAS libraries we know how to load, best first for a CPU of this vendor and
+    these flags (`cpu_features()`), as (name, path); name "openblas+prefix" is PyPI's OpenBLAS,
+    reached through libmlxtoy_blas. MLXTOY_BLAS=mkl|openblas|none|<path> chooses instead."""
+    override = os.environ.get("MLXTOY_BLAS", "")
+    if override.lower() in ("none", "off", "0"):
+        return []
+    if override and override.lower() not in ("mkl", "openblas"):
         return [("custom", override)]
-    prefixes = {sys.prefix, sys.base_prefix, os.path.join(os.path.expanduser("~"), ".local")}
-    for prefix in prefixes:
+    mkl: list[tuple[str, str]] = []
+    for prefix in {sys.prefix, sys.base_prefix, os.path.join(os.path.expanduser("~"), ".local")}:
         # PyPI `mkl` drops libmkl_rt into <prefix>/lib.
-        for path in sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*"))):
-            found.append(("mkl", path))
-    system_dirs = ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"]
-    for d in system_dirs:
-        for pattern in ("openblas-pthread/libopenblas.so.0", "libopenblas.so.0", "libopenblasp*.so*",
-                        "libblis.so.4"):
+        mkl += [("mkl", path) for path in sorted(glob.glob(os.path.join(prefix, "lib", "libmkl_rt.so*")))]
+    openblas: list[tuple[str, str]] = []
+    pypi = _package_dir("scipy_openblas32")
+    if pypi:
+        openblas += [("openblas+prefix", path) for path in sorted(glob.glob(os.path.join(pypi, "lib", "libscipy_openblas*.so")))]
+    others: list[tuple[str, str]] = []
+    for d in ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"]:
+        for pattern in ("openblas-pthread/libopenblas.so.0", "libopenblas.so.0", "libopenblasp*.so*", "libblis.so.4"):
             for path in sorted(glob.glob(os.path.join(d, pattern))):
-                found.append(("openblas" if "openblas" in path else "blis", path))
-    return found
+                (openblas if "openblas" in path else others).append(("openblas" if "openblas" in path else "blis", path))
+    if override:
+        return mkl if override.lower() == "mkl" else openblas
+    # MKL runs its generic AVX2 code on CPUs that are not Intel's: on an AVX-512 AMD core (Zen 4/5)
+    # OpenBLAS's GEMM is faster (README, Benchmarks). Elsewhere MKL first: the kernels then share
+    # its OpenMP threads.
+    if vendor == "AuthenticAMD" and "avx512f" in flags:
+        return openblas + mkl + others
+    return mkl + openblas + others
+
+
+def _load_prefixed(path: str) -> bool:
+    """PyPI's OpenBLAS behind libmlxtoy_blas, which takes global symbols only once bound."""
+    kernels = _package_dir("mlxtoy_kernels")
+    forwarder = glob.glob(os.path.join(kernels, "libmlxtoy_blas*.so")) if kernels else []
+    if not forwarder:
+        return False
+    lib = ctypes.CDLL(forwarder[0])
+    if lib.mlxtoy_blas_bind(path.encode(), _OPENBLAS_PREFIX.encode()) != 0:
+        return False
+    ctypes.CDLL(forwarder[0], mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    return True
+
+
+def _core_name(name: str, path: str) -> str | None:
+    symbol = (_OPENBLAS_PREFIX if name == "openblas+prefix" else "") + "openblas_get_corename"
+    try:
+        get = getattr(ctypes.CDLL(path), symbol)
+    except (OSError, AttributeError):
+        return None
+    get.restype = ctypes.c_char_p
+    return get().decode()
 
 
 def _load_fast_blas() -> None:
-    global _BLAS_NAME, _BLAS_PATH
+    global _BLAS_NAME, _BLAS_PATH, _BLAS_CORE
     if "mlx.core" in sys.modules:
         # Too late to interpose symbols; report honestly rather than pretend.
         _BLAS_NAME = "unknown (mlx.core was imported before mlxtoy)"
@@ -54,14 +119,23 @@ def _load_fast_blas() -> None:
     threads = str(os.cpu_count() or 1)
     os.environ.setdefault("MKL_NUM_THREADS", threads)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", threads)
-    for name, path in _blas_candidates():
+    # OpenBLAS's idle threads spin ~0.1 s after each GEMM (2^28 cycles) on the cores the kernels'
+    # threads need next; 2^4 lets them sleep at once.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    for name, path in blas_candidates(*cpu_features()):
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            if name == "openblas+prefix":
+                if not _load_prefixed(path):
+                    continue
+            else:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-        _BLAS_NAME, _BLAS_PATH = name, path
+        _BLAS_NAME, _BLAS_PATH = name.removesuffix("+prefix"), path
         if name == "mkl":
             _load_mkl_openmp(os.path.dirname(path))
+        elif name.startswith("openblas"):
+            _BLAS_CORE = _core_name(name, path)
         return
     _BLAS_NAME = None
 
@@ -108,9 +182,12 @@ class BackendInfo:
     blas: str | None
     blas_path: str | None
     compute_dtype: mx.Dtype
+    blas_core: str | None = None  # OpenBLAS's kernel family
 
     def describe(self) -> str:
-        blas = self.blas or "reference BLAS only (slow: install `mkl` or libopenblas0-pthread)"
+        blas = self.blas or "reference BLAS only (slow: install `mkl` or `scipy-openblas32`)"
+        if self.blas_core:
+            blas += f" {self.blas_core}"
         if self.blas_path:
             blas += f" ({self.blas_path})"
         dtype = str(self.compute_dtype).replace("mlx.core.", "")
@@ -136,7 +213,7 @@ def _setup() -> BackendInfo:
     compute = mx.float32 if device == "cpu" else mx.bfloat16
     if os.environ.get("MLXTOY_DTYPE"):
         compute = getattr(mx, os.environ["MLXTOY_DTYPE"])
-    return BackendInfo(device, _BLAS_NAME, _BLAS_PATH, compute)
+    return BackendInfo(device, _BLAS_NAME, _BLAS_PATH, compute, _BLAS_CORE)
 
 
 INFO = _setup()

@@ -259,11 +259,14 @@ def test_train_from_scratch_reaches_loss(trained_run):
     model, tok = load_run_model(run_dir)
     assert type(model).__name__ == "TinyLM" and tok.kind == "char"
     known = _corpus_words()
-    sample = generate(model, tok, "Ada kept the light", max_tokens=400, temp=0.7, seed=0)
-    print(repr(sample))
-    words = re.findall(r"[A-Za-z]+", sample)
+    # three samples: which words one 400-character sample happens to hold changes with the
+    # last bits of the weights (another BLAS), the statistics over three do not
+    samples = [generate(model, tok, "Ada kept the light", max_tokens=400, temp=0.7, seed=seed) for seed in range(3)]
+    print("\n".join(map(repr, samples)))
+    words = re.findall(r"[A-Za-z]+", " ".join(samples))
     # the corpus' shape: words of letters separated by spaces (~1 character in 5)
-    assert len(words) > 40 and 0.1 < sample.count(" ") / len(sample) < 0.3
+    for sample in samples:
+        assert len(re.findall(r"[A-Za-z]+", sample)) > 40 and 0.1 < sample.count(" ") / len(sample) < 0.3
     # a quarter or more of the words are corpus words (the untrained model: none), and
     # its most common words appear
     assert sum(w in known for w in words) / len(words) > 0.25

@@ -6,16 +6,19 @@
 // The rows go in blocks of kBlock query positions, and a block's GEMMs run only over the keys
 // up to the last one any of its rows may see (its "open length", from the bias): under a causal
 // mask the closed upper triangle is skipped but for the diagonal blocks. Each block is one task
-// on the kernels' threads with its GEMMs on the BLAS MLX calls (MKL runs them on one thread
-// inside the team). p is not kept between the passes (it is B x H x T x S per layer): the
+// on the kernels' threads with its GEMMs on the BLAS MLX calls, each on the calling thread (MKL
+// does so by itself inside its OpenMP team; an OpenBLAS is set to one thread for the call). p is not kept between the passes (it is B x H x T x S per layer): the
 // forward returns each row's maximum and 1 / sum, and the backward computes the scores again
 // and from them the same p. The backward's dk and dv sum over query rows: there a task owns a
 // block of keys and runs over the row blocks in order, so no two tasks write one value and the
 // sums do not depend on the thread count.
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -50,6 +53,47 @@ class BlockAttention : public mx::Primitive {
 namespace {
 
 constexpr int64_t kBlock = 64;
+
+// An OpenBLAS's thread count, where the BLAS is one (loaded by mlxtoy.backend directly, or
+// PyPI's behind libmlxtoy_blas): its GEMMs would otherwise each start its own threads from
+// inside ours and oversubscribe the cores.
+struct OpenBlasThreads {
+  using Set = void (*)(int);
+  using Get = int (*)();
+  Set set = nullptr;
+  Get get = nullptr;
+  OpenBlasThreads() {
+    for (auto names : {std::pair{"mlxtoy_blas_set_threads", "mlxtoy_blas_threads"},
+                       std::pair{"openblas_set_num_threads", "openblas_get_num_threads"}}) {
+      set = reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, names.first));
+      get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, names.second));
+      if (set && get) return;
+    }
+    set = nullptr;
+  }
+};
+
+const OpenBlasThreads& openblas_threads() {
+  static const OpenBlasThreads threads;
+  return threads;
+}
+
+// The BLAS on one thread per caller for this object's lifetime (nothing where the kernels run on
+// MKL's OpenMP team, inside which MKL does so by itself).
+class SerialBlas {
+ public:
+  SerialBlas() {
+    if (pool().openmp() || !openblas_threads().set) return;
+    saved_ = openblas_threads().get();
+    openblas_threads().set(1);
+  }
+  ~SerialBlas() {
+    if (saved_ > 0) openblas_threads().set(saved_);
+  }
+
+ private:
+  int saved_ = 0;
+};
 
 // c (m, n; row stride ldc) = alpha op(a) op(b) + beta c, row-major
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -139,6 +183,7 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
     for (const auto& c : copies) c.run();
     Pool& threads = pool();
+    const SerialBlas serial_blas;
     const OpenLengths open(in[3], d, threads);
     const int64_t GT = d.G * d.T, n_row_tasks = d.B * d.KV * d.G * d.row_blocks();
     auto item_of = [](auto* base, int64_t item, int64_t rows_per_item, int64_t width) {
@@ -244,6 +289,8 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     });
   });
 }
+
+bool block_attention_ok() { return pool().openmp() || openblas_threads().set != nullptr; }
 
 namespace {
 

@@ -12,6 +12,8 @@ NB_MODULE(_ext, m) {
   m.doc() = "mlxtoy's float32 CPU kernels as MLX primitives";
   m.def("threads", &mlxtoy::kernel_threads, "threads the kernels split rows over");
   m.def("openmp", &mlxtoy::kernel_openmp, "whether they run on the OpenMP threads MKL runs on (else their own)");
+  m.def("block_attention_ok", &mlxtoy::block_attention_ok,
+        "whether the block attention's GEMMs can run one per kernel thread (MKL's team, or an OpenBLAS told so)");
   m.def("softmax_bias", &mlxtoy::softmax_bias, "s"_a, "bias"_a, nb::kw_only(), "stream"_a = nb::none(),
         "softmax(s + bias) over the last axis; s (B, ..., T, S), bias (1|B, T, S) of 0 and -inf");
   m.def("softmax_grad", &mlxtoy::softmax_grad, "p"_a, "dp"_a, nb::kw_only(), "stream"_a = nb::none(),

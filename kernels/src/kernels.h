@@ -58,6 +58,9 @@ void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int6
 
 int kernel_threads();
 bool kernel_openmp();
+// whether the block attention's GEMMs can each run on one of the kernels' threads (MKL's OpenMP
+// team, or an OpenBLAS whose thread count it sets)
+bool block_attention_ok();
 mx::array softmax_bias(const mx::array& s, const mx::array& bias, mx::StreamOrDevice st = {});
 mx::array softmax_grad(const mx::array& p, const mx::array& dp, mx::StreamOrDevice st = {});
 std::vector<mx::array> cross_entropy_columns(const mx::array& logits_t, const mx::array& targets, bool grad,

@@ -27,6 +27,7 @@ def env_report() -> dict:
         "device": info.device,
         "blas": info.blas,
         "blas_path": info.blas_path,
+        "blas_core": info.blas_core,
         "compute_dtype": str(info.compute_dtype).replace("mlx.core.", ""),
         "gemm_f32_gflops": round(backend.gemm_gflops(), 1),
         "cpu_kernels": fastmath.kernels_status(),

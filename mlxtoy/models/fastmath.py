@@ -489,10 +489,10 @@ def _kernel_decode_attention(scale: float):
     return fn
 
 
-# The kernels' block attention calls the BLAS from inside their threads: only where those are
-# MKL's OpenMP team (MKL then runs each call on the calling thread; BLAS threads of its own
-# under a pool of ours would oversubscribe the cores).
-BLOCK_ATTENTION = KERNELS and _K.openmp() and backend.os.environ.get("MLXTOY_BLOCK_ATTENTION", "1") != "0"
+# The kernels' block attention calls the BLAS from inside their threads: only where each call
+# then runs on its calling thread (MKL inside its OpenMP team, an OpenBLAS set to one thread);
+# BLAS threads of its own under each of ours would oversubscribe the cores.
+BLOCK_ATTENTION = KERNELS and _K.block_attention_ok() and backend.os.environ.get("MLXTOY_BLOCK_ATTENTION", "1") != "0"
 
 _BLOCK_ATTENTIONS: dict = {}
 

@@ -1,0 +1,88 @@
+"""The BLAS mlxtoy.backend puts under MLX on Linux CPU: which library each choice loads (read back
+from the process's own memory map), that MLX's GEMMs and the kernels' block attention on it
+agree with numpy float64 and mx.fast (numpy keeps its own OpenBLAS, libscipy_openblas64_), and that PyPI's prefixed OpenBLAS gets its thread count
+back after the block attention sets it to one. Each BLAS in a fresh interpreter, since the choice
+is made once, before mlx.core is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+from mlxtoy import backend
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROBE = r"""
+import ctypes, json, sys
+import numpy as np
+import mlxtoy
+import mlx.core as mx
+from mlxtoy import backend
+from mlxtoy.models import fastmath
+
+r = np.random.default_rng(3)
+a, b = r.standard_normal((200, 300)), r.standard_normal((300, 150))
+gemm_err = float(np.abs(np.array(mx.array(a, mx.float32) @ mx.array(b, mx.float32), np.float64) - a @ b).max())
+
+q = mx.array(r.standard_normal((2, 6, 90, 16)), mx.float32)
+k, v = (mx.array(r.standard_normal((2, 2, 90, 16)), mx.float32) for _ in range(2))
+g = mx.array(r.standard_normal((2, 6, 90, 16)), mx.float32)
+forwarder = getattr(ctypes.CDLL(None), "mlxtoy_blas_threads", None)
+before = forwarder() if forwarder else None
+loss = lambda q, k, v: (fastmath.attention(q, k, v, 0.25, "causal") * g).sum()
+ref = lambda q, k, v: (mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal") * g).sum()
+ours, theirs = mx.grad(loss, argnums=(0, 1, 2))(q, k, v), mx.grad(ref, argnums=(0, 1, 2))(q, k, v)
+attention_err = max(float(mx.abs(x - y).max()) for x, y in zip(ours, theirs))
+maps = open("/proc/self/maps").read()
+print(json.dumps({"blas": backend.INFO.blas, "path": backend.INFO.blas_path, "core": backend.INFO.blas_core,
+                  "mapped": [name for name in ("libscipy_openblas.so", "libmkl_rt", "libmlxtoy_blas") if name in maps],
+                  "gemm_err": gemm_err, "attention_err": attention_err, "block_attention": fastmath.BLOCK_ATTENTION,
+                  "threads_before": before, "threads_after": forwarder() if forwarder else None}))
+"""
+
+
+def probe(blas: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=os.environ | {"MLXTOY_BLAS": blas},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("blas", ["openblas", "mkl"])
+def test_each_blas_is_the_one_mapped_and_computes_mlx_gemms_and_block_attention(blas):
+    got = probe(blas)
+    assert got["blas"] == blas
+    if blas == "openblas":  # PyPI's, behind the forwarder that gives MLX its CBLAS names
+        assert "libscipy_openblas" in got["path"] and got["core"]
+        assert {"libscipy_openblas.so", "libmlxtoy_blas"} <= set(got["mapped"]) and "libmkl_rt" not in got["mapped"]
+        # the block attention set OpenBLAS to one thread for its GEMMs and gave the count back
+        assert got["threads_before"] == got["threads_after"] == int(os.environ.get("OPENBLAS_NUM_THREADS", os.cpu_count()))
+    else:
+        assert got["mapped"] == ["libmkl_rt"]
+    assert got["block_attention"]
+    assert got["gemm_err"] < 1e-3  # float32 sums of 300 products against float64
+    assert got["attention_err"] < 1e-4
+
+
+def test_reference_blas_when_none_is_asked_for():
+    """Positive control for the map check above: MLXTOY_BLAS=none loads neither library, and MLX's
+    own (reference) BLAS computes the same GEMM."""
+    got = probe("none")
+    assert got["blas"] is None and got["mapped"] == []
+    assert got["gemm_err"] < 1e-3
+
+
+def test_openblas_first_on_avx512_amd_and_mkl_first_elsewhere(monkeypatch):
+    monkeypatch.delenv("MLXTOY_BLAS", raising=False)
+    names = {}
+    for vendor, flags in [("AuthenticAMD", {"avx2", "avx512f"}), ("AuthenticAMD", {"avx2"}), ("GenuineIntel", {"avx512f"})]:
+        names[vendor, "avx512f" in flags] = [name for name, _ in backend.blas_candidates(vendor, flags)]
+    assert names["AuthenticAMD", True][0] == "openblas+prefix"
+    assert names["AuthenticAMD", False][0] == names["GenuineIntel", True][0] == "mkl"
+    assert set(names["GenuineIntel", True]) >= {"mkl", "openblas+prefix"}  # CI installs both
