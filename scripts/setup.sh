@@ -17,7 +17,7 @@ else
 fi
 # mlxtoy's CPU kernels (kernels/: C++ MLX primitives, ~15 s to build), built against the MLX
 # just installed. Without them mlxtoy runs its pure-MLX paths; the tests need them.
-.venv/bin/python -m pip install -q "nanobind>=3.0.1,<4" "cmake>=3.25"
+.venv/bin/python -m pip install -q "nanobind>=3.0.1,<4" "cmake>=3.25" "setuptools>=77"  # the build needs (no isolation)
 if ! .venv/bin/python -m pip install -q --no-build-isolation ./kernels; then
   [ "${1:-}" = "test" ] && exit 1
   echo "note: kernels/ did not build (a C++20 compiler is needed); mlxtoy runs without them" >&2
