@@ -136,6 +136,8 @@ def _load_fast_blas() -> None:
             _load_mkl_openmp(os.path.dirname(path))
         elif name.startswith("openblas"):
             _BLAS_CORE = _core_name(name, path)
+            if _BLAS_CORE and os.environ.get("OPENBLAS_CORETYPE"):  # not OpenBLAS's own pick
+                _BLAS_CORE += " (set by OPENBLAS_CORETYPE)"
         return
     _BLAS_NAME = None
 
