@@ -71,9 +71,9 @@ def blas_candidates(vendor: str, flags: set[str]) -> list[tuple[str, str]]:
         openblas += [("openblas+prefix", path) for path in sorted(glob.glob(os.path.join(pypi, "lib", "libscipy_openblas*.so")))]
     others: list[tuple[str, str]] = []
     for d in ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"]:
-        for pattern in ("openblas-pthread/libopenblas.so.0", "libopenblas.so.0", "libopenblasp*.so*", "libblis.so.4"):
-            for path in sorted(glob.glob(os.path.join(d, pattern))):
-                (openblas if "openblas" in path else others).append(("openblas" if "openblas" in path else "blis", path))
+        for pattern in ("openblas-pthread/libopenblas.so.0", "libopenblas.so.0", "libopenblasp*.so*"):
+            openblas += [("openblas", path) for path in sorted(glob.glob(os.path.join(d, pattern)))]
+        others += [("blis", path) for path in sorted(glob.glob(os.path.join(d, "libblis.so.4")))]
     if override:
         return mkl if override.lower() == "mkl" else openblas
     # MKL runs its generic AVX2 code on CPUs that are not Intel's: on an AVX-512 AMD core (Zen 4/5)

@@ -7,11 +7,12 @@
 // up to the last one any of its rows may see (its "open length", from the bias): under a causal
 // mask the closed upper triangle is skipped but for the diagonal blocks. Each block is one task
 // on the kernels' threads with its GEMMs on the BLAS MLX calls, each on the calling thread (MKL
-// does so by itself inside its OpenMP team; an OpenBLAS is set to one thread for the call). p is not kept between the passes (it is B x H x T x S per layer): the
-// forward returns each row's maximum and 1 / sum, and the backward computes the scores again
-// and from them the same p. The backward's dk and dv sum over query rows: there a task owns a
-// block of keys and runs over the row blocks in order, so no two tasks write one value and the
-// sums do not depend on the thread count.
+// does so by itself inside its OpenMP team; an OpenBLAS is set to one thread for the call). p is
+// not kept between the passes (it is B x H x T x S per layer): the forward returns each row's
+// maximum and 1 / sum, and the backward computes the scores again and from them the same p. The
+// backward's dk and dv sum over query rows: there a task owns a block of keys and runs over the
+// row blocks in order, so no two tasks write one value and the sums do not depend on the thread
+// count.
 
 #include <dlfcn.h>
 
