@@ -30,6 +30,9 @@ NB_MODULE(_ext, m) {
         "x @ w.T for few rows of x (decoding), split over threads by w's rows");
   m.def("gemv_many", &mlxtoy::gemv_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "[x @ w.T for w in ws] in one call (one split over threads for all of them); a weight (..., K) of more axes gives x.shape[:-1] + w.shape[:-1] (a per-head (H, Dh, K) weight: (..., H, Dh))");
+  m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm_many runs here (a CPU with AVX-512)");
+  m.def("gemm_many", &mlxtoy::gemm_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "gemv_many's products for many rows of x (prefill): an AVX-512 GEMM, no gradient");
   m.def("decode_attention", &mlxtoy::decode_attention, "q"_a, "k"_a, "v"_a, "bias"_a, "scale"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "softmax(scale q k^T + bias) v for one query position: q (B, H, 1, D), k (B, KV, S, D), "

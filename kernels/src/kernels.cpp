@@ -18,6 +18,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "kernels.h"
 #include "copy.h"   // strided inputs made contiguous
+#include "gemm.h"   // the AVX-512 GEMM of prefill
 #include "loops.h"  // the float32 loops
 #include "packed.h"  // lossless 4/8-bit weights
 #include "pool.h"   // the threads they are split over
@@ -74,7 +75,7 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
   // GemvMany: each w_i's rows (all its axes but the last, flattened); GemvPacked: its matrix's rows
   std::vector<int64_t> Ns;
   if (op == Op::GemvPacked) Ns.push_back(inputs[1].shape(0));
-  if (op == Op::GemvMany)
+  if (op == Op::GemvMany || op == Op::GemmMany)
     for (size_t i = 1; i < inputs.size(); ++i) Ns.push_back(inputs[i].size() / std::max<int64_t>(last, 1));
   // DecodeAttention: q (B, H, 1, D), k (B, KV, S, D), v (B, KV, S, Dv), bias (Bb, S)
   std::array<int64_t, 6> att{};  // B, H, KV, S, Dv, Bb
@@ -211,6 +212,35 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
             first += Ns[i];
           }
         });
+        break;
+      }
+      case Op::GemmMany: {
+        // x's rows kGemmChunk at a time: packed into panels, then every weight's tiles of
+        // kGemmRows rows (as one range over all the weights) shared out first come, first served
+        auto x = static_cast<const float*>(in[0]);
+        std::vector<int64_t> first_block{0};
+        for (int64_t n : Ns) first_block.push_back(first_block.back() + (n + kGemmRows - 1) / kGemmRows);
+        int64_t blocks = first_block.back();
+        AlignedFloats panels = aligned_floats(kGemmChunk * last);
+        for (int64_t m0 = 0; m0 < rows; m0 += kGemmChunk) {
+          int64_t mc = std::min(kGemmChunk, rows - m0), n_panels = (mc + kGemmPanel - 1) / kGemmPanel;
+          threads.run(n_panels, 1, [&](int64_t p0, int64_t p1) {
+            for (int64_t p = p0; p < p1; ++p)
+              gemm_pack_panel(x + (m0 + p * kGemmPanel) * last, last, std::min(kGemmPanel, mc - p * kGemmPanel),
+                              panels.get() + p * kGemmPanel * last);
+          });
+          threads.run_dynamic(blocks, 1, [&](int64_t b0, int64_t b1) {
+            for (int64_t b = b0; b < b1; ++b) {
+              size_t i = std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
+              int64_t N = Ns[i], n0 = (b - first_block[i]) * kGemmRows, n1 = std::min(N, n0 + kGemmRows);
+              auto w = static_cast<const float*>(in[i + 1]);
+              auto y = static_cast<float*>(out[i]) + m0 * N;
+              for (int64_t p = 0; p < n_panels; ++p)
+                gemm_panel_rows(panels.get() + p * kGemmPanel * last, std::min(kGemmPanel, mc - p * kGemmPanel), w,
+                                last, y + p * kGemmPanel * N, N, n0, n1);
+            }
+          });
+        }
         break;
       }
       case Op::SumSquares: {
@@ -409,6 +439,20 @@ std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array
     inputs.push_back(f32(w, "w"));
   }
   return make(Kernel::Op::GemvMany, 0, shapes, dtypes, inputs, st);
+}
+
+bool gemm_ok() { return gemm_avx512(); }
+
+std::vector<mx::array> gemm_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
+  if (!gemm_avx512()) throw std::runtime_error("[mlxtoy_kernels] gemm_many needs a CPU with AVX-512");
+  auto like = gemv_many(x, ws, st);  // the same checks and shapes
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (auto& y : like) {
+    shapes.push_back(y.shape());
+    dtypes.push_back(mx::float32);
+  }
+  return make(Kernel::Op::GemmMany, 0, shapes, dtypes, like[0].inputs(), st);
 }
 
 mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st) {

@@ -11,7 +11,8 @@ namespace mlxtoy {
 class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
-                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, Pack, GemvPacked };
+                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, Pack, GemvPacked,
+                  GemmMany };
 
   // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional,
   // a packing's bits
@@ -73,6 +74,9 @@ std::vector<mx::array> swiglu_grad(const mx::array& a, const mx::array& b, const
                                    mx::StreamOrDevice st = {});
 mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st = {});
 std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st = {});
+// the same products for many rows of x (prefill), on AVX-512 CPUs (gemm.h)
+bool gemm_ok();
+std::vector<mx::array> gemm_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st = {});
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
                            float scale, mx::StreamOrDevice st = {});
 std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,

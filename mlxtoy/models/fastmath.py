@@ -234,9 +234,22 @@ def _gemv(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
     return _K.gemv_many(x, ws) if _bare(x) else _kernel_gemv(x, ws)
 
 
+# Prefill's products through the kernels' AVX-512 GEMM, which outruns the BLAS on the prefill
+# shapes whether or not the BLAS has AVX-512 kernels of its own (bench/bench_generate.py)
+PREFILL_GEMM = KERNELS and _K.gemm_ok() and backend.os.environ.get("MLXTOY_PREFILL_GEMM", "1") != "0"
+
+
+def _takes_gemm(x: mx.array, *weights: mx.array) -> bool:
+    """Many rows of x inside `inference()` on an AVX-512 CPU: no gradient is wanted."""
+    return PREFILL_GEMM and _bare(x, *weights)
+
+
 def linear(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel."""
-    return _gemv(x, [weight])[0] if _takes_gemv(x, weight) else x @ weight.T
+    """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel, many rows of
+    inference (prefill) the kernels' GEMM where it applies."""
+    if _takes_gemv(x, weight):
+        return _gemv(x, [weight])[0]
+    return _K.gemm_many(x, [weight])[0] if _takes_gemm(x, weight) else x @ weight.T
 
 
 def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
@@ -246,6 +259,8 @@ def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     split over the threads, and no reshapes around it."""
     if _takes_gemv(x, weights[0]) and _kernel_ok(*weights):
         return list(_gemv(x, weights))
+    if _takes_gemm(x, *weights):
+        return list(_K.gemm_many(x, weights))
     out = []
     for w in weights:
         if w.ndim == 2:
@@ -262,7 +277,8 @@ class Linear(nn.Linear):
         w = self["weight"]
         if "bias" not in self:
             return linear(x, w)
-        return linear(x, w) + self["bias"] if _takes_gemv(x, w) else mx.addmm(self["bias"], x, w.T)
+        kernel = _takes_gemv(x, w) or _takes_gemm(x, w)
+        return linear(x, w) + self["bias"] if kernel else mx.addmm(self["bias"], x, w.T)
 
 
 def rope_kernel_ok(x: mx.array) -> bool:
