@@ -1,6 +1,6 @@
-"""The kernels' AVX-512 GEMM of prefill (gemm.h): products against numpy float64, the bits on
-one thread against two, where fastmath takes it, and a prefill through it against one through
-MLX's matmul."""
+"""The kernels' AVX-512 GEMM (gemm.h): products against numpy float64 for every transposition,
+the bits on one thread against two, the linear layer's gradient through it, and a prefill
+through it against one through MLX's matmul."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mlxtoy.models import fastmath
 from test_generate import tiny_model
 from test_kernels import run_py
 
-pytestmark = pytest.mark.skipif(not K.gemm_ok(), reason="the prefill GEMM needs a CPU with AVX-512")
+pytestmark = pytest.mark.skipif(not K.gemm_ok(), reason="the GEMM kernel needs a CPU with AVX-512")
 
 
 def ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -78,19 +78,39 @@ def test_gemm_many_one_thread_gives_the_same_bits(tmp_path):
     np.testing.assert_allclose(here, ref(d["x"], d["w"]), rtol=0, atol=1e-4)  # positive control: right, not merely alike
 
 
-def test_fastmath_takes_the_gemm_only_for_inference():
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("trans_out", [False, True])
+def test_gemm_each_transposition_vs_numpy(trans_a, trans_b, trans_out):
+    r = np.random.default_rng(11)
+    for M, S, N in [(37, 577, 29), (130, 64, 13), (1, 5, 1)]:  # panel and tile tails, one chunk and more
+        A, B = r.standard_normal((M, S)).astype(np.float32), r.standard_normal((S, N)).astype(np.float32)
+        y = K.gemm(mx.array(A.T.copy() if trans_a else A), mx.array(B.T.copy() if trans_b else B),
+                   trans_a, trans_b, trans_out)
+        want = A.astype(np.float64) @ B.astype(np.float64)
+        np.testing.assert_allclose(np.array(y), want.T if trans_out else want, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match=r"^\[mlxtoy_kernels\] gemm"):
+        K.gemm(mx.zeros((3, 4)), mx.zeros((5, 6)))
+
+
+def test_fastmath_linear_through_the_gemm_and_its_gradient():
     r = np.random.default_rng(5)
-    x, w = mx.array(r.standard_normal((2, 9, 64)).astype(np.float32)), mx.array(r.standard_normal((70, 64)).astype(np.float32))
-    assert "MlxtoyKernel" not in graph(fastmath.linear(x, w))  # training: MLX's matmul, whose gradient MLX knows
-    with fastmath.inference():
-        y = fastmath.linear(x, w)
-        ys = fastmath.linear_many(x, [w, w[:10]])
-        one = fastmath.linear(x[:, :1], w)
-    assert "MlxtoyKernel" in graph(y) and "MlxtoyKernel" in graph(*ys)
+    x = mx.array(r.standard_normal((2, 9, 64)).astype(np.float32))
+    w = mx.array(r.standard_normal((70, 64)).astype(np.float32))
+    g = r.standard_normal((2, 9, 70))
+    y = fastmath.linear(x, w)
+    assert "MlxtoyKernel" in graph(y)  # positive control: many rows took the kernel
     np.testing.assert_allclose(np.array(y), ref(np.array(x), np.array(w)), rtol=0, atol=2e-5)
+    dx, dw = mx.grad(lambda x, w: (fastmath.linear(x, w) * mx.array(g.astype(np.float32))).sum(), argnums=(0, 1))(x, w)
+    xs = np.array(x, dtype=np.float64).reshape(-1, 64)
+    np.testing.assert_allclose(np.array(dx), (g @ np.array(w, dtype=np.float64)), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.array(dw), g.reshape(-1, 70).T @ xs, rtol=0, atol=1e-4)
+    with fastmath.inference():  # no gradient wanted: the bare kernel, one call for many weights
+        ys = fastmath.linear_many(x, [w, w[:10]])
+        one = fastmath.linear(x[:, :1], w)  # one row: the GEMV
     np.testing.assert_array_equal(np.array(ys[0]), np.array(y))
     np.testing.assert_array_equal(np.array(ys[1]), np.array(y)[..., :10])
-    np.testing.assert_allclose(np.array(one), np.array(y)[:, :1], rtol=0, atol=2e-5)  # the GEMV, for one row
+    np.testing.assert_allclose(np.array(one), np.array(y)[:, :1], rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
@@ -107,7 +127,7 @@ def test_prefill_through_the_gemm_matches_mlx_matmul(monkeypatch, kind):
     monkeypatch.setattr(K, "gemm_many", lambda x, ws: calls.append(x.shape) or gemm_many(x, ws))
     tokens, logprobs = run()
     assert calls and all(s[-2] == 70 for s in calls)  # positive control: the prompt's products took it
-    monkeypatch.setattr(fastmath, "PREFILL_GEMM", False)
+    monkeypatch.setattr(fastmath, "GEMM", False)
     calls.clear()
     ref_tokens, ref_logprobs = run()
     assert not calls

@@ -33,6 +33,10 @@ NB_MODULE(_ext, m) {
   m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm_many runs here (a CPU with AVX-512)");
   m.def("gemm_many", &mlxtoy::gemm_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "gemv_many's products for many rows of x (prefill): an AVX-512 GEMM, no gradient");
+  m.def("gemm", &mlxtoy::gemm, "a"_a, "b"_a, "trans_a"_a = false, "trans_b"_a = false, "trans_out"_a = false,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "op(a) @ op(b) for 2-D float32 a and b, op a transposition where asked ((op(a) @ op(b)).T with "
+        "trans_out): the AVX-512 GEMM, no gradient");
   m.def("decode_attention", &mlxtoy::decode_attention, "q"_a, "k"_a, "v"_a, "bias"_a, "scale"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "softmax(scale q k^T + bias) v for one query position: q (B, H, 1, D), k (B, KV, S, D), "

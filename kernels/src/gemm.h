@@ -1,10 +1,12 @@
-// mlxtoy kernels: Y = X W^T in float32 with AVX-512, for prefill (included by kernels.cpp).
+// mlxtoy kernels: a float32 GEMM with AVX-512 (included by kernels.cpp).
 //
-// Computed as Y^T = W X^T: a tile is kGemmRows rows of W (each weight broadcast) times a panel of
-// 32 rows of X laid out k-major (two 16-float vectors per k), so the inner loop is 2 vector
-// loads, kGemmRows broadcasts and 2 kGemmRows FMAs, with W read in place (no copy of the weights)
-// and only X, the small operand, repacked. Used where the BLAS has no AVX-512 GEMM of its own
-// (see fastmath.linear), never for gradients.
+// out[i, j] = sum_s A(i, s) B(j, s), each operand read through its strides, so one loop serves
+// x W^T (the forward), dY W (the input's gradient) and dY^T X (the weight's). A tile is
+// kGemmRows rows of B, each element broadcast, times a panel of 32 rows of A laid out s-major
+// (two 16-float vectors per s): the inner loop is 2 vector loads, kGemmRows broadcasts and
+// 2 kGemmRows FMAs. B, the weight in the forward, is read in place; only A is repacked, a
+// kGemmChunk-row slice at a time so its panels stay in L2. Each output is one tile's sum in
+// s order, whichever thread computes it.
 #pragma once
 
 #include <immintrin.h>
@@ -13,72 +15,131 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <vector>
+
+#include "pool.h"
 
 namespace mlxtoy {
 
-constexpr int64_t kGemmPanel = 32;  // rows of X per panel
-constexpr int kGemmRows = 12;       // rows of W per tile: 24 accumulators of the 32 registers
-constexpr int64_t kGemmChunk = 128;  // rows of X packed at a time (their panels stay in L2)
+constexpr int64_t kGemmPanel = 32;  // rows of A per panel
+constexpr int kGemmRows = 12;       // rows of B per tile: 24 accumulators of the 32 registers
+constexpr int64_t kGemmChunk = 128;  // rows of A packed at a time
 
 inline bool gemm_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f");
   return ok;
 }
 
+// element (i, s) at p[i * row + s * red]
+struct GemmOperand {
+  const float* p;
+  int64_t row, red;
+};
+
 struct AlignedFree {
   void operator()(float* p) const { std::free(p); }
 };
-using AlignedFloats = std::unique_ptr<float[], AlignedFree>;
 
-inline AlignedFloats aligned_floats(int64_t n) {
-  size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 63) / 64 * 64;
-  return AlignedFloats(static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
-}
-
-// rows [0, mp) of x (mp <= 32, row stride K) as one panel: panel[k * 32 + i] = x[i][k], 0 for i >= mp
-inline void gemm_pack_panel(const float* x, int64_t K, int64_t mp, float* panel) {
-  for (int64_t k0 = 0; k0 < K; k0 += 64)  // 64 columns at a time: the 32 source rows' lines stay in L1
-    for (int64_t i = 0; i < kGemmPanel; ++i) {
-      const float* row = x + i * K;
-      for (int64_t k = k0; k < std::min(K, k0 + 64); ++k) panel[k * kGemmPanel + i] = i < mp ? row[k] : 0.0f;
+// rows [0, mp) of a (mp <= 32) over s in [0, S) as one panel: panel[s * 32 + i] = A(i, s), 0 for i >= mp
+inline void gemm_pack_panel(GemmOperand a, int64_t S, int64_t mp, float* panel) {
+  if (a.row == 1) {  // the panel's rows are contiguous for each s
+    for (int64_t s = 0; s < S; ++s) {
+      const float* src = a.p + s * a.red;
+      float* dst = panel + s * kGemmPanel;
+      std::copy(src, src + mp, dst);
+      std::fill(dst + mp, dst + kGemmPanel, 0.0f);
     }
+    return;
+  }
+  for (int64_t s0 = 0; s0 < S; s0 += 64)  // 64 columns at a time: the source rows' lines stay in L1
+    for (int64_t i = 0; i < kGemmPanel; ++i)
+      for (int64_t s = s0; s < std::min(S, s0 + 64); ++s)
+        panel[s * kGemmPanel + i] = i < mp ? a.p[i * a.row + s * a.red] : 0.0f;
 }
 
-// t[r][i] = sum_k w[r][k] panel[k][i] for R rows of w (row stride K)
-template <int R>
-__attribute__((target("avx512f"))) inline void gemm_tile(const float* panel, const float* w, int64_t K, float* t) {
+// out[i * ors + r * ocs] for the panel's mp rows i and R rows r of b; b_rows_along_s: b.red == 1
+template <int R, bool b_rows_along_s>
+__attribute__((target("avx512f"))) inline void gemm_tile(const float* panel, GemmOperand b, int64_t S, int64_t mp,
+                                                         float* out, int64_t ors, int64_t ocs) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 x0 = _mm512_load_ps(panel + k * kGemmPanel), x1 = _mm512_load_ps(panel + k * kGemmPanel + 16);
+  for (int64_t s = 0; s < S; ++s) {
+    __m512 x0 = _mm512_load_ps(panel + s * kGemmPanel), x1 = _mm512_load_ps(panel + s * kGemmPanel + 16);
     for (int r = 0; r < R; ++r) {
-      __m512 b = _mm512_set1_ps(w[r * K + k]);
-      acc[r][0] = _mm512_fmadd_ps(b, x0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(b, x1, acc[r][1]);
+      __m512 w = _mm512_set1_ps(b_rows_along_s ? b.p[r * b.row + s] : b.p[s * b.red + r * b.row]);
+      acc[r][0] = _mm512_fmadd_ps(w, x0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w, x1, acc[r][1]);
     }
   }
+  if (ors == 1) {  // each accumulator's 16 rows i are contiguous in out
+    __mmask16 lo = static_cast<__mmask16>(mp >= 16 ? 0xffff : (1u << mp) - 1);
+    __mmask16 hi = static_cast<__mmask16>(mp >= 32 ? 0xffff : mp <= 16 ? 0 : (1u << (mp - 16)) - 1);
+    for (int r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(out + r * ocs, lo, acc[r][0]);
+      _mm512_mask_storeu_ps(out + r * ocs + 16, hi, acc[r][1]);
+    }
+    return;
+  }
+  alignas(64) float t[R * kGemmPanel];
   for (int r = 0; r < R; ++r) {
     _mm512_store_ps(t + r * kGemmPanel, acc[r][0]);
     _mm512_store_ps(t + r * kGemmPanel + 16, acc[r][1]);
   }
-}
-
-template <int R>
-inline void gemm_tile_rows(const float* panel, const float* w, int64_t K, int rows, float* t) {
-  if constexpr (R > 1) {
-    if (rows < R) return gemm_tile_rows<R - 1>(panel, w, K, rows, t);
-  }
-  gemm_tile<R>(panel, w, K, t);
-}
-
-// y[i][n0 + r] (row stride N) for the panel's mp rows and rows [n0, n1) of w (n1 - n0 <= kGemmRows)
-inline void gemm_panel_rows(const float* panel, int64_t mp, const float* w, int64_t K, float* y, int64_t N,
-                            int64_t n0, int64_t n1) {
-  alignas(64) float t[kGemmRows * kGemmPanel];
-  int rows = static_cast<int>(n1 - n0);
-  gemm_tile_rows<kGemmRows>(panel, w + n0 * K, K, rows, t);
   for (int64_t i = 0; i < mp; ++i)
-    for (int r = 0; r < rows; ++r) y[i * N + n0 + r] = t[r * kGemmPanel + i];
+    for (int r = 0; r < R; ++r) out[i * ors + r * ocs] = t[r * kGemmPanel + i];
+}
+
+template <int R, bool b_rows_along_s>
+inline void gemm_tile_rows(const float* panel, GemmOperand b, int64_t S, int64_t mp, int rows, float* out,
+                           int64_t ors, int64_t ocs) {
+  if constexpr (R > 1) {
+    if (rows < R) return gemm_tile_rows<R - 1, b_rows_along_s>(panel, b, S, mp, rows, out, ors, ocs);
+  }
+  gemm_tile<R, b_rows_along_s>(panel, b, S, mp, out, ors, ocs);
+}
+
+// One GEMM's B rows, to be handed out by tile: rows [0, N) of b, out[i * ors + j * ocs].
+struct GemmTarget {
+  GemmOperand b;
+  int64_t N;
+  float* out;
+  int64_t ors, ocs;
+};
+
+// out[i, j] = sum_s A(i, s) B(j, s) for i < M and each target's j < N (the targets share A:
+// a layer's q, k and v), split over the pool's threads.
+inline void gemm_run(Pool& threads, GemmOperand a, int64_t M, int64_t S, const std::vector<GemmTarget>& targets) {
+  std::vector<int64_t> first_block{0};
+  for (const auto& t : targets) first_block.push_back(first_block.back() + (t.N + kGemmRows - 1) / kGemmRows);
+  const int64_t blocks = first_block.back();
+  const size_t bytes = (static_cast<size_t>(kGemmChunk * S) * sizeof(float) + 63) / 64 * 64;
+  std::unique_ptr<float[], AlignedFree> panels(static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
+  for (int64_t m0 = 0; m0 < M; m0 += kGemmChunk) {
+    const int64_t mc = std::min(kGemmChunk, M - m0), n_panels = (mc + kGemmPanel - 1) / kGemmPanel;
+    threads.run(n_panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        gemm_pack_panel({a.p + (m0 + p * kGemmPanel) * a.row, a.row, a.red}, S,
+                        std::min(kGemmPanel, mc - p * kGemmPanel), panels.get() + p * kGemmPanel * S);
+    });
+    threads.run_dynamic(blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        size_t ti = std::upper_bound(first_block.begin(), first_block.end(), blk) - first_block.begin() - 1;
+        const GemmTarget& t = targets[ti];
+        int64_t j0 = (blk - first_block[ti]) * kGemmRows;
+        int rows = static_cast<int>(std::min<int64_t>(kGemmRows, t.N - j0));
+        GemmOperand b{t.b.p + j0 * t.b.row, t.b.row, t.b.red};
+        for (int64_t p = 0; p < n_panels; ++p) {
+          int64_t i0 = m0 + p * kGemmPanel, mp = std::min(kGemmPanel, mc - p * kGemmPanel);
+          float* out = t.out + i0 * t.ors + j0 * t.ocs;
+          const float* panel = panels.get() + p * kGemmPanel * S;
+          if (b.red == 1)
+            gemm_tile_rows<kGemmRows, true>(panel, b, S, mp, rows, out, t.ors, t.ocs);
+          else
+            gemm_tile_rows<kGemmRows, false>(panel, b, S, mp, rows, out, t.ors, t.ocs);
+        }
+      }
+    });
+  }
 }
 
 }  // namespace mlxtoy

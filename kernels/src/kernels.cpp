@@ -92,8 +92,14 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
     rope = {N, Tn, xs[0], xs[1], xs[2], iparam_ / 2, iparam_ % 2};
   }
 
-  const int bits = iparam_;  // Pack, GemvPacked
-  encoder.dispatch([op, eps, bits, in, out, rows, last, T, rows_per_bias, Ns, att, rope, copies = std::move(copies),
+  const int bits = iparam_;  // Pack, GemvPacked; Gemm's transpositions
+  // Gemm: op(a) (M, S), op(b) (S, N)
+  std::array<int64_t, 3> mkn{};
+  if (op == Op::Gemm) {
+    bool ta = bits & 1;
+    mkn = {inputs[0].shape(ta ? 1 : 0), inputs[0].shape(ta ? 0 : 1), inputs[1].shape((bits & 2) ? 0 : 1)};
+  }
+  encoder.dispatch([op, eps, bits, in, out, rows, last, T, rows_per_bias, Ns, att, rope, mkn, copies = std::move(copies),
                     temps = std::move(temps)]() {
     for (const auto& c : copies) c.run();
     Pool& threads = pool();
@@ -215,32 +221,21 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         break;
       }
       case Op::GemmMany: {
-        // x's rows kGemmChunk at a time: packed into panels, then every weight's tiles of
-        // kGemmRows rows (as one range over all the weights) shared out first come, first served
-        auto x = static_cast<const float*>(in[0]);
-        std::vector<int64_t> first_block{0};
-        for (int64_t n : Ns) first_block.push_back(first_block.back() + (n + kGemmRows - 1) / kGemmRows);
-        int64_t blocks = first_block.back();
-        AlignedFloats panels = aligned_floats(kGemmChunk * last);
-        for (int64_t m0 = 0; m0 < rows; m0 += kGemmChunk) {
-          int64_t mc = std::min(kGemmChunk, rows - m0), n_panels = (mc + kGemmPanel - 1) / kGemmPanel;
-          threads.run(n_panels, 1, [&](int64_t p0, int64_t p1) {
-            for (int64_t p = p0; p < p1; ++p)
-              gemm_pack_panel(x + (m0 + p * kGemmPanel) * last, last, std::min(kGemmPanel, mc - p * kGemmPanel),
-                              panels.get() + p * kGemmPanel * last);
-          });
-          threads.run_dynamic(blocks, 1, [&](int64_t b0, int64_t b1) {
-            for (int64_t b = b0; b < b1; ++b) {
-              size_t i = std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
-              int64_t N = Ns[i], n0 = (b - first_block[i]) * kGemmRows, n1 = std::min(N, n0 + kGemmRows);
-              auto w = static_cast<const float*>(in[i + 1]);
-              auto y = static_cast<float*>(out[i]) + m0 * N;
-              for (int64_t p = 0; p < n_panels; ++p)
-                gemm_panel_rows(panels.get() + p * kGemmPanel * last, std::min(kGemmPanel, mc - p * kGemmPanel), w,
-                                last, y + p * kGemmPanel * N, N, n0, n1);
-            }
-          });
-        }
+        // x (rows, K) against every weight (N_i, K): out_i (rows, N_i)
+        std::vector<GemmTarget> targets;
+        for (size_t i = 0; i < Ns.size(); ++i)
+          targets.push_back({{static_cast<const float*>(in[i + 1]), last, 1}, Ns[i], static_cast<float*>(out[i]), Ns[i], 1});
+        gemm_run(threads, {static_cast<const float*>(in[0]), last, 1}, rows, last, targets);
+        break;
+      }
+      case Op::Gemm: {
+        // op(a) (M, S) @ op(b) (S, N), written (M, N), or (N, M) with trans_out
+        auto [M, S, N] = mkn;
+        bool ta = bits & 1, tb = bits & 2, to = bits & 4;
+        GemmOperand a{static_cast<const float*>(in[0]), ta ? 1 : S, ta ? M : 1};
+        GemmOperand b{static_cast<const float*>(in[1]), tb ? S : 1, tb ? 1 : N};
+        auto y = static_cast<float*>(out[0]);
+        gemm_run(threads, a, M, S, {{b, N, y, to ? 1 : N, to ? M : 1}});
         break;
       }
       case Op::SumSquares: {
@@ -453,6 +448,17 @@ std::vector<mx::array> gemm_many(const mx::array& x, const std::vector<mx::array
     dtypes.push_back(mx::float32);
   }
   return make(Kernel::Op::GemmMany, 0, shapes, dtypes, like[0].inputs(), st);
+}
+
+mx::array gemm(const mx::array& a, const mx::array& b, bool trans_a, bool trans_b, bool trans_out,
+               mx::StreamOrDevice st) {
+  if (!gemm_avx512()) throw std::runtime_error("[mlxtoy_kernels] gemm needs a CPU with AVX-512");
+  if (a.ndim() != 2 || b.ndim() != 2 || a.shape(trans_a ? 0 : 1) != b.shape(trans_b ? 1 : 0))
+    throw std::invalid_argument("[mlxtoy_kernels] gemm: op(a) (M, S) and op(b) (S, N), 2-D");
+  int M = a.shape(trans_a ? 1 : 0), N = b.shape(trans_b ? 0 : 1);
+  mx::Shape out = trans_out ? mx::Shape{N, M} : mx::Shape{M, N};
+  int flags = (trans_a ? 1 : 0) | (trans_b ? 2 : 0) | (trans_out ? 4 : 0);
+  return make(Kernel::Op::Gemm, 0, {out}, {mx::float32}, {f32(a, "a"), f32(b, "b")}, st, flags)[0];
 }
 
 mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice st) {

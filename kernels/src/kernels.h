@@ -12,7 +12,7 @@ class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
                   DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, Pack, GemvPacked,
-                  GemmMany };
+                  GemmMany, Gemm };
 
   // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional,
   // a packing's bits
@@ -77,6 +77,9 @@ std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array
 // the same products for many rows of x (prefill), on AVX-512 CPUs (gemm.h)
 bool gemm_ok();
 std::vector<mx::array> gemm_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st = {});
+// op(a) @ op(b) (op: a transposition where asked), or its transpose with trans_out
+mx::array gemm(const mx::array& a, const mx::array& b, bool trans_a, bool trans_b, bool trans_out,
+               mx::StreamOrDevice st = {});
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,
                            float scale, mx::StreamOrDevice st = {});
 std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& bias,

@@ -234,22 +234,46 @@ def _gemv(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
     return _K.gemv_many(x, ws) if _bare(x) else _kernel_gemv(x, ws)
 
 
-# Prefill's products through the kernels' AVX-512 GEMM, which outruns the BLAS on the prefill
-# shapes whether or not the BLAS has AVX-512 kernels of its own (bench/bench_generate.py)
-PREFILL_GEMM = KERNELS and _K.gemm_ok() and backend.os.environ.get("MLXTOY_PREFILL_GEMM", "1") != "0"
+# Products of many rows through the kernels' AVX-512 GEMM, which outruns the BLAS on these
+# shapes whether or not the BLAS has AVX-512 kernels of its own (bench/, README)
+GEMM = KERNELS and _K.gemm_ok() and backend.os.environ.get("MLXTOY_GEMM", "1") != "0"
 
 
 def _takes_gemm(x: mx.array, *weights: mx.array) -> bool:
-    """Many rows of x inside `inference()` on an AVX-512 CPU: no gradient is wanted."""
-    return PREFILL_GEMM and _bare(x, *weights)
+    return GEMM and _kernel_ok(x, *weights)
+
+
+@mx.custom_function
+def _kernel_linear(x, w):
+    return _K.gemm(x.reshape(-1, x.shape[-1]), w, trans_b=True).reshape(*x.shape[:-1], w.shape[0])
+
+
+@_kernel_linear.vjp
+def _kernel_linear_vjp(primals, cotangent, output):
+    x, w = primals
+    rows = x.reshape(-1, x.shape[-1])
+    g = _cotangent(cotangent).reshape(rows.shape[0], -1)
+    return _K.gemm(g, w).reshape(x.shape), _K.gemm(g, rows, trans_a=True)  # dY W, dY^T X
+
+
+def gemm(a: mx.array, b: mx.array, trans_a: bool = False, trans_b: bool = False, trans_out: bool = False) -> mx.array:
+    """op(a) @ op(b), or its transpose with trans_out, op a transposition where asked, for 2-D a
+    and b; no gradient. The kernels' GEMM where it applies (a transposed output costs nothing
+    there), else MLX's matmul."""
+    if _takes_gemm(a, b):
+        return _K.gemm(a, b, trans_a, trans_b, trans_out)
+    y = (a.T if trans_a else a) @ (b.T if trans_b else b)
+    return y.T if trans_out else y
 
 
 def linear(x: mx.array, weight: mx.array) -> mx.array:
-    """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel, many rows of
-    inference (prefill) the kernels' GEMM where it applies."""
+    """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel, many rows the
+    kernels' GEMM where it applies (with its gradient, or bare inside `inference()`)."""
     if _takes_gemv(x, weight):
         return _gemv(x, [weight])[0]
-    return _K.gemm_many(x, [weight])[0] if _takes_gemm(x, weight) else x @ weight.T
+    if _takes_gemm(x, weight):
+        return _K.gemm_many(x, [weight])[0] if _bare(x) else _kernel_linear(x, weight)
+    return x @ weight.T
 
 
 def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
@@ -259,7 +283,7 @@ def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     split over the threads, and no reshapes around it."""
     if _takes_gemv(x, weights[0]) and _kernel_ok(*weights):
         return list(_gemv(x, weights))
-    if _takes_gemm(x, *weights):
+    if _takes_gemm(x, *weights) and _bare(x):
         return list(_K.gemm_many(x, weights))
     out = []
     for w in weights:

@@ -29,7 +29,7 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy.models.fastmath import (LOGITS_BY_COLUMNS, Linear, softmax_cross_entropy,
+from mlxtoy.models.fastmath import (LOGITS_BY_COLUMNS, Linear, gemm, softmax_cross_entropy,
                                     softmax_cross_entropy_columns)
 from mlxtoy.models.llama import LlamaModel, block_causal_mask
 from mlxtoy.models.lora import lora_modules
@@ -79,13 +79,12 @@ def _chunked_ce(h: mx.array, w: mx.array, targets: mx.array, grads: bool,
         previous = ces[-1:] + dhs[-1:]
         hc = mx.depends(h[i:i + n], previous) if previous else h[i:i + n]
         if LOGITS_BY_COLUMNS:
-            ce, d = softmax_cross_entropy_columns(w @ hc.T, targets[i:i + n], grad)
+            ce, d = softmax_cross_entropy_columns(gemm(hc, w, trans_b=True, trans_out=True), targets[i:i + n], grad)
         else:
             ce, d = softmax_cross_entropy(hc @ w.T, targets[i:i + n], grad)
         ces.append(ce)
         if grads:
-            d_rows = d.T if LOGITS_BY_COLUMNS else d
-            dhs.append(d_rows.astype(w.dtype) @ w)
+            dhs.append(gemm(d.astype(w.dtype), w, trans_a=LOGITS_BY_COLUMNS))
         if keep_dlogits:
             dlogits.append(d.astype(w.dtype))
     return ces, dhs, dlogits
@@ -112,7 +111,7 @@ def _output_ce(weight_grad: bool):
         c = cotangents[0][:, None]
         if weight_grad:
             d = outputs[2] if LOGITS_BY_COLUMNS else outputs[2].T  # (V, N)
-            dw = d @ (h * c).astype(w.dtype)
+            dw = gemm(d, (h * c).astype(w.dtype))
         else:
             dw = mx.zeros_like(w)
         return outputs[1] * c.astype(h.dtype), dw, mx.zeros_like(targets)
