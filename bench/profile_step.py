@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlxtoy.config import TrainConfig
 from mlxtoy.loading import load
 from mlxtoy.models.lora import apply_lora
-from mlxtoy.models.fastmath import attention, rms_norm, swiglu
+from mlxtoy.models.fastmath import attention, linear, rms_norm, swiglu
 from mlxtoy.train.objectives import output_cross_entropy, sft_loss
 from mlxtoy.train.step import Stepper, make_optimizer
 from mlxtoy.train.data import Batch
@@ -47,7 +47,7 @@ mx.eval(h, c)  # inputs a compiled function captures unevaluated would be recomp
 hv = mx.compile(mx.value_and_grad(lambda h: (output_cross_entropy(h, E, t1) * c).sum()))
 bench("output projection + cross-entropy, fwd + bwd", lambda: mx.eval(hv(h)))
 xs = mx.random.normal((B * T, 576)); xf = mx.random.normal((B * T, 1536)); mx.eval(xs, xf)
-gm = mx.compile(lambda x, xf: [((xf if W.shape[1] == 1536 else x) @ W.T) for W in base_ws])
+gm = mx.compile(lambda x, xf: [linear(xf if W.shape[1] == 1536 else x, W) for W in base_ws])  # training's GEMM path
 bench("block GEMMs, forward (x2 = fwd + input grads)", lambda: mx.eval(gm(xs, xf)), scale=2)
 q = mx.random.normal((B, 9, T, 64)); k = mx.random.normal((B, 3, T, 64)); v = mx.random.normal((B, 3, T, 64)); r = mx.random.normal(q.shape)
 mx.eval(q, k, v, r)

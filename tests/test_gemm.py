@@ -83,7 +83,8 @@ def test_gemm_many_one_thread_gives_the_same_bits(tmp_path):
 @pytest.mark.parametrize("trans_out", [False, True])
 def test_gemm_each_transposition_vs_numpy(trans_a, trans_b, trans_out):
     r = np.random.default_rng(11)
-    for M, S, N in [(37, 577, 29), (130, 64, 13), (1, 5, 1)]:  # panel and tile tails, one chunk and more
+    # panel and tile tails, one chunk and more; a sum long enough to run in blocks (the loss's over the vocabulary)
+    for M, S, N in [(37, 577, 29), (130, 64, 13), (1, 5, 1), (20, 4099, 14)]:
         A, B = r.standard_normal((M, S)).astype(np.float32), r.standard_normal((S, N)).astype(np.float32)
         y = K.gemm(mx.array(A.T.copy() if trans_a else A), mx.array(B.T.copy() if trans_b else B),
                    trans_a, trans_b, trans_out)

@@ -6,7 +6,7 @@
 // (two 16-float vectors per s): the inner loop is 2 vector loads, kGemmRows broadcasts and
 // 2 kGemmRows FMAs. B, the weight in the forward, is read in place; only A is repacked, a
 // kGemmChunk-row slice at a time so its panels stay in L2. Each output is one tile's sum in
-// s order, whichever thread computes it.
+// s order (a long sum's blocks added in order), whichever thread computes it.
 #pragma once
 
 #include <immintrin.h>
@@ -24,6 +24,8 @@ namespace mlxtoy {
 constexpr int64_t kGemmPanel = 32;  // rows of A per panel
 constexpr int kGemmRows = 12;       // rows of B per tile: 24 accumulators of the 32 registers
 constexpr int64_t kGemmChunk = 128;  // rows of A packed at a time
+constexpr int64_t kGemmLongSum = 2048;  // sums over more s than this run in blocks of at most kGemmDepth
+constexpr int64_t kGemmDepth = 512;
 
 inline bool gemm_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f");
@@ -60,7 +62,7 @@ inline void gemm_pack_panel(GemmOperand a, int64_t S, int64_t mp, float* panel) 
 // out[i * ors + r * ocs] for the panel's mp rows i and R rows r of b; b_rows_along_s: b.red == 1
 template <int R, bool b_rows_along_s>
 __attribute__((target("avx512f"))) inline void gemm_tile(const float* panel, GemmOperand b, int64_t S, int64_t mp,
-                                                         float* out, int64_t ors, int64_t ocs) {
+                                                         float* out, int64_t ors, int64_t ocs, bool add) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
@@ -75,6 +77,10 @@ __attribute__((target("avx512f"))) inline void gemm_tile(const float* panel, Gem
     __mmask16 lo = static_cast<__mmask16>(mp >= 16 ? 0xffff : (1u << mp) - 1);
     __mmask16 hi = static_cast<__mmask16>(mp >= 32 ? 0xffff : mp <= 16 ? 0 : (1u << (mp - 16)) - 1);
     for (int r = 0; r < R; ++r) {
+      if (add) {
+        acc[r][0] = _mm512_add_ps(_mm512_maskz_loadu_ps(lo, out + r * ocs), acc[r][0]);
+        acc[r][1] = _mm512_add_ps(_mm512_maskz_loadu_ps(hi, out + r * ocs + 16), acc[r][1]);
+      }
       _mm512_mask_storeu_ps(out + r * ocs, lo, acc[r][0]);
       _mm512_mask_storeu_ps(out + r * ocs + 16, hi, acc[r][1]);
     }
@@ -86,16 +92,19 @@ __attribute__((target("avx512f"))) inline void gemm_tile(const float* panel, Gem
     _mm512_store_ps(t + r * kGemmPanel + 16, acc[r][1]);
   }
   for (int64_t i = 0; i < mp; ++i)
-    for (int r = 0; r < R; ++r) out[i * ors + r * ocs] = t[r * kGemmPanel + i];
+    for (int r = 0; r < R; ++r) {
+      float v = t[r * kGemmPanel + i];
+      out[i * ors + r * ocs] = add ? out[i * ors + r * ocs] + v : v;
+    }
 }
 
 template <int R, bool b_rows_along_s>
 inline void gemm_tile_rows(const float* panel, GemmOperand b, int64_t S, int64_t mp, int rows, float* out,
-                           int64_t ors, int64_t ocs) {
+                           int64_t ors, int64_t ocs, bool add) {
   if constexpr (R > 1) {
-    if (rows < R) return gemm_tile_rows<R - 1, b_rows_along_s>(panel, b, S, mp, rows, out, ors, ocs);
+    if (rows < R) return gemm_tile_rows<R - 1, b_rows_along_s>(panel, b, S, mp, rows, out, ors, ocs, add);
   }
-  gemm_tile<R, b_rows_along_s>(panel, b, S, mp, out, ors, ocs);
+  gemm_tile<R, b_rows_along_s>(panel, b, S, mp, out, ors, ocs, add);
 }
 
 // One GEMM's B rows, to be handed out by tile: rows [0, N) of b, out[i * ors + j * ocs].
@@ -112,34 +121,39 @@ inline void gemm_run(Pool& threads, GemmOperand a, int64_t M, int64_t S, const s
   std::vector<int64_t> first_block{0};
   for (const auto& t : targets) first_block.push_back(first_block.back() + (t.N + kGemmRows - 1) / kGemmRows);
   const int64_t blocks = first_block.back();
-  const size_t bytes = (static_cast<size_t>(kGemmChunk * S) * sizeof(float) + 63) / 64 * 64;
+  // a long sum (the vocabulary's, in the loss's input gradient) in equal blocks: the panels and a
+  // tile's rows of B then stay in cache; the layers' sums (up to 2048) in one
+  const int64_t kc = S <= kGemmLongSum ? S : (S + (S + kGemmDepth - 1) / kGemmDepth - 1) / ((S + kGemmDepth - 1) / kGemmDepth);
+  const size_t bytes = (static_cast<size_t>(kGemmChunk * kc) * sizeof(float) + 63) / 64 * 64;
   std::unique_ptr<float[], AlignedFree> panels(static_cast<float*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
-  for (int64_t m0 = 0; m0 < M; m0 += kGemmChunk) {
-    const int64_t mc = std::min(kGemmChunk, M - m0), n_panels = (mc + kGemmPanel - 1) / kGemmPanel;
-    threads.run(n_panels, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        gemm_pack_panel({a.p + (m0 + p * kGemmPanel) * a.row, a.row, a.red}, S,
-                        std::min(kGemmPanel, mc - p * kGemmPanel), panels.get() + p * kGemmPanel * S);
-    });
-    threads.run_dynamic(blocks, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        size_t ti = std::upper_bound(first_block.begin(), first_block.end(), blk) - first_block.begin() - 1;
-        const GemmTarget& t = targets[ti];
-        int64_t j0 = (blk - first_block[ti]) * kGemmRows;
-        int rows = static_cast<int>(std::min<int64_t>(kGemmRows, t.N - j0));
-        GemmOperand b{t.b.p + j0 * t.b.row, t.b.row, t.b.red};
-        for (int64_t p = 0; p < n_panels; ++p) {
-          int64_t i0 = m0 + p * kGemmPanel, mp = std::min(kGemmPanel, mc - p * kGemmPanel);
-          float* out = t.out + i0 * t.ors + j0 * t.ocs;
-          const float* panel = panels.get() + p * kGemmPanel * S;
-          if (b.red == 1)
-            gemm_tile_rows<kGemmRows, true>(panel, b, S, mp, rows, out, t.ors, t.ocs);
-          else
-            gemm_tile_rows<kGemmRows, false>(panel, b, S, mp, rows, out, t.ors, t.ocs);
+  for (int64_t m0 = 0; m0 < M; m0 += kGemmChunk)
+    for (int64_t s0 = 0; s0 < S; s0 += kc) {  // the sums over s in blocks of kc, added in order
+      const int64_t mc = std::min(kGemmChunk, M - m0), n_panels = (mc + kGemmPanel - 1) / kGemmPanel;
+      const int64_t sc = std::min(kc, S - s0);
+      threads.run(n_panels, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          gemm_pack_panel({a.p + (m0 + p * kGemmPanel) * a.row + s0 * a.red, a.row, a.red}, sc,
+                          std::min(kGemmPanel, mc - p * kGemmPanel), panels.get() + p * kGemmPanel * sc);
+      });
+      threads.run_dynamic(blocks, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t blk = b0; blk < b1; ++blk) {
+          size_t ti = std::upper_bound(first_block.begin(), first_block.end(), blk) - first_block.begin() - 1;
+          const GemmTarget& t = targets[ti];
+          int64_t j0 = (blk - first_block[ti]) * kGemmRows;
+          int rows = static_cast<int>(std::min<int64_t>(kGemmRows, t.N - j0));
+          GemmOperand b{t.b.p + j0 * t.b.row + s0 * t.b.red, t.b.row, t.b.red};
+          for (int64_t p = 0; p < n_panels; ++p) {
+            int64_t i0 = m0 + p * kGemmPanel, mp = std::min(kGemmPanel, mc - p * kGemmPanel);
+            float* out = t.out + i0 * t.ors + j0 * t.ocs;
+            const float* panel = panels.get() + p * kGemmPanel * sc;
+            if (b.red == 1)
+              gemm_tile_rows<kGemmRows, true>(panel, b, sc, mp, rows, out, t.ors, t.ocs, s0 > 0);
+            else
+              gemm_tile_rows<kGemmRows, false>(panel, b, sc, mp, rows, out, t.ors, t.ocs, s0 > 0);
+          }
         }
-      }
-    });
-  }
+      });
+    }
 }
 
 }  // namespace mlxtoy
