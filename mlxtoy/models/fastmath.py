@@ -109,7 +109,8 @@ def kernels_status() -> str:
     """Whether the compiled kernels are in use, and if not why (for `mlxtoy inspect --env`)."""
     if KERNELS:
         team = "MKL's OpenMP threads" if _K.openmp() else "their own pool"
-        return f"on ({_K.threads()} threads: {team})"
+        gemms = "the kernels' AVX-512 GEMM" if GEMM else "the BLAS"
+        return f"on ({_K.threads()} threads: {team}; float32 products of many rows: {gemms})"
     if not _ON_CPU:
         return "off (not the CPU backend, or MLXTOY_FAST_MATH=0)"
     if mlxtoy_kernels is None:
