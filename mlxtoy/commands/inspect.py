@@ -31,7 +31,7 @@ def env_report() -> dict:
         "compute_dtype": str(info.compute_dtype).replace("mlx.core.", ""),
         "gemm_f32_gflops": round(backend.gemm_gflops(), 1),
         "cpu_kernels": fastmath.kernels_status(),
-    }
+    } | ({"kernel_gemm_f32_gflops": round(backend.gemm_gflops(matmul=fastmath.gemm), 1)} if fastmath.GEMM else {})
 
 
 def run(args) -> int:
@@ -42,8 +42,9 @@ def run(args) -> int:
         if args.json:
             print(json.dumps(report, indent=2))
         else:
+            width = max(map(len, report))
             for k, v in report.items():
-                print(f"{k:16s} {v}")
+                print(f"{k:{width}s} {v}")
         return 0
     cfg, weights, meta, tokenizer = load_weights(args.model)
     model = build_model(cfg, weights)
