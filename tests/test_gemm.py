@@ -92,6 +92,9 @@ def test_gemm_each_transposition_vs_numpy(trans_a, trans_b, trans_out):
         np.testing.assert_allclose(np.array(y), want.T if trans_out else want, rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match=r"^\[mlxtoy_kernels\] gemm"):
         K.gemm(mx.zeros((3, 4)), mx.zeros((5, 6)))
+    # empty operands: an empty sum is zeros (as MLX's matmul gives), no rows no output
+    np.testing.assert_array_equal(np.array(K.gemm(mx.ones((3, 0)), mx.ones((0, 5)))), np.zeros((3, 5)))
+    assert K.gemm(mx.ones((0, 4)), mx.ones((4, 5))).shape == (0, 5)
 
 
 def test_fastmath_linear_through_the_gemm_and_its_gradient():

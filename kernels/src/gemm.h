@@ -118,6 +118,12 @@ struct GemmTarget {
 // out[i, j] = sum_s A(i, s) B(j, s) for i < M and each target's j < N (the targets share A:
 // a layer's q, k and v), split over the pool's threads.
 inline void gemm_run(Pool& threads, GemmOperand a, int64_t M, int64_t S, const std::vector<GemmTarget>& targets) {
+  if (S == 0) {  // an empty sum: zeros, as MLX's matmul gives
+    for (const auto& t : targets)
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < t.N; ++j) t.out[i * t.ors + j * t.ocs] = 0.0f;
+    return;
+  }
   std::vector<int64_t> first_block{0};
   for (const auto& t : targets) first_block.push_back(first_block.back() + (t.N + kGemmRows - 1) / kGemmRows);
   const int64_t blocks = first_block.back();
