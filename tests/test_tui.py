@@ -106,7 +106,9 @@ def error_text(app, name: str) -> str:
     return str(label.render()) if label.display else ""
 
 
-async def fill_setup(pilot, app, out: str, steps: int = 400) -> None:
+async def fill_setup(pilot, app, out: str, steps: int = 100_000) -> None:
+    # by default a run no test lets finish: the tests that stop it must find it still running
+    # however fast training gets (400 steps once finished before the stop)
     await wait_for(pilot, lambda: "data" not in app.screen.errors, 30, "the data preview")
     for name, value in (("out", out), ("steps", str(steps)), ("batch_size", "2"), ("seq_len", "64"),
                         ("lr", "0.001"), ("lora_rank", "4"), ("eval_every", "5"), ("eval_batches", "2"),
