@@ -5,11 +5,15 @@ through it against one through MLX's matmul."""
 from __future__ import annotations
 
 import io
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+import mlx
 import mlx.core as mx
 import mlxtoy_kernels as K
 
@@ -18,7 +22,8 @@ from mlxtoy.models import fastmath
 from test_generate import tiny_model
 from test_kernels import run_py
 
-pytestmark = pytest.mark.skipif(not K.gemm_ok(), reason="the GEMM kernel needs a CPU with AVX-512")
+needs_avx512 = pytest.mark.skipif(not K.gemm_ok(), reason="the GEMM kernel needs a CPU with AVX-512")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -33,6 +38,7 @@ def graph(*outputs: mx.array) -> str:
     return f.getvalue()
 
 
+@needs_avx512
 @pytest.mark.parametrize("M", [1, 5, 31, 32, 33, 129, 300])  # one panel short, exact, over; over a chunk of 128
 def test_gemm_many_vs_numpy(M):
     r = np.random.default_rng(M)
@@ -46,6 +52,7 @@ def test_gemm_many_vs_numpy(M):
         np.testing.assert_allclose(np.array(y), ref(x, w), rtol=0, atol=2e-5)
 
 
+@needs_avx512
 def test_gemm_many_head_shaped_weights_and_strided_x():
     r = np.random.default_rng(7)
     w3 = (r.standard_normal((3, 16, 96)) / 10).astype(np.float32)  # (heads, d_head, K)
@@ -66,6 +73,7 @@ np.save(sys.argv[2], np.array(K.gemm_many(mx.array(d["x"]), [mx.array(d["w"])])[
 """
 
 
+@needs_avx512
 def test_gemm_many_one_thread_gives_the_same_bits(tmp_path):
     # every output is one tile's sum in k order, whichever thread takes the tile
     r = np.random.default_rng(3)
@@ -78,6 +86,7 @@ def test_gemm_many_one_thread_gives_the_same_bits(tmp_path):
     np.testing.assert_allclose(here, ref(d["x"], d["w"]), rtol=0, atol=1e-4)  # positive control: right, not merely alike
 
 
+@needs_avx512
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("trans_out", [False, True])
@@ -97,6 +106,7 @@ def test_gemm_each_transposition_vs_numpy(trans_a, trans_b, trans_out):
     assert K.gemm(mx.ones((0, 4)), mx.ones((4, 5))).shape == (0, 5)
 
 
+@needs_avx512
 def test_fastmath_linear_through_the_gemm_and_its_gradient():
     r = np.random.default_rng(5)
     x = mx.array(r.standard_normal((2, 9, 64)).astype(np.float32))
@@ -117,6 +127,7 @@ def test_fastmath_linear_through_the_gemm_and_its_gradient():
     np.testing.assert_allclose(np.array(one), np.array(y)[:, :1], rtol=0, atol=2e-5)
 
 
+@needs_avx512
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
 def test_prefill_through_the_gemm_matches_mlx_matmul(monkeypatch, kind):
     model = tiny_model(kind, seed=2)
@@ -137,3 +148,15 @@ def test_prefill_through_the_gemm_matches_mlx_matmul(monkeypatch, kind):
     assert not calls
     assert tokens == ref_tokens
     np.testing.assert_allclose(logprobs, ref_logprobs, rtol=0, atol=1e-4)
+
+
+def test_the_portable_stubs_build():
+    """Where the CPU or compiler has no AVX-512 (macOS on ARM, other Linux CPUs), gemm.h's stubs
+    stand in: kernels.cpp must compile with them (the positive control: and without them)."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    include = Path(mlx.__path__[0]) / "include"
+    src = REPO / "kernels" / "src"
+    for flags in (["-DMLXTOY_NO_AVX512"], []):
+        r = subprocess.run([compiler, "-std=c++20", "-fsyntax-only", *flags, f"-I{include}", f"-I{src}",
+                            str(src / "kernels.cpp")], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]

@@ -9,17 +9,43 @@
 // s order (a long sum's blocks added in order), whichever thread computes it.
 #pragma once
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "pool.h"
 
+// the AVX-512 code on x86-64 only (MLXTOY_NO_AVX512: the portable stubs, to check that they build)
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MLXTOY_NO_AVX512)
+#include <immintrin.h>
+#define MLXTOY_GEMM_AVX512 1
+#endif
+
 namespace mlxtoy {
+
+// element (i, s) at p[i * row + s * red]
+struct GemmOperand {
+  const float* p;
+  int64_t row, red;
+};
+
+// One GEMM's B rows, to be handed out by tile: rows [0, N) of b, out[i * ors + j * ocs].
+struct GemmTarget {
+  GemmOperand b;
+  int64_t N;
+  float* out;
+  int64_t ors, ocs;
+};
+
+#ifndef MLXTOY_GEMM_AVX512
+inline bool gemm_avx512() { return false; }
+inline void gemm_run(Pool&, GemmOperand, int64_t, int64_t, const std::vector<GemmTarget>&) {
+  throw std::runtime_error("[mlxtoy_kernels] the GEMM kernel needs an x86-64 CPU with AVX-512");
+}
+#else
 
 constexpr int64_t kGemmPanel = 32;  // rows of A per panel
 constexpr int kGemmRows = 12;       // rows of B per tile: 24 accumulators of the 32 registers
@@ -31,12 +57,6 @@ inline bool gemm_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f");
   return ok;
 }
-
-// element (i, s) at p[i * row + s * red]
-struct GemmOperand {
-  const float* p;
-  int64_t row, red;
-};
 
 struct AlignedFree {
   void operator()(float* p) const { std::free(p); }
@@ -107,14 +127,6 @@ inline void gemm_tile_rows(const float* panel, GemmOperand b, int64_t S, int64_t
   gemm_tile<R, b_rows_along_s>(panel, b, S, mp, out, ors, ocs, add);
 }
 
-// One GEMM's B rows, to be handed out by tile: rows [0, N) of b, out[i * ors + j * ocs].
-struct GemmTarget {
-  GemmOperand b;
-  int64_t N;
-  float* out;
-  int64_t ors, ocs;
-};
-
 // out[i, j] = sum_s A(i, s) B(j, s) for i < M and each target's j < N (the targets share A:
 // a layer's q, k and v), split over the pool's threads.
 inline void gemm_run(Pool& threads, GemmOperand a, int64_t M, int64_t S, const std::vector<GemmTarget>& targets) {
@@ -161,5 +173,7 @@ inline void gemm_run(Pool& threads, GemmOperand a, int64_t M, int64_t S, const s
       });
     }
 }
+
+#endif  // MLXTOY_GEMM_AVX512
 
 }  // namespace mlxtoy
