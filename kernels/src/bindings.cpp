@@ -30,7 +30,7 @@ NB_MODULE(_ext, m) {
         "x @ w.T for few rows of x (decoding), split over threads by w's rows");
   m.def("gemv_many", &mlxtoy::gemv_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "[x @ w.T for w in ws] in one call (one split over threads for all of them); a weight (..., K) of more axes gives x.shape[:-1] + w.shape[:-1] (a per-head (H, Dh, K) weight: (..., H, Dh))");
-  m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm_many runs here (a CPU with AVX-512)");
+  m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm and gemm_many run here (an x86-64 CPU with AVX-512)");
   m.def("gemm_many", &mlxtoy::gemm_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "gemv_many's products for many rows of x (prefill): an AVX-512 GEMM, no gradient");
   m.def("gemm", &mlxtoy::gemm, "a"_a, "b"_a, "trans_a"_a = false, "trans_b"_a = false, "trans_out"_a = false,

@@ -16,11 +16,11 @@
 #include <stdexcept>
 #include <vector>
 
+#include "loops.h"  // MLXTOY_AVX2 (x86-64 intrinsics) and cpu_avx512
 #include "pool.h"
 
 // the AVX-512 code on x86-64 only (MLXTOY_NO_AVX512: the portable stubs, to check that they build)
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MLXTOY_NO_AVX512)
-#include <immintrin.h>
+#if defined(MLXTOY_AVX2) && !defined(MLXTOY_NO_AVX512)
 #define MLXTOY_GEMM_AVX512 1
 #endif
 
@@ -53,10 +53,7 @@ constexpr int64_t kGemmChunk = 128;  // rows of A packed at a time
 constexpr int64_t kGemmLongSum = 2048;  // sums over more s than this run in blocks of at most kGemmDepth
 constexpr int64_t kGemmDepth = 512;
 
-inline bool gemm_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
-  return ok;
-}
+inline bool gemm_avx512() { return cpu_avx512(); }
 
 struct AlignedFree {
   void operator()(float* p) const { std::free(p); }

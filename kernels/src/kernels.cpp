@@ -1,7 +1,8 @@
 // mlxtoy's CPU kernels: the float32 row-wise work that MLX's CPU backend runs unfused and on
 // one thread (softmax, cross-entropy, RMSNorm, SwiGLU) and the small-batch GEMV of decoding
 // (which MKL runs on one thread), the one-query attention of decoding, AdamW's update, a
-// logsumexp, and the lossless 4/8-bit packing of weights for decoding with its GEMV. Each is an
+// logsumexp, the lossless 4/8-bit packing of weights for decoding with its GEMV, and a GEMM on
+// AVX-512 CPUs (gemm.h: training's and prefill's products of many rows). Each is an
 // MLX primitive evaluated on the CPU stream; rows are split over a small thread pool (pool.h),
 // the loops are in loops.h (packed weights in packed.h), the fused decode block in decode.cpp.
 // Gradients are wired up in Python (mx.custom_function).
@@ -18,7 +19,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "kernels.h"
 #include "copy.h"   // strided inputs made contiguous
-#include "gemm.h"   // the AVX-512 GEMM of prefill
+#include "gemm.h"   // the AVX-512 GEMM
 #include "loops.h"  // the float32 loops
 #include "packed.h"  // lossless 4/8-bit weights
 #include "pool.h"   // the threads they are split over
@@ -418,8 +419,12 @@ std::vector<mx::array> swiglu_grad(const mx::array& a, const mx::array& b, const
               {f32(a, "a"), f32(b, "b"), f32(g, "g")}, st);
 }
 
-std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
-  const char* usage = "[mlxtoy_kernels] gemv_many: x (..., K), ws [(..., K), ...]";
+namespace {
+
+// [x @ w.T for w in ws] as one primitive of `op` (GemvMany, GemmMany): the checks and shapes
+std::vector<mx::array> many_products(Kernel::Op op, const char* name, const mx::array& x,
+                                     const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
+  const std::string usage = std::string("[mlxtoy_kernels] ") + name + ": x (..., K), ws [(..., K), ...]";
   if (x.ndim() == 0 || ws.empty()) throw std::invalid_argument(usage);
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
@@ -433,21 +438,20 @@ std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array
     dtypes.push_back(mx::float32);
     inputs.push_back(f32(w, "w"));
   }
-  return make(Kernel::Op::GemvMany, 0, shapes, dtypes, inputs, st);
+  return make(op, 0, shapes, dtypes, inputs, st);
+}
+
+}  // namespace
+
+std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
+  return many_products(Kernel::Op::GemvMany, "gemv_many", x, ws, st);
 }
 
 bool gemm_ok() { return gemm_avx512(); }
 
 std::vector<mx::array> gemm_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
   if (!gemm_avx512()) throw std::runtime_error("[mlxtoy_kernels] gemm_many needs a CPU with AVX-512");
-  auto like = gemv_many(x, ws, st);  // the same checks and shapes
-  std::vector<mx::Shape> shapes;
-  std::vector<mx::Dtype> dtypes;
-  for (auto& y : like) {
-    shapes.push_back(y.shape());
-    dtypes.push_back(mx::float32);
-  }
-  return make(Kernel::Op::GemmMany, 0, shapes, dtypes, like[0].inputs(), st);
+  return many_products(Kernel::Op::GemmMany, "gemm_many", x, ws, st);
 }
 
 mx::array gemm(const mx::array& a, const mx::array& b, bool trans_a, bool trans_b, bool trans_out,

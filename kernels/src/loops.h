@@ -200,6 +200,12 @@ HOT void swiglu_grad_span(const float* a, const float* b, const float* g, float*
 // reductions in one simd loop, measured 1.6x slower: gcc does not vectorize it as well. For one
 // row, AVX2 with four rows of W a pass was slower too, and four accumulators on a row no faster.)
 #ifdef MLXTOY_AVX2
+// whether the AVX-512 forms run here (the functions built with target("avx512f"))
+inline bool cpu_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+
 // gemv_span with AVX-512: four rows of W a pass, each x vector loaded once for the four (four
 // independent FMA chains where one chain's latency bounded the loop), the k tail masked
 template <int R>
@@ -237,8 +243,7 @@ inline void gemv_span_avx512(const float* x, const float* w, float* y, int64_t M
 HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                    int64_t n0, int64_t n1) {
 #ifdef MLXTOY_AVX2
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  if (avx512) return gemv_span_avx512(x, w, y, M, N, K, n0, n1);
+  if (cpu_avx512()) return gemv_span_avx512(x, w, y, M, N, K, n0, n1);
 #endif
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;

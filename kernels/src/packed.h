@@ -255,9 +255,8 @@ __attribute__((target("avx512f"))) inline void gemv_q4_span_avx512(const float* 
 
 inline void gemv_q4_span(const float* x, const float* xs, const Q4Block* w, float* y, int64_t K, int64_t n0,
                          int64_t n1) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512) gemv_q4_span_avx512(x, xs, w, y, K, n0, n1);
+  if (cpu_avx512()) gemv_q4_span_avx512(x, xs, w, y, K, n0, n1);
   else if (avx2) gemv_q4_span_avx2(x, xs, w, y, K, n0, n1);
   else gemv_q4_span_portable(x, xs, w, y, K, n0, n1);
 }
@@ -325,9 +324,8 @@ __attribute__((target("avx512f"))) inline void gemv_q8_span_avx512(const float* 
 }
 
 inline void gemv_q8_span(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512) gemv_q8_span_avx512(x, w, y, K, n0, n1);
+  if (cpu_avx512()) gemv_q8_span_avx512(x, w, y, K, n0, n1);
   else if (avx2) gemv_q8_span_avx2(x, w, y, K, n0, n1);
   else gemv_q8_span_portable(x, w, y, K, n0, n1);
 }
