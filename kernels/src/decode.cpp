@@ -103,21 +103,28 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     const float pos = (0.0f + static_cast<float>(off)) * rope_scale;
     const int64_t group = H / KV, units = H + 2 * KV;
     std::vector<float> q(H * Dh), att(H * Dh), gate(F), up(F), act(F);
-    std::array<std::atomic<int64_t>, 5> next{};  // each phase's next unit
+    const int64_t chunk_d = gemv_chunk(D, pool().threads()), chunk_f = gemv_chunk(F, pool().threads());
+    auto chunks = [](int64_t n, int64_t chunk) { return static_cast<int>((n + chunk - 1) / chunk); };
+    Phases phases({static_cast<int>(units), static_cast<int>(H), chunks(D, chunk_d), chunks(F, chunk_f),
+                   chunks(D, chunk_d)});
 
-    pool().run_team([&](const Team& team) {
-      const int64_t chunk_d = gemv_chunk(D, team.parts), chunk_f = gemv_chunk(F, team.parts);
+    pool().run_crew([&] {
       std::vector<float> xn(D), tmp(std::max(Dh, chunk_d)), scores(off + 1);
       std::vector<float> xs(std::max(D, std::max(H * Dh, F)) / kQ4 + 1);  // block sums of a GEMV's input
       auto add_bias = [&](float* row, const float* b) {
         if (b)
           for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
       };
+      auto norm_in = [&](const float* v, const float* w) {
+        rms_norm_row(v, w, xn.data(), D, eps);
+        if (packed) block_sums(xn.data(), D, xs.data());
+      };
+      auto sums_of = [&](const float* v, int64_t n) {
+        if (packed) block_sums(v, n, xs.data());
+      };
 
       // q, k and v of the normed input, a head at a time; RoPE on q and k; k and v into slot `off`
-      rms_norm_row(x, f(kAttnNorm), xn.data(), D, eps);
-      if (packed) block_sums(xn.data(), D, xs.data());
-      for (int64_t u; (u = next[0].fetch_add(1)) < units;) {
+      phases.run(0, [&] { norm_in(x, f(kAttnNorm)); }, [&](int64_t u) {
         if (u < H) {
           wq.rows(u * Dh).gemv(xn.data(), xs.data(), tmp.data(), 0, Dh);
           add_bias(tmp.data(), bq ? bq + u * Dh : nullptr);
@@ -133,44 +140,36 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
           wv.rows(kv * Dh).gemv(xn.data(), xs.data(), slot, 0, Dh);
           add_bias(slot, bv ? bv + kv * Dh : nullptr);
         }
-      }
-      team.sync();
+      });
 
       // each query head against its KV head's positions 0..off
-      for (int64_t h; (h = next[1].fetch_add(1)) < H;) {
+      phases.run(1, [] {}, [&](int64_t h) {
         int64_t kv = h / group;
         attend_row(q.data() + h * Dh, kc + kv * S * Dh, vc + kv * S * Dh, nullptr, att.data() + h * Dh,
                    scores.data(), off + 1, Dh, Dh, attn_scale);
-      }
-      team.sync();
+      });
 
       // y = x + W_o att
-      if (packed) block_sums(att.data(), H * Dh, xs.data());
-      for (int64_t r0; (r0 = next[2].fetch_add(chunk_d)) < D;) {
-        int64_t r1 = std::min(D, r0 + chunk_d);
+      phases.run(2, [&] { sums_of(att.data(), H * Dh); }, [&](int64_t c) {
+        int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
         wo.gemv(att.data(), xs.data(), y, r0, r1);
         for (int64_t r = r0; r < r1; ++r) y[r] = x[r] + y[r];
-      }
-      team.sync();
+      });
 
       // act = silu(W_gate yn) * (W_up yn), yn the normed y
-      rms_norm_row(y, f(kFfnNorm), xn.data(), D, eps);
-      if (packed) block_sums(xn.data(), D, xs.data());
-      for (int64_t r0; (r0 = next[3].fetch_add(chunk_f)) < F;) {
-        int64_t r1 = std::min(F, r0 + chunk_f);
+      phases.run(3, [&] { norm_in(y, f(kFfnNorm)); }, [&](int64_t c) {
+        int64_t r0 = c * chunk_f, r1 = std::min(F, r0 + chunk_f);
         wg.gemv(xn.data(), xs.data(), gate.data(), r0, r1);
         wu.gemv(xn.data(), xs.data(), up.data(), r0, r1);
         swiglu_span(gate.data() + r0, up.data() + r0, act.data() + r0, r1 - r0);
-      }
-      team.sync();
+      });
 
       // y = y + W_down act
-      if (packed) block_sums(act.data(), F, xs.data());
-      for (int64_t r0; (r0 = next[4].fetch_add(chunk_d)) < D;) {
-        int64_t r1 = std::min(D, r0 + chunk_d);
+      phases.run(4, [&] { sums_of(act.data(), F); }, [&](int64_t c) {
+        int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
         wd.rows(r0).gemv(act.data(), xs.data(), tmp.data(), 0, r1 - r0);
         for (int64_t r = r0; r < r1; ++r) y[r] = y[r] + tmp[r - r0];
-      }
+      });
     });
   });
 }

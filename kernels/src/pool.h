@@ -68,47 +68,50 @@ inline bool use_openmp() {
   return false;
 }
 
-// Waits until all `parts` threads of a team have called wait() (a sense-reversing spin barrier,
-// yielding the core after kSpins rounds): for the own pool's teams.
-class SpinBarrier {
+// Spin rounds before a wait for work to be done sleeps: about the time of a few GEMV chunks.
+inline const int kDoneSpins =
+    std::getenv("MLXTOY_KERNEL_DONE_SPINS") ? std::atoi(std::getenv("MLXTOY_KERNEL_DONE_SPINS")) : 400;
+
+// Returns once `count` has reached `target`: spins a while, then sleeps on it (whoever moves it
+// to a target someone may wait for calls notify_all). Sleeping frees this core, so that the OS
+// can move a thread it set aside here.
+inline void await_count(const std::atomic<int>& count, int target) {
+  for (int i = 0; i < kDoneSpins; ++i) {
+    if (count.load(std::memory_order_acquire) >= target) return;
+    cpu_relax();
+  }
+  for (int seen; (seen = count.load(std::memory_order_acquire)) < target;) count.wait(seen, std::memory_order_acquire);
+}
+
+// The phases of one job, shared by the threads that run it (`Pool::run_crew`): phase p has
+// units[p] units, handed out first come, first served, and its units start once every unit of
+// phase p - 1 is done. Threads wait for work to be done, never for one another to arrive: on
+// two cores the interpreter's thread takes one of them now and then (building the next token's
+// graph), and the thread it set aside then holds back only the unit in its hands, while the
+// other goes on alone through the units left.
+class Phases {
  public:
-  explicit SpinBarrier(int parts) : parts_(parts) {}
-  void wait() {
-    int phase = phase_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == parts_ - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      phase_.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    for (int i = 0; phase_.load(std::memory_order_acquire) == phase; ++i) {
-      if (i < kSpins) cpu_relax();
-      else std::this_thread::yield();
+  explicit Phases(std::vector<int> units) : units_(std::move(units)), next_(units_.size()), done_(units_.size()) {}
+
+  // Phase p on the calling thread: enter() once before the first unit it takes (not at all if
+  // it takes none), then unit(u) for each unit u it takes.
+  template <class Enter, class Unit>
+  void run(size_t p, Enter&& enter, Unit&& unit) {
+    if (p > 0) await_count(done_[p - 1], units_[p - 1]);
+    bool entered = false;
+    for (int u; (u = next_[p].fetch_add(1, std::memory_order_relaxed)) < units_[p];) {
+      if (!entered) {
+        enter();
+        entered = true;
+      }
+      unit(u);
+      if (done_[p].fetch_add(1, std::memory_order_acq_rel) + 1 == units_[p]) done_[p].notify_all();
     }
   }
 
  private:
-  int parts_;
-  std::atomic<int> arrived_{0};
-  std::atomic<int> phase_{0};
-};
-
-// One thread's place in a team that runs a job with phases: part of parts, and sync(), which
-// returns once every part has reached it (an OpenMP barrier on MKL's team, else a SpinBarrier).
-struct Team {
-  int part;
-  int parts;
-  SpinBarrier* barrier;
-
-  void sync() const {
-    if (parts == 1) return;
-    if (barrier) {
-      barrier->wait();
-      return;
-    }
-#ifdef MLXTOY_OPENMP
-#pragma omp barrier
-#endif
-  }
+  std::vector<int> units_;
+  std::vector<std::atomic<int>> next_, done_;
 };
 
 // A fixed pool: run_parts(n, grain, fn) calls fn(part, begin, end) on contiguous slices of
@@ -124,7 +127,7 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stop_ = true;
-      generation_.fetch_add(1);
+      generation_.store(next_generation());
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
@@ -138,9 +141,10 @@ class Pool {
     run_parts(n, grain, [&](int, int64_t begin, int64_t end) { fn(begin, end); });
   }
 
-  // fn(begin, end) over chunks of [0, n) handed out first come, first served: a worker that
-  // wakes late takes fewer chunks instead of the caller waiting for its fixed half. Only for
-  // work whose result does not depend on which thread computes which chunk.
+  // fn(begin, end) over chunks of [0, n) handed out first come, first served, by a crew
+  // (`run_crew`): a worker that comes late takes fewer chunks, or none, instead of the caller
+  // waiting for its fixed half. Only for work whose result does not depend on which thread
+  // computes which chunk.
   void run_dynamic(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
     chunk = std::max<int64_t>(chunk, 1);
     if (n <= chunk || n_threads_ == 1) {
@@ -148,27 +152,35 @@ class Pool {
       return;
     }
     std::atomic<int64_t> next{0};
-    run_parts(n_threads_, 1, [&](int, int64_t, int64_t) {
+    run_crew([&] {
       for (int64_t begin; (begin = next.fetch_add(chunk)) < n;) fn(begin, std::min(n, begin + chunk));
     });
   }
 
-  // fn(team) on every thread at once, for work that needs barriers between its phases: the
-  // team's size is the one the runtime gave (an OpenMP team may be smaller than asked for).
-  void run_team(const std::function<void(const Team&)>& fn) {
+  // fn() on the calling thread and on each worker that comes for it before the calling thread
+  // is through with it: for work any number of threads can finish (`Phases`), so no thread
+  // waits for a worker the OS has not run yet. Returns once every thread that came is out of fn.
+  void run_crew(const std::function<void()>& fn) {
     if (n_threads_ == 1) {
-      fn(Team{0, 1, nullptr});
+      fn();
       return;
     }
 #ifdef MLXTOY_OPENMP
     if (openmp_) {
 #pragma omp parallel num_threads(n_threads_)
-      fn(Team{omp_get_thread_num(), omp_get_num_threads(), nullptr});
+      fn();
       return;
     }
 #endif
-    SpinBarrier barrier(n_threads_);
-    run_parts(n_threads_, 1, [&](int part, int64_t, int64_t) { fn(Team{part, n_threads_, &barrier}); });
+    std::lock_guard<std::mutex> serial(run_mutex_);
+    crew_job_ = &fn;
+    crew_exits_.store(0);
+    uint64_t generation = next_generation() | 1;
+    crew_.store(crew_tag(generation));  // open, nobody in
+    post(generation);
+    fn();
+    int came = static_cast<int>(crew_.fetch_or(kCrewClosed) & kCrewCount);
+    await_count(crew_exits_, came);
   }
 
   void run_parts(int64_t n, int64_t grain, const Job& fn) {
@@ -192,11 +204,7 @@ class Pool {
     n_ = n;
     parts_ = parts;
     pending_.store(n_threads_ - 1);  // every worker checks in, with a slice or without
-    generation_.fetch_add(1);
-    if (sleepers_.load() > 0) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      wake_.notify_all();
-    }
+    post(next_generation());
     fn(0, 0, n / parts);
     for (int i = 0; i < kSpins && pending_.load() > 0; ++i) cpu_relax();
     if (pending_.load() > 0) {
@@ -218,6 +226,10 @@ class Pool {
       }
       seen = generation_.load();
       if (stop_) return;
+      if (seen & 1) {
+        join_crew(seen);
+        continue;
+      }
       int parts = parts_;
       if (index < parts) (*job_)(index, n_ * index / parts, n_ * (index + 1) / parts);
       if (pending_.fetch_sub(1) == 1) {
@@ -226,6 +238,37 @@ class Pool {
       }
     }
   }
+
+  // Jobs are numbered by generation_, its low bit saying whether the job is a crew's (read with
+  // the number, in one load): the next even number.
+  uint64_t next_generation() const { return (generation_.load() | 1) + 1; }
+
+  // Publishes the job set up before it.
+  void post(uint64_t generation) {
+    generation_.store(generation);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      wake_.notify_all();
+    }
+  }
+
+  static uint64_t crew_tag(uint64_t generation) { return (generation >> 1) << 32; }
+
+  // A worker comes for the crew job of `generation`: it runs fn unless the job is closed or a
+  // later one has replaced it, counted in and out so the caller knows whom to wait for.
+  void join_crew(uint64_t generation) {
+    uint64_t state = crew_.load();
+    while ((state & ~(kCrewClosed | kCrewCount)) == crew_tag(generation) && !(state & kCrewClosed)) {
+      if (crew_.compare_exchange_weak(state, state + 1)) {
+        (*crew_job_)();
+        crew_exits_.fetch_add(1);
+        crew_exits_.notify_all();
+        return;
+      }
+    }
+  }
+
+  static constexpr uint64_t kCrewClosed = uint64_t{1} << 31, kCrewCount = kCrewClosed - 1;
 
   int n_threads_;
   bool openmp_;
@@ -238,6 +281,9 @@ class Pool {
   std::atomic<int> pending_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<uint64_t> generation_{0};
+  const std::function<void()>* crew_job_ = nullptr;  // written before generation_ moves
+  std::atomic<uint64_t> crew_{0};                    // crew_tag | closed | how many came
+  std::atomic<int> crew_exits_{0};
   bool stop_ = false;
 };
 
