@@ -91,7 +91,8 @@ def make_engine(engine: str, args, files: dict) -> tuple[str, object]:
     import llama_cpp
 
     path = files["gguf"] if engine == "llama.cpp-q4_1" else files["f32"]
-    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_threads=args.threads,
+    n_ctx = max(512, args.prompt_tokens + args.decode_tokens + 8)  # a longer prompt needs a longer context
+    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=args.threads,
                           n_threads_batch=args.threads, verbose=False)
 
     def run():

@@ -257,10 +257,74 @@ HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t 
   }
 }
 
+#ifdef MLXTOY_AVX2
+// sums += e row for a row of 16 C floats; where e is exactly 0 (a masked key) the row is not read
+template <int C>
+__attribute__((target("avx512f"))) inline void add_weighted_avx512(__m512* sums, float e, const float* row) {
+  if (e == 0.0f) return;
+  const __m512 ev = _mm512_set1_ps(e);
+  for (int c = 0; c < C; ++c) sums[c] = _mm512_fmadd_ps(ev, _mm512_loadu_ps(row + 16 * c), sums[c]);
+}
+
+// out = inv * sum_j p[j] v[j] for Dv = 16 C: the sums in registers (two positions a pass into
+// two sets, added at the end), where a loop over out in memory waited on its own stores.
+template <int C>
+__attribute__((target("avx512f"))) inline void weigh_values_avx512(const float* p, const float* v, float* out,
+                                                                   int64_t len, float inv) {
+  __m512 a[C], b[C];
+  for (int c = 0; c < C; ++c) a[c] = b[c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= len; j += 2) {
+    add_weighted_avx512<C>(a, p[j], v + j * 16 * C);
+    add_weighted_avx512<C>(b, p[j + 1], v + (j + 1) * 16 * C);
+  }
+  if (j < len) add_weighted_avx512<C>(a, p[j], v + j * 16 * C);
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(a[c], b[c]), _mm512_set1_ps(inv)));
+}
+
+// attend_row with AVX-512 for Dv a multiple of 16 up to 128: the scores as a GEMV of the keys
+// (four keys a pass), then the probabilities, then weigh_values_avx512.
+__attribute__((target("avx512f"))) inline void attend_row_avx512(const float* q, const float* k, const float* v,
+                                                                 const float* bias, float* out, float* scores,
+                                                                 int64_t len, int64_t D, int64_t Dv, float scale) {
+  gemv_span_avx512(q, k, scores, 1, len, D, 0, len);
+  float m = kNegInf;
+  for (int64_t j = 0; j < len; ++j) {
+    scores[j] = scores[j] * scale + (bias ? bias[j] : 0.0f);
+    m = std::max(m, scores[j]);
+  }
+  if (m == kNegInf) {  // every key masked: zeros, as the softmax kernel gives
+    std::fill(out, out + Dv, 0.0f);
+    return;
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < len; ++j) {
+    scores[j] = masked_exp(scores[j], m);
+    sum += scores[j];
+  }
+  const float inv = 1.0f / sum;
+  switch (Dv / 16) {
+    case 1: return weigh_values_avx512<1>(scores, v, out, len, inv);
+    case 2: return weigh_values_avx512<2>(scores, v, out, len, inv);
+    case 3: return weigh_values_avx512<3>(scores, v, out, len, inv);
+    case 4: return weigh_values_avx512<4>(scores, v, out, len, inv);
+    case 5: return weigh_values_avx512<5>(scores, v, out, len, inv);
+    case 6: return weigh_values_avx512<6>(scores, v, out, len, inv);
+    case 7: return weigh_values_avx512<7>(scores, v, out, len, inv);
+    default: return weigh_values_avx512<8>(scores, v, out, len, inv);
+  }
+}
+#endif
+
 // One query row against the first `len` cached keys and values of its KV head:
 // out = softmax(scale q.k + bias) v, bias (0 or -inf) optional (nullptr: none masked).
 HOT void attend_row(const float* q, const float* k, const float* v, const float* bias, float* out, float* scores,
                     int64_t len, int64_t D, int64_t Dv, float scale) {
+#ifdef MLXTOY_AVX2
+  if (cpu_avx512() && Dv % 16 == 0 && Dv > 0 && Dv <= 128)
+    return attend_row_avx512(q, k, v, bias, out, scores, len, D, Dv, scale);
+#endif
   float m = kNegInf;
   for (int64_t j = 0; j < len; ++j) {
     const float* kr = k + j * D;
