@@ -61,7 +61,7 @@ def graph_text(*outputs: mx.array) -> str:
     return f.getvalue()
 
 
-def decode_steps(model, n: int, fused: bool) -> tuple[list[np.ndarray], list[str], list]:
+def decode_steps(model, n: int, fused: bool, prompt: list[int] = PROMPT) -> tuple[list[np.ndarray], list[str], list]:
     """Prefill PROMPT into a KV cache, then n greedy steps through the compiled decoder ->
     (each step's logits, each step's graph, the cache); the tokens fed are the argmaxes of the
     logits before."""
@@ -69,7 +69,7 @@ def decode_steps(model, n: int, fused: bool) -> tuple[list[np.ndarray], list[str
     try:
         object.__setattr__(model, "mlxtoy_decoder", None)  # a trace of this setting
         cache = make_cache(model)
-        logits = model(mx.array([PROMPT]), cache=cache)[:, -1]
+        logits = model(mx.array([prompt]), cache=cache)[:, -1]
         step = decoder_for(model)
         out, graphs = [], []
         for _ in range(n):
@@ -84,12 +84,12 @@ def decode_steps(model, n: int, fused: bool) -> tuple[list[np.ndarray], list[str
         object.__setattr__(model, "mlxtoy_decoder", None)
 
 
-def uncached_logits(model, steps: list[np.ndarray]) -> list[np.ndarray]:
+def uncached_logits(model, steps: list[np.ndarray], prompt: list[int] = PROMPT) -> list[np.ndarray]:
     """The same steps by one uncached forward over the prompt and the tokens fed."""
-    first = int(np.argmax(np.array(model(mx.array([PROMPT]))[0, -1])))
+    first = int(np.argmax(np.array(model(mx.array([prompt]))[0, -1])))
     fed = [first] + [int(np.argmax(s)) for s in steps[:-1]]
-    logits = np.array(model(mx.array([PROMPT + fed]))[0])
-    return [logits[len(PROMPT) + i] for i in range(len(steps))]
+    logits = np.array(model(mx.array([prompt + fed]))[0])
+    return [logits[len(prompt) + i] for i in range(len(steps))]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -111,6 +111,20 @@ def test_fused_decode_matches_the_uncached_forward_and_the_unfused_kernels(name)
     for c, u in zip(cache, unfused_cache):
         np.testing.assert_allclose(np.array(c.keys[..., :n, :]), np.array(u.keys[..., :n, :]), atol=1e-6)
         np.testing.assert_allclose(np.array(c.values[..., :n, :]), np.array(u.values[..., :n, :]), atol=1e-6)
+
+
+def test_fused_decode_deep_in_the_cache():
+    """Past 512 cached positions the attention runs over the cache in two parts per KV head
+    (combined afterwards): still the uncached forward's logits, and the unfused kernels' bits."""
+    model = tiny(VARIANTS["gqa"] | dict(context_length=1024))
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 300, 700)]
+    fused, graphs, _ = decode_steps(model, 3, fused=True, prompt=prompt)
+    assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
+    for got, ref in zip(fused, uncached_logits(model, fused, prompt)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    unfused, _, _ = decode_steps(model, 3, fused=False, prompt=prompt)
+    for got, ref in zip(fused, unfused):
+        np.testing.assert_array_equal(got, ref)
 
 
 def test_blocks_that_are_not_plain_decode_unfused_and_still_right():

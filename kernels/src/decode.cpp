@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "attend.h"
 #include "copy.h"
 #include "kernels.h"
 #include "loops.h"
@@ -102,14 +103,16 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     // positions as mx.fast.rope forms them: (t + offset) in float32, times the scale (t = 0)
     const float pos = (0.0f + static_cast<float>(off)) * rope_scale;
     const int64_t group = H / KV, units = H + 2 * KV;
-    std::vector<float> q(H * Dh), att(H * Dh), gate(F), up(F), act(F);
+    // the attention's units: each KV head's positions 0..off in parts (attend.h)
+    const int64_t len = off + 1, parts = attend_parts(len), pf = attend_partial_floats(Dh);
+    std::vector<float> q(H * Dh), partials(KV * parts * group * pf), gate(F), up(F), act(F);
     const int64_t chunk_d = gemv_chunk(D, pool().threads()), chunk_f = gemv_chunk(F, pool().threads());
     auto chunks = [](int64_t n, int64_t chunk) { return static_cast<int>((n + chunk - 1) / chunk); };
-    Phases phases({static_cast<int>(units), static_cast<int>(H), chunks(D, chunk_d), chunks(F, chunk_f),
+    Phases phases({static_cast<int>(units), static_cast<int>(KV * parts), chunks(D, chunk_d), chunks(F, chunk_f),
                    chunks(D, chunk_d)});
 
     pool().run_crew([&] {
-      std::vector<float> xn(D), tmp(std::max(Dh, chunk_d)), scores(off + 1);
+      std::vector<float> xn(D), tmp(std::max(Dh, chunk_d)), scores(group * kAttendPart), att(H * Dh);
       std::vector<float> xs(std::max(D, std::max(H * Dh, F)) / kQ4 + 1);  // block sums of a GEMV's input
       auto add_bias = [&](float* row, const float* b) {
         if (b)
@@ -142,15 +145,22 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         }
       });
 
-      // each query head against its KV head's positions 0..off
-      phases.run(1, [] {}, [&](int64_t h) {
-        int64_t kv = h / group;
-        attend_row(q.data() + h * Dh, kc + kv * S * Dh, vc + kv * S * Dh, nullptr, att.data() + h * Dh,
-                   scores.data(), off + 1, Dh, Dh, attn_scale);
+      // each KV head's query heads against a part of its positions 0..off
+      phases.run(1, [] {}, [&](int64_t u) {
+        const int64_t kv = u / parts, j0 = (u % parts) * kAttendPart;
+        attend_part(q.data() + kv * group * Dh, group, kc + kv * S * Dh, vc + kv * S * Dh, nullptr, j0,
+                    std::min(len, j0 + kAttendPart), Dh, Dh, attn_scale, scores.data(),
+                    partials.data() + u * group * pf);
       });
 
-      // y = x + W_o att
-      phases.run(2, [&] { sums_of(att.data(), H * Dh); }, [&](int64_t c) {
+      // y = x + W_o att, att the parts combined (by each thread that takes a unit, the same bits)
+      auto combine = [&] {
+        for (int64_t h = 0; h < H; ++h)
+          attend_combine(partials.data() + ((h / group) * parts * group + h % group) * pf, parts, group * pf, Dh,
+                         att.data() + h * Dh);
+        sums_of(att.data(), H * Dh);
+      };
+      phases.run(2, combine, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
         wo.gemv(att.data(), xs.data(), y, r0, r1);
         for (int64_t r = r0; r < r1; ++r) y[r] = x[r] + y[r];

@@ -19,6 +19,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "kernels.h"
 #include "copy.h"   // strided inputs made contiguous
+#include "attend.h"  // one query position's attention
 #include "gemm.h"   // the AVX-512 GEMM
 #include "loops.h"  // the float32 loops
 #include "packed.h"  // lossless 4/8-bit weights
@@ -326,12 +327,27 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         auto bias = static_cast<const float*>(in[3]);
         auto o = static_cast<float*>(out[0]);
         float scale = eps;
-        threads.run(B * H, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(S * D, 1)), [&](int64_t r0, int64_t r1) {
-          std::vector<float> scores(static_cast<size_t>(S));
+        // each (b, KV head)'s query heads against its open positions (keys past the bias's last
+        // unmasked one are not read) in parts, then each query row's parts combined (attend.h)
+        const int64_t parts = attend_parts(S), pf = attend_partial_floats(Dv);
+        std::vector<int64_t> lens(B);
+        for (int64_t b = 0; b < B; ++b) lens[b] = open_length(bias + (Bb == 1 ? 0 : b) * S, S);
+        std::vector<float> partials(static_cast<size_t>(B * KV * parts * group * pf));
+        threads.run_dynamic(B * KV * parts, 1, [&](int64_t u0, int64_t u1) {
+          std::vector<float> scores(static_cast<size_t>(group * kAttendPart));
+          for (int64_t u = u0; u < u1; ++u) {
+            const int64_t bk = u / parts, b = bk / KV, j0 = (u % parts) * kAttendPart;
+            if (j0 >= lens[b] && j0 > 0) continue;  // past the open positions (part 0 always runs)
+            attend_part(q + bk * group * D, group, k + bk * S * D, v + bk * S * Dv, bias + (Bb == 1 ? 0 : b) * S, j0,
+                        std::min(lens[b], j0 + kAttendPart), D, Dv, scale, scores.data(),
+                        partials.data() + u * group * pf);
+          }
+        });
+        threads.run(B * H, 16, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r) {
-            int64_t b = r / H, kv = (r % H) / group;
-            decode_attention_row(q + r * D, k + (b * KV + kv) * S * D, v + (b * KV + kv) * S * Dv,
-                                 bias + (Bb == 1 ? 0 : b) * S, o + r * Dv, scores.data(), S, D, Dv, scale);
+            const int64_t b = r / H, h = r % H;
+            attend_combine(partials.data() + (((b * KV + h / group) * parts) * group + h % group) * pf,
+                           attend_parts(lens[b]), group * pf, Dv, o + r * Dv);
           }
         });
         break;

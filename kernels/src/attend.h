@@ -1,0 +1,155 @@
+// mlxtoy kernels: one query position's attention over a KV cache (decoding), split over the
+// cached positions (flash-decoding). A GQA group's query rows go against one part of their KV
+// head's positions at a time, so each key and value is read from memory once per token (not
+// once per query head), and the parts give a team balanced units however few the KV heads are.
+// The parts are fixed by the length alone: any thread count gives the same bits.
+// (Included by kernels.cpp and decode.cpp, after loops.h.)
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "loops.h"
+
+namespace mlxtoy {
+
+namespace {
+
+// Positions per part. Measured in the fused decode of SmolLM2 (3 KV heads, 2 threads): parts of
+// 64 or 256 positions made the attention slower than parts of 512 at ~1,000 cached positions,
+// and no faster at ~200.
+constexpr int64_t kAttendPart = 512;
+
+inline int64_t attend_parts(int64_t len) { return std::max<int64_t>(1, (len + kAttendPart - 1) / kAttendPart); }
+
+// What attend_part leaves per query row: the part's largest score m, sum_j e^(s_j - m), and
+// sum_j e^(s_j - m) v_j (Dv floats): attend_partial_floats(Dv) floats.
+inline int64_t attend_partial_floats(int64_t Dv) { return Dv + 2; }
+
+#ifdef MLXTOY_AVX2
+// sums += e row for a row of 16 C floats; where e is exactly 0 (a masked key) the row is not read
+template <int C>
+__attribute__((target("avx512f"))) inline void add_weighted_avx512(__m512* sums, float e, const float* row) {
+  if (e == 0.0f) return;
+  const __m512 ev = _mm512_set1_ps(e);
+  for (int c = 0; c < C; ++c) sums[c] = _mm512_fmadd_ps(ev, _mm512_loadu_ps(row + 16 * c), sums[c]);
+}
+
+// out = sum_j p[j] v[j] for Dv = 16 C: the sums in registers (two positions a pass into two
+// sets, added at the end), where a loop over out in memory waited on its own stores.
+template <int C>
+__attribute__((target("avx512f"))) inline void weigh_values_avx512(const float* p, const float* v, float* out,
+                                                                   int64_t len) {
+  __m512 a[C], b[C];
+  for (int c = 0; c < C; ++c) a[c] = b[c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= len; j += 2) {
+    add_weighted_avx512<C>(a, p[j], v + j * 16 * C);
+    add_weighted_avx512<C>(b, p[j + 1], v + (j + 1) * 16 * C);
+  }
+  if (j < len) add_weighted_avx512<C>(a, p[j], v + j * 16 * C);
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(a[c], b[c]));
+}
+
+__attribute__((target("avx512f"))) inline void weigh_values_avx512(const float* p, const float* v, float* out,
+                                                                   int64_t len, int64_t Dv) {
+  switch (Dv / 16) {
+    case 1: return weigh_values_avx512<1>(p, v, out, len);
+    case 2: return weigh_values_avx512<2>(p, v, out, len);
+    case 3: return weigh_values_avx512<3>(p, v, out, len);
+    case 4: return weigh_values_avx512<4>(p, v, out, len);
+    case 5: return weigh_values_avx512<5>(p, v, out, len);
+    case 6: return weigh_values_avx512<6>(p, v, out, len);
+    case 7: return weigh_values_avx512<7>(p, v, out, len);
+    default: return weigh_values_avx512<8>(p, v, out, len);
+  }
+}
+#endif
+
+// The AVX-512 forms take value rows of 16 to 128 floats, a multiple of 16.
+inline bool attend_avx512(int64_t Dv) {
+#ifdef MLXTOY_AVX2
+  return cpu_avx512() && Dv % 16 == 0 && Dv > 0 && Dv <= 128;
+#else
+  return false;
+#endif
+}
+
+// n query rows (q, n x D: a GQA group) against positions [j0, j1) of their KV head (k, v: the
+// head's rows from position 0), bias (0 or -inf per position) optional; per row r, its partial
+// into partial + r * attend_partial_floats(Dv). scores: n * kAttendPart floats of scratch.
+HOT void attend_part(const float* q, int64_t n, const float* k, const float* v, const float* bias, int64_t j0,
+                     int64_t j1, int64_t D, int64_t Dv, float scale, float* scores, float* partial) {
+  const int64_t len = j1 - j0;
+  k += j0 * D;
+  v += j0 * Dv;
+  const bool avx512 = attend_avx512(Dv);
+#ifdef MLXTOY_AVX2
+  if (avx512) gemv_span_avx512(q, k, scores, n, len, D, 0, len);  // four keys a pass, each read once for the rows
+#endif
+  for (int64_t r = 0; r < n; ++r) {
+    float* s = scores + r * len;
+    float* out = partial + r * attend_partial_floats(Dv);
+    float m = kNegInf;
+    for (int64_t j = 0; j < len; ++j) {
+      float dot = 0.0f;
+      if (avx512) {
+        dot = s[j];
+      } else {
+        const float *qr = q + r * D, *kr = k + j * D;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+      }
+      s[j] = dot * scale + (bias ? bias[j0 + j] : 0.0f);
+      m = std::max(m, s[j]);
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = masked_exp(s[j], m);  // all 0 where every key is masked (m = -inf)
+      sum += s[j];
+    }
+    out[0] = m;
+    out[1] = sum;
+    float* acc = out + 2;
+#ifdef MLXTOY_AVX2
+    if (avx512) {
+      weigh_values_avx512(s, v, acc, len, Dv);
+      continue;
+    }
+#endif
+    std::fill(acc, acc + Dv, 0.0f);
+    for (int64_t j = 0; j < len; ++j) {
+      if (s[j] == 0.0f) continue;  // a masked key's value is not read
+      const float e = s[j], *vr = v + j * Dv;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) acc[d] += e * vr[d];
+    }
+  }
+}
+
+// One query row's attention output (Dv) from the partials of its P parts (`stride` floats
+// apart): out = sum_p w_p acc_p / sum_p w_p sum_p, w_p = e^(m_p - max m); zeros where every
+// key was masked, as the softmax kernel gives.
+HOT void attend_combine(const float* partials, int64_t P, int64_t stride, int64_t Dv, float* out) {
+  float m = kNegInf;
+  for (int64_t p = 0; p < P; ++p) m = std::max(m, partials[p * stride]);
+  std::fill(out, out + Dv, 0.0f);
+  if (m == kNegInf) return;
+  float total = 0.0f;
+  for (int64_t p = 0; p < P; ++p) {
+    const float* part = partials + p * stride;
+    const float w = masked_exp(part[0], m);
+    if (w == 0.0f) continue;
+    total += w * part[1];
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) out[d] += w * part[2 + d];
+  }
+  const float inv = 1.0f / total;
+#pragma omp simd
+  for (int64_t d = 0; d < Dv; ++d) out[d] *= inv;
+}
+
+}  // namespace
+
+}  // namespace mlxtoy
