@@ -4,9 +4,10 @@
 //
 // Decoding is bound by memory bandwidth (every weight read once per token), but as ~20 graph
 // nodes per layer each node's dispatch and each step's fork-join on the kernels' threads come
-// between the GEMVs. Here the block is one task: its phases are split over the team (head by
-// head, or row chunks handed out first come, first served) with a barrier between phases. Every
-// value is computed by the same loops (loops.h) in the same order as the unfused kernels.
+// between the GEMVs. Here the block is one task: its phases are split into units (heads, parts of
+// the cache, row chunks) handed out first come, first served to the threads that come for the
+// job (`Phases`, pool.h), each phase starting once the one before is done. Every value is
+// computed by the same loops (loops.h, attend.h) in the same order as the unfused kernels.
 
 #include <algorithm>
 #include <array>

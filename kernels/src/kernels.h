@@ -31,7 +31,7 @@ class Kernel : public mx::Primitive {
 };
 
 // One pre-norm Llama block for one decoded token (B = 1, T = 1), as one task on the kernels'
-// team with barriers between its phases (see decode.cpp).
+// threads in phases (see decode.cpp).
 class DecodeBlock : public mx::Primitive {
  public:
   // packed: for weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down), bits
