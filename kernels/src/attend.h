@@ -26,6 +26,17 @@ inline int64_t attend_parts(int64_t len) { return std::max<int64_t>(1, (len + kA
 // sum_j e^(s_j - m) v_j (Dv floats): attend_partial_floats(Dv) floats.
 inline int64_t attend_partial_floats(int64_t Dv) { return Dv + 2; }
 
+// The partials of the query rows of KV heads' groups (`group` rows each) over `parts` parts, laid
+// out [KV head][part][row of the group]: where KV head kv's part p begins (its group's rows in
+// turn), and for query head h (of h / group's group) its first part and the floats between parts.
+struct AttendPartials {
+  int64_t group, parts, pf;
+  int64_t part(int64_t kv, int64_t p) const { return (kv * parts + p) * group * pf; }
+  int64_t head(int64_t h) const { return part(h / group, 0) + (h % group) * pf; }
+  int64_t stride() const { return group * pf; }
+  int64_t floats(int64_t kv_heads) const { return part(kv_heads, 0); }  // the buffer's size
+};
+
 #ifdef MLXTOY_AVX2
 // sums += e row for a row of 16 C floats; where e is exactly 0 (a masked key) the row is not read
 template <int C>
@@ -84,23 +95,25 @@ HOT void attend_part(const float* q, int64_t n, const float* k, const float* v, 
   k += j0 * D;
   v += j0 * Dv;
   const bool avx512 = attend_avx512(Dv);
+  // scores[r * len + j] = q_r . k_j
 #ifdef MLXTOY_AVX2
   if (avx512) gemv_span_avx512(q, k, scores, n, len, D, 0, len);  // four keys a pass, each read once for the rows
 #endif
+  if (!avx512)
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < len; ++j) {
+        const float *qr = q + r * D, *kr = k + j * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+        scores[r * len + j] = dot;
+      }
   for (int64_t r = 0; r < n; ++r) {
     float* s = scores + r * len;
     float* out = partial + r * attend_partial_floats(Dv);
     float m = kNegInf;
     for (int64_t j = 0; j < len; ++j) {
-      float dot = 0.0f;
-      if (avx512) {
-        dot = s[j];
-      } else {
-        const float *qr = q + r * D, *kr = k + j * D;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-      }
-      s[j] = dot * scale + (bias ? bias[j0 + j] : 0.0f);
+      s[j] = s[j] * scale + (bias ? bias[j0 + j] : 0.0f);
       m = std::max(m, s[j]);
     }
     float sum = 0.0f;

@@ -10,8 +10,6 @@
 // computed by the same loops (loops.h, attend.h) in the same order as the unfused kernels.
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -105,8 +103,9 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     const float pos = (0.0f + static_cast<float>(off)) * rope_scale;
     const int64_t group = H / KV, units = H + 2 * KV;
     // the attention's units: each KV head's positions 0..off in parts (attend.h)
-    const int64_t len = off + 1, parts = attend_parts(len), pf = attend_partial_floats(Dh);
-    std::vector<float> q(H * Dh), partials(KV * parts * group * pf), gate(F), up(F), act(F);
+    const int64_t len = off + 1, parts = attend_parts(len);
+    const AttendPartials at{group, parts, attend_partial_floats(Dh)};
+    std::vector<float> q(H * Dh), partials(at.floats(KV)), gate(F), up(F), act(F);
     const int64_t chunk_d = gemv_chunk(D, pool().threads()), chunk_f = gemv_chunk(F, pool().threads());
     auto chunks = [](int64_t n, int64_t chunk) { return static_cast<int>((n + chunk - 1) / chunk); };
     Phases phases({static_cast<int>(units), static_cast<int>(KV * parts), chunks(D, chunk_d), chunks(F, chunk_f),
@@ -151,14 +150,13 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         const int64_t kv = u / parts, j0 = (u % parts) * kAttendPart;
         attend_part(q.data() + kv * group * Dh, group, kc + kv * S * Dh, vc + kv * S * Dh, nullptr, j0,
                     std::min(len, j0 + kAttendPart), Dh, Dh, attn_scale, scores.data(),
-                    partials.data() + u * group * pf);
+                    partials.data() + at.part(kv, u % parts));
       });
 
       // y = x + W_o att, att the parts combined (by each thread that takes a unit, the same bits)
       auto combine = [&] {
         for (int64_t h = 0; h < H; ++h)
-          attend_combine(partials.data() + ((h / group) * parts * group + h % group) * pf, parts, group * pf, Dh,
-                         att.data() + h * Dh);
+          attend_combine(partials.data() + at.head(h), parts, at.stride(), Dh, att.data() + h * Dh);
         sums_of(att.data(), H * Dh);
       };
       phases.run(2, combine, [&](int64_t c) {

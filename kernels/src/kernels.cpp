@@ -329,10 +329,11 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         float scale = eps;
         // each (b, KV head)'s query heads against its open positions (keys past the bias's last
         // unmasked one are not read) in parts, then each query row's parts combined (attend.h)
-        const int64_t parts = attend_parts(S), pf = attend_partial_floats(Dv);
+        const int64_t parts = attend_parts(S);
+        const AttendPartials at{group, parts, attend_partial_floats(Dv)};  // (b, KV head) pairs as the KV heads
         std::vector<int64_t> lens(B);
         for (int64_t b = 0; b < B; ++b) lens[b] = open_length(bias + (Bb == 1 ? 0 : b) * S, S);
-        std::vector<float> partials(static_cast<size_t>(B * KV * parts * group * pf));
+        std::vector<float> partials(static_cast<size_t>(at.floats(B * KV)));
         threads.run_dynamic(B * KV * parts, 1, [&](int64_t u0, int64_t u1) {
           std::vector<float> scores(static_cast<size_t>(group * kAttendPart));
           for (int64_t u = u0; u < u1; ++u) {
@@ -340,14 +341,12 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
             if (j0 >= lens[b] && j0 > 0) continue;  // past the open positions (part 0 always runs)
             attend_part(q + bk * group * D, group, k + bk * S * D, v + bk * S * Dv, bias + (Bb == 1 ? 0 : b) * S, j0,
                         std::min(lens[b], j0 + kAttendPart), D, Dv, scale, scores.data(),
-                        partials.data() + u * group * pf);
+                        partials.data() + at.part(bk, u % parts));
           }
         });
         threads.run(B * H, 16, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r) {
-            const int64_t b = r / H, h = r % H;
-            attend_combine(partials.data() + (((b * KV + h / group) * parts) * group + h % group) * pf,
-                           attend_parts(lens[b]), group * pf, Dv, o + r * Dv);
+            attend_combine(partials.data() + at.head(r), attend_parts(lens[r / H]), at.stride(), Dv, o + r * Dv);
           }
         });
         break;
