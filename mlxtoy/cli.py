@@ -14,6 +14,7 @@ import os
 import sys
 import traceback
 
+from mlxtoy import __version__
 from mlxtoy.commands import chat, export, generate, inspect, taps, train, tui
 from mlxtoy.errors import UserError
 
@@ -26,11 +27,26 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class ReferenceHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's --help as a reference: descriptions keep their line breaks, and an
+    option's default is shown unless its help already says it (or there is none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or default is None or isinstance(default, bool)
+                or default in ("", []) or default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlxtoy", description="On-device LLM fine-tuning on MLX.")
+    parser.add_argument("--version", action="version", version=f"mlxtoy {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for module in COMMANDS:
         p = module.add_parser(sub)
+        p.formatter_class = ReferenceHelpFormatter
         p.set_defaults(_run=module.run)
     return parser
 

@@ -389,6 +389,35 @@ class TrainConfig:
                            tie_embeddings=self.tie_embeddings, context_length=self.seq_len)
 
 
+# The sections of TrainConfig, in field order: (the section's first field, its title). `mlxtoy
+# train --help` and docs/configuration.md group the flags by them; a field added to the class
+# belongs to the section its place puts it in.
+TRAIN_SECTIONS = (
+    ("model", "what to train on"),
+    ("steps", "optimisation"),
+    ("lora_rank", "LoRA and DoRA"),
+    ("train_embeddings", "full fine-tuning (block weights always train; these are opt-in)"),
+    ("arch", "from scratch: the model's shape"),
+    ("data_split", "data"),
+    ("eval_every", "the loop: evaluation, samples, checkpoints, dashboards"),
+)
+
+
+def train_sections() -> list[tuple[str, list[Field]]]:
+    """TrainConfig's fields as (title, fields) in TRAIN_SECTIONS' order."""
+    firsts = dict(TRAIN_SECTIONS)
+    out: list[tuple[str, list[Field]]] = []
+    for f in fields(TrainConfig):
+        if f.name in firsts:
+            out.append((firsts[f.name], []))
+        if not out:
+            raise KeyError(f"TrainConfig field {f.name!r} comes before the first section")
+        out[-1][1].append(f)
+    if len(out) != len(TRAIN_SECTIONS):
+        raise KeyError("a TRAIN_SECTIONS first field is not a TrainConfig field in section order")
+    return out
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     text = read_text(path)
     try:

@@ -18,28 +18,30 @@ from mlxtoy.loading import load
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    """Model and sampling flags shared by `generate` and `chat`."""
-    p.add_argument("--model", default="smollm2-135m",
-                   help="a .gguf file, a Hugging Face folder or id (org/name[@rev], org/name/file.gguf), "
-                        "or a built-in name (default: smollm2-135m)")
-    p.add_argument("--adapter", metavar="RUN", help="a training run directory to apply")
-    p.add_argument("--system", metavar="S", help="system message for the chat template")
-    p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
-                   help=f"most tokens to generate (default {max_tokens}); clipped to the context")
-    p.add_argument("--temp", type=float, default=0.0, metavar="T",
-                   help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="nucleus sampling, in (0, 1] (1 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                   help="drop tokens below P x the top probability (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                   help="penalize tokens seen in the last --repetition-window tokens (1 = off)")
-    p.add_argument("--repetition-window", type=int, default=64, metavar="N",
-                   help="how many recent tokens, prompt included, the penalty sees (default 64)")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
-    p.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
-                   help="stop when the text contains any of these (not printed)")
+    """Model and sampling flags shared by `generate` and `chat`, in a group each."""
+    model = p.add_argument_group("model")
+    model.add_argument("--model", default="smollm2-135m",
+                       help="a .gguf file, a Hugging Face folder or id (org/name[@rev], org/name/file.gguf), "
+                            "or a built-in name (default: smollm2-135m)")
+    model.add_argument("--adapter", metavar="RUN", help="a training run directory to apply")
+    model.add_argument("--system", metavar="S", help="system message for the chat template")
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
+                          help=f"most tokens to generate (default {max_tokens}); clipped to the context")
+    sampling.add_argument("--temp", type=float, default=0.0, metavar="T",
+                          help="temperature; 0 = greedy (default)")
+    sampling.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely (0 = off)")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                          help="nucleus sampling, in (0, 1] (1 = off)")
+    sampling.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                          help="drop tokens below P x the top probability (0 = off)")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                          help="penalize tokens seen in the last --repetition-window tokens (1 = off)")
+    sampling.add_argument("--repetition-window", type=int, default=64, metavar="N",
+                          help="how many recent tokens, prompt included, the penalty sees (default 64)")
+    sampling.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
+    sampling.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
+                          help="stop when the text contains any of these (not printed)")
 
 
 def sampling_from_args(args):

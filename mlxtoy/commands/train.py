@@ -17,10 +17,10 @@ import sys
 import typing
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from mlxtoy.config import ALL_METHODS, TrainConfig
+from mlxtoy.config import ALL_METHODS, TrainConfig, train_sections
+from mlxtoy.console import stderr_console
 from mlxtoy.errors import UserError
 from mlxtoy.events import Event
 from mlxtoy.train import distributed
@@ -68,21 +68,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dist-timeout", type=float, metavar="SECONDS", default=None,
                    help="stop the job when a collective waits this long for a rank (default 300)")
     hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        tp = hints[f.name]
-        choices = f.metadata.get("choices")
-        if tp is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=_flag_help(f))
-        elif f.name == "sample_prompts":
-            p.add_argument(flag, dest=f.name, action="append", default=None, help=_flag_help(f))
-        else:
-            # choices are shown, and checked by TrainConfig.validate (the one validator, whose
-            # messages name the field the same way for the CLI, YAML and the TUI)
-            metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
-            p.add_argument(flag, dest=f.name, type=_flag_type(tp), default=None,
-                           help=_flag_help(f), metavar=metavar)
+    for title, section in train_sections():  # one group of flags per section of the config
+        group = p.add_argument_group(title)
+        for f in section:
+            flag = "--" + f.name.replace("_", "-")
+            tp = hints[f.name]
+            choices = f.metadata.get("choices")
+            if tp is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=_flag_help(f))
+            elif f.name == "sample_prompts":
+                group.add_argument(flag, dest=f.name, action="append", default=None, help=_flag_help(f))
+            else:
+                # choices are shown, and checked by TrainConfig.validate (the one validator, whose
+                # messages name the field the same way for the CLI, YAML and the TUI)
+                metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
+                group.add_argument(flag, dest=f.name, type=_flag_type(tp), default=None,
+                                   help=_flag_help(f), metavar=metavar)
     return p
 
 
@@ -128,7 +130,7 @@ class ProgressView:
     """Events -> a rich progress bar on stderr (plain lines when stderr is not a terminal)."""
 
     def __init__(self, quiet: bool = False):
-        self.console = Console(stderr=True, highlight=False)
+        self.console = stderr_console()
         self.tty = sys.stderr.isatty() and not quiet
         self.progress = None
         self.task = None
@@ -175,6 +177,8 @@ class ProgressView:
         elif kind == "checkpoint":
             self.print(f"step {ev.step}: checkpoint {ev.path}")
         elif kind == "log":
+            if _is_accuracy_result(ev):
+                return  # the CLI prints the report itself, on stdout (_print_accuracy)
             self.print(("warning: " if ev.level == "warning" else "") + ev.message
                        if ev.level != "error" else ev.message)
         elif kind == "done":
@@ -198,6 +202,13 @@ def _fmt_time(s: float) -> str:
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def _is_accuracy_result(ev: Event) -> bool:
+    """The job's log line of a held-out accuracy result ("after: held-out accuracy 99.0% ...").
+    The job logs it for metrics.jsonl and the TUI; the CLI prints the whole report on stdout,
+    so its stderr view skips the line: each result is printed once."""
+    return ev.message.startswith(("before: held-out accuracy", "after: held-out accuracy"))
 
 
 def _print_accuracy(label: str, rep: AccuracyReport, n_samples: int = 5) -> None:
