@@ -9,7 +9,9 @@ and their layout. Models stay pure: what to read and how to put it together live
 
 from __future__ import annotations
 
+import glob
 import json
+import math
 import os
 from collections import Counter
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+from safetensors import safe_open
 
 from mlxtoy import backend
 from mlxtoy.config import LoadedMeta, ModelConfig
@@ -30,6 +33,7 @@ from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.lens import apply_lens, fold_lens
 from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import apply_lora, merge_lora
+from mlxtoy.models.quant import QuantPlan, install_quantized
 from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_STATE, CKPT_TRAINABLE, MODEL_WEIGHTS, RunDir,
                            is_run_or_checkpoint, locate)
 
@@ -39,23 +43,25 @@ def model_class(arch: str):
     return spec_of(arch).model
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, mx.array] | None = None) -> LlamaModel:
+def build_model(cfg: ModelConfig, weights: dict[str, Any] | None = None) -> LlamaModel:
+    """The model of `cfg` holding `weights` (arrays, and PackedMatrix for a quantized base)."""
     model = build_module(cfg)
     if weights is not None:
-        model.update(tree_unflatten(list(weights.items())))
+        model.update(tree_unflatten(list(install_quantized(model, weights).items())))
     mx.eval(model.parameters())
     return model
 
 
-def load_weights(model_arg: str, dtype: mx.Dtype | None = None):
-    """-> (ModelConfig, weights, LoadedMeta, Tokenizer) without building the model."""
+def load_weights(model_arg: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = None):
+    """-> (ModelConfig, weights, LoadedMeta, Tokenizer) without building the model; with `quant`
+    the base's projections come as PackedMatrix (QLoRA), never whole in a higher precision."""
     kind, path = resolve_model(model_arg)
     dtype = dtype or backend.compute_dtype()
     if kind == "gguf":
-        cfg, weights, meta = load_gguf(path, dtype)
+        cfg, weights, meta = load_gguf(path, dtype, quant=quant)
         tokenizer = Tokenizer.from_gguf_metadata(meta.metadata, source=path)
     else:
-        cfg, weights, meta = load_hf(path, dtype)
+        cfg, weights, meta = load_hf(path, dtype, quant=quant)
         if not os.path.exists(os.path.join(path, "tokenizer.json")):
             raise UserError(f"{path}: no tokenizer.json")
         tokenizer = Tokenizer.from_hf_folder(path)
@@ -104,6 +110,22 @@ def load_partial(model, weights: dict[str, mx.array], source: str) -> None:
             raise UserError(f"{source}: {name} has shape {list(value.shape)}, the model's is "
                             f"{list(have[name].shape)}")
     model.load_weights(list(weights.items()), strict=False)
+
+
+def source_size(model_arg: str) -> tuple[int, bool]:
+    """(parameters, whether they are stored quantized) of MODEL, from its header alone (GGUF
+    tensor table, safetensors headers): what the memory guard and `--qlora auto` need before
+    anything is loaded."""
+    kind, path = resolve_model(model_arg)
+    if kind == "gguf":
+        tensors = open_gguf(path).tensors
+        n = sum(math.prod(t.shape) for t in tensors)
+        return n, any(t.tensor_type.name.startswith(("Q", "IQ")) for t in tensors)
+    n = 0
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(file, "numpy") as f:
+            n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return n, False
 
 
 def load_tokenizer(model_arg: str):

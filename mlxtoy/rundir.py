@@ -139,6 +139,8 @@ class RunFacts:
     lora: dict[str, Any] | None = None  # targets, rank, alpha, scale, per_head_q, layers...
     lens: dict[str, Any] | None = None  # projection lens: donor and its width
     qlora: bool | None = None
+    quantized: dict[str, int] | None = None  # QLoRA: quantized modules by bits/group size
+    quantization_error: str | None = None  # QLoRA: what quantizing at load cost
     mixed_precision: str | None = None
     data: dict[str, Any] | None = None  # example counts
     world_size: int | None = None

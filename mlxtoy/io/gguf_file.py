@@ -20,14 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from mlxtoy import backend
 from mlxtoy.errors import UserError
 
-try:  # the compiled kernels dequantize the common block types natively (threaded); else gguf-py
-    import mlxtoy_kernels
-except (ImportError, OSError):
-    mlxtoy_kernels = None
-if os.environ.get("MLXTOY_KERNELS", "1") == "0":
-    mlxtoy_kernels = None
+# the compiled kernels dequantize the common block types natively (threaded); else gguf-py
+mlxtoy_kernels = backend.cpu_kernels()[0]
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -110,6 +107,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # GGML order (ne): the innermost dimension first
     tensor_type: Any  # gguf.GGMLQuantizationType
     data: np.ndarray  # the raw bytes, uint8 (rows..., bytes a row), a view of the mapped file
+    offset: int = 0  # of its first byte in the file
 
 
 @dataclass
@@ -117,6 +115,18 @@ class GGUFFile:
     path: str
     metadata: dict[str, Any]  # key -> str, int, float, bool or a list of them
     tensors: list[GGUFTensor]
+    mapping: mmap.mmap | None = None  # what the tensors' bytes are views of
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's pages from this process's resident set (they stay in the page
+        cache): a streaming load then holds only what it built, not the file it read."""
+        if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.offset - tensor.offset % mmap.PAGESIZE
+        try:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.data.nbytes - start)
+        except (OSError, ValueError):
+            pass
 
 
 def read_gguf(path: str) -> GGUFFile:
@@ -153,7 +163,9 @@ def read_gguf(path: str) -> GGUFFile:
             table.append((name, dims, w.u32(f"{name} type"), w.u64(f"{name} offset")))
         data_start = -(-w.pos // alignment) * alignment
     gguf = gguf_lib()
-    data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # slices of a memmap cost ~1 us each
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    data = np.frombuffer(mapping, dtype=np.uint8)  # slices of a memmap cost ~1 us each
     tensors = []
     for name, dims, ttype, offset in table:
         try:
@@ -169,8 +181,8 @@ def read_gguf(path: str) -> GGUFFile:
                             f"{data_start + offset}..{data_start + offset + nbytes} of {size})")
         rows = tuple(reversed(dims[1:])) + (dims[0] // block * type_size,)
         raw = data[data_start + offset:data_start + offset + nbytes].reshape(rows)
-        tensors.append(GGUFTensor(name, dims, qtype, raw))
-    return GGUFFile(path, metadata, tensors)
+        tensors.append(GGUFTensor(name, dims, qtype, raw, data_start + offset))
+    return GGUFFile(path, metadata, tensors, mapping)
 
 
 def gguf_lib():
@@ -215,3 +227,45 @@ def dequantize_tensor(tensor: GGUFTensor, path: str) -> np.ndarray:
         raise
     except Exception as e:
         raise UserError(f"{path}: cannot read tensor {tensor.name} ({type(e).__name__}: {e})") from None
+
+
+# GGUF block types whose values are exactly MLX's affine form scale * q + bias per group of 32
+# (q unsigned): type -> (bits, bytes a block).
+AFFINE_BLOCKS = {"Q4_0": (4, 18), "Q4_1": (4, 20), "Q8_0": (8, 34)}
+
+
+def affine_blocks(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """A Q4_0 / Q4_1 / Q8_0 tensor as MLX's affine quantized layout, group size 32, with no
+    re-quantization: (packed uint32 (rows, d_in * bits / 32), scales (rows, d_in / 32),
+    biases, bits); None for other types. Q4_0's (q - 8) * d is d * q + (-8 d), Q8_0's signed
+    q * d is d * (q + 128) + (-128 d): float16 holds each scale and bias exactly (float32 where
+    one would overflow), so dequantizing in float32 gives GGML's values bit for bit."""
+    kind = AFFINE_BLOCKS.get(tensor.tensor_type.name)
+    if kind is None:
+        return None
+    bits, size = kind
+    raw = np.ascontiguousarray(tensor.data).reshape(-1)
+    d_in = tensor.shape[0]
+    rows = raw.size // (d_in // 32 * size)
+    blocks = raw.reshape(rows, d_in // 32, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if tensor.tensor_type.name == "Q8_0":
+        q = blocks[..., 2:] ^ np.uint8(0x80)  # int8 q + 128, as unsigned bytes
+        scales, biases = d, d.astype(np.float32) * -128.0
+    else:
+        qs = blocks[..., 4:] if tensor.tensor_type.name == "Q4_1" else blocks[..., 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element j low nibble, j + 16 high
+        if tensor.tensor_type.name == "Q4_1":
+            scales, biases = d, blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        else:
+            scales, biases = d, d.astype(np.float32) * -8.0
+    q = q.reshape(rows, d_in)
+    if bits == 4:  # MLX packs element k of a word at bits 4k: little-endian bytes of two nibbles
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    packed = np.ascontiguousarray(q).view("<u4")
+    biases = np.asarray(biases, np.float32)
+    if np.all(np.isfinite(biases.astype(np.float16))):
+        biases = biases.astype(np.float16)
+    else:
+        scales = scales.astype(np.float32)
+    return packed, scales.reshape(rows, -1), biases.reshape(rows, -1), bits

@@ -14,10 +14,11 @@ import mlx.core as mx
 import numpy as np
 
 from mlxtoy.arch.registry import expected_shapes, spec_for_gguf
-from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, split
+from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, flat_shape, split
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.io.gguf_file import dequantize_tensor, open_gguf
+from mlxtoy.io.gguf_file import AFFINE_BLOCKS, affine_blocks, dequantize_tensor, open_gguf
+from mlxtoy.models.quant import TABLES, PackedMatrix, QuantPlan, quantize_dense
 
 __all__ = ["config_from_metadata", "dequantize_tensor", "load_gguf", "open_gguf"]
 
@@ -31,8 +32,11 @@ def config_from_metadata(md: dict[str, Any], path: str) -> tuple[ArchSpec, Model
 
 
 def load_gguf(path: str, dtype: mx.Dtype | None = None,
-              progress: Callable[[int, int], None] | None = None):
-    """-> (ModelConfig, {param_name: mx.array}, LoadedMeta). Weights in `dtype` (default float32)."""
+              progress: Callable[[int, int], None] | None = None, quant: QuantPlan | None = None):
+    """-> (ModelConfig, {param_name: mx.array | PackedMatrix}, LoadedMeta). Weights in `dtype`
+    (default float32), built tensor by tensor from the mapped file (each tensor's pages are
+    released once it is built). With `quant`, the matrices it names stay quantized
+    (PackedMatrix): Q4_0 / Q4_1 / Q8_0 blocks as they are, other types quantized at load."""
     dtype = dtype or mx.float32
     file = open_gguf(path)
     md = file.metadata
@@ -50,11 +54,15 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     cfg.qkv_bias = cfg.qkv_bias or (bias is not None and bias in tensors)
     cfg.tie_embeddings = True
     if "output.weight" in tensors:
-        out, table = read("output.weight"), read("token_embd.weight")
-        cfg.tie_embeddings = out.shape == table.shape and np.array_equal(out, table)
-        held["token_embd.weight"] = table
-        if not cfg.tie_embeddings:
-            held["output.weight"] = out
+        out, table = tensors["output.weight"], tensors["token_embd.weight"]
+        if quant is not None and out.tensor_type == table.tensor_type:  # the bytes say it (no float32 copies)
+            cfg.tie_embeddings = out.data.shape == table.data.shape and np.array_equal(out.data, table.data)
+        else:
+            out, table = read("output.weight"), read("token_embd.weight")
+            cfg.tie_embeddings = out.shape == table.shape and np.array_equal(out, table)
+            held["token_embd.weight"] = table
+            if not cfg.tie_embeddings:
+                held["output.weight"] = out
     if "rope_freqs.weight" in tensors:
         factors = dequantize_tensor(tensors["rope_freqs.weight"], path).reshape(-1)
         cfg.rope_scaling = {"type": "freq_factors", "factors": [float(f) for f in factors]}
@@ -70,12 +78,48 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     if missing:
         raise UserError(f"{path}: missing tensor {missing[0]}"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    weights: dict[str, mx.array] = {}
+    packs = quant.matrices(spec, cfg) if quant is not None else set()
+    weights: dict[str, mx.array | PackedMatrix] = {}
+    errors: dict[str, float] = {}
     for n, (name, params, _) in enumerate(items):
-        for param, arr in zip(params, split(read(name), params, shapes, name, path)):
-            weights[param] = mx.array(np.ascontiguousarray(arr)).astype(dtype)
-            mx.eval(weights[param])
+        exact = tensors[name].tensor_type.name in AFFINE_BLOCKS
+        if quant is not None and quant.fits(shapes[params[0]]) and (
+                packs.issuperset(params) or (exact and set(params) <= set(TABLES))):
+            for param, packed in zip(params, read_packed(tensors[name], params, shapes, quant, errors, path)):
+                weights[param] = packed
+        else:
+            for param, arr in zip(params, split(read(name), params, shapes, name, path)):
+                weights[param] = mx.array(np.ascontiguousarray(arr)).astype(dtype)
+                mx.eval(weights[param])
+        file.release(tensors[name])
         if progress:
             progress(n + 1, len(items))
     types = {name: t.tensor_type.name for name, t in tensors.items()}
-    return cfg, weights, LoadedMeta(source=path, format="gguf", tensor_types=types, metadata=md)
+    meta = LoadedMeta(source=path, format="gguf", tensor_types=types, metadata=md)
+    meta.quantization_errors = errors
+    return cfg, weights, meta
+
+
+def read_packed(tensor, params: list[str], shapes: dict[str, tuple[int, ...]], quant: QuantPlan,
+                errors: dict[str, float], path: str) -> list[PackedMatrix]:
+    """One GGUF matrix -> our parameters as PackedMatrix: the file's own blocks where they are
+    MLX's affine layout, else dequantized to float32 and quantized as `quant` says (its
+    relative error recorded in `errors`)."""
+    flats = [flat_shape(p, shapes[p]) for p in params]
+    rows = sum(f[0] for f in flats)
+    want = (rows, flats[0][1])
+    have = tuple(reversed(tensor.shape))
+    if have != want:
+        raise UserError(f"{path}: tensor {tensor.name} has shape {list(have)}, expected {list(want)}")
+    blocks = affine_blocks(tensor)
+    if blocks is not None:
+        w, scales, biases, bits = blocks
+        whole = PackedMatrix(mx.array(w), mx.array(scales), mx.array(biases), 32, bits)
+    else:
+        whole, errors[tensor.name] = quantize_dense(mx.array(dequantize_tensor(tensor, path)), quant)
+    mx.eval(whole.weight, whole.scales, whole.biases)
+    out, start = [], 0
+    for f in flats:
+        out.append(whole.rows(start, start + f[0]) if len(flats) > 1 else whole)
+        start += f[0]
+    return out

@@ -20,6 +20,7 @@ from mlxtoy.arch.registry import SPECS, expected_shapes, spec_for_hf, spec_of
 from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, fuse, split
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.models.quant import PackedMatrix, QuantPlan, quantize_dense
 from mlxtoy.textio import read_json
 from mlxtoy.fsutil import atomic_folder
 
@@ -55,8 +56,10 @@ def read_hf_tensors(path: str, strip_prefix: str = "") -> dict[str, mx.array]:
     return tensors
 
 
-def load_hf(path: str, dtype: mx.Dtype | None = None):
-    """-> (ModelConfig, {param_name: mx.array}, LoadedMeta)."""
+def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = None):
+    """-> (ModelConfig, {param_name: mx.array | PackedMatrix}, LoadedMeta), tensor by tensor
+    (safetensors load lazily, so each tensor is read when it is converted). With `quant`, the
+    matrices it names are quantized at load (PackedMatrix), their errors in the meta."""
     dtype = dtype or mx.float32
     raw_cfg = read_hf_config(path)
     spec, cfg = config_from_hf(raw_cfg, path)
@@ -74,7 +77,9 @@ def load_hf(path: str, dtype: mx.Dtype | None = None):
         spec.fix_config(cfg, {t.ours[0]: tuple(hf[t.hf].shape) for t in spec.tensors
                               if not t.block and t.hf in hf})
     shapes = expected_shapes(cfg)
-    weights: dict[str, mx.array] = {}
+    packs = quant.matrices(spec, cfg) if quant is not None else set()
+    weights: dict[str, mx.array | PackedMatrix] = {}
+    errors: dict[str, float] = {}
     for name, params, t in expand(spec, cfg, shapes, "hf"):
         if name not in hf:
             raise UserError(f"{path}: missing tensor {name}")
@@ -82,9 +87,14 @@ def load_hf(path: str, dtype: mx.Dtype | None = None):
         if t.hf_transform is not None:
             w = _checked(lambda: t.hf_transform.from_hf(w, cfg), path, name, w)
         for param, part in zip(params, split(w, params, shapes, name, path)):
-            weights[param] = part.astype(dtype)
-    mx.eval(weights)
-    return cfg, weights, LoadedMeta(source=path, format="hf", metadata={"config": raw_cfg})
+            if param in packs and quant.fits(part.shape):
+                weights[param], errors[f"{name}:{param}"] = quantize_dense(part.reshape(-1, part.shape[-1]), quant)
+                mx.eval(weights[param].weight, weights[param].scales, weights[param].biases)
+            else:
+                weights[param] = part.astype(dtype)
+                mx.eval(weights[param])
+    return cfg, weights, LoadedMeta(source=path, format="hf", metadata={"config": raw_cfg},
+                                    quantization_errors=errors)
 
 
 def _checked(f, path: str, name: str, w: mx.array) -> mx.array:

@@ -54,6 +54,14 @@ class HeadProjection(nn.Module):
     def d_head(self) -> int:
         return self.weight.shape[1]
 
+    @property
+    def d_in(self) -> int:
+        return self.weight.shape[2]
+
+    def dense_weight(self) -> mx.array:
+        """The (n_heads, d_head, d_in) weight (a quantized projection dequantizes it)."""
+        return self.weight
+
     def flat_weight(self) -> mx.array:
         n_heads, d_head, d_in = self.weight.shape
         return self.weight.reshape(n_heads * d_head, d_in)

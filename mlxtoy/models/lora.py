@@ -12,7 +12,8 @@ is not scaled, as in PEFT and mlx-lm). The norm is part of the gradient (PEFT an
 detach it, the paper's shortcut); the forward is theirs.
 
 Targets: q, k, v (per-head `HeadProjection`s, weight (H, Dh, D)), o, gate, up, down
-(`nn.Linear`, possibly quantized on Metal/CUDA). Two flavours for q/k/v:
+(`nn.Linear`); any of them may be a quantized base (`mlxtoy.models.quant`: QLoRA). Two
+flavours for q/k/v:
 - standard: A (r, D), B (H*Dh, r), the adapter every exporter knows;
 - per-head (the seed's Q adapter): per head h, A_h (r, D) and B_h (Dh, r), stored as
   A (H, r, D) and B (H, Dh, r) and computed as one batched matmul over the head axis.
@@ -29,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from mlxtoy.errors import UserError
 from mlxtoy.models.llama import HeadProjection
+from mlxtoy.models.quant import dequantize
 
 # target name -> module path inside the shared Block (`mlxtoy.models.llama`); each spec
 # (`mlxtoy.arch`) lists the targets its architecture has
@@ -49,9 +51,12 @@ def _wide(dtype: mx.Dtype) -> mx.Dtype:
 
 
 def dense_weight(module: nn.Module) -> mx.array:
-    """A projection's weight as stored, a quantized one (QLoRA base) dequantized."""
+    """A projection's weight as stored, a quantized one (QLoRA base) dequantized to float32;
+    a per-head projection's in its (H, Dh, D) layout."""
     if isinstance(module, nn.QuantizedLinear):
-        return mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
+        return dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
+    if isinstance(module, HeadProjection):
+        return module.dense_weight()
     return module.weight
 
 
@@ -117,7 +122,7 @@ class LoRAHeadProjection(Adapter):
     def __init__(self, base: HeadProjection, rank: int, alpha: float, dropout: float = 0.0,
                  per_head: bool = False, dora: bool = False):
         super().__init__(base, rank, alpha, dropout)
-        n_heads, d_head, d_in = base.weight.shape
+        n_heads, d_head, d_in = base.n_heads, base.d_head, base.d_in
         self.per_head = per_head
         if per_head:
             self.lora_a = _gaussian_a((n_heads, rank, d_in), d_in)
@@ -126,7 +131,7 @@ class LoRAHeadProjection(Adapter):
             self.lora_a = _gaussian_a((rank, d_in), d_in)
             self.lora_b = mx.zeros((n_heads * d_head, rank))
         if dora:
-            self.magnitude = row_norms(base.weight).reshape(-1)
+            self.magnitude = row_norms(base.dense_weight()).reshape(-1)
 
     @property
     def n_heads(self) -> int:
@@ -156,7 +161,7 @@ class LoRAHeadProjection(Adapter):
     def dora_scale(self) -> mx.array:
         """DoRA's m / ||W + scale B A||_row, shaped (H, Dh)."""
         H, Dh = self.n_heads, self.d_head
-        w = self.base.weight
+        w = self.base.dense_weight()
         if self.per_head:  # per head: (Dh, D) + scale (Dh, r) @ (r, D), batched over H
             norm = dora_norm(w, self.lora_a, self.lora_b, self.scale)
         else:
@@ -172,10 +177,10 @@ class LoRAHeadProjection(Adapter):
 
     def merged_weight(self) -> mx.array:
         """The adapted weight in the base's (H, Dh, D) layout and dtype."""
-        return merged_weight(self, self.base.weight)
+        return merged_weight(self, self.base.dense_weight())
 
     def merged(self) -> HeadProjection:
-        w = self.base.weight
+        w = self.base.dense_weight()
         out = HeadProjection(w.shape[2], w.shape[0], w.shape[1], bias="bias" in self.base)
         out.weight = self.merged_weight()
         if "bias" in self.base:
@@ -321,28 +326,6 @@ def merge_lora(model: nn.Module) -> nn.Module:
             parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
         setattr(parent, name, layer.merged())
     mx.eval(model.parameters())
-    return model
-
-
-def quantize_base(model: nn.Module, bits: int = 4, group_size: int = 32) -> nn.Module:
-    """QLoRA: quantize the frozen nn.Linear weights (o, gate, up, down; base or wrapped).
-
-    Only worth it where MLX multiplies quantized weights fast (Metal, CUDA). The per-head
-    q/k/v projections stay dense. Adapters are untouched, except that a DoRA magnitude starts
-    again at the quantized weight's row norms (so call this on fresh adapters, as the trainer
-    does: step 0 is then exactly the quantized base).
-    """
-
-    def predicate(path: str, module: nn.Module) -> bool:
-        return (isinstance(module, nn.Linear) and not path.endswith(("lora_a", "lora_b"))
-                and module.weight.shape[-1] % group_size == 0)
-
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
-    model.freeze(keys=["weight", "scales", "biases"], strict=False)
-    for _, m in lora_modules(model):
-        if is_dora(m) and isinstance(m.base, nn.QuantizedLinear):
-            m.magnitude = row_norms(dense_weight(m.base))
-        m.unfreeze(keys=[k for k in ADAPTER_LEAVES if k in m], recurse=False)
     return model
 
 

@@ -21,7 +21,8 @@ from mlxtoy.io.char_tokenizer import CharTokenizer
 from mlxtoy.io.registry import resolve_model
 from mlxtoy.loading import attach_lens, build_model as build_module, load_tokenizer, load_weights
 from mlxtoy.models.init import init_scratch
-from mlxtoy.models.lora import apply_lora, lora_config_dict, quantize_base
+from mlxtoy.models.lora import apply_lora, lora_config_dict
+from mlxtoy.models.quant import QuantPlan, describe_quantized, quantization_report
 from mlxtoy.rundir import RunFacts
 from mlxtoy.train.records import DataOptions, read_data
 
@@ -77,9 +78,11 @@ def train_dtype(cfg: TrainConfig) -> mx.Dtype:
     return backend.compute_dtype() if cfg.dtype == "auto" else getattr(mx, cfg.dtype)
 
 
-def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
-                ) -> tuple[nn.Module, Any, RunFacts]:
+def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None,
+                quant: QuantPlan | None = None) -> tuple[nn.Module, Any, RunFacts]:
     """-> (model ready to train, tokenizer, resolved facts for config.yaml).
+
+    quant: load the base's projections quantized (QLoRA; `memory.qlora_plan` decides).
 
     char_tokenizer: a resumed scratch run's character vocabulary (rebuilding it from data
     that changed would shift every id past the embedding table)."""
@@ -103,12 +106,11 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
         dtype = train_dtype(cfg)
         # trainable weights stay float32 (master copies); a LoRA base may be lower precision
         load_dtype = dtype if cfg.adapters else mx.float32
-        mcfg, weights, meta, tokenizer = load_weights(cfg.model, load_dtype)
+        mcfg, weights, meta, tokenizer = load_weights(cfg.model, load_dtype, quant=quant if cfg.adapters else None)
         model = build_module(mcfg, weights)
         model.meta = meta
         del weights
         facts.model_path = meta.source
-        quantized = any(t.startswith(("Q", "IQ")) for t in meta.tensor_types.values())
         if cfg.adapters:
             apply_lora(model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
                        cfg.lora_per_head_q, cfg.lora_layers, paths=spec_of(mcfg.arch).lora_targets,
@@ -116,11 +118,10 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None
             facts.lora = lora_config_dict(cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha,
                                           cfg.lora_dropout, cfg.lora_per_head_q,
                                           cfg.lora_layers, mcfg.n_layers, method=cfg.method)
-            # QLoRA: MLX multiplies quantized weights fast on Metal/CUDA, not on CPU (there the
-            # loader already dequantized the base once to float32).
-            if cfg.qlora == "on" or (cfg.qlora == "auto" and quantized and backend.INFO.device != "cpu"):
-                quantize_base(model)
+            if quant is not None:
                 facts.qlora = True
+                facts.quantized = describe_quantized(model)
+                facts.quantization_error = quantization_report(meta.quantization_errors) or None
         else:
             set_trainable(model, cfg)
     if not cfg.adapters and train_dtype(cfg) != mx.float32:

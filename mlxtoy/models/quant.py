@@ -1,0 +1,279 @@
+"""Frozen quantized weights (the QLoRA base): linear layers, per-head projections and the
+embedding table kept 4-bit or 8-bit in MLX's affine layout (per group of `group_size` inputs,
+w = scale * q + bias), and the one product they all take.
+
+On Metal and CUDA `mx.quantized_matmul` multiplies them as they are. MLX's CPU quantized
+matmul runs at a few GFLOP/s, so on CPU the product dequantizes a slab of rows at a time to
+float32 and takes the float32 GEMM (`fastmath.linear`: the BLAS or the kernels' GEMM). Its
+backward dequantizes again for the input gradient (a frozen base needs no weight gradient), so
+no float32 copy of a matrix outlives its own product: the dequantized slabs are transient.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxtoy import backend
+from mlxtoy.errors import UserError
+from mlxtoy.models.fastmath import linear
+from mlxtoy.models.llama import HeadProjection
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64)
+# Float32 bytes of one dequantized slab on CPU: big enough for the GEMM to run at full rate,
+# small enough that a 128k-row output layer never exists whole in float32.
+SLAB_BYTES = 64 << 20
+QUANT_LEAVES = ("weight", "scales", "biases")
+
+
+def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+               dtype: mx.Dtype = mx.float32) -> mx.array:
+    """The dense (rows, d_in) matrix in `dtype`; the scale * q + bias is formed in `dtype`, so
+    float32 gives GGML's own dequantized values for Q4_0 / Q4_1 / Q8_0 blocks exactly."""
+    return mx.dequantize(w, scales.astype(dtype), biases.astype(dtype), group_size, bits)
+
+
+def slabs(rows: int, d_in: int) -> list[tuple[int, int]]:
+    """Row ranges of at most SLAB_BYTES of float32 each."""
+    step = max(1, min(rows, SLAB_BYTES // (4 * d_in)))
+    return [(a, min(rows, a + step)) for a in range(0, rows, step)]
+
+
+@functools.lru_cache(maxsize=None)
+def _slab_product(group_size: int, bits: int):
+    """x @ W.T for a quantized W, slab by slab, with the input gradient as its only gradient."""
+
+    def dense(w, scales, biases, a, b, dtype):
+        return dequantize(w[a:b], scales[a:b], biases[a:b], group_size, bits, dtype)
+
+    @mx.custom_function
+    def product(x, w, scales, biases):
+        d_in = w.shape[1] * 32 // bits
+        parts = [linear(x, dense(w, scales, biases, a, b, x.dtype)) for a, b in slabs(w.shape[0], d_in)]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        x, w, scales, biases = primals
+        dx = None
+        for a, b in slabs(w.shape[0], x.shape[-1]):
+            part = cotangent[..., a:b] @ dense(w, scales, biases, a, b, cotangent.dtype)
+            dx = part if dx is None else dx + part
+        return dx.astype(x.dtype), mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+
+    return product
+
+
+def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                     group_size: int, bits: int) -> mx.array:
+    """x @ W.T for the quantized W (rows, d_in): dequantized slabs and the float32 GEMM on CPU,
+    `mx.quantized_matmul` elsewhere."""
+    if backend.INFO.device == "cpu":
+        return _slab_product(group_size, bits)(x, w, scales, biases)
+    if scales.dtype != x.dtype:
+        scales, biases = scales.astype(x.dtype), biases.astype(x.dtype)
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
+@dataclass
+class PackedMatrix:
+    """A (rows, d_in) matrix in MLX's affine quantized layout, as the loader hands it over."""
+    weight: mx.array  # uint32 (rows, d_in * bits / 32)
+    scales: mx.array  # (rows, d_in / group_size)
+    biases: mx.array
+    group_size: int
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def dense(self, dtype: mx.Dtype = mx.float32) -> mx.array:
+        return dequantize(self.weight, self.scales, self.biases, self.group_size, self.bits, dtype)
+
+    def rows(self, a: int, b: int) -> "PackedMatrix":
+        return PackedMatrix(self.weight[a:b], self.scales[a:b], self.biases[a:b], self.group_size, self.bits)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """Which matrices a loader keeps quantized, and how it quantizes those a file does not hold
+    in MLX's layout already (Q4_0 / Q4_1 / Q8_0 blocks keep their own 4 or 8 bits, group 32)."""
+    bits: int = 4
+    group_size: int = 32
+
+    def matrices(self, spec, cfg) -> set[str]:
+        """Our parameter names to quantize: every LoRA-targetable projection of every block."""
+        return {f"layers.{i}.{path}.weight" for i in range(cfg.n_layers) for path in spec.lora_targets.values()}
+
+    def validate(self) -> "QuantPlan":
+        if self.bits not in BITS:
+            raise UserError(f"qlora_bits: {self.bits} (choose 4 or 8)")
+        if self.group_size not in GROUP_SIZES:
+            raise UserError(f"qlora_group_size: {self.group_size} (choose 32 or 64)")
+        return self
+
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) in (2, 3) and shape[-1] % self.group_size == 0 and shape[-1] % 32 == 0
+
+
+# The embedding table and the output layer stay quantized only where the file holds them in
+# MLX's layout already (exact); quantizing them at load would cost accuracy on every token.
+TABLES = ("tok_embeddings.weight", "output.weight")
+
+
+def quantize_dense(w: mx.array, plan: QuantPlan) -> tuple[PackedMatrix, float]:
+    """A float matrix (rows, d_in) -> (PackedMatrix, its relative RMS error), in float32."""
+    w = w.astype(mx.float32)
+    q, scales, biases = mx.quantize(w, plan.group_size, plan.bits)
+    packed = PackedMatrix(q, scales.astype(mx.float16), biases.astype(mx.float16), plan.group_size, plan.bits)
+    err = mx.sqrt(mx.sum(mx.square(packed.dense() - w)) / mx.maximum(mx.sum(mx.square(w)), 1e-30))
+    return packed, float(err.item())
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose product is `quantized_linear` (fast on CPU as well)."""
+
+    @classmethod
+    def of(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+           bias: mx.array | None = None) -> "QuantizedLinear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.group_size, layer.bits, layer.mode = group_size, bits, "affine"
+        layer.weight, layer.scales, layer.biases = w, scales, biases
+        if bias is not None:
+            layer.bias = bias
+        layer.freeze()
+        return layer
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        return y + self.bias if "bias" in self else y
+
+
+class QuantizedHeadProjection(HeadProjection):
+    """A per-head projection (n_heads, d_head, d_in) kept quantized as its flat
+    (n_heads * d_head, d_in) matrix; heads stay addressable through `dense_weight()`."""
+
+    def __init__(self, w: mx.array, scales: mx.array, biases: mx.array, n_heads: int, d_head: int,
+                 group_size: int, bits: int, bias: mx.array | None = None):
+        nn.Module.__init__(self)
+        self.weight, self.scales, self.biases = w, scales, biases
+        self.shape_heads = (n_heads, d_head)
+        self.group_size, self.bits = group_size, bits
+        if bias is not None:
+            self.bias = bias
+        self.freeze()
+
+    @property
+    def n_heads(self) -> int:
+        return self.shape_heads[0]
+
+    @property
+    def d_head(self) -> int:
+        return self.shape_heads[1]
+
+    @property
+    def d_in(self) -> int:
+        return self.weight.shape[1] * 32 // self.bits
+
+    def flat_weight(self) -> mx.array:
+        return dequantize(self.weight, self.scales, self.biases, self.group_size, self.bits)
+
+    def dense_weight(self) -> mx.array:
+        return self.flat_weight().reshape(self.n_heads, self.d_head, self.d_in)
+
+    def unfreeze(self, *args, **kwargs):
+        super().unfreeze(*args, **kwargs)
+        self.freeze(keys=list(QUANT_LEAVES), recurse=False)  # the base stays frozen
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.heads(quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits))
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose use as the output layer is `quantized_linear`."""
+
+    @classmethod
+    def of(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+           ) -> "QuantizedEmbedding":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.group_size, layer.bits, layer.mode = group_size, bits, "affine"
+        layer.num_embeddings, layer.dims = w.shape[0], w.shape[1] * 32 // bits
+        layer.weight, layer.scales, layer.biases = w, scales, biases
+        layer.freeze()
+        return layer
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return dequantize(self.weight[x], self.scales[x], self.biases[x], self.group_size, self.bits)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+
+
+QUANTIZED_TYPES = (QuantizedLinear, QuantizedHeadProjection, QuantizedEmbedding)
+
+
+def _child(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent_path, _, name = path.rpartition(".")
+    parent = model
+    for part in parent_path.split(".") if parent_path else []:
+        parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+    return parent, name
+
+
+def quantized_module(dense: nn.Module, packed: PackedMatrix, bias: mx.array | None = None) -> nn.Module:
+    """The quantized stand-in for `dense` (a Linear, HeadProjection or Embedding of the model
+    being built) holding `packed`."""
+    w, scales, biases, group_size, bits = (packed.weight, packed.scales, packed.biases,
+                                           packed.group_size, packed.bits)
+    if isinstance(dense, HeadProjection):
+        return QuantizedHeadProjection(w, scales, biases, dense.n_heads, dense.d_head, group_size, bits, bias)
+    if isinstance(dense, nn.Embedding):
+        return QuantizedEmbedding.of(w, scales, biases, group_size, bits)
+    if isinstance(dense, nn.Linear):
+        return QuantizedLinear.of(w, scales, biases, group_size, bits, bias)
+    raise TypeError(f"cannot quantize a {type(dense).__name__}")
+
+
+def install_quantized(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Swap in quantized modules wherever `weights` holds a PackedMatrix (`<path>.weight`),
+    taking it (and the module's bias) out of `weights`; -> the dense rest, for `model.update`."""
+    rest = dict(weights)
+    for key in [k for k, v in weights.items() if isinstance(v, PackedMatrix)]:
+        path = key[: -len(".weight")]
+        parent, name = _child(model, path)
+        dense = parent[int(name)] if name.isdigit() else getattr(parent, name)
+        setattr(parent, name, quantized_module(dense, rest.pop(key), rest.pop(path + ".bias", None)))
+    return rest
+
+
+def quantization_report(errors: dict[str, float]) -> str:
+    """One line on the error that quantizing at load added: the worst tensor's relative RMS."""
+    if not errors:
+        return ""
+    name, worst = max(errors.items(), key=lambda kv: kv[1])
+    mean = sum(errors.values()) / len(errors)
+    return (f"quantized {len(errors)} tensors at load: relative RMS error mean {mean:.4f}, "
+            f"worst {worst:.4f} ({name})")
+
+
+def describe_quantized(model: nn.Module) -> dict[str, Any]:
+    """{bits/group: count} of the quantized modules, for the log and config.yaml."""
+    counts: dict[str, int] = {}
+    for _, m in model.named_modules():
+        if isinstance(m, QUANTIZED_TYPES):
+            key = f"{m.bits}-bit/g{m.group_size}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts

@@ -1,0 +1,202 @@
+"""QLoRA bases that stay quantized: GGUF blocks mapped to MLX's affine layout bit for bit, the
+CPU product (dequantized slabs + the float32 GEMM) against numpy float64, a QLoRA model against
+the dequantized model and finite differences, and a streaming load whose peak memory is bounded
+(with an eager float32 load as the positive control)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxtoy.io.gguf_file import GGUFTensor, affine_blocks
+from mlxtoy.io.gguf_read import load_gguf
+from mlxtoy.io.gguf_write import write_gguf
+from mlxtoy.io.quantize import quantize_gguf
+from mlxtoy.loading import build_model
+from mlxtoy.models import quant
+from mlxtoy.models.lora import apply_lora, lora_parameters
+from mlxtoy.models.quant import (PackedMatrix, QuantizedHeadProjection, QuantizedLinear, QuantPlan,
+                                 quantized_linear)
+from tests.helpers_train import byte_tokenizer, tiny_model
+
+Q = gguf.GGMLQuantizationType
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tensor(arr: np.ndarray, qtype) -> GGUFTensor:
+    data = gguf.quants.quantize(arr.astype(np.float32), qtype)
+    return GGUFTensor("t", tuple(reversed(arr.shape)), qtype, data)
+
+
+def _packed(t: GGUFTensor) -> PackedMatrix:
+    w, scales, biases, bits = affine_blocks(t)
+    return PackedMatrix(mx.array(w), mx.array(scales), mx.array(biases), 32, bits)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_map_to_mlx_bit_exactly(qtype):
+    rng = np.random.default_rng(0)
+    arr = (rng.standard_normal((48, 128)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    t = _tensor(arr, qtype)
+    want = gguf.quants.dequantize(t.data, qtype).reshape(arr.shape)  # GGML's own values
+    got = np.array(_packed(t).dense())
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    # positive control: one changed nibble / byte in the file is seen
+    bad = t.data.copy()
+    bad[3, -1] ^= 0x11
+    assert not np.array_equal(np.array(_packed(GGUFTensor("t", t.shape, qtype, bad)).dense()), want)
+
+
+def test_other_types_are_not_mapped():
+    assert affine_blocks(_tensor(np.ones((2, 32), np.float32), Q.Q5_0)) is None
+
+
+@pytest.mark.parametrize("slab_rows", [None, 24])
+def test_cpu_product_and_input_gradient_match_numpy(monkeypatch, slab_rows):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((96, 64)).astype(np.float32)
+    if slab_rows:  # several slabs (a big output layer's case), the last one short
+        monkeypatch.setattr(quant, "SLAB_BYTES", slab_rows * 64 * 4)
+        assert len(quant.slabs(96, 64)) == 4
+    packed, _ = quant.quantize_dense(mx.array(w), QuantPlan(4, 32))
+    dense = np.array(packed.dense()).astype(np.float64)
+    x = rng.standard_normal((3, 5, 64)).astype(np.float32)
+    dy = rng.standard_normal((3, 5, 96)).astype(np.float32)
+
+    def f(x):
+        return quantized_linear(x, packed.weight, packed.scales, packed.biases, 32, 4)
+
+    y, vjp = mx.vjp(f, [mx.array(x)], [mx.array(dy)])
+    np.testing.assert_allclose(np.array(y[0]), x.astype(np.float64) @ dense.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(vjp[0]), dy.astype(np.float64) @ dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qlora")
+    tok = byte_tokenizer(root)
+    model = tiny_model(3, vocab_size=tok.vocab_size, d_model=64, d_head=16, d_ff=128)
+    path = str(root / "tiny-q8_0.gguf")
+    write_gguf(path, model.config, dict(tree_flatten(model.parameters())), tok.to_gguf_metadata(), dtype="q8_0")
+    return path
+
+
+def _load(path, plan):
+    cfg, weights, meta = load_gguf(path, mx.float32, quant=plan)
+    return build_model(cfg, weights), weights
+
+
+def test_qlora_model_equals_the_dequantized_model(q8_model):
+    qmodel, weights = _load(q8_model, QuantPlan())
+    dmodel, _ = _load(q8_model, None)
+    attn, ffn = qmodel.layers[0].attn, qmodel.layers[0].ffn
+    assert isinstance(attn.q, QuantizedHeadProjection) and isinstance(attn.k, QuantizedHeadProjection)
+    assert isinstance(attn.o, QuantizedLinear) and isinstance(ffn.down, QuantizedLinear)
+    assert type(qmodel.tok_embeddings).__name__ == "QuantizedEmbedding"  # the file's Q8_0 table, exact
+    # the same weights bit for bit: per head, and as the loader's dense path reads them
+    assert mx.array_equal(attn.q.dense_weight(), dmodel.layers[0].attn.q.weight).item()
+    down = quant.dequantize(ffn.down.weight, ffn.down.scales, ffn.down.biases, ffn.down.group_size, ffn.down.bits)
+    assert mx.array_equal(down, dmodel.layers[0].ffn.down.weight).item()
+    tokens = mx.array(np.random.default_rng(0).integers(0, 259, (2, 24)).astype(np.int32))
+    np.testing.assert_allclose(np.array(qmodel(tokens)), np.array(dmodel(tokens)), rtol=1e-4, atol=1e-4)
+    quantized_bytes = sum(v.nbytes for _, v in tree_flatten(qmodel.parameters()))
+    dense_bytes = sum(v.nbytes for _, v in tree_flatten(dmodel.parameters()))
+    assert quantized_bytes < 0.5 * dense_bytes
+
+
+def test_qlora_adapter_gradients_match_finite_differences(q8_model):
+    model, _ = _load(q8_model, QuantPlan())
+    apply_lora(model, ["q", "k", "v", "o", "gate", "up", "down"], 4, 8.0)
+    rng = np.random.default_rng(2)
+    # B != 0, so every adapter carries gradient
+    model.update(tree_unflatten([(k, mx.array(rng.standard_normal(v.shape).astype(np.float32) * 0.05))
+                                 for k, v in lora_parameters(model).items()]))
+    tokens = mx.array(rng.integers(0, 259, (1, 16)).astype(np.int32))
+
+    def loss(params):
+        model.update(params)
+        return mx.mean(mx.logsumexp(model(tokens), axis=-1))
+
+    params = model.trainable_parameters()
+    grads = dict(tree_flatten(mx.grad(loss)(params)))
+    flat = dict(tree_flatten(params))
+    assert set(grads) == set(lora_parameters(model))  # the frozen quantized base has none
+    for name in ["layers.0.attn.q.lora_a", "layers.1.attn.k.lora_b", "layers.0.ffn.down.lora_a",
+                 "layers.1.attn.o.lora_b"]:
+        base = np.array(flat[name])
+        for idx in [(0, 0), (1, 3)]:
+            eps = 1e-2
+            up, down = base.copy(), base.copy()
+            up[idx] += eps
+            down[idx] -= eps
+            lo = loss(tree_unflatten(list((flat | {name: mx.array(down)}).items()))).item()
+            hi = loss(tree_unflatten(list((flat | {name: mx.array(up)}).items()))).item()
+            fd = (hi - lo) / (2 * eps)
+            assert abs(fd - np.array(grads[name])[idx]) < 2e-3 + 2e-2 * abs(fd), (name, idx, fd)
+        model.update(tree_unflatten(list(flat.items())))
+
+
+def test_q4_0_gguf_from_llama_cpp_loads_quantized(q8_model, tmp_path):
+    f32 = str(tmp_path / "f32.gguf")
+    cfg, weights, meta = load_gguf(q8_model, mx.float32)
+    tok = byte_tokenizer(tmp_path)
+    write_gguf(f32, cfg, weights, tok.to_gguf_metadata(), dtype="f32")
+    q4 = quantize_gguf(f32, str(tmp_path / "q4_0.gguf"), "q4_0")
+    qmodel, _ = _load(q4, QuantPlan())
+    dmodel, _ = _load(q4, None)
+    assert qmodel.layers[1].attn.v.bits == 4
+    tokens = mx.array(np.arange(20, dtype=np.int32)[None])
+    np.testing.assert_allclose(np.array(qmodel(tokens)), np.array(dmodel(tokens)), rtol=1e-4, atol=1e-4)
+
+
+_MEASURE = r"""
+import json, sys
+import mlx.core as mx
+from mlxtoy.io.gguf_read import load_gguf
+from mlxtoy.models.quant import PackedMatrix, QuantPlan
+
+def status(key):  # kB lines of /proc/self/status
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+path, mode = sys.argv[1], sys.argv[2]
+mx.eval(mx.zeros(1))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident set (VmHWM) starts again from now
+before = status("VmRSS:")
+cfg, weights, meta = load_gguf(path, mx.float32, quant=QuantPlan() if mode == "stream" else None)
+peak = status("VmHWM:")
+final = sum(v.nbytes for v in weights.values())
+largest = max((v.shape[0] * v.shape[1] if isinstance(v, PackedMatrix) else v.size) * 4 for v in weights.values())
+print(json.dumps({"before": before, "peak": peak, "final": final, "largest_f32": largest}))
+"""
+
+
+def _measure(path: str, mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _MEASURE, path, mode], capture_output=True, text=True,
+                         cwd=REPO, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_streaming_load_peak_memory_is_bounded(tmp_path):
+    """A 4-layer, d_model 512 Q8_0 file (~80 MB in float32): the quantized load grows the
+    process by about its final size plus one float32 tensor; the eager float32 load (the
+    positive control) by at least the float32 model."""
+    tok = byte_tokenizer(tmp_path)
+    model = tiny_model(0, vocab_size=tok.vocab_size, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4,
+                       d_head=64, d_ff=2048)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, model.config, dict(tree_flatten(model.parameters())), tok.to_gguf_metadata(), dtype="q8_0")
+    del model
+    stream, eager = _measure(path, "stream"), _measure(path, "eager")
+    grown, grown_eager = stream["peak"] - stream["before"], eager["peak"] - eager["before"]
+    bound = stream["final"] + 2 * stream["largest_f32"] + (8 << 20)
+    assert grown <= bound, (grown, stream)
+    assert grown_eager >= eager["final"] > 3 * stream["final"], (grown_eager, eager)
