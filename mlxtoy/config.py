@@ -124,6 +124,7 @@ class LoadedMeta:
     format: str  # "gguf" or "hf"
     tensor_types: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    quantization_errors: dict[str, float] = field(default_factory=dict)  # tensor -> relative RMS error added at load
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,8 +221,13 @@ class TrainConfig:
     strict_memory: bool = option(False, "refuse to start a run whose estimated peak memory exceeds the "
                                  "machine's (default: warn, naming settings that fit)")
     dtype: str = option("auto", "compute dtype (auto: the backend's; float32 on CPU)", choices=DTYPES)
-    qlora: str = option("auto", "keep a quantized base quantized (auto: on Metal/CUDA only)",
+    qlora: str = option("auto", "keep the base quantized, every LoRA-targetable projection (QLoRA; auto: "
+                        "on Metal/CUDA for a quantized file, on CPU when float32 would not fit in memory)",
                         choices=QLORA_MODES, methods=ADAPTER_METHODS)
+    qlora_bits: int = option(4, "QLoRA: bits of the matrices quantized at load, 4 or 8 (Q4_0/Q4_1/Q8_0 "
+                             "GGUF blocks keep their own)", check="pos", methods=ADAPTER_METHODS)
+    qlora_group_size: int = option(32, "QLoRA: inputs per quantization group, 32 or 64", check="pos",
+                                   methods=ADAPTER_METHODS)
 
     # LoRA
     lora_rank: int = option(8, "LoRA rank", check="pos", methods=ADAPTER_METHODS, label="lora rank")

@@ -30,7 +30,7 @@ from mlxtoy.train.data import Dataset, Renderer, load_dataset, tokenize
 from mlxtoy.train.records import DataOptions, check_objective, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
-from mlxtoy.train.memory import MemoryCheck, check_memory, set_memory_limits
+from mlxtoy.train.memory import MemoryCheck, check_memory, qlora_plan, set_memory_limits
 from mlxtoy.train.pairs import tokenize_pairs
 
 # fields that change the shape of what a checkpoint holds; a resume may not change them
@@ -81,7 +81,8 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
     cfg.validate()
     raw = read_data(cfg.data, DataOptions.of(cfg))
     check_objective(raw, cfg.objective)
-    model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None)
+    model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None,
+                                          quant=qlora_plan(cfg))
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
                            cfg.seed, raw=raw, tokenize_fn=tokenize_pairs if cfg.preference else tokenize)
     facts.data = {"train_examples": len(dataset.train), "valid_examples": len(dataset.valid),

@@ -38,7 +38,9 @@ from mlx.utils import tree_flatten
 from mlxtoy import backend
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
+from mlxtoy.loading import source_size
 from mlxtoy.models.fastmath import BLOCK_ATTENTION, KERNELS
+from mlxtoy.models.quant import QuantPlan
 from mlxtoy.train.build import train_dtype
 from mlxtoy.train.objectives import loss_logits_alive, output_layer
 from mlxtoy.train.step import block_matrix
@@ -54,6 +56,7 @@ BLOCKS_TRANSIENT = 1.5  # beyond the kept activations: the block being different
 # without the CPU kernels: their blocks keep less, so one block is a smaller unit)
 BLOCKS_TRANSIENT_CHECKPOINTED = 4.2 if KERNELS else 2.75
 UPDATE_STATE_SHARE = 0.075  # the optimizer update's temporaries, as a share of its state
+CPU_QLORA_SHARE = 0.6  # --qlora auto on CPU: quantize when float32 weights would take more
 REFUSE_FACTOR = 2.0  # beyond this many times the machine's memory a run is refused outright
 MEMORY_ENV = "MLXTOY_MEMORY_GB"  # overrides the machine's memory figure (leave room, tests)
 
@@ -282,6 +285,23 @@ def machine_memory() -> tuple[int | None, str]:
     if device == "cuda" and info.get("total_memory"):
         return int(info["total_memory"]), "GPU memory"
     return physical_memory(), "physical memory"
+
+
+def qlora_plan(cfg: TrainConfig) -> QuantPlan | None:
+    """How to load the base for QLoRA, or None for a dense base. `--qlora auto`: on Metal/CUDA
+    for a quantized file (MLX multiplies it as it is); on CPU when the float32 model would take
+    more than CPU_QLORA_SHARE of the memory (QLoRA's products there dequantize slab by slab,
+    slower than a float32 base that fits). Read from the file's header: nothing is loaded."""
+    if not cfg.adapters or cfg.qlora == "off" or cfg.method == "scratch":
+        return None
+    plan = QuantPlan(cfg.qlora_bits, cfg.qlora_group_size).validate()
+    if cfg.qlora == "on":
+        return plan
+    params, quantized = source_size(cfg.model)
+    if backend.INFO.device != "cpu":
+        return plan if quantized else None
+    available, _ = machine_memory()
+    return plan if available and params * 4 > CPU_QLORA_SHARE * available else None
 
 
 def largest_batch(cfg: TrainConfig, model: nn.Module, available: int, **kw) -> int:
