@@ -9,6 +9,7 @@ therefore be imported before anything touches `mlx.core`; `mlxtoy/__init__.py` d
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import importlib.util
 import os
@@ -16,6 +17,10 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from types import ModuleType
+
+from mlxtoy import settings
+from mlxtoy.errors import UserError
 
 _BLAS_NAME: str | None = None
 _BLAS_PATH: str | None = None
@@ -56,7 +61,7 @@ def blas_candidates(vendor: str, flags: set[str]) -> list[tuple[str, str]]:
     """Optimized BLAS libraries we know how to load, best first for a CPU of this vendor and
     these flags (`cpu_features()`), as (name, path); name "openblas+prefix" is PyPI's OpenBLAS,
     reached through libmlxtoy_blas. MLXTOY_BLAS=mkl|openblas|none|<path> chooses instead."""
-    override = os.environ.get("MLXTOY_BLAS", "")
+    override = settings.BLAS.value()
     if override.lower() in ("none", "off", "0"):
         return []
     if override and override.lower() not in ("mkl", "openblas"):
@@ -163,7 +168,7 @@ def _keep_freed_memory() -> bool:
     step's logits, softmax and gradients are hundreds of MB each): on Linux CPU this doubled
     the SmolLM2 step time. Serving them from the heap and never trimming it keeps freed memory
     for the next step. The process then holds on to its peak; MLXTOY_MALLOC=system opts out."""
-    if platform.system() != "Linux" or os.environ.get("MLXTOY_MALLOC", "").lower() == "system":
+    if platform.system() != "Linux" or settings.MALLOC.value() == "system":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -196,29 +201,100 @@ class BackendInfo:
         return f"device={self.device} blas={blas} compute_dtype={dtype}"
 
 
-def _pick_device() -> str:
-    want = os.environ.get("MLXTOY_DEVICE", "").lower()
-    if want == "cpu":
-        return "cpu"
+def gpu_name() -> str | None:
+    """The GPU backend this MLX can compute on ("metal" or "cuda"), None where there is none."""
     if mx.metal.is_available():
         return "metal"
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and getattr(cuda, "is_available", lambda: False)():
         return "cuda"
-    return "cpu"
+    return None
 
 
-def _setup() -> BackendInfo:
-    device = _pick_device()
+def _pick_device(want: str) -> str:
+    """"cpu", "gpu" (an error where there is none) or "" (the GPU where there is one)."""
+    if want == "cpu":
+        return "cpu"
+    gpu = gpu_name()
+    if want == "gpu" and gpu is None:
+        raise UserError("no GPU here (this MLX finds neither Metal nor CUDA)")
+    return gpu or "cpu"
+
+
+def _setup(want: str) -> BackendInfo:
+    device = _pick_device(want)
     mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
     # bf16/fp16 and quantized matmuls are slow on MLX CPU: compute in float32 there.
     compute = mx.float32 if device == "cpu" else mx.bfloat16
-    if os.environ.get("MLXTOY_DTYPE"):
-        compute = getattr(mx, os.environ["MLXTOY_DTYPE"])
+    if settings.DTYPE.value():
+        compute = getattr(mx, settings.DTYPE.value())
     return BackendInfo(device, _BLAS_NAME, _BLAS_PATH, compute, _BLAS_CORE)
 
 
-INFO = _setup()
+def _setup_from_environment() -> BackendInfo:
+    try:
+        return _setup(settings.DEVICE.value())
+    except UserError as e:  # at import there is no `error:` handling yet: fall back, say so
+        print(f"warning: {settings.DEVICE.name}=gpu: {e}; computing on the CPU", file=sys.stderr)
+        return _setup("cpu")
+
+
+INFO = _setup_from_environment()
+
+
+def use_device(want: str) -> BackendInfo:
+    """Compute on "cpu" or "gpu" from now on (`--device`), with that device's compute dtype;
+    a UserError where the GPU is asked for and there is none. Call it before any work: arrays
+    made earlier stay where they are, and the CPU-only maths of `fastmath` was chosen at import."""
+    try:
+        new = _setup(want)
+    except UserError as e:
+        raise UserError(f"--device {want}: {e}; use --device cpu") from None
+    INFO.device, INFO.compute_dtype = new.device, new.compute_dtype
+    return INFO
+
+
+# What rebuilds the kernels against the MLX installed now (from a checkout of mlxtoy)
+KERNELS_FIX = "pip install --force-reinstall --no-build-isolation ./kernels"
+KERNELS_STAMP = "mlx_version.txt"  # in the mlxtoy_kernels package: the MLX version it was built against
+
+
+def kernels_stamp() -> str | None:
+    """The MLX version the installed kernels were built against; None where they are not
+    installed or carry no stamp (a build older than the stamp)."""
+    kernels = _package_dir("mlxtoy_kernels")
+    try:
+        with open(os.path.join(kernels or "", KERNELS_STAMP), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+@functools.cache
+def cpu_kernels() -> tuple[ModuleType | None, str]:
+    """(the `mlxtoy_kernels` module, "on") where it is installed, wanted (MLXTOY_KERNELS) and built
+    against this MLX; else (None, why). A build for another MLX is never imported: its primitives
+    would meet another MLX's arrays. Refusing one prints one warning line naming the fix."""
+    if not settings.KERNELS.value():
+        return None, f"{settings.KERNELS.name}=0"
+    if _package_dir("mlxtoy_kernels") is None:
+        return None, "not installed"
+    stamp = kernels_stamp()
+    if stamp != mx.__version__:
+        why = f"built for MLX {stamp}" if stamp else "built for an unknown MLX (no stamp)"
+        print(f"warning: mlxtoy's CPU kernels were {why}, this is MLX {mx.__version__}: running "
+              f"without them; rebuild them with `{KERNELS_FIX}`", file=sys.stderr)
+        return None, f"{why}, this is MLX {mx.__version__}: {KERNELS_FIX}"
+    try:
+        import mlxtoy_kernels  # deferred: only a build stamped for this MLX is imported
+
+        with mx.stream(mx.cpu):
+            mx.eval(mlxtoy_kernels.swiglu(mx.zeros((1,)), mx.zeros((1,))))
+    except (ImportError, OSError, TypeError, RuntimeError, ValueError) as e:
+        print(f"warning: mlxtoy's CPU kernels do not load ({e}): running without them; rebuild them "
+              f"with `{KERNELS_FIX}`", file=sys.stderr)
+        return None, f"do not load ({type(e).__name__}): {KERNELS_FIX}"
+    return mlxtoy_kernels, "on"
 
 
 def compute_dtype() -> mx.Dtype:

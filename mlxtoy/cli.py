@@ -14,11 +14,11 @@ import os
 import sys
 import traceback
 
-from mlxtoy import __version__
-from mlxtoy.commands import chat, export, generate, inspect, taps, train, tui
+from mlxtoy import __version__, backend
+from mlxtoy.commands import chat, doctor, export, generate, inspect, taps, train, tui
 from mlxtoy.errors import UserError
 
-COMMANDS = (inspect, generate, chat, train, export, taps, tui)  # in `mlxtoy --help` order
+COMMANDS = (inspect, generate, chat, train, export, taps, tui, doctor)  # in `mlxtoy --help` order
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,8 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMANDS:
         p = module.add_parser(sub)
         p.formatter_class = ReferenceHelpFormatter
+        add_device_argument(p)
         p.set_defaults(_run=module.run)
     return parser
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """`--device cpu|gpu`, which every command takes; `main` applies it before the command runs."""
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                   help="compute on the CPU or the GPU (Metal or CUDA); default: the GPU where there "
+                        "is one (MLXTOY_DEVICE sets it for every command)")
 
 
 def _guard_streams() -> bool:
@@ -92,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        if args.device:
+            backend.use_device(args.device)
         code = int(args._run(args) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The test command from the README: sets itself up, then runs the whole suite
-# (tiny-model tests and the real-model SmolLM2 tests). Extra arguments go to pytest.
+# (tiny-model tests and the real-model SmolLM2 tests), then the core of it (`-m core`: parity,
+# gradients, adapters, preference losses, resume, greedy decoding, exports) a second time with
+# MLXTOY_KERNELS=0: the MLX-only path, which Metal and CUDA run. Extra arguments go to both runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
-set +e
-.venv/bin/python -m pytest -q -rs --durations=15 "$@"
-rc=$?
-set -e
-# pytest exits 5 when nothing was collected (e.g. a -k filter that matches nothing).
-if [ "$rc" -eq 5 ]; then echo "no tests collected"; exit 0; fi
+run_pytest() {
+  # pytest exits 5 when nothing was collected (e.g. a -k filter that matches nothing)
+  local rc=0
+  "$@" || rc=$?
+  if [ "$rc" -eq 5 ]; then echo "no tests collected"; rc=0; fi
+  return "$rc"
+}
+rc=0
+run_pytest .venv/bin/python -m pytest -q -rs --durations=15 "$@" || rc=$?
+echo "== the core again on the MLX-only path (MLXTOY_KERNELS=0)"
+run_pytest env MLXTOY_KERNELS=0 .venv/bin/python -m pytest -q -rs -m core --durations=10 "$@" || rc=$?
 exit "$rc"

@@ -150,6 +150,7 @@ def _ours(model, tokens: list[int]) -> np.ndarray:
     return np.array(model(mx.array([tokens]))[0].astype(mx.float32))
 
 
+@pytest.mark.core
 def test_hf_folder_matches_transformers(hf_case):
     name, folder, ref, tokens = hf_case
     model, _ = load(folder)
@@ -164,6 +165,7 @@ def test_hf_folder_matches_transformers(hf_case):
         assert max_rel_diff(_ours(full, tokens), theirs) > 1e-2
 
 
+@pytest.mark.core
 def test_gguf_export_runs_in_llama_cpp(hf_case, tmp_path):
     name, folder, ref, tokens = hf_case
     out = export(folder, str(tmp_path / "m.gguf"), "gguf", "f32")
@@ -247,6 +249,7 @@ def test_mlx_lm_loads_our_hf_export_and_adapters(hf_case, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["lora", "dora", "full"])
+@pytest.mark.core
 def test_fine_tuning_lowers_the_loss(hf_case, tmp_path, method):
     name, folder, _, _ = hf_case
     data = write_jsonl(str(tmp_path / "d" / "train.jsonl"),
@@ -259,6 +262,7 @@ def test_fine_tuning_lowers_the_loss(hf_case, tmp_path, method):
     assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], (name, losses)
 
 
+@pytest.mark.core
 def test_cached_decoding_equals_uncached(hf_case):
     """64 tokens past the window, greedily through the compiled decode step and step by step
     through the KV cache: each equals the uncached forward."""

@@ -90,6 +90,7 @@ def _numpy_dora_weight(m) -> np.ndarray:
 # ---- the layer ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,per_head_q", [("llama_gqa", True), ("qwen2_bias", False)])
+@pytest.mark.core
 def test_step0_equals_base_exactly(name, per_head_q):
     base = tiny_model(name)
     model = tiny_model(name)
@@ -111,6 +112,7 @@ def test_step0_equals_base_exactly(name, per_head_q):
 
 
 @pytest.mark.parametrize("name,per_head_q", [("llama_gqa", True), ("qwen2_bias", False)])
+@pytest.mark.core
 def test_forward_equals_numpy_dora_weight(name, per_head_q):
     """Each wrapper's output and the whole model equal a plain model carrying numpy's W'."""
     _, model, _ = _dora_model(name, per_head_q=per_head_q)
@@ -158,6 +160,7 @@ def _fd_errors(model, loss_of, names, eps, n_coords=3):
     return out
 
 
+@pytest.mark.core
 def test_gradients_equal_finite_differences(monkeypatch):
     """The wrappers alone in float64 (no fused float32 kernels: tight), then the whole model
     (MLX's fused RMSNorm / attention work in float32 inside: eps 1e-2, 2%). B and m are away
@@ -364,6 +367,7 @@ def _steps(run, key="loss") -> list[float]:
     return [e[key] for e in read_metrics(os.path.join(str(run), "metrics.jsonl")) if e["event"] == "step"]
 
 
+@pytest.mark.core
 def test_resume_equals_uninterrupted(tmp_path, work):
     kw = dict(steps=12, grad_accum=2, lr=1e-2, warmup=2, save_every=0, eval_every=3, lora_dropout=0.2,
               lora_targets=["q", "v", "down"], lora_per_head_q=True)
@@ -427,6 +431,7 @@ def test_dpo_reference_is_the_base(tmp_path, work):
     assert _steps(tmp_path / "dpo", "reward_margin")[0] == 0.0
 
 
+@pytest.mark.core
 def test_qlora_base(tmp_path, work):
     """The quantized-base branch (forced on): m starts at the dequantized weight's row norms, so
     step 0 is the quantized base exactly; training runs."""

@@ -66,6 +66,7 @@ def _lora_model(name: str, targets=ALL_TARGETS, per_head_q: bool = True, layers=
 # ---- GGUF models in llama.cpp ---------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.core
 def test_gguf_logits_match_llama_cpp(tmp_path, name):
     model = tiny_model(name)
     tokens = tokens_128()
@@ -205,6 +206,7 @@ def test_gpt2_gguf_in_llama_cpp(tmp_path):
     ("qwen2_bias", False, ALL_TARGETS, None),
     ("llama_untied", True, ("q", "v", "down"), [1]),
 ])
+@pytest.mark.core
 def test_adapter_gguf_equals_merged_in_llama_cpp(tmp_path, name, per_head, targets, layers):
     base, model, tok = _lora_model(name, targets, per_head, layers)
     tokens = tokens_128()
@@ -513,6 +515,7 @@ def smollm2(smollm2_path):
 
 @pytest.mark.real
 @pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.core
 def test_smollm2_gguf_in_llama_cpp(tmp_path, smollm2, smollm2_path, dtype):
     model, tok, tokens, ours = smollm2
     out = str(tmp_path / f"smollm2-{dtype}.gguf")
@@ -565,6 +568,7 @@ def test_smollm2_f32_round_trip_bitwise(tmp_path, smollm2):
 
 
 @pytest.mark.real
+@pytest.mark.core
 def test_smollm2_lora_adapter_in_llama_cpp(tmp_path, smollm2, smollm2_path):
     """A per-head Q + V adapter on SmolLM2: llama.cpp's base + adapter == our merged export."""
     _, tok, tokens, base_logits = smollm2

@@ -81,6 +81,7 @@ def assert_same_greedy(tokens: list[int], ref_logits: np.ndarray, tie: float = 1
 
 
 @pytest.mark.parametrize("kind", list(TINY))
+@pytest.mark.core
 def test_cached_equals_uncached_tiny(kind):
     model = tiny_model(kind)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 300, size=37)]
@@ -458,6 +459,7 @@ CHAT_PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
 @pytest.mark.real
+@pytest.mark.core
 def test_cached_equals_uncached_smollm2(smollm2):
     from mlxtoy.generate import encode_chat
 
@@ -470,6 +472,7 @@ def test_cached_equals_uncached_smollm2(smollm2):
 
 
 @pytest.mark.real
+@pytest.mark.core
 def test_greedy_matches_llama_cpp_token_for_token(smollm2, smollm2_f32):
     import llama_cpp
 

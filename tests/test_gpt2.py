@@ -97,6 +97,7 @@ def gpt2_gguf(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("variant", ["tied", "untied", "tied-copy"])
+@pytest.mark.core
 def test_gpt2_llama_cpp_parity(tmp_path, variant):
     path = write_tiny_gpt2_gguf(str(tmp_path / "m.gguf"), untied=variant == "untied",
                                 tied_copy=variant == "tied-copy", seed=2)
@@ -119,6 +120,7 @@ def test_gpt2_llama_cpp_parity_without_gelu(tmp_path):
     assert r["mismatch"] == [] and r["rel"] < EXACT_REL, r
 
 
+@pytest.mark.core
 def test_gpt2_transformers_parity(tmp_path, gpt2_gguf):
     """Same weights in transformers' GPT2LMHeadModel (via our HF export), and back through our
     HF loader: transformers agrees to float32 precision, and our two loaders agree exactly."""

@@ -38,6 +38,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.core
 def test_tiny_llama_cpp_parity(tmp_path, variant):
     cfg = tiny_config(**VARIANTS[variant])
     path = write_tiny_gguf(str(tmp_path / "m.gguf"), cfg, random_gguf_tensors(cfg, seed=3))
@@ -75,6 +76,7 @@ def test_tiny_linear_rope_scaling(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.core
 def test_tiny_tensor_types(tmp_path, qtype):
     """Dequantization is exact (our logits on the quantized file equal those on its F32
     re-typing) and the result agrees with llama.cpp's run of that F32 re-typing."""
@@ -165,6 +167,7 @@ def test_gguf_and_hf_folder_agree(tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.core
 def test_hf_folder_matches_transformers(tmp_path, variant):
     import torch
     import transformers
@@ -193,6 +196,7 @@ def test_hf_folder_matches_transformers(tmp_path, variant):
 # ---- the real model -------------------------------------------------------------------------
 
 @pytest.mark.real
+@pytest.mark.core
 def test_smollm2_parity_with_llama_cpp(smollm2_path, smollm2_f32_path):
     from mlxtoy import load
 

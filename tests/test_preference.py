@@ -116,6 +116,7 @@ HF_NAMES = {"layers.0.ffn.down.weight": "model.layers.0.mlp.down_proj.weight",
 
 @pytest.mark.parametrize("objective,eps", [("dpo", 0.0), ("dpo", 0.2), ("orpo", 0.0)])
 @pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.core
 def test_loss_and_gradients_equal_torch(work, objective, eps, packed):
     """A batch of 5 pairs (prompts and completions of different lengths; one padded short
     batch) through our objective vs transformers + the papers' formulas in torch."""
@@ -207,6 +208,7 @@ def _same_runs(a, b, atol):
 
 
 @pytest.mark.parametrize("objective", ["dpo", "orpo"])
+@pytest.mark.core
 def test_packed_equals_unpacked_and_accumulated(work, tmp_path, objective):
     """--pack (one row per pair) == --no-pack (a row per completion) == 2 micro-batches of 2."""
     runs = {"packed": {}, "padded": {"pack": False}, "accum": {"batch_size": 2, "grad_accum": 2}}
@@ -223,6 +225,7 @@ def test_packed_equals_unpacked_and_accumulated(work, tmp_path, objective):
 
 
 @pytest.mark.parametrize("method,objective", [("full", "dpo"), ("lora", "orpo")])
+@pytest.mark.core
 def test_resume_equals_uninterrupted(work, tmp_path, method, objective):
     kw = dict(method=method, objective=objective, steps=6, grad_accum=2, lr=2e-3 if method == "full" else 5e-3,
               eval_every=3, warmup=1)

@@ -144,6 +144,7 @@ def _gpt2_model():
     return model
 
 
+@pytest.mark.core
 def test_gradients_match_finite_differences(exact_kernels):
     model = tiny_model(seed=1)
     _randomize(model, 1)
@@ -151,6 +152,7 @@ def test_gradients_match_finite_differences(exact_kernels):
     assert bad == [], bad[:5]
 
 
+@pytest.mark.core
 def test_gpt2_gradients_match_finite_differences(exact_kernels):
     """The same check through GPT-2's LayerNorm and biases (it shares the block code)."""
     bad = _fd_check(_gpt2_model(), seed=2)

@@ -20,6 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxtoy import settings
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_path
 from mlxtoy.io.hub import fetch_model, parse_id
@@ -47,7 +48,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MLXTOY_CACHE") or os.path.join(
+    root = settings.CACHE.value() or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxtoy")
     return Path(root)
 

@@ -24,12 +24,7 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy import backend
-
-try:  # optional: built from kernels/ by scripts/setup.sh (`pip install ./kernels`)
-    import mlxtoy_kernels
-except ImportError:
-    mlxtoy_kernels = None
+from mlxtoy import backend, settings
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 split in two so n * ln2 stays exact in float32
@@ -79,26 +74,13 @@ def silu(x: mx.array) -> mx.array:
     return nn.silu(x)
 
 
-def _on_cpu() -> bool:
-    return backend.INFO.device == "cpu" and backend.os.environ.get("MLXTOY_FAST_MATH", "1") != "0"
-
-
-_ON_CPU = _on_cpu()
-
-
-_KERNELS_SWITCHED_OFF = backend.os.environ.get("MLXTOY_KERNELS", "1") == "0"
+_ON_CPU = backend.INFO.device == "cpu"
 
 
 def _load_kernels():
-    """The kernels module when it is installed, wanted, and built against this MLX (a build
-    for another MLX's bindings does not accept its arrays), else None."""
-    if not _ON_CPU or mlxtoy_kernels is None or _KERNELS_SWITCHED_OFF:
-        return None
-    try:
-        mx.eval(mlxtoy_kernels.swiglu(mx.zeros((1,)), mx.zeros((1,))))
-    except (TypeError, RuntimeError, ValueError):
-        return None
-    return mlxtoy_kernels
+    """The kernels module on CPU when it is installed, wanted and built against this MLX
+    (`backend.cpu_kernels`), else None."""
+    return backend.cpu_kernels()[0] if _ON_CPU else None
 
 
 _K = _load_kernels()
@@ -106,18 +88,15 @@ KERNELS = _K is not None  # the compiled kernels are in use
 
 
 def kernels_status() -> str:
-    """Whether the compiled kernels are in use, and if not why (for `mlxtoy inspect --env`)."""
+    """`on (...)`, or `off (why)`: whether the compiled kernels are in use (`mlxtoy doctor`)."""
     if KERNELS:
         team = "MKL's OpenMP threads" if _K.openmp() else "their own pool"
         gemms = "the kernels' AVX-512 GEMM" if GEMM else "the BLAS"
         return f"on ({_K.threads()} threads: {team}; float32 products of many rows: {gemms})"
     if not _ON_CPU:
-        return "off (not the CPU backend, or MLXTOY_FAST_MATH=0)"
-    if mlxtoy_kernels is None:
-        return "off (not installed: pip install ./kernels)"
-    if _KERNELS_SWITCHED_OFF:
-        return "off (MLXTOY_KERNELS=0)"
-    return "off (built for another MLX: reinstall ./kernels)"
+        return f"off (device {backend.INFO.device}: the kernels are for the CPU)"
+    why = backend.cpu_kernels()[1]
+    return f"off (not installed: {backend.KERNELS_FIX})" if why == "not installed" else f"off ({why})"
 
 
 def _kernel_ok(*arrays: mx.array) -> bool:
@@ -237,7 +216,7 @@ def _gemv(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
 
 # Products of many rows through the kernels' AVX-512 GEMM, which outruns the BLAS on these
 # shapes whether or not the BLAS has AVX-512 kernels of its own (bench/, README)
-GEMM = KERNELS and _K.gemm_ok() and backend.os.environ.get("MLXTOY_GEMM", "1") != "0"
+GEMM = KERNELS and _K.gemm_ok() and settings.GEMM.value()
 
 
 def _takes_gemm(x: mx.array, *weights: mx.array) -> bool:
@@ -322,8 +301,8 @@ def rope(x: mx.array, offset: int | mx.array, inv_freqs: mx.array, dims: int, tr
     return _K.rope(x, offset, inv_freqs, dims, traditional, scale)
 
 
-FUSED_DECODE = backend.os.environ.get("MLXTOY_FUSED_DECODE", "1") != "0"  # tests compare both ways
-PACKED_DECODE = backend.os.environ.get("MLXTOY_PACKED_DECODE", "1") != "0"
+FUSED_DECODE = settings.FUSED_DECODE.value()  # tests compare both ways
+PACKED_DECODE = settings.PACKED_DECODE.value()
 
 
 def pack_lossless(w: mx.array) -> mx.array | None:
@@ -533,7 +512,7 @@ def _kernel_decode_attention(scale: float):
 # The kernels' block attention calls the BLAS from inside their threads: only where each call
 # then runs on its calling thread (MKL inside its OpenMP team, an OpenBLAS set to one thread);
 # BLAS threads of its own under each of ours would oversubscribe the cores.
-BLOCK_ATTENTION = KERNELS and _K.block_attention_ok() and backend.os.environ.get("MLXTOY_BLOCK_ATTENTION", "1") != "0"
+BLOCK_ATTENTION = KERNELS and _K.block_attention_ok() and settings.BLOCK_ATTENTION.value()
 
 _BLOCK_ATTENTIONS: dict = {}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -23,9 +22,6 @@ from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.lora import lora_parameters
 from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_OPTIMIZER, CKPT_STATE, CKPT_TRAINABLE,
                            MODEL_CONFIG, MODEL_WEIGHTS, REFERENCE_LOGPS, CheckpointState, RunDir, RunFacts)
-
-# Tests set this to make the writer pause between files, so a kill lands mid-write.
-WRITE_DELAY_ENV = "MLXTOY_CKPT_WRITE_DELAY"
 
 
 def save_safetensors_atomic(path: str, tensors: dict[str, mx.array],
@@ -42,9 +38,6 @@ def save_checkpoint(run: RunDir, state: CheckpointState, trainable: dict[str, mx
         return run.checkpoint_path(state.step)
     with run.new_checkpoint(state.step) as tmp:
         mx.save_safetensors(os.path.join(tmp, CKPT_TRAINABLE), trainable)
-        delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
-        if delay:
-            time.sleep(delay)  # tests: a kill now lands in the middle of the write
         mx.save_safetensors(os.path.join(tmp, CKPT_OPTIMIZER), optimizer_state)
         with open(os.path.join(tmp, CKPT_STATE), "w", encoding="utf-8") as f:
             json.dump(state.__dict__, f, indent=1)

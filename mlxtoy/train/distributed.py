@@ -49,7 +49,6 @@ from mlxtoy.train.control import Control
 from mlxtoy.train.data import Batch
 from mlxtoy.train.job import Prepared, prepare
 
-TIMEOUT_ENV = "MLXTOY_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may wait for the other ranks
 _LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _BUCKET = 1 << 24  # elements per all-reduce (64 MB of float32): bounded extra memory
@@ -95,9 +94,7 @@ def setup(requested: bool = False, timeout: float | None = None) -> "Distributed
             print("warning: --distributed but only one process (start the ranks with "
                   "mlx.launch -n N ...): training in this process alone", file=sys.stderr)
         return None
-    if timeout is None:
-        timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
-    _ACTIVE = Distributed(group, timeout)
+    _ACTIVE = Distributed(group, DEFAULT_TIMEOUT if timeout is None else timeout)
     return _ACTIVE
 
 

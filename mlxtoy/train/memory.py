@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxtoy import backend
+from mlxtoy import backend, settings
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.loading import source_size
@@ -58,7 +58,7 @@ BLOCKS_TRANSIENT_CHECKPOINTED = 4.2 if KERNELS else 2.75
 UPDATE_STATE_SHARE = 0.075  # the optimizer update's temporaries, as a share of its state
 CPU_QLORA_SHARE = 0.6  # --qlora auto on CPU: quantize when float32 weights would take more
 REFUSE_FACTOR = 2.0  # beyond this many times the machine's memory a run is refused outright
-MEMORY_ENV = "MLXTOY_MEMORY_GB"  # overrides the machine's memory figure (leave room, tests)
+MEMORY_ENV = settings.MEMORY_GB.name  # overrides the machine's memory figure (leave room, tests)
 
 
 @dataclass
@@ -269,14 +269,10 @@ def _device_info() -> dict:
 def machine_memory() -> tuple[int | None, str]:
     """(bytes a training step may use, what that figure is): on Metal the recommended working
     set, on CUDA the GPU's memory, else the physical memory. MLXTOY_MEMORY_GB overrides it."""
-    override = os.environ.get(MEMORY_ENV, "").strip()
-    if override:
-        try:
-            value = float(override)
-        except ValueError:
-            raise UserError(f"{MEMORY_ENV}={override!r}: expected a number of GB") from None
+    value = settings.MEMORY_GB.value()
+    if value is not None:
         if not (math.isfinite(value) and value > 0):
-            raise UserError(f"{MEMORY_ENV}={override!r}: expected a number of GB > 0")
+            raise UserError(f"{MEMORY_ENV}={settings.MEMORY_GB.raw()!r}: expected a number of GB > 0")
         return int(value * GB), MEMORY_ENV
     device = backend.INFO.device
     info = _device_info() if device in ("metal", "cuda") else {}
