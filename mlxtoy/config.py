@@ -139,7 +139,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "muon")  # mlx.optimizers, by name
 QLORA_MODES = ("auto", "on", "off")
 DASHBOARDS = ("tensorboard", "wandb")  # --report-to (mlxtoy.dashboards; optional extras)
-OBJECTIVES = ("sft", "dpo", "orpo")  # the loss; `method` is what is trained
+OBJECTIVES = ("sft", "dpo", "orpo", "grpo")  # the loss (mlxtoy.train.objectives); `method` is what is trained
 PREFERENCE_OBJECTIVES = ("dpo", "orpo")  # trained on {prompt, chosen, rejected} pairs
 ALL_METHODS = TRAIN_METHODS
 
@@ -154,12 +154,14 @@ CHECKS = {
 
 
 def option(default: Any, help: str, *, check: str | None = None, choices: tuple[str, ...] | None = None,
-           methods: tuple[str, ...] = ALL_METHODS, label: str | None = None, noun: str | None = None) -> Any:
+           methods: tuple[str, ...] = ALL_METHODS, label: str | None = None, noun: str | None = None,
+           objectives: tuple[str, ...] = OBJECTIVES) -> Any:
     """A TrainConfig field with the metadata that the CLI flags, validate() and the TUI form
-    read: help text, a range `check` or `choices` (`noun` names one in errors), the methods it
-    applies to, a form label."""
+    read: help text, a range `check` or `choices` (`noun` names one in errors), the methods and
+    the objectives it applies to (set away from its default under another objective, it is an
+    error), a form label."""
     meta = {"help": help, "check": check, "choices": choices, "methods": methods, "label": label,
-            "noun": noun}
+            "noun": noun, "objectives": objectives}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -182,20 +184,52 @@ class TrainConfig:
     method: str = option("lora", "what is trained: LoRA adapters, DoRA adapters (LoRA plus a magnitude "
                          "per output row), every block weight, or a new model",
                          choices=TRAIN_METHODS)
-    objective: str = option("sft", "the loss: supervised next-token (sft), or preference pairs with DPO "
-                            "(against the frozen starting point) or ORPO (no reference)", choices=OBJECTIVES)
-    beta: float = option(0.1, "dpo: the KL strength beta; orpo: the weight of the odds-ratio term",
-                         check="pos")
+    objective: str = option("sft", "the loss: supervised next-token (sft), preference pairs with DPO "
+                            "(against the frozen starting point) or ORPO (no reference), or GRPO (rewards "
+                            "on sampled completions)", choices=OBJECTIVES)
+    beta: float | None = option(None, "dpo: the KL strength beta (default 0.1); orpo: the weight of the "
+                                "odds-ratio term (default 0.1); grpo: the weight of the k3 KL to the "
+                                "reference (default 0: none)")
     label_smoothing: float = option(0.0, "dpo: the share of pairs assumed mislabelled (conservative DPO)",
-                                    check="frac", label="label smoothing")
+                                    check="frac", label="label smoothing", objectives=("dpo",))
     tokenizer: str | None = option(None, "scratch: take the tokenizer from this model (or char, byte) "
                                    "instead of --model", methods=("scratch",))
+
+    # grpo (mlxtoy.train.grpo, mlxtoy.train.rewards)
+    reward: str = option("", "grpo: reward functions, comma-separated: exact, contains, regex:PATTERN, "
+                         "numeric, think-format, length:N, or FILE.py:FUNCTION", objectives=("grpo",))
+    reward_weights: list[float] | None = option(None, "grpo: one weight per --reward (default 1 each)",
+                                                objectives=("grpo",))
+    group_size: int = option(8, "grpo: completions sampled per prompt", check="pos", objectives=("grpo",),
+                             label="group size")
+    max_completion_tokens: int = option(128, "grpo: tokens per sampled completion at most", check="pos",
+                                        objectives=("grpo",))
+    temp: float = option(1.0, "grpo: sampling temperature", check="pos", objectives=("grpo",))
+    top_p: float = option(1.0, "grpo: nucleus sampling mass (1 = off)", check="pos", objectives=("grpo",))
+    min_p: float = option(0.0, "grpo: min-p sampling (0 = off)", check="frac", objectives=("grpo",))
+    loss_type: str = option("dapo", "grpo: how token terms add up: per-sequence means (grpo), per "
+                            "micro-batch tokens (bnpo), over sequences x max completion tokens (dr_grpo), "
+                            "over the step's tokens (dapo)", choices=("grpo", "bnpo", "dr_grpo", "dapo"),
+                            objectives=("grpo",))
+    epsilon: float = option(0.2, "grpo: the ratio's clip below (and above unless --epsilon-high)", check="pos",
+                            objectives=("grpo",))
+    epsilon_high: float | None = option(None, "grpo: the ratio's clip above (DAPO: 0.28; default --epsilon)",
+                                        check="pos", objectives=("grpo",))
+    importance_sampling: str = option("token", "grpo: the ratio per token, or per sequence (GSPO)",
+                                      choices=("token", "sequence"), objectives=("grpo",))
+    scale_rewards: str = option("group", "grpo: divide advantages by the group's reward std, the batch's, "
+                                "or nothing (Dr. GRPO)", choices=("group", "batch", "none"), objectives=("grpo",))
+    iterations_per_generation: int = option(1, "grpo: optimizer steps on each generation (mu)", check="pos",
+                                            objectives=("grpo",))
+    skip_zero_std_groups: bool = option(False, "grpo: drop groups whose rewards are all equal and draw more "
+                                        "prompts (DAPO's dynamic sampling)", objectives=("grpo",))
 
     # optimisation
     steps: int = option(200, "total optimizer steps (a resumed run continues up to this)", check="pos")
     epochs: int = option(0, "train for N passes over the training data instead of --steps (0: --steps "
                          "counts); config.yaml records the steps it resolves to", check="nat")
-    batch_size: int = option(4, "rows per optimizer step (per micro-batch with --grad-accum)", check="pos",
+    batch_size: int = option(4, "rows per optimizer step (dpo, orpo: pairs; grpo: prompts, each sampled "
+                             "group_size times; per micro-batch with --grad-accum)", check="pos",
                              label="batch size")
     seq_len: int = option(512, "tokens per row; longer examples are truncated", check="pos", label="seq len")
     lr: float = option(1e-4, "peak learning rate", check="pos", label="learning rate")
@@ -274,6 +308,7 @@ class TrainConfig:
     messages_column: str | None = option(None, "read this column as 'messages' (a list of role/content)")
     chosen_column: str | None = option(None, "read this column as 'chosen' (preference pairs)")
     rejected_column: str | None = option(None, "read this column as 'rejected' (preference pairs)")
+    answer_column: str | None = option(None, "read this column as 'answer' (grpo)")
     pack: bool = option(True, "several examples per row with a block-causal mask (--no-pack: padding)")
     mask_prompt: bool = option(True, "loss only on completions / assistant turns")
     valid_fraction: float = option(0.1, "held out when --data is a single file (seeded split)", check="frac")
@@ -312,6 +347,8 @@ class TrainConfig:
             self.lora_layers = [int(t) for t in self.lora_layers.split(",") if t.strip()]
         if isinstance(self.betas, str):
             self.betas = [float(t) for t in self.betas.split(",")]
+        if isinstance(self.reward_weights, str):
+            self.reward_weights = [float(t) for t in self.reward_weights.split(",") if t.strip()]
         if isinstance(self.report_to, str):
             self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
         if isinstance(self.sample_prompts, str):
@@ -324,6 +361,9 @@ class TrainConfig:
         err = check_value("method", self.method)  # first: the other fields depend on it
         if err:
             raise bad(f"method {err}, got {self.method!r}")
+        err = check_value("objective", self.objective)  # the objective-specific fields depend on it
+        if err:
+            raise bad(f"objective {err}, got {self.objective!r}")
         for f in fields(self):
             if self.method not in f.metadata.get("methods", ALL_METHODS):
                 continue  # e.g. lora_rank does not matter to a full fine-tune
@@ -331,6 +371,9 @@ class TrainConfig:
             err = check_value(f.name, value)
             if err:
                 raise bad(err if err.startswith("unknown") else f"{f.name} {err}, got {value!r}")
+            if self.objective not in f.metadata.get("objectives", OBJECTIVES) and value != field_default(f.name):
+                raise bad(f"{f.name} applies to objective {' or '.join(f.metadata['objectives'])} only "
+                          f"(the objective is {self.objective})")
         if self.warmup > self.steps:
             raise bad(f"warmup ({self.warmup}) is longer than the run (steps {self.steps})")
         if self.min_lr > self.lr:
@@ -350,8 +393,6 @@ class TrainConfig:
                 raise bad("lora_per_head_q needs 'q' in lora_targets")
         if self.method == "scratch" and self.n_heads % self.n_kv_heads:
             raise bad(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if self.label_smoothing and self.objective != "dpo":
-            raise bad(f"label_smoothing applies to objective dpo only (the objective is {self.objective})")
         if self.lens and self.method != "scratch":
             raise bad("lens (a projection-lens warm start) needs method scratch")
         if not self.data_split.strip():
@@ -400,6 +441,7 @@ class TrainConfig:
 # belongs to the section its place puts it in.
 TRAIN_SECTIONS = (
     ("model", "what to train on"),
+    ("reward", "grpo: rewards, sampling and the loss"),
     ("steps", "optimisation"),
     ("lora_rank", "LoRA and DoRA"),
     ("train_embeddings", "full fine-tuning (block weights always train; these are opt-in)"),
@@ -543,6 +585,11 @@ def parse_text(name: str, text: str) -> tuple[Any, str | None]:
     f = train_field(name)
     text = text.strip()
     default = field_default(name)
+    if default is None:  # an optional field: read as its type says; empty is None (its default)
+        if not text:
+            return None, None
+        base = _field_type(name)[0]
+        default = [] if base is list else base() if base in (int, float, bool) else ""
     if isinstance(default, list):
         value: Any = [t.strip() for t in text.split(",") if t.strip()]
         if not value:

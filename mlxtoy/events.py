@@ -40,6 +40,33 @@ class Event:
         return ev
 
 
+class Extras:
+    """An event whose objective adds named values besides its fields (GRPO's `reward`,
+    `rewards/<name>/mean`, `completions/mean_length`, ... as TRL names them): they sit in
+    `extra` and serialise at the top level of the event's JSON object, beside the fields."""
+
+    extra: dict[str, Any]
+
+    @classmethod
+    def of(cls, values: dict[str, Any], **kw: Any):
+        """The event with `kw` and `values` (a field's value goes to that field, the rest to extra)."""
+        names = {f.name for f in fields(cls) if f.init}
+        return cls(**kw, **{k: v for k, v in values.items() if k in names},
+                   extra={k: v for k, v in values.items() if k not in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d.update(d.pop("extra"))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Event":
+        ev = super().from_dict(d)
+        names = {f.name for f in fields(cls)}
+        ev.extra = {k: v for k, v in d.items() if k not in names}
+        return ev
+
+
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
@@ -65,7 +92,7 @@ class StartEvent(Event):
 
 
 @dataclass
-class StepEvent(Event):
+class StepEvent(Extras, Event):
     step: int
     loss: float
     lr: float
@@ -81,19 +108,23 @@ class StepEvent(Event):
     reward_rejected: float | None = None
     reward_margin: float | None = None
     pref_accuracy: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # the objective's own values (see Extras)
 
     def __post_init__(self):
         self.event = "step"
 
 
 @dataclass
-class EvalEvent(Event):
+class EvalEvent(Extras, Event):
     step: int
     val_loss: float
     val_ppl: float
     val_tokens: int  # tokens (sft) or pairs (dpo, orpo) the mean is over
     pref_accuracy: float | None = None  # preference objectives, over the validation pairs
     reward_margin: float | None = None
+    # the objective's own values (see Extras); grpo: `reward`, the mean reward of greedy
+    # completions of the validation prompts (val_loss is minus it: best/ keeps the highest)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         self.event = "eval"

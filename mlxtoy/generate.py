@@ -69,11 +69,12 @@ def _forward_last(model, tokens: mx.array, cache: list) -> mx.array:
         return model(tokens, cache=cache)[:, -1, :]
 
 
-def _compiled_decode(model) -> Callable[[mx.array, list, list, list], mx.array]:
-    """-> step(tokens (1, 1), cache, packs, head) -> logits (1, V): the one-token forward as one
-    compiled graph, with the position a traced input so the graph is reused token after token;
-    packs: per layer, the packed matrices its fused block reads; head: [] or [the packed output
-    matrix] (inputs, like the weights).
+def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], mx.array]:
+    """-> step(tokens (B, 1), cache, packs, head, start (B,)) -> logits (B, V): the one-token
+    forward as one compiled graph, with the position a traced input so the graph is reused
+    token after token; packs: per layer, the packed matrices its fused block reads; head: []
+    or [the packed output matrix] (inputs, like the weights); start: each row's first cached
+    position that it may see (left-padded rows of a batch, `generate_batch`; zeros otherwise).
 
     The graph's shapes depend only on the cache buffers' capacity, which grows every
     `KVCache.step` tokens (a new trace then, ~50 ms). Building the eager graph costs ~6 ms of
@@ -83,9 +84,10 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list], mx.array]:
     function when the model's structure changes, so it is never served a stale trace.
     """
 
-    def forward(tokens, offset, keys, values, packs, head):
+    def forward(tokens, offset, keys, values, packs, head, start):
         slots = [SlotCache(k, v, offset, p) for k, v, p in zip(keys, values, packs)]
-        mask = (mx.arange(keys[0].shape[2]) <= offset)[None, None, None, :]
+        positions = mx.arange(keys[0].shape[2])
+        mask = ((positions <= offset)[None, :] & (positions[None, :] >= start[:, None]))[:, None, None, :]
         h = model.hidden(tokens, mask=mask, cache=slots)[:, -1, :]
         logits = fastmath.linear_packed(h, head[0]) if head else model.logits(h)
         return logits, [s.keys for s in slots], [s.values for s in slots]
@@ -94,13 +96,13 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list], mx.array]:
 
     traced: set[int] = set()  # the cache capacities traced for
 
-    def step(tokens: mx.array, cache: list, packs: list[dict], head: list) -> mx.array:
+    def step(tokens: mx.array, cache: list, packs: list[dict], head: list, start: mx.array) -> mx.array:
         for c in cache:
             c.reserve(1)
         offset = mx.array([cache[0].offset], dtype=mx.int32)
         with fastmath.inference():  # (traced here, on the first call and when shapes change)
             logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
-                                            [c.values for c in cache], packs, head)
+                                            [c.values for c in cache], packs, head, start)
         if cache[0].capacity not in traced:  # a trace: the model holds new objects for its weights
             traced.add(cache[0].capacity)
             if hasattr(model, "repin_packs"):
@@ -121,7 +123,7 @@ def _structure(model) -> tuple:
             tuple(type(m) for _, m in model.named_modules()))
 
 
-def decoder_for(model) -> Callable[[mx.array, list], mx.array]:
+def decoder_for(model) -> Callable[..., mx.array]:
     """`_compiled_decode(model)`, kept on the model for its next generation while its structure
     is the same: a chat or a trainer's sample generations then reuse the trace instead of
     paying it before every first token. (Kept as a plain attribute, not a module child: the
@@ -138,8 +140,10 @@ def decoder_for(model) -> Callable[[mx.array, list], mx.array]:
         return kept[4]
     step = kept[1] if kept is not None and kept[0] == structure else _compiled_decode(model)
 
-    def decode(tokens: mx.array, cache: list) -> mx.array:
-        return step(tokens, cache, packs, head)
+    first = mx.zeros((1,), dtype=mx.int32)
+
+    def decode(tokens: mx.array, cache: list, start: mx.array | None = None) -> mx.array:
+        return step(tokens, cache, packs, head, first if start is None else start)
 
     object.__setattr__(model, "mlxtoy_decoder", (structure, step, packs, head, decode))
     return decode
@@ -241,6 +245,73 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
         if n % 256 == 0:
             mx.clear_cache()
         y, logprob = next_y, next_logprob
+
+
+def generate_batch(model, prompts: Sequence[Sequence[int]], *, repeats: int = 1,
+                   sampling: SamplingParams | None = None, max_tokens: int = 256,
+                   eos_ids: Iterable[int] = (), seed: int = 0) -> list[list[int]]:
+    """`repeats` continuations of each prompt (prompt-major), all rows decoded together as one
+    batch through the KV cache; each ends at its first token in `eos_ids` (kept) or after
+    `max_tokens`. Deterministic in `seed`. GRPO's rollouts (mlxtoy.train.grpo).
+
+    Prompts of different lengths are left-padded: a row sees its own positions only (the
+    mask starts at its first real token; a padding position sees itself, so nothing is
+    undefined), and RoPE depends on relative positions only. Each prompt is prefilled once
+    and its cache copied to its `repeats` rows. No repetition penalty (`sampling`'s is
+    ignored). Rows that have ended are decoded until every row has.
+    """
+    sampling = (sampling or SamplingParams()).validate()
+    sampler = make_sampler(SamplingParams(sampling.temp, sampling.top_k, sampling.top_p, sampling.min_p))
+    eos = set(eos_ids)
+    P, L = len(prompts), max(len(p) for p in prompts)
+    ctx = getattr(getattr(model, "config", None), "context_length", None)
+    if ctx and not getattr(model, "sliding_window", False):
+        max_tokens = min(max_tokens, ctx - L)
+    if max_tokens <= 0:
+        return [[] for _ in range(P * repeats)]
+    starts = mx.array([L - len(p) for p in prompts], dtype=mx.int32)
+    tokens = mx.array([[int(p[0])] * (L - len(p)) + [int(t) for t in p] for p in prompts], dtype=mx.int32)
+    positions = mx.arange(L)
+    seen = (positions[None, :, None] >= positions[None, None, :]) & (
+        (positions[None, None, :] >= starts[:, None, None]) | (positions[None, :, None] == positions[None, None, :]))
+    cache = make_cache(model)
+    dropout = _has_dropout(model)
+    with _no_dropout(model, dropout):
+        with fastmath.inference():
+            h = model.hidden(tokens, mask=seen[:, None], cache=cache)
+            logits = model.logits(h[:, -1, :])
+        if repeats > 1:  # each prompt read once, its cache copied to its rows
+            for c in cache:
+                c.keys, c.values = mx.repeat(c.keys, repeats, axis=0), mx.repeat(c.values, repeats, axis=0)
+            logits = mx.repeat(logits, repeats, axis=0)
+            starts = mx.repeat(starts, repeats, axis=0)
+        mx.eval(logits, [c.state for c in cache])
+        compiled = hasattr(model, "hidden") and all(isinstance(c, KVCache) for c in cache) \
+            and not getattr(model, "sliding_window", False)
+        decode = decoder_for(model) if compiled else None
+        key = mx.random.key(seed)
+        none = mx.array([], dtype=mx.uint32)
+        rows = P * repeats
+        out: list[list[int]] = [[] for _ in range(rows)]
+        done = [False] * rows
+        for n in range(max_tokens):
+            sub = None
+            if not sampling.greedy:
+                key, sub = mx.random.split(key)
+            y = sampler(logits, none, sub)
+            for b, t in enumerate(y.tolist()):
+                if not done[b]:
+                    out[b].append(t)
+                    done[b] = t in eos
+            if all(done) or n + 1 == max_tokens:
+                break
+            if decode is not None:
+                logits = decode(y[:, None], cache, starts)
+            else:
+                mask = (mx.arange(cache[0].offset + 1)[None, :] >= starts[:, None])[:, None, None, :]
+                with fastmath.inference():
+                    logits = model.logits(model.hidden(y[:, None], mask=mask, cache=cache)[:, -1, :])
+    return out
 
 
 # --------------------------------------------------------------------------- detokenizing

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from mlxtoy.errors import UserError
-from mlxtoy.train.records import PREF_KIND, RawSplits, Record, read_data
+from mlxtoy.train.records import PREF_KIND, PROMPT_KIND, RawSplits, Record, read_data
 
 PAD_MULTIPLE = 32  # batch widths are rounded up to this (few distinct shapes to compile)
 
@@ -154,11 +154,12 @@ class Renderer:
             if last is None:
                 return self.render(msgs, True, rec.where), None
             return self.render(msgs[:last], True, rec.where), msgs[last]["content"]
-        if rec.kind == PREF_KIND:
-            prompt_msgs, chosen, _ = rec.value
+        if rec.kind in (PREF_KIND, PROMPT_KIND):  # (prompt messages, chosen or answer, ...)
+            prompt_msgs, expected = rec.value[0], rec.value[1]
+            expected = expected if isinstance(expected, str) else str(expected)
             if self.has_template:
-                return self.render(prompt_msgs, True, rec.where), chosen
-            return self.tok.encode(prompt_msgs[-1]["content"]), chosen
+                return self.render(prompt_msgs, True, rec.where), expected
+            return self.tok.encode(prompt_msgs[-1]["content"]), expected
         if rec.kind == "completion":
             prompt, answer = rec.value
             if self.has_template:
@@ -303,6 +304,10 @@ class Batch:
     ref: np.ndarray | None = None  # (pairs, 2) float32: reference log-probs (chosen, rejected)
     pairs: np.ndarray | None = None  # (pairs,) int32: the pairs' indices in the dataset
     n_chosen: int = 0  # trained targets of the chosen completions
+    # sampled completions (mlxtoy.train.grpo): one row each, prompt + completion
+    advantages: np.ndarray | None = None  # (B,) float32
+    old_logps: np.ndarray | None = None  # (B, T) float32: the generating policy's
+    ref_logps: np.ndarray | None = None  # (B, T) float32: the reference's
 
 
 @dataclass

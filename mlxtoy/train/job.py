@@ -26,12 +26,12 @@ from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
 from mlxtoy.train.checkpoint import pick_checkpoint
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import Dataset, Renderer, load_dataset, tokenize
-from mlxtoy.train.records import DataOptions, check_objective, read_data
+from mlxtoy.train.data import Dataset, Renderer, load_dataset
+from mlxtoy.train.objectives import make_objective
+from mlxtoy.train.records import DataOptions, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
 from mlxtoy.train.memory import MemoryCheck, check_memory, qlora_plan, set_memory_limits
-from mlxtoy.train.pairs import tokenize_pairs
 
 # fields that change the shape of what a checkpoint holds; a resume may not change them
 STRUCTURAL = ("method", "objective", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
@@ -79,12 +79,13 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
     model and tokenize: everything but the run directory. `old`: a resumed run's facts (its
     character vocabulary is kept, whatever the data holds now)."""
     cfg.validate()
+    objective = make_objective(cfg)  # its settings checked (a reward file loaded) before any data
     raw = read_data(cfg.data, DataOptions.of(cfg))
-    check_objective(raw, cfg.objective)
+    objective.check_records(raw)
     model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None,
                                           quant=qlora_plan(cfg))
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
-                           cfg.seed, raw=raw, tokenize_fn=tokenize_pairs if cfg.preference else tokenize)
+                           cfg.seed, raw=raw, tokenize_fn=objective.tokenize)
     facts.data = {"train_examples": len(dataset.train), "valid_examples": len(dataset.valid),
                   "test_examples": len(dataset.test), "truncated": dataset.train_stats.truncated}
     return model, tokenizer, dataset, facts

@@ -19,7 +19,6 @@ from typing import Any, Callable, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxtoy.config import TrainConfig
@@ -28,14 +27,13 @@ from mlxtoy.events import (CheckpointEvent, MetricsSink, Command, DoneEvent, Eva
                            SampleEvent, StartEvent, StepEvent)
 from mlxtoy.generate import generate
 from mlxtoy.loading import load_partial
-from mlxtoy.rundir import REFERENCE_LOGPS, CheckpointState, RunDir, RunFacts
-from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, load_reference,
-                                     restore_optimizer_state, save_best, save_checkpoint, save_reference,
-                                     write_final)
+from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
+from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, restore_optimizer_state, save_best,
+                                     save_checkpoint, write_final)
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import BatchStream, Dataset, Renderer
-from mlxtoy.train.records import PREF_KIND
-from mlxtoy.train.pairs import PairStream
+from mlxtoy.train.data import Dataset, Renderer
+from mlxtoy.train.objectives import Setup, make_objective
+from mlxtoy.train.records import PREF_KIND, PROMPT_KIND
 from mlxtoy.train.step import Reducer, Stepper, make_optimizer
 
 # A taps hook gets (model, step) and returns an event (or events, or None) to emit.
@@ -89,10 +87,9 @@ def rng_key() -> list[int]:
 
 def epoch_steps(cfg: TrainConfig, dataset: Dataset) -> int:
     """The optimizer steps of cfg.epochs passes over the training data: the training stream's
-    batches per epoch (packed rows or padded examples; pairs for a preference objective) over
-    the micro-batches per step, rounded up so that the last epoch is complete."""
-    stream_type = PairStream if cfg.preference else BatchStream
-    stream = stream_type(dataset.train, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.pack, True, 0)
+    batches per epoch (packed rows or padded examples; pairs, prompts for other objectives)
+    over the micro-batches per step, rounded up so that the last epoch is complete."""
+    stream = make_objective(cfg).stream(dataset.train, True, 0)
     return max(1, math.ceil(cfg.epochs * stream.batches_per_epoch / cfg.grad_accum))
 
 
@@ -149,10 +146,10 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     emit = emit or MetricsSink(run)
     packed = cfg.pack
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
-    stream_type = PairStream if cfg.preference else BatchStream  # pairs: DPO, ORPO
-    train_stream = stream_type(dataset.train, cfg.batch_size, cfg.seq_len, cfg.seed, packed, True, pad_id)
-    valid_stream = (stream_type(dataset.valid, cfg.batch_size, cfg.seq_len, cfg.seed, packed, False, pad_id)
-                    if dataset.valid else None)
+    objective = make_objective(cfg)  # its batches, loss, metrics (mlxtoy.train.objectives)
+    train_stream = objective.stream(dataset.train, True, pad_id)
+    valid_stream = objective.stream(dataset.valid, False, pad_id) if dataset.valid else None
+    objective.starting_point(model)
 
     optimizer = make_optimizer(cfg)
     optimizer.init(model.trainable_parameters())
@@ -174,7 +171,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         reducer, control = parallel.attach(control, run)
     model.train()
     mx.eval(model.parameters(), optimizer.state)
-    stepper = Stepper(model, optimizer, cfg, packed, reducer)
+    stepper = Stepper(model, optimizer, cfg, packed, reducer, objective)
 
     losses: list[float] = []
     last_ckpt = run.latest_checkpoint()
@@ -206,7 +203,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
             val, n, pref = stepper.evaluate(valid_stream, cfg.eval_batches)
         model.train()
         last_val = val
-        emit(EvalEvent(step=at_step, val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_tokens=n, **pref))
+        emit(EvalEvent.of(pref, step=at_step, val_loss=val, val_ppl=math.exp(min(val, 50.0)), val_tokens=n))
         if stopper.update(at_step, val, cfg.early_stop_delta):
             save_best(run, state_now(at_step, val_loss=val), dict(tree_flatten(model.trainable_parameters())))
 
@@ -229,14 +226,10 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         log(f"resumed from {resume_from} at step {step}")
     if valid_stream is None:
         log("no validation examples: evaluation is skipped", "warning")
-    for name, stats in (("train", dataset.train_stats), ("valid", dataset.valid_stats)):
-        if cfg.preference and stats.dropped:
-            log(f"{name}: {stats.dropped} preference pairs dropped ({stats.dropped_why})", "warning")
-    if cfg.objective == "dpo" and not cfg.adapters:
-        refs = _reference_logps(cfg, stepper, model, dataset, run, resume_from, parallel, pad_id, log)
-        train_stream.ref = refs["train"]
-        if valid_stream is not None:
-            valid_stream.ref = refs["valid"]
+    for warning in objective.data_warnings(dataset):
+        log(warning, "warning")
+    objective.prepare(Setup(model, tokenizer, stepper, dataset, run, resume_from, parallel, pad_id, log,
+                            preserved_rng, train_stream, valid_stream))
 
     reason = "finished"
     t_start = time.perf_counter()
@@ -262,19 +255,21 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
                 reason = control.stop_reason
                 break
             t0 = time.perf_counter()
-            batches = [train_stream.batch(position + k) for k in range(cfg.grad_accum)]
+            try:
+                data = objective.step_data(train_stream, position)  # GRPO: sampled and scored here
+            except UserError:  # bad input found mid-run (a reward function that raises): keep the run
+                if step > 0 and last_saved_step != step:
+                    save(step)
+                raise
+            batches = data.batches
             in_update = True
             loss, gnorm = stepper(batches)
             mx.eval(stepper.state, loss, gnorm)
             step += 1
-            position += cfg.grad_accum
+            position += data.positions
             in_update = False
-            out = loss.tolist()  # a preference objective: [loss, reward_chosen, reward_rejected, accuracy]
-            loss_v = out[0] if isinstance(out, list) else out
+            loss_v, fields = objective.step_fields(loss.tolist())
             gnorm_v = gnorm.item()
-            pref = {} if not isinstance(out, list) else {
-                "reward_chosen": out[1], "reward_rejected": out[2], "reward_margin": out[1] - out[2],
-                "pref_accuracy": out[3]}
             dt = time.perf_counter() - t0
             n_tokens = sum(b.n_tokens for b in batches)
             tokens_seen += n_tokens
@@ -292,11 +287,11 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
             losses.append(loss_v)
             window = (window + [dt])[-20:]
             lr = float(optimizer.learning_rate.item()) if isinstance(optimizer.learning_rate, mx.array) else float(optimizer.learning_rate)
-            emit(StepEvent(step=step, loss=loss_v, lr=lr, tokens=sum(b.n_loss for b in batches),
-                           tokens_per_sec=n_tokens / dt if dt > 0 else 0.0,
-                           elapsed=elapsed_before + time.perf_counter() - t_start,
-                           eta=(cfg.steps - step) * (sum(window) / len(window)),
-                           peak_memory_gb=mx.get_peak_memory() / 1e9, grad_norm=gnorm_v, **pref))
+            emit(StepEvent.of(fields, step=step, loss=loss_v, lr=lr, tokens=sum(b.n_loss for b in batches),
+                              tokens_per_sec=n_tokens / dt if dt > 0 else 0.0,
+                              elapsed=elapsed_before + time.perf_counter() - t_start,
+                              eta=(cfg.steps - step) * (sum(window) / len(window)),
+                              peak_memory_gb=mx.get_peak_memory() / 1e9, grad_norm=gnorm_v))
             last = step == cfg.steps
             if (cfg.eval_every and step % cfg.eval_every == 0) or control.take(Command.EVAL) or (last and cfg.eval_every >= 0):
                 evaluate(step)
@@ -343,39 +338,6 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     return TrainResult(run.path, step, reason, final_path, last_ckpt, losses, last_val, msg)
 
 
-def _reference_logps(cfg: TrainConfig, stepper: Stepper, model: nn.Module, dataset: Dataset, run: RunDir,
-                     resume_from: str | None, parallel: Parallel | None, pad_id: int,
-                     log: Callable[[str], None]) -> dict[str, np.ndarray]:
-    """DPO without LoRA: the starting model's log-probs of every train / valid pair, computed
-    once before step 1 and kept in the run (a resumed run's weights have moved on: it reuses
-    them). Data-parallel: rank 0 computes or reads them and shares them."""
-    splits = {"train": dataset.train, "valid": dataset.valid}
-    shapes = {k: (len(v), 2) for k, v in splits.items()}
-    main = parallel is None or parallel.is_main
-    refs: dict[str, np.ndarray] | None = None
-    if main:
-        refs = load_reference(run, shapes)
-        if refs is not None:
-            log(f"reference log-probs: reusing {run.join(REFERENCE_LOGPS)}")
-        elif resume_from is not None:
-            raise UserError(f"{run.join(REFERENCE_LOGPS)}: missing, and a resumed run cannot recompute "
-                            f"the reference (its weights have moved)")
-        else:
-            log(f"reference log-probs of {len(dataset.train) + len(dataset.valid)} pairs (the starting model)")
-            model.eval()
-            with preserved_rng():
-                refs = {k: stepper.reference_logps(PairStream(v, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.pack,
-                                                              False, pad_id)) if v else np.zeros((0, 2), np.float32)
-                        for k, v in splits.items()}
-            model.train()
-            save_reference(run, refs)
-    if parallel is not None:
-        got = parallel.broadcast({k: mx.array(refs[k] if main else np.zeros(shapes[k], np.float32))
-                                  for k in splits if shapes[k][0]}, "sharing the reference log-probs")
-        refs = {k: np.array(got[k]) if k in got else np.zeros((0, 2), np.float32) for k in splits}
-    return refs
-
-
 def _sample_prompts(cfg: TrainConfig, tokenizer, dataset: Dataset) -> list[tuple[str, list[int]]]:
     r = Renderer(tokenizer, cfg.mask_prompt)
     out = []
@@ -389,7 +351,8 @@ def _sample_prompts(cfg: TrainConfig, tokenizer, dataset: Dataset) -> list[tuple
                 ids, _ = r.prompt_of(rec)
             except UserError:
                 continue
-            msgs = rec.value[0] if rec.kind == PREF_KIND else rec.value  # a pair: its prompt messages
+            # a pair or a GRPO prompt: its prompt messages
+            msgs = rec.value[0] if rec.kind in (PREF_KIND, PROMPT_KIND) else rec.value
             shown = rec.value if isinstance(rec.value, str) else (
                 rec.value[0] if rec.kind == "completion" else
                 next((m["content"] for m in reversed(msgs) if m["role"] == "user"), ""))

@@ -42,7 +42,7 @@ from mlxtoy.loading import source_size
 from mlxtoy.models.fastmath import BLOCK_ATTENTION, KERNELS
 from mlxtoy.models.quant import QuantPlan
 from mlxtoy.train.build import train_dtype
-from mlxtoy.train.objectives import loss_logits_alive, output_layer
+from mlxtoy.train.objectives import loss_logits_alive, make_objective, output_layer
 from mlxtoy.train.step import block_matrix
 
 GB = 1e9
@@ -217,10 +217,10 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
     low_copies = 0  # mixed precision: the step casts the float32 masters down
     if act_dtype != mx.float32 and cfg.method in ("full", "scratch"):
         low_copies = sum(v.size for _, v in trainable) * item
-    # rows and their length: a preference batch holds pairs (two sequences each)
-    rows, T = cfg.batch_size, cfg.seq_len
-    if cfg.preference:
-        rows, T = (rows, 2 * T) if cfg.pack else (2 * rows, T)
+    # rows and their length, as the objective lays out a micro-batch (a preference batch holds
+    # pairs, two sequences each; GRPO's, group_size completions of each prompt)
+    objective = make_objective(replace(cfg))
+    rows, T = objective.memory_rows(cfg.batch_size, cfg.seq_len)
     tokens = rows * T
     first = first_trained_block(model)
     per_block = [block_elements(layer, m, T) * tokens * item for layer in model.layers[first:]]
@@ -235,18 +235,18 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
     # the loss: with the CPU kernels fused with the output projection (a chunk of tokens'
     # logits and float32 gradient at a time, every token's gradient when the output weight
     # trains); else measured as much as whole logits (compute dtype) with the float32 softmax
-    # and exponentials, then their gradient; DPO with adapters adds the reference's forward
+    # and exponentials, then their gradient; a reference forward inside the loss (DPO with
+    # adapters) adds its logits
     output = output_layer(model)
     if output is not None and KERNELS:
         trained = "weight" in output.trainable_parameters()
         logits = loss_logits_alive(tokens, m.vocab_size, trained) * 4
     else:
-        logits = tokens * m.vocab_size * (item + 8)
-        if cfg.objective == "dpo" and cfg.method not in ("full", "scratch"):
-            logits += tokens * m.vocab_size * 4
+        logits = tokens * m.vocab_size * (item + 8) + objective.memory_extra_logits(tokens, m.vocab_size)
     accum = 2 * grads if cfg.grad_accum > 1 else 0  # the running sum and a micro-batch's
-    backward = weights + opt + low_copies + acts + logits + accum
-    update = weights + opt + 2 * grads + int(UPDATE_STATE_SHARE * opt) + (grads if cfg.grad_accum > 1 else 0)
+    kept = objective.memory_extra(grads)  # e.g. GRPO's reference weights for full fine-tuning
+    backward = weights + kept + opt + low_copies + acts + logits + accum
+    update = weights + kept + opt + 2 * grads + int(UPDATE_STATE_SHARE * opt) + (grads if cfg.grad_accum > 1 else 0)
     return MemoryEstimate(weights=weights, gradients=grads, optimizer=opt, activations=acts,
                           logits=logits, update=update, peak=max(backward, update))
 

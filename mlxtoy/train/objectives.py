@@ -1,4 +1,7 @@
-"""The training objectives: what a batch's loss is (the Stepper compiles and differentiates it).
+"""The training objectives: each one class owning its data, batches, loss, metrics and memory
+estimate (`Objective`; `make_objective(cfg)` picks it). The loop, the job, the Stepper and the
+memory guard call these methods and never branch on the objective's name: adding an objective
+is a class here (and its module) plus its tests.
 
 - sft: token-weighted cross-entropy (`token_losses`, with a hand-written fast gradient).
 - dpo (Rafailov et al. 2023, TRL's sigmoid loss with label smoothing eps): with per-sequence
@@ -13,150 +16,43 @@
       loss = NLL(chosen completion tokens, mean over tokens) - beta * mean log sigmoid(log_odds),
   rewards beta * a (detached). No reference. (TRL's NLL also covers the prompt; here, as for
   every objective, the prompt is never trained.)
+- grpo (mlxtoy.train.grpo): completions sampled in the step, scored by reward functions
+  (mlxtoy.train.rewards), a clipped-ratio policy-gradient loss on group-relative advantages.
 
-Every sum is divided by a count of the whole optimizer step (pairs, chosen tokens) computed
-on the host, so micro-batches and data-parallel shards add up to the one-batch result.
-`preference_loss` returns (loss, stats) where stats = [loss, reward_chosen, reward_rejected,
-pref_accuracy] in that additive form.
+Every sum is divided by a count of the whole optimizer step (pairs, chosen tokens, sequences)
+computed on the host, so micro-batches and data-parallel shards add up to the one-batch
+result. `preference_loss` returns (loss, stats) where stats = [loss, reward_chosen,
+reward_rejected, pref_accuracy] in that additive form.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxtoy.models.fastmath import (LOGITS_BY_COLUMNS, Linear, gemm, softmax_cross_entropy,
-                                    softmax_cross_entropy_columns)
-from mlxtoy.models.llama import LlamaModel, block_causal_mask
+from mlxtoy.config import TrainConfig
+from mlxtoy.errors import UserError
+from mlxtoy.generate import generate_batch
 from mlxtoy.models.lora import lora_modules
+from mlxtoy.rundir import REFERENCE_LOGPS, RunDir
+from mlxtoy.sampling import SamplingParams
+from mlxtoy.train import grpo
+from mlxtoy.train.checkpoint import load_reference, save_reference
+from mlxtoy.train.data import Batch, BatchStream, Dataset, tokenize
+from mlxtoy.train.logprobs import (cross_entropy, loss_logits_alive, output_cross_entropy,  # noqa: F401
+                                   output_layer, token_logps_and_entropy, token_losses)
+from mlxtoy.train.pairs import PairStream, tokenize_pairs
+from mlxtoy.train.records import PREF_KIND, PROMPT_KIND, RawSplits, check_kinds
+from mlxtoy.train.rewards import RewardSet
 
 STATS = ("loss", "reward_chosen", "reward_rejected", "pref_accuracy")
-
-
-def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
-    """Per-token cross-entropy logsumexp(logits) - logits[target], in float32 (no gradient
-    bookkeeping: evaluation of models whose logits are not a plain projection)."""
-    x = logits.astype(mx.float32)
-    return mx.logsumexp(x, axis=-1) - mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
-
-
-def _chunk_spans(n_tokens: int, vocab: int, logits_per_chunk: int) -> list[tuple[int, int]]:
-    # at most 32 chunks in the compiled graph
-    size = max(-(-n_tokens // 32), logits_per_chunk // vocab, 1)
-    return [(i, min(size, n_tokens - i)) for i in range(0, n_tokens, size)]
-
-
-def _logits_per_chunk() -> int:
-    # ~12M logits per chunk by columns (48 MB in float32), ~4M by rows
-    return 12 << 20 if LOGITS_BY_COLUMNS else 1 << 22
-
-
-def loss_logits_alive(n_tokens: int, vocab: int, weight_grad: bool) -> int:
-    """Elements of vocabulary-wide arrays the fused loss holds at once: one chunk's logits and
-    their gradient, and with `weight_grad` every token's gradient (kept for the output
-    weight's). For the memory estimate."""
-    spans = _chunk_spans(n_tokens, vocab, _logits_per_chunk())
-    chunk = spans[0][1] if spans else 0
-    return 2 * chunk * vocab + (n_tokens * vocab if weight_grad else 0)
-
-
-def _chunked_ce(h: mx.array, w: mx.array, targets: mx.array, grads: bool,
-                keep_dlogits: bool = False) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
-    """Per chunk of tokens: the cross-entropy of h (N, D) through W (V, D), with `grads` the
-    gradient (softmax - one-hot) @ W with respect to h, and with `keep_dlogits` softmax - one-hot
-    itself, (n, V) per chunk, or (V, n) where the kernels take the logits by columns (the
-    output GEMM W @ h.T is the faster one on CPU). Each chunk starts after the previous one's
-    results, so one chunk's logits are alive at a time. -> (ce chunks, dh chunks, dlogits chunks)."""
-    ces: list[mx.array] = []
-    dhs: list[mx.array] = []
-    dlogits: list[mx.array] = []
-    grad = grads or keep_dlogits
-    for i, n in _chunk_spans(h.shape[0], w.shape[0], _logits_per_chunk()):
-        previous = ces[-1:] + dhs[-1:]
-        hc = mx.depends(h[i:i + n], previous) if previous else h[i:i + n]
-        if LOGITS_BY_COLUMNS:
-            ce, d = softmax_cross_entropy_columns(gemm(hc, w, trans_b=True, trans_out=True), targets[i:i + n], grad)
-        else:
-            ce, d = softmax_cross_entropy(hc @ w.T, targets[i:i + n], grad)
-        ces.append(ce)
-        if grads:
-            dhs.append(gemm(d.astype(w.dtype), w, trans_a=LOGITS_BY_COLUMNS))
-        if keep_dlogits:
-            dlogits.append(d.astype(w.dtype))
-    return ces, dhs, dlogits
-
-
-def _output_ce(weight_grad: bool):
-    """The output projection and the cross-entropy as one function of (h, W, targets), with
-    h (N, D), W (V, D): the logits are computed a chunk of tokens at a time and never held
-    whole. The gradient with respect to h is a per-token factor times (softmax - one-hot) @ W,
-    computed in the forward pass chunk by chunk, so the backward pass is one multiply; with
-    `weight_grad` (a trained output layer) softmax - one-hot is kept for W's gradient."""
-
-    @mx.custom_function
-    def output_ce(h: mx.array, w: mx.array, targets: mx.array):
-        ces, dhs, dlogits = _chunked_ce(h, w, targets, grads=True, keep_dlogits=weight_grad)
-        out = [mx.concatenate(ces), mx.concatenate(dhs).astype(h.dtype)]
-        if weight_grad:
-            out.append(mx.concatenate(dlogits, axis=1 if LOGITS_BY_COLUMNS else 0))
-        return tuple(out)
-
-    @output_ce.vjp
-    def output_ce_vjp(primals, cotangents, outputs):
-        h, w, targets = primals
-        c = cotangents[0][:, None]
-        if weight_grad:
-            d = outputs[2] if LOGITS_BY_COLUMNS else outputs[2].T  # (V, N)
-            dw = gemm(d, (h * c).astype(w.dtype))
-        else:
-            dw = mx.zeros_like(w)
-        return outputs[1] * c.astype(h.dtype), dw, mx.zeros_like(targets)
-
-    return output_ce
-
-
-_OUTPUT_CE = {flag: _output_ce(flag) for flag in (False, True)}
-
-
-def output_cross_entropy(h: mx.array, w: mx.array, targets: mx.array, weight_grad: bool = False) -> mx.array:
-    """Per-token cross-entropy of h (N, D) through the output weight W (V, D), differentiable
-    (the fused chunked form; `weight_grad`: W's gradient is wanted too)."""
-    return _OUTPUT_CE[weight_grad](h, w, targets)[0]
-
-
-def output_layer(model: nn.Module) -> nn.Module | None:
-    """The output layer when the model's logits are plainly h @ W.T (the fused loss applies),
-    else None."""
-    if type(model).logits is not LlamaModel.logits:
-        return None
-    layer = model.output if "output" in model else model.tok_embeddings
-    if type(layer) not in (nn.Linear, Linear, nn.Embedding) or "bias" in layer:
-        return None
-    return layer
-
-
-def token_losses(model: nn.Module, inputs: mx.array, targets: mx.array,
-                 segments: mx.array | None = None, train: bool = True) -> mx.array:
-    """Per-token cross-entropy (B, T); packed rows (segments given) use the block-causal mask.
-
-    train: differentiable (the fused output loss's gradient); False: the same values with no
-    gradient bookkeeping (evaluation, DPO's reference).
-    """
-    mask = block_causal_mask(segments) if segments is not None else None
-    layer = output_layer(model)
-    if layer is None:
-        return cross_entropy(model(inputs, mask=mask), targets)
-    h = model.hidden(inputs, mask=mask)
-    B, T, D = h.shape
-    flat_h, flat_t = h.reshape(B * T, D), targets.reshape(B * T)
-    if not train:  # the same chunks and kernels as training, so values agree to the bit
-        return mx.concatenate(_chunked_ce(flat_h, layer.weight, flat_t, grads=False)[0]).reshape(B, T)
-    trained_w = "weight" in layer.trainable_parameters()
-    return output_cross_entropy(flat_h, layer.weight, flat_t, trained_w).reshape(B, T)
 
 
 def sft_loss(model: nn.Module, inputs: mx.array, targets: mx.array, weights: mx.array,
@@ -251,3 +147,435 @@ def pair_logps(model: nn.Module, inputs: mx.array, targets: mx.array, weights: m
     """(P, 2) summed completion log-probs (chosen, rejected): full fine-tuning's reference."""
     tok = -token_losses(model, inputs, targets, segments, train=False)  # the training values, bit for bit
     return sequence_logps(tok, weights, seq, 2 * n_pairs)[0].reshape(n_pairs, 2)
+
+
+# ------------------------------------------------------------------ the objectives as components
+
+
+def batch_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
+    # Rows holding one document each (padding only at the end) need no block mask: the plain
+    # causal mask gives the same losses, and the fused kernel skips a (B, H, T, T) select.
+    segs = mx.array(batch.segments) if packed and batch.segments.max() > 0 else None
+    return mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.weights), segs
+
+
+def pair_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
+    """batch_arrays plus what a preference objective reads: sequence ids and reference log-probs."""
+    return (*batch_arrays(batch, packed), mx.array(batch.seq), mx.array(batch.ref))
+
+
+@dataclass
+class Setup:
+    """What an objective may need before step 1 and between steps (the loop fills it in)."""
+
+    model: nn.Module
+    tokenizer: Any
+    stepper: Any  # mlxtoy.train.step.Stepper: compiled functions on the model's state
+    dataset: Dataset
+    run: RunDir
+    resume_from: str | None
+    parallel: Any  # mlxtoy.train.loop.Parallel or None
+    pad_id: int
+    log: Callable[..., None]  # log(message, level="info")
+    quiet: Callable[[], ContextManager]  # leaves the training RNG where it was (exact resume)
+    train_stream: BatchStream
+    valid_stream: BatchStream | None
+
+
+@dataclass
+class StepData:
+    """One optimizer step's micro-batches, the data positions they used, and what the step
+    event should carry besides the loss's own statistics."""
+
+    batches: list[Batch]
+    positions: int
+    metrics: dict[str, Any]
+
+
+class Objective:
+    """The base: SFT's choices, which the others override where they differ."""
+
+    name = "sft"
+    default_beta = 0.1  # what cfg.beta resolves to when not given
+    kinds: tuple[str, ...] = ("text", "completion", "chat", "stream")  # the record kinds it trains on
+    wanted: str | None = None  # how errors describe those kinds (None: the general formats)
+
+    def __init__(self, cfg: TrainConfig):
+        if cfg.beta is None:
+            cfg.beta = self.default_beta
+        self.cfg = cfg
+        self.setup: Setup | None = None
+
+    # -- data
+    def check_records(self, raw: RawSplits) -> None:
+        check_kinds(raw, self.name, self.kinds, self.wanted)
+
+    def tokenize(self, records, tokenizer, seq_len: int, mask_prompt: bool = True, name: str = "train"):
+        return tokenize(records, tokenizer, seq_len, mask_prompt, name=name)
+
+    def stream(self, examples: list, shuffle: bool, pad_id: int) -> BatchStream:
+        c = self.cfg
+        return BatchStream(examples, c.batch_size, c.seq_len, c.seed, c.pack, shuffle, pad_id)
+
+    def data_warnings(self, dataset: Dataset) -> list[str]:
+        return []
+
+    # -- before step 1
+    def starting_point(self, model: nn.Module) -> None:
+        """The model before a resumed run's checkpoint is loaded into it (the run's start)."""
+
+    def prepare(self, setup: Setup) -> None:
+        self.setup = setup
+
+    # -- a step
+    def step_data(self, stream: BatchStream, position: int) -> StepData:
+        return StepData([stream.batch(position + k) for k in range(self.cfg.grad_accum)], self.cfg.grad_accum, {})
+
+    def args(self, batch: Batch, packed: bool, norm: mx.array) -> tuple:
+        return (*batch_arrays(batch, packed), norm)
+
+    def norm(self, batches: list[Batch]) -> mx.array:
+        return mx.array(max(1, sum(b.n_loss for b in batches)), dtype=mx.float32)
+
+    def loss(self, model: nn.Module, *args) -> Any:
+        """The step's loss (traced into the compiled step): what `value` and `scalar` read."""
+        return sft_loss(model, *args)
+
+    def value(self, out: Any) -> mx.array:
+        """What a step returns of the loss function's output (the loss, or its statistics)."""
+        return out
+
+    def scalar(self, value: mx.array) -> mx.array:
+        return value
+
+    def step_fields(self, out: Any) -> tuple[float, dict[str, Any]]:
+        """(loss, the step event's other fields) from the step's returned value, as a list."""
+        return (out[0] if isinstance(out, list) else out), {}
+
+    # -- evaluation
+    def eval_value(self, model: nn.Module, inputs, targets, weights, segments) -> mx.array:
+        ce = token_losses(model, inputs, targets, segments, train=False)
+        return (ce * weights).sum()
+
+    def evaluate(self, stepper, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, Any]]:
+        """Mean loss over the first `n_batches` validation batches (-1: all), the count it is a
+        mean over, and the eval event's other fields."""
+        total, count = 0.0, 0
+        for b in stream.epoch_batches(n_batches):
+            part = stepper.reducer.shard(b) if stepper.reducer is not None else b
+            if part.inputs.shape[0] and part.n_loss:  # a shard of a short last batch may be empty
+                total += stepper.eval_fn(*batch_arrays(part, stepper.packed)).item()
+            count += part.n_loss
+        if stepper.reducer is not None:
+            total, count = stepper.reducer.reduce_eval(total, count)
+        return (total / count if count else float("nan")), count, {}
+
+    # -- the memory estimate
+    def memory_rows(self, batch_size: int, seq_len: int) -> tuple[int, int]:
+        """(rows, row length) of a step's micro-batch."""
+        return batch_size, seq_len
+
+    def memory_extra_logits(self, tokens: int, vocab: int) -> int:
+        """Bytes of vocabulary-wide arrays beyond the policy's loss (unfused loss path)."""
+        return 0
+
+    def memory_extra(self, trainable_bytes: int) -> int:
+        """Bytes the objective keeps besides the step (a reference copy of the weights)."""
+        return 0
+
+
+class SFT(Objective):
+    """Supervised next-token prediction: the base class's choices."""
+
+
+class Preference(Objective):
+    """Preference pairs (DPO, ORPO): batches of whole pairs, a loss with statistics."""
+
+    kinds = (PREF_KIND,)
+    wanted = ('preference pairs ({"prompt","chosen","rejected"} or {"chosen": [messages], '
+              '"rejected": [messages]})')
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg)
+        if not cfg.beta > 0:
+            raise UserError(f"train config: beta must be > 0, got {cfg.beta!r}")
+        self.spec = PreferenceSpec(self.name, cfg.beta, cfg.label_smoothing, adapters_reference=cfg.adapters)
+
+    def tokenize(self, records, tokenizer, seq_len: int, mask_prompt: bool = True, name: str = "train"):
+        return tokenize_pairs(records, tokenizer, seq_len, mask_prompt, name=name)
+
+    def stream(self, examples: list, shuffle: bool, pad_id: int) -> BatchStream:
+        c = self.cfg
+        return PairStream(examples, c.batch_size, c.seq_len, c.seed, c.pack, shuffle, pad_id)
+
+    def data_warnings(self, dataset: Dataset) -> list[str]:
+        return [f"{name}: {stats.dropped} preference pairs dropped ({stats.dropped_why})"
+                for name, stats in (("train", dataset.train_stats), ("valid", dataset.valid_stats)) if stats.dropped]
+
+    def args(self, batch: Batch, packed: bool, norm: mx.array) -> tuple:
+        return (*pair_arrays(batch, packed), norm)
+
+    def norm(self, batches: list[Batch]) -> mx.array:
+        # pairs, and chosen tokens (ORPO's NLL is a mean over tokens)
+        return mx.array([max(1, sum(len(b.pairs) for b in batches)),
+                         max(1, sum(b.n_chosen for b in batches))], dtype=mx.float32)
+
+    def loss(self, model: nn.Module, *args) -> Any:
+        return preference_loss(model, self.spec, *args)
+
+    def value(self, out: Any) -> mx.array:
+        return out[1]
+
+    def scalar(self, value: mx.array) -> mx.array:
+        return value[0]
+
+    def step_fields(self, out: Any) -> tuple[float, dict[str, Any]]:
+        # [loss, reward_chosen, reward_rejected, accuracy]
+        return out[0], {"reward_chosen": out[1], "reward_rejected": out[2], "reward_margin": out[1] - out[2],
+                        "pref_accuracy": out[3]}
+
+    def eval_value(self, model: nn.Module, *args) -> mx.array:
+        return preference_loss(model, self.spec, *args, train=False)[1]
+
+    def evaluate(self, stepper, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, Any]]:
+        batches = list(stream.epoch_batches(n_batches))
+        norm = self.norm(batches)
+        sums = [0.0] * 4
+        for b in batches:
+            part = stepper.reducer.shard(b) if stepper.reducer is not None else b
+            if part.inputs.shape[0]:
+                sums = [a + float(v) for a, v in zip(sums, stepper.eval_fn(*self.args(part, stepper.packed, norm)).tolist())]
+        count = sum(len(b.pairs) for b in batches)
+        if stepper.reducer is not None:  # each a share of the one-process mean: their sum is it
+            sums = [stepper.reducer.reduce_eval(v, 0)[0] for v in sums]
+        loss, rc, rr, acc = sums
+        return loss, count, {"pref_accuracy": acc, "reward_margin": rc - rr}
+
+    def memory_rows(self, batch_size: int, seq_len: int) -> tuple[int, int]:
+        # a preference batch holds pairs (two sequences each)
+        return (batch_size, 2 * seq_len) if self.cfg.pack else (2 * batch_size, seq_len)
+
+
+class ORPO(Preference):
+    name = "orpo"
+
+
+class DPO(Preference):
+    """DPO: with adapters the reference is the base (adapters off, inside the loss); for full
+    fine-tuning, log-probs of every pair computed once before step 1 and kept in the run."""
+
+    name = "dpo"
+
+    def prepare(self, setup: Setup) -> None:
+        super().prepare(setup)
+        if self.cfg.adapters:
+            return
+        refs = self._reference_logps(setup)
+        setup.train_stream.ref = refs["train"]
+        if setup.valid_stream is not None:
+            setup.valid_stream.ref = refs["valid"]
+
+    def memory_extra_logits(self, tokens: int, vocab: int) -> int:
+        return tokens * vocab * 4 if self.cfg.adapters else 0  # the reference's forward
+
+    def _reference_logps(self, s: Setup) -> dict[str, np.ndarray]:
+        """The starting model's log-probs of every train / valid pair, computed once before
+        step 1 and kept in the run (a resumed run's weights have moved on: it reuses them).
+        Data-parallel: rank 0 computes or reads them and shares them."""
+        splits = {"train": s.dataset.train, "valid": s.dataset.valid}
+        shapes = {k: (len(v), 2) for k, v in splits.items()}
+        main = s.parallel is None or s.parallel.is_main
+        refs: dict[str, np.ndarray] | None = None
+        if main:
+            refs = load_reference(s.run, shapes)
+            if refs is not None:
+                s.log(f"reference log-probs: reusing {s.run.join(REFERENCE_LOGPS)}")
+            elif s.resume_from is not None:
+                raise UserError(f"{s.run.join(REFERENCE_LOGPS)}: missing, and a resumed run cannot recompute "
+                                f"the reference (its weights have moved)")
+            else:
+                s.log(f"reference log-probs of {len(s.dataset.train) + len(s.dataset.valid)} pairs (the starting model)")
+                s.model.eval()
+                with s.quiet():
+                    refs = {k: self._logps(s, self.stream(v, False, s.pad_id)) if v else np.zeros((0, 2), np.float32)
+                            for k, v in splits.items()}
+                s.model.train()
+                save_reference(s.run, refs)
+        if s.parallel is not None:
+            got = s.parallel.broadcast({k: mx.array(refs[k] if main else np.zeros(shapes[k], np.float32))
+                                        for k in splits if shapes[k][0]}, "sharing the reference log-probs")
+            refs = {k: np.array(got[k]) if k in got else np.zeros((0, 2), np.float32) for k in splits}
+        return refs
+
+    def _logps(self, s: Setup, stream: BatchStream) -> np.ndarray:
+        """(pairs, 2) summed completion log-probs of every pair of `stream` (unshuffled)."""
+        model = s.model
+        logps = mx.compile(lambda inputs, targets, weights, segments, seq, ref: pair_logps(
+            model, inputs, targets, weights, segments, seq, ref.shape[0]), inputs=s.stepper.state)
+        out = np.zeros((len(stream.examples), 2), dtype=np.float32)
+        for b in stream.epoch_batches(-1):
+            out[b.pairs] = np.array(logps(*pair_arrays(b, s.stepper.packed)))
+        return out
+
+
+class GRPO(Objective):
+    """GRPO and its variants (mlxtoy.train.grpo): each step samples completions of its prompts
+    with the current weights, scores them and trains on the clipped-ratio loss. The reference
+    (beta > 0) is the base with the adapters off for LoRA and DoRA, and the run's starting
+    weights, kept in memory, for full fine-tuning."""
+
+    name = "grpo"
+    default_beta = 0.0
+    kinds = (PROMPT_KIND,)
+    wanted = 'prompt rows ({"prompt","answer"} or {"messages": [...], "answer"})'
+    max_refill_draws = 4  # --skip-zero-std-groups: prompt batches drawn per micro-batch at most
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg)
+        if not cfg.beta >= 0:
+            raise UserError(f"train config: beta must be >= 0 for grpo, got {cfg.beta!r}")
+        if cfg.group_size < 2:
+            raise UserError(f"train config: group_size must be >= 2 (advantages compare completions of a "
+                            f"prompt), got {cfg.group_size}")
+        self.rewards = RewardSet.parse(cfg.reward, cfg.reward_weights)
+        self.spec = grpo.GRPOSpec(cfg.loss_type, cfg.importance_sampling, cfg.epsilon,
+                                  cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high, cfg.beta,
+                                  cfg.max_completion_tokens, detached_old=cfg.iterations_per_generation == 1)
+        self.sampling = SamplingParams(temp=cfg.temp, top_p=cfg.top_p, min_p=cfg.min_p).validate()
+        self.reference: dict[str, mx.array] | None = None  # full fine-tuning's starting weights
+        self.reused: tuple[StepData, int] | None = None  # a generation, and the steps it has served
+        self.pending: dict[str, Any] = {}  # the rollout's metrics, for the step event
+
+    def tokenize(self, records, tokenizer, seq_len: int, mask_prompt: bool = True, name: str = "train"):
+        return grpo.tokenize_prompts(records, tokenizer, seq_len, mask_prompt, name=name)
+
+    def stream(self, examples: list, shuffle: bool, pad_id: int) -> BatchStream:
+        c = self.cfg
+        return grpo.PromptStream(examples, c.batch_size, c.seq_len, c.seed, False, shuffle, pad_id)
+
+    def data_warnings(self, dataset: Dataset) -> list[str]:
+        return [f"{name}: {stats.dropped} prompts dropped ({stats.dropped_why})"
+                for name, stats in (("train", dataset.train_stats), ("valid", dataset.valid_stats)) if stats.dropped]
+
+    def starting_point(self, model: nn.Module) -> None:
+        if self.cfg.beta and not self.cfg.adapters:  # the arrays themselves: updates make new ones
+            self.reference = dict(tree_flatten(model.trainable_parameters()))
+
+    # -- a step: rollouts, then the loss on them
+    def step_data(self, stream: BatchStream, position: int) -> StepData:
+        if self.reused is not None and self.reused[1] < self.cfg.iterations_per_generation:
+            data, uses = self.reused
+            self.reused = (data, uses + 1)
+            self.pending = dict(data.metrics)
+            return StepData(data.batches, 0, data.metrics)
+        s, c = self.setup, self.cfg
+        t0 = time.perf_counter()
+
+        def draw(pos: int, attempt: int) -> grpo.Rollout:
+            return grpo.rollout(s.model, s.tokenizer, stream.prompts(pos), self.rewards, group_size=c.group_size,
+                                sampling=self.sampling, max_tokens=c.max_completion_tokens,
+                                seed=grpo.sample_seed(c.seed, pos, attempt), scale=c.scale_rewards,
+                                pad_id=s.pad_id, index=pos)
+
+        s.model.eval()
+        with s.quiet():
+            got = grpo.collect(draw, position, c.grad_accum, c.batch_size, c.group_size,
+                               c.skip_zero_std_groups, self.max_refill_draws)
+            t1 = time.perf_counter()
+            batches = [r.batch for r in got.rolls]
+            for b in batches:
+                self._score(b)
+        s.model.train()
+        seen = got.metrics.pop("_seen")
+        metrics = grpo.rollout_metrics(seen, self.rewards, c.group_size)
+        metrics["samples"] = grpo.sample_records(seen, self.rewards)
+        metrics["timing/generation_s"] = t1 - t0
+        metrics["timing/scoring_s"] = time.perf_counter() - t1
+        data = StepData(batches, got.positions, metrics)
+        self.reused = (data, 1)
+        self.pending = dict(metrics)
+        return data
+
+    def _score(self, batch: Batch) -> None:
+        """The log-probs the loss compares with, stored with the batch right after generation:
+        the generating policy's (several iterations per generation) and the reference's."""
+        model = self.setup.model
+        inputs, targets = mx.array(batch.inputs), mx.array(batch.targets)
+        zeros = np.zeros(batch.inputs.shape, np.float32)
+        batch.old_logps, batch.ref_logps = zeros, zeros
+        if not self.spec.detached_old:
+            batch.old_logps = np.array(-token_losses(model, inputs, targets, None, train=False))
+        if not self.cfg.beta:
+            return
+        if self.cfg.adapters:
+            with adapters_disabled(model):
+                batch.ref_logps = np.array(-token_losses(model, inputs, targets, None, train=False))
+            return
+        current = model.trainable_parameters()
+        model.update(tree_unflatten(list(self.reference.items())))
+        try:
+            batch.ref_logps = np.array(-token_losses(model, inputs, targets, None, train=False))
+        finally:
+            model.update(current)
+
+    def args(self, batch: Batch, packed: bool, norm: mx.array) -> tuple:
+        return (mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.weights),
+                mx.array(batch.advantages), mx.array(batch.old_logps), mx.array(batch.ref_logps),
+                grpo.micro_norms(norm, batch))
+
+    def norm(self, batches: list[Batch]) -> mx.array:
+        return grpo.step_norms(batches)
+
+    def loss(self, model: nn.Module, inputs, targets, weights, adv, old, ref, norms) -> Any:
+        logp, entropy = token_logps_and_entropy(model, inputs, targets)
+        return grpo.grpo_loss(logp, old, ref, adv, weights, self.spec, norms, entropy)
+
+    def value(self, out: Any) -> mx.array:
+        return out[1]
+
+    def scalar(self, value: mx.array) -> mx.array:
+        return value[0]
+
+    def step_fields(self, out: Any) -> tuple[float, dict[str, Any]]:
+        fields = dict(self.pending)
+        fields.update(zip(grpo.STATS[1:], out[1:]))
+        if not self.cfg.beta:
+            fields.pop("kl")
+        return out[0], fields
+
+    # -- evaluation: the mean reward of greedy completions of the validation prompts
+    def evaluate(self, stepper, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, Any]]:
+        s, c = self.setup, self.cfg
+        prompts = [p for i in range(stream.batches_per_epoch if n_batches < 0 else min(n_batches, stream.batches_per_epoch))
+                   for p in stream.prompts(i)]
+        texts, lengths = [], []
+        eos = set(s.tokenizer.eos_ids)
+        chunk = max(1, c.batch_size * c.group_size)
+        for i in range(0, len(prompts), chunk):
+            outs = generate_batch(s.model, [p.tokens.tolist() for p in prompts[i:i + chunk]],
+                                  sampling=SamplingParams(temp=0.0), max_tokens=c.max_completion_tokens,
+                                  eos_ids=eos, seed=0)
+            texts += [s.tokenizer.decode([t for t in o if t not in eos]) for o in outs]
+            lengths += [len(o) for o in outs]
+        per = self.rewards.score(prompts, texts, lengths)
+        reward = float(self.rewards.combine(per).mean()) if len(prompts) else float("nan")
+        fields: dict[str, Any] = {"reward": reward, "completions/mean_length": float(np.mean(lengths or [0]))}
+        for j, name in enumerate(self.rewards.names):
+            col = per[:, j]
+            fields[f"rewards/{name}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else None
+        return -reward, len(prompts), fields
+
+    # -- the memory estimate: batch_size x group_size rows of prompt + completion
+    def memory_rows(self, batch_size: int, seq_len: int) -> tuple[int, int]:
+        return batch_size * self.cfg.group_size, seq_len + self.cfg.max_completion_tokens
+
+    def memory_extra(self, trainable_bytes: int) -> int:
+        return trainable_bytes if self.cfg.beta and not self.cfg.adapters else 0
+
+
+OBJECTIVE_TYPES: dict[str, type[Objective]] = {"sft": SFT, "dpo": DPO, "orpo": ORPO, "grpo": GRPO}
+
+
+def make_objective(cfg: TrainConfig) -> Objective:
+    """The objective cfg names, its settings checked (UserError) and defaults resolved."""
+    return OBJECTIVE_TYPES[cfg.objective](cfg)

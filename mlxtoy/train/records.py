@@ -9,6 +9,9 @@ Formats (mlx-lm's three JSONL formats, plus plain text):
   `{"prompt", "chosen", "rejected"}` strings (optional `"system"`), or TRL's conversational
   `{"chosen": [messages], "rejected": [messages]}` whose shared prefix is the prompt and whose
   differing final assistant turns are the completions. Both become kind "pref".
+- Prompts to sample from (GRPO; mlxtoy.train.grpo): `{"prompt", "answer"}` (optional
+  `"system"`) or `{"messages": [...], "answer"}`; every other column is kept for the rewards.
+  Kind "prompt".
 
 `data` is one file (split into train/valid deterministically from the seed) or a folder with
 `train.jsonl|train.txt` and optionally `valid.*` and `test.*`. Also a `.parquet`, `.csv` or
@@ -24,7 +27,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mlxtoy.config import PREFERENCE_OBJECTIVES
 from mlxtoy.errors import UserError
 from mlxtoy.io.tables import Table, dataset_id, is_table_file, is_table_folder, read_tables
 from mlxtoy.textio import check_string, iter_lines, parse_json, read_text
@@ -33,11 +35,32 @@ from mlxtoy.textio import check_string, iter_lines, parse_json, read_text
 @dataclass
 class Record:
     where: str  # "file:line"
-    kind: str  # "text" | "completion" | "chat" | "stream" | "pref"
-    value: Any  # str | (prompt, completion) | list of messages | (prompt messages, chosen, rejected)
+    kind: str  # "text" | "completion" | "chat" | "stream" | "pref" | "prompt"
+    # str | (prompt, completion) | list of messages | (prompt messages, chosen, rejected) |
+    # (prompt messages, answer, the row's columns)
+    value: Any
 
 
 PREF_KIND = "pref"
+PROMPT_KIND = "prompt"
+# what the kinds that only some objectives train on are called, and which objectives take them
+KIND_NEEDS = {PREF_KIND: ("preference pairs", "dpo or orpo"), PROMPT_KIND: ("prompt/answer rows", "grpo")}
+
+
+def _check_prompt_row(obj: dict, where: str) -> Record:
+    """A GRPO row -> Record("prompt", (prompt messages, answer, every column))."""
+    if "messages" in obj:
+        messages = _check_messages(obj["messages"], where)
+    else:
+        for key in ("prompt",) + (("system",) if "system" in obj else ()):
+            if not isinstance(obj[key], str):
+                raise UserError(f"{where}: field '{key}' must be a string")
+            check_string(obj[key], f"{where}: field '{key}'")
+        messages = ([{"role": "system", "content": obj["system"]}] if "system" in obj else []) + [
+            {"role": "user", "content": obj["prompt"]}]
+    if obj["answer"] is None:
+        raise UserError(f"{where}: field 'answer' is empty (null)")
+    return Record(where, PROMPT_KIND, (messages, obj["answer"], dict(obj)))
 
 
 def _check_pref(obj: dict, where: str) -> Record:
@@ -85,7 +108,7 @@ def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
     return out
 
 
-COLUMN_ROLES = ("text", "prompt", "completion", "messages", "chosen", "rejected")  # the fields a record reads
+COLUMN_ROLES = ("text", "prompt", "completion", "messages", "chosen", "rejected", "answer")  # the fields a record reads
 
 
 @dataclass(frozen=True)
@@ -122,6 +145,8 @@ def parse_object(obj: Any, where: str) -> Record:
         raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if "chosen" in obj or "rejected" in obj:
         return _check_pref(obj, where)
+    if "answer" in obj and ("prompt" in obj or "messages" in obj) and "completion" not in obj:
+        return _check_prompt_row(obj, where)
     if "messages" in obj:
         return Record(where, "chat", _check_messages(obj["messages"], where))
     if "prompt" in obj or "completion" in obj:
@@ -242,16 +267,15 @@ def _looks_like_file(path: str) -> bool:
     return os.path.splitext(path)[1].lower() in (".jsonl", ".txt", ".json", ".parquet", ".csv", ".arrow")
 
 
-def check_objective(raw: RawSplits, objective: str) -> None:
-    """Preference objectives train on pairs, SFT on everything else: say which file:line has
-    the other kind (each file holds one format; the test split only needs prompts/answers)."""
-    pairs = objective in PREFERENCE_OBJECTIVES
+def check_kinds(raw: RawSplits, objective: str, kinds: tuple[str, ...], wanted: str | None) -> None:
+    """The objective trains on records of `kinds` (described as `wanted`, None for "the
+    general formats"): say which file:line holds another kind (each file holds one format; the
+    test split only needs prompts/answers)."""
     for recs in (raw.train, raw.valid or []):
         for rec in recs[:1]:
-            if pairs and rec.kind != PREF_KIND:
-                raise UserError(f"{rec.where}: --objective {objective} needs preference pairs "
-                                f"({{\"prompt\",\"chosen\",\"rejected\"}} or {{\"chosen\": [messages], "
-                                f"\"rejected\": [messages]}}), not {rec.kind} data")
-            if not pairs and rec.kind == PREF_KIND:
-                raise UserError(f"{rec.where}: preference pairs need --objective dpo or orpo "
-                                f"(the objective is {objective})")
+            if rec.kind in kinds:
+                continue
+            if wanted is not None:
+                raise UserError(f"{rec.where}: --objective {objective} needs {wanted}, not {rec.kind} data")
+            name, objectives = KIND_NEEDS[rec.kind]
+            raise UserError(f"{rec.where}: {name} need --objective {objectives} (the objective is {objective})")

@@ -2,8 +2,8 @@
 
 The step is compiled (`mx.compile` with the model, optimizer and RNG state as inputs and
 outputs, as mlx-lm's tuner does): forward, the objective's loss (mlxtoy.train.objectives: SFT's
-token-weighted cross-entropy, DPO, ORPO), backward, gradient clipping and the optimizer update
-are one graph. Data-parallel training plugs in through a
+token-weighted cross-entropy, DPO, ORPO, GRPO), backward, gradient clipping and the optimizer
+update are one graph. Data-parallel training plugs in through a
 `Reducer` (shard each global batch, all-reduce the gradients) instead of wrapping the step.
 """
 
@@ -13,7 +13,6 @@ from functools import partial
 from typing import Any, Callable, Protocol
 
 import mlx.core as mx
-import numpy as np
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
@@ -22,9 +21,10 @@ from mlxtoy.config import TrainConfig
 from mlxtoy.models import fastmath
 from mlxtoy.train.build import train_dtype
 from mlxtoy.train.data import Batch, BatchStream
-from mlxtoy.train.objectives import PreferenceSpec, pair_logps, preference_loss, sft_loss, token_losses
+from mlxtoy.train.objectives import Objective, batch_arrays, make_objective, pair_arrays, token_losses
 
-__all__ = ["GuardedAdamW", "MatrixMuon", "Reducer", "Stepper", "batch_arrays", "block_matrix", "make_optimizer", "make_schedule", "token_losses"]
+__all__ = ["GuardedAdamW", "MatrixMuon", "Reducer", "Stepper", "batch_arrays", "block_matrix", "make_optimizer", "make_schedule",
+           "pair_arrays", "token_losses"]
 
 
 class Reducer(Protocol):
@@ -125,13 +125,6 @@ def make_optimizer(cfg: TrainConfig) -> optim.Optimizer:
     return GuardedAdamW(learning_rate=lr, betas=list(cfg.betas), eps=cfg.eps, weight_decay=wd)
 
 
-def batch_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
-    # Rows holding one document each (padding only at the end) need no block mask: the plain
-    # causal mask gives the same losses, and the fused kernel skips a (B, H, T, T) select.
-    segs = mx.array(batch.segments) if packed and batch.segments.max() > 0 else None
-    return mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.weights), segs
-
-
 def keep_if(ok: mx.array, tree: Any, old: Any) -> None:
     """In place: each array of `tree` (nested dicts / lists) becomes where(ok, new, old). In
     place because the compiled step reads its state back from these very containers."""
@@ -143,50 +136,35 @@ def keep_if(ok: mx.array, tree: Any, old: Any) -> None:
             tree[k] = mx.where(ok, v, old[k])
 
 
-def pair_arrays(batch: Batch, packed: bool) -> tuple[mx.array, ...]:
-    """batch_arrays plus what a preference objective reads: sequence ids and reference log-probs."""
-    return (*batch_arrays(batch, packed), mx.array(batch.seq), mx.array(batch.ref))
-
-
 class Stepper:
     """The compiled training step (and evaluation), built once per model and optimizer.
 
-    A step returns (out, grad norm): `out` is the loss for SFT, and for a preference objective
-    the vector of objectives.STATS (loss first), each a mean over the step's pairs."""
+    A step returns (out, grad norm): `out` is what the objective's `value` makes of its loss
+    function's output: the loss for SFT, a vector of statistics (loss first) for the others."""
 
     def __init__(self, model: nn.Module, optimizer: optim.Optimizer, cfg: TrainConfig, packed: bool,
-                 reducer: Reducer | None = None):
+                 reducer: Reducer | None = None, objective: Objective | None = None):
         self.model, self.optimizer, self.cfg, self.packed = model, optimizer, cfg, packed
         self.reducer = reducer
-        self.preference = cfg.preference
+        self.objective = objective = objective or make_objective(cfg)
         clip = cfg.grad_clip
 
         # Mixed precision for full / scratch (LoRA: the frozen base is already stored in the
         # compute dtype): compute with a low-precision copy of the float32 master weights.
         low = train_dtype(cfg)
         mixed = not cfg.adapters and low != mx.float32
-        spec = PreferenceSpec(cfg.objective, cfg.beta, cfg.label_smoothing,
-                              adapters_reference=cfg.adapters)
 
         def loss_fn(model, *args):
             if mixed:
                 master = model.trainable_parameters()
                 model.update(tree_map(lambda p: p.astype(low), master))
-            if self.preference:
-                out = preference_loss(model, spec, *args)
-            else:
-                out = sft_loss(model, *args)
+            out = objective.loss(model, *args)
             if mixed:
                 model.update(master)  # the optimizer updates the float32 masters
             return out
 
         loss_and_grad = nn.value_and_grad(model, loss_fn)
-
-        def value(out):  # SFT: the loss; preference: (loss, stats) -> stats
-            return out[1] if self.preference else out
-
-        def scalar(v):  # the loss itself, whatever the objective returns
-            return v[0] if self.preference else v
+        value, scalar = objective.value, objective.scalar  # what a step returns; the loss in it
 
         def guarded_finish(grads, loss):
             # GuardedAdamW clips, updates and keeps the old values itself, in one pass per weight
@@ -239,35 +217,20 @@ class Stepper:
             return finish(grads, scalar(out))
 
         @partial(mx.compile, inputs=state)
-        def eval_sum(inputs, targets, weights, segments):
-            ce = token_losses(model, inputs, targets, segments, train=False)
-            return (ce * weights).sum()
-
-        @partial(mx.compile, inputs=state)
-        def eval_pairs(*args):
-            return preference_loss(model, spec, *args, train=False)[1]
-
-        @partial(mx.compile, inputs=state)
-        def logps(inputs, targets, weights, segments, seq, ref):
-            return pair_logps(model, inputs, targets, weights, segments, seq, ref.shape[0])
+        def eval_fn(*args):  # the objective's evaluation sums (objective.evaluate calls it)
+            return objective.eval_value(model, *args)
 
         # one fused graph for the common case; micro + apply for accumulation and reducers
-        self.fused_step, self.micro, self.apply, self.eval_sum = step, micro, apply, eval_sum
-        self.eval_pairs, self.logps = eval_pairs, logps
+        self.fused_step, self.micro, self.apply, self.eval_fn = step, micro, apply, eval_fn
         self.state = state
 
     def _args(self, batch: Batch, norm: mx.array) -> tuple:
-        if self.preference:
-            return (*pair_arrays(batch, self.packed), norm)
-        return (*batch_arrays(batch, self.packed), norm)
+        return self.objective.args(batch, self.packed, norm)
 
     def _norm(self, batches: list[Batch]) -> mx.array:
         # normalised by the whole (global) step: with a reducer each process's gradient is its
         # share of the one-process mean, and their sum is that mean
-        if self.preference:  # pairs, and chosen tokens (ORPO's NLL is a mean over tokens)
-            return mx.array([max(1, sum(len(b.pairs) for b in batches)),
-                             max(1, sum(b.n_chosen for b in batches))], dtype=mx.float32)
-        return mx.array(max(1, sum(b.n_loss for b in batches)), dtype=mx.float32)
+        return self.objective.norm(batches)
 
     def __call__(self, batches: list) -> tuple[mx.array, mx.array]:
         """One optimizer step over `batches` (grad_accum micro-batches) -> (out, grad norm).
@@ -290,39 +253,6 @@ class Stepper:
         return total, self.apply(grads, total)
 
     def evaluate(self, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, float]]:
-        """Mean loss over the first `n_batches` validation batches (-1: all), the count it is a
-        mean over (tokens; pairs for a preference objective), and for a preference objective
-        {"pref_accuracy", "reward_margin"} over those pairs."""
-        if self.preference:
-            return self._evaluate_pairs(stream, n_batches)
-        total, count = 0.0, 0
-        for b in stream.epoch_batches(n_batches):
-            part = self.reducer.shard(b) if self.reducer is not None else b
-            if part.inputs.shape[0] and part.n_loss:  # a shard of a short last batch may be empty
-                total += self.eval_sum(*batch_arrays(part, self.packed)).item()
-            count += part.n_loss
-        if self.reducer is not None:
-            total, count = self.reducer.reduce_eval(total, count)
-        return (total / count if count else float("nan")), count, {}
-
-    def _evaluate_pairs(self, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, float]]:
-        batches = list(stream.epoch_batches(n_batches))
-        norm = self._norm(batches)
-        sums = [0.0] * 4
-        for b in batches:
-            part = self.reducer.shard(b) if self.reducer is not None else b
-            if part.inputs.shape[0]:
-                sums = [a + float(v) for a, v in zip(sums, self.eval_pairs(*self._args(part, norm)).tolist())]
-        count = sum(len(b.pairs) for b in batches)
-        if self.reducer is not None:  # each a share of the one-process mean: their sum is it
-            sums = [self.reducer.reduce_eval(v, 0)[0] for v in sums]
-        loss, rc, rr, acc = sums
-        return loss, count, {"pref_accuracy": acc, "reward_margin": rc - rr}
-
-    def reference_logps(self, stream: BatchStream) -> np.ndarray:
-        """(pairs, 2) summed completion log-probs of every pair of `stream` (unshuffled) under
-        the model as it is now: full fine-tuning's DPO reference, computed before step 1."""
-        out = np.zeros((len(stream.examples), 2), dtype=np.float32)
-        for b in stream.epoch_batches(-1):
-            out[b.pairs] = np.array(self.logps(*pair_arrays(b, self.packed)))
-        return out
+        """The objective's evaluation over the first `n_batches` validation batches (-1: all):
+        (mean loss, the count it is a mean over, the eval event's other fields)."""
+        return self.objective.evaluate(self, stream, n_batches)

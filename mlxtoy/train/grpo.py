@@ -1,0 +1,391 @@
+"""GRPO (Shao et al. 2024) and its 2025 variants: prompts, rollouts, advantages and the loss.
+
+A step samples `group_size` completions of each of its prompts with the policy as it is
+(`rollout`: every completion of the micro-batch is one batch through the KV-cache decoder,
+mlxtoy.generate.generate_batch), scores them (mlxtoy.train.rewards), and trains on
+
+    A_i = r_i - mean(r of its group)       divided by the group's std (--scale-rewards group),
+                                           the batch's (batch) or nothing (none, Dr. GRPO);
+    w_it = pi(o_it) / pi_old(o_it)         per token, or GSPO's per sequence
+                                           exp(mean_t log(pi / pi_old)) (--importance-sampling);
+    l_it = -min(w_it A_i, clip(w_it, 1 - eps, 1 + eps_high) A_i) + beta * KL_it,
+    KL_it = exp(ref - logp) - (ref - logp) - 1                        (the k3 estimator),
+
+aggregated by --loss-type (as TRL does):
+    grpo     mean over sequences of each sequence's token mean,
+    bnpo     each micro-batch's token mean, averaged over the micro-batches,
+    dr_grpo  token sum / (sequences * max completion tokens),
+    dapo     token sum / completion tokens of the whole step.
+The "old" policy is the one that generated the completions: with one iteration per
+generation its log-probs are the policy's own, detached (so w = 1 exactly); with more, the
+log-probs computed right after generation (`Rollout.old`). Log-probs are over the prompt and
+the sampled token ids, never re-tokenized text.
+
+Like every objective here, each sum is divided by a count of the whole optimizer step
+(`norms`), so micro-batches add up to the one-batch result. This module holds the math and
+the rollout; mlxtoy.train.objectives.GRPO plugs them into the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxtoy.errors import UserError
+from mlxtoy.generate import generate_batch
+from mlxtoy.sampling import SamplingParams
+from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, DataStats, Renderer, pack_rows
+from mlxtoy.train.records import Record
+from mlxtoy.train.rewards import RewardSet
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_LEVELS = ("token", "sequence")
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPS = 1e-4  # added to the std before dividing (TRL's)
+# what the loss returns after the loss itself, each a share of the step's mean
+STATS = ("loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio", "entropy")
+SAMPLES_SHOWN = 4  # completions a step event carries
+
+
+@dataclass(frozen=True)
+class GRPOSpec:
+    loss_type: str = "grpo"
+    importance: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    max_completion_tokens: int = 64
+    detached_old: bool = True  # one iteration per generation: old = the policy itself, detached
+
+
+# ------------------------------------------------------------------ advantages and the loss
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rewards (N,) of N / group_size groups, in order -> (advantages (N,), the std each was
+    scaled by (N,)): reward - group mean, over the group's (unbiased) std + STD_EPS, the
+    batch's, or not at all. The std is returned whatever `scale` is (for the metrics)."""
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
+    group_std = r.std(axis=1, ddof=1) if group_size > 1 else np.zeros(len(r))
+    # a group whose rewards are all equal has advantage 0 exactly (its float mean may not
+    # equal its members to the last bit)
+    adv = np.where(np.isclose(group_std, 0.0)[:, None], 0.0, r - r.mean(axis=1, keepdims=True)).reshape(-1)
+    if scale == "batch":
+        std = np.full(r.size, r.std(ddof=1) if r.size > 1 else 0.0)
+    else:
+        std = np.repeat(group_std, group_size)
+    if scale != "none":
+        adv = adv / (std + STD_EPS)
+    return adv.astype(np.float32), std
+
+
+def grpo_loss(logp: mx.array, old: mx.array, ref: mx.array, adv: mx.array, mask: mx.array,
+              spec: GRPOSpec, norms: mx.array, entropy: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """(loss, stats) of a micro-batch of completions (see the module docstring).
+
+    logp, old, ref: (B, T) log-probs of each target token under the policy, the generating
+    policy and the reference (old is ignored when spec.detached_old); adv (B,); mask (B, T)
+    1 on completion tokens; norms [sequences of the step, completion tokens of the step,
+    this micro-batch's completion tokens * micro-batches]; entropy (B, T) or None.
+    stats: STATS, each a share of its mean over the step (tokens; sequences for GSPO's
+    sequence-level clip fractions)."""
+    old = mx.stop_gradient(logp) if spec.detached_old else mx.stop_gradient(old)
+    log_ratio = logp - old
+    if spec.importance == "sequence":
+        lengths = mx.maximum(mask.sum(-1), 1.0)
+        log_w = ((log_ratio * mask).sum(-1) / lengths)[:, None]
+    else:
+        log_w = log_ratio
+    w = mx.exp(log_w)
+    a = adv[:, None]
+    per_token = -mx.minimum(w * a, mx.clip(w, 1 - spec.epsilon, 1 + spec.epsilon_high) * a)
+    kl = mx.zeros_like(logp)
+    if spec.beta:
+        d = mx.stop_gradient(ref) - logp
+        kl = mx.exp(d) - d - 1
+        per_token = per_token + spec.beta * kl
+    masked = per_token * mask
+    if spec.loss_type == "grpo":
+        loss = (masked.sum(-1) / mx.maximum(mask.sum(-1), 1.0)).sum() / norms[0]
+    elif spec.loss_type == "bnpo":
+        loss = masked.sum() / norms[2]
+    elif spec.loss_type == "dr_grpo":
+        loss = masked.sum() / (norms[0] * spec.max_completion_tokens)
+    else:  # dapo
+        loss = masked.sum() / norms[1]
+    w = mx.stop_gradient(w)
+    low = ((w < 1 - spec.epsilon) & (a < 0)).astype(mx.float32)
+    high = ((w > 1 + spec.epsilon_high) & (a > 0)).astype(mx.float32)
+    if spec.importance == "sequence":  # one ratio a sequence: fractions of the sequences
+        present = (mask.sum(-1, keepdims=True) > 0).astype(mx.float32)
+        shares = [(x * present).sum() / norms[0] for x in (low, high, mx.maximum(low, high))]
+    else:
+        shares = [(x * mask).sum() / norms[1] for x in (low, high, mx.maximum(low, high))]
+    ent = mx.zeros(()) if entropy is None else (mx.stop_gradient(entropy) * mask).sum() / norms[1]
+    stats = mx.stack([loss, (mx.stop_gradient(kl) * mask).sum() / norms[1], *shares, ent])
+    return loss, stats
+
+
+def step_norms(batches: list[Batch]) -> mx.array:
+    """[sequences, completion tokens, ...] of a whole step, for `grpo_loss`; the third entry
+    (bnpo's micro-batch count) is filled in per micro-batch by `micro_norms`."""
+    return mx.array([max(1, sum(b.inputs.shape[0] for b in batches)),
+                     max(1, sum(b.n_loss for b in batches)), float(len(batches))], dtype=mx.float32)
+
+
+def micro_norms(norms: mx.array, batch: Batch) -> mx.array:
+    """`step_norms` with its third entry this micro-batch's tokens * the micro-batches."""
+    return mx.concatenate([norms[:2], (norms[2] * max(1, batch.n_loss)).reshape(1)])
+
+
+# ------------------------------------------------------------------ prompts
+
+
+@dataclass
+class Prompt:
+    """One row to sample from: the prompt's token ids (ready for generation), its answer and
+    every column of the row (what a reward may read)."""
+
+    tokens: np.ndarray  # int32
+    answer: Any
+    row: dict[str, Any]
+    where: str = ""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def trained(self) -> int:  # nothing of the prompt itself is trained
+        return 0
+
+    @property
+    def prompt(self) -> Any:
+        """The prompt as the row gives it: a string, or the list of messages."""
+        return self.row["prompt"] if "prompt" in self.row else self.row.get("messages")
+
+
+def tokenize_prompts(records: list[Record], tokenizer, seq_len: int, mask_prompt: bool = True,
+                     name: str = "train") -> tuple[list[Prompt], DataStats]:
+    """Records of kind "prompt" -> Prompts of at most seq_len tokens (longer ones are dropped
+    and counted: a cut prompt asks another question). mask_prompt is ignored."""
+    r = Renderer(tokenizer, True)
+    out: list[Prompt] = []
+    stats = DataStats(dropped_why=f"the prompt is longer than seq_len {seq_len}")
+    for rec in records:
+        messages, answer, row = rec.value
+        if r.has_template:
+            ids = r.render(messages, True, rec.where)
+        elif len(messages) == 1 and messages[0]["role"] == "user":
+            ids = tokenizer.encode(messages[0]["content"])
+        else:
+            raise UserError(f"{rec.where}: a system message or a conversation needs a chat template, "
+                            f"and this tokenizer has none")
+        if len(ids) > seq_len or not ids:
+            stats.dropped += 1
+            continue
+        out.append(Prompt(np.asarray(ids, dtype=np.int32), answer, row, rec.where))
+    if records and not out:
+        raise UserError(f"{name}: every prompt ({stats.dropped}, e.g. {records[0].where}) is longer than "
+                        f"--seq-len {seq_len}; raise it")
+    stats.examples = len(out)
+    stats.tokens = sum(len(p) for p in out)
+    return out, stats
+
+
+class PromptStream(BatchStream):
+    """Deterministic batches of `batch_size` prompts: batch i is a pure function of (seed, i),
+    as for the other objectives' batches (`prompts(i)`; rollouts make the training batches)."""
+
+    def __post_init__(self):
+        n = len(self.examples)
+        self.rows = (pack_rows([len(p) for p in self.examples], self.seq_len, self.seed, pack=False)
+                     if self.shuffle else [[i] for i in range(n)])
+
+    def prompts(self, index: int) -> list[Prompt]:
+        return [self.examples[row[0]] for row in self._rows_for(index)]
+
+
+# ------------------------------------------------------------------ rollouts
+
+
+@dataclass
+class Rollout:
+    """Completions of a micro-batch's prompts, scored, as a training batch."""
+
+    batch: Batch
+    rewards: np.ndarray  # (N,) combined
+    per_reward: np.ndarray  # (N, rewards) with NaN for "not applicable"
+    std: np.ndarray  # (N,) the std each advantage was scaled by (or would have been)
+    lengths: np.ndarray  # (N,) completion tokens
+    clipped: np.ndarray  # (N,) bool: stopped by the token limit, not EOS
+    texts: list[str]
+    prompts: list[Prompt]  # one per completion
+
+
+def sample_seed(seed: int, position: int, attempt: int) -> int:
+    """The sampling seed of a step's draw: a pure function of the run's seed and the data
+    position (so a resumed run samples what the uninterrupted one did)."""
+    return int(np.random.default_rng([seed, 0x6A90, position, attempt]).integers(0, 2**31 - 1))
+
+
+def generate_groups(model, tokenizer, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
+                    max_tokens: int, seed: int) -> tuple[list[list[int]], np.ndarray]:
+    """group_size completions of each prompt (prompt-major), as token ids that end at the EOS
+    (included) or the limit; and whether each was clipped by the limit."""
+    eos = set(tokenizer.eos_ids)
+    outs = generate_batch(model, [p.tokens.tolist() for p in prompts], repeats=group_size,
+                          sampling=sampling, max_tokens=max_tokens, eos_ids=eos, seed=seed)
+    clipped = np.array([not (o and o[-1] in eos) for o in outs])
+    return outs, clipped
+
+
+def completion_batch(prompts: list[Prompt], completions: list[list[int]], group_size: int,
+                     pad_id: int, index: int) -> Batch:
+    """Rows prompt + completion (prompt-major, group_size per prompt), right-padded to a
+    multiple of PAD_MULTIPLE; weights 1 on the completion's targets."""
+    rows = [np.concatenate([prompts[i // group_size].tokens, np.asarray(c, dtype=np.int32)])
+            for i, c in enumerate(completions)]
+    width = max(len(r) - 1 for r in rows)
+    width = -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+    B = len(rows)
+    inputs = np.full((B, width), pad_id, dtype=np.int32)
+    targets = np.zeros((B, width), dtype=np.int32)
+    weights = np.zeros((B, width), dtype=np.float32)
+    segments = np.full((B, width), -1, dtype=np.int32)
+    for b, (row, comp) in enumerate(zip(rows, completions)):
+        n = len(row) - 1
+        inputs[b, :n], targets[b, :n], segments[b, :n] = row[:-1], row[1:], 0
+        start = len(row) - len(comp) - 1  # the target of position start is the first completion token
+        weights[b, start:n] = 1.0
+    return Batch(inputs, targets, weights, segments, int((segments >= 0).sum()), int(weights.sum()), index)
+
+
+def rollout(model, tokenizer, prompts: list[Prompt], rewards: RewardSet, *, group_size: int,
+            sampling: SamplingParams, max_tokens: int, seed: int, scale: str, pad_id: int,
+            index: int) -> Rollout:
+    """Sample, decode and score group_size completions of each prompt; advantages on the Batch."""
+    completions, clipped = generate_groups(model, tokenizer, prompts, group_size, sampling, max_tokens, seed)
+    eos = set(tokenizer.eos_ids)
+    texts = [tokenizer.decode([t for t in c if t not in eos]) for c in completions]
+    owners = [prompts[i // group_size] for i in range(len(completions))]
+    per_reward = rewards.score(owners, texts, [len(c) for c in completions])
+    combined = rewards.combine(per_reward)
+    adv, std = group_advantages(combined, group_size, scale)
+    batch = completion_batch(prompts, completions, group_size, pad_id, index)
+    batch.advantages = adv
+    return Rollout(batch, combined, per_reward, std, np.array([len(c) for c in completions]), clipped,
+                   texts, owners)
+
+
+def informative(roll: Rollout, group_size: int) -> np.ndarray:
+    """Per group: its rewards differ (DAPO's dynamic sampling keeps only these)."""
+    return ~np.isclose(roll.std.reshape(-1, group_size)[:, 0], 0.0)
+
+
+def keep_groups(roll: Rollout, keep: np.ndarray, group_size: int) -> Rollout:
+    """The rollout restricted to the groups marked in `keep`."""
+    rows = np.repeat(keep, group_size)
+    idx = np.flatnonzero(rows)
+    b = roll.batch
+    sub = Batch(b.inputs[idx], b.targets[idx], b.weights[idx], b.segments[idx], 0, 0, b.index)
+    sub.n_tokens, sub.n_loss = int((sub.segments >= 0).sum()), int(sub.weights.sum())
+    sub.advantages = b.advantages[idx]
+    return Rollout(sub, roll.rewards[idx], roll.per_reward[idx], roll.std[idx], roll.lengths[idx],
+                   roll.clipped[idx], [roll.texts[i] for i in idx], [roll.prompts[i] for i in idx])
+
+
+def rollout_metrics(rolls: list[Rollout], rewards: RewardSet, group_size: int) -> dict[str, Any]:
+    """TRL's metric names over every completion sampled for a step (skipped groups included)."""
+    r = np.concatenate([x.rewards for x in rolls])
+    std = np.concatenate([x.std for x in rolls])
+    per = np.concatenate([x.per_reward for x in rolls])
+    lengths = np.concatenate([x.lengths for x in rolls])
+    clipped = np.concatenate([x.clipped for x in rolls])
+    groups = np.concatenate([x.std.reshape(-1, group_size)[:, 0] for x in rolls])
+    out: dict[str, Any] = {"reward": float(r.mean()), "reward_std": float(std.mean()),
+                           "frac_reward_zero_std": float(np.isclose(groups, 0.0).mean())}
+    for j, name in enumerate(rewards.names):
+        col = per[:, j]
+        out[f"rewards/{name}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else None
+    out["completions/mean_length"] = float(lengths.mean())
+    out["completions/min_length"] = float(lengths.min())
+    out["completions/max_length"] = float(lengths.max())
+    out["completions/clipped_ratio"] = float(clipped.mean())
+    return out
+
+
+def sample_records(rolls: list[Rollout], rewards: RewardSet, n: int = SAMPLES_SHOWN) -> list[dict[str, Any]]:
+    """A few completions of the step with their rewards (the first group's first ones)."""
+    out = []
+    for roll in rolls:
+        for i in range(len(roll.texts)):
+            if len(out) >= n:
+                return out
+            per = {name: (None if math.isnan(v) else float(v)) for name, v in zip(rewards.names, roll.per_reward[i])}
+            prompt = roll.prompts[i].prompt
+            shown = prompt if isinstance(prompt, str) else next(
+                (m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
+            out.append({"prompt": str(shown)[:200], "completion": roll.texts[i][:400],
+                        "reward": float(roll.rewards[i]), "rewards": per})
+    return out
+
+
+@dataclass
+class StepRollouts:
+    """What a GRPO step trains on and reports."""
+
+    rolls: list[Rollout]
+    positions: int  # data positions (prompt batches) consumed
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def collect(draw: Callable[[int, int], Rollout], position: int, micro_batches: int, batch_size: int,
+            group_size: int, skip_zero_std: bool, max_draws: int) -> StepRollouts:
+    """The micro-batches of one step: `draw(position, attempt)` rolls out the prompts of data
+    position `position`. With `skip_zero_std`, groups whose rewards are all equal are dropped
+    and refilled from the next positions (at most `max_draws` draws per micro-batch; a
+    micro-batch that stays short trains on what it has)."""
+    rolls, seen, pos = [], [], position
+    for _ in range(micro_batches):
+        roll = draw(pos, 0)
+        pos += 1
+        seen.append(roll)
+        if skip_zero_std:
+            kept = keep_groups(roll, informative(roll, group_size), group_size)
+            draws = 1
+            while len(kept.texts) < batch_size * group_size and draws < max_draws:
+                more = draw(pos, 0)
+                pos += 1
+                draws += 1
+                seen.append(more)
+                extra = keep_groups(more, informative(more, group_size), group_size)
+                kept = merge(kept, extra, batch_size * group_size)
+            if len(kept.texts):  # else every group was equal: its advantages are all 0
+                roll = kept
+        rolls.append(roll)
+    return StepRollouts(rolls, pos - position, {"_seen": seen})
+
+
+def merge(a: Rollout, b: Rollout, limit: int) -> Rollout:
+    """a's completions then b's, at most `limit` (whole groups: limit is a multiple of G)."""
+    n_b = max(0, min(len(b.texts), limit - len(a.texts)))
+    width = max(a.batch.inputs.shape[1], b.batch.inputs.shape[1])
+
+    def pad(x: np.ndarray, value) -> np.ndarray:
+        return np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value)
+
+    ab, bb = a.batch, b.batch  # (padding inputs are never seen: rows are right-padded)
+    batch = Batch(np.concatenate([pad(ab.inputs, 0), pad(bb.inputs[:n_b], 0)]),
+                  np.concatenate([pad(ab.targets, 0), pad(bb.targets[:n_b], 0)]),
+                  np.concatenate([pad(ab.weights, 0), pad(bb.weights[:n_b], 0)]),
+                  np.concatenate([pad(ab.segments, -1), pad(bb.segments[:n_b], -1)]), 0, 0, ab.index)
+    batch.n_tokens, batch.n_loss = int((batch.segments >= 0).sum()), int(batch.weights.sum())
+    batch.advantages = np.concatenate([ab.advantages, bb.advantages[:n_b]])
+    cat = lambda x, y: np.concatenate([x, y[:n_b]])  # noqa: E731
+    return Rollout(batch, cat(a.rewards, b.rewards), cat(a.per_reward, b.per_reward), cat(a.std, b.std),
+                   cat(a.lengths, b.lengths), cat(a.clipped, b.clipped), a.texts + b.texts[:n_b],
+                   a.prompts + b.prompts[:n_b])

@@ -1,0 +1,163 @@
+"""Per-token log-probabilities through the output layer, in chunks: the cross-entropy of
+every objective (mlxtoy.train.objectives) without the [tokens x vocabulary] logits ever
+existing whole, in float32, with a hand-written gradient (`output_cross_entropy`), and the
+no-gradient forms evaluation and references use (the same chunks and kernels: the same bits).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxtoy.models.fastmath import (LOGITS_BY_COLUMNS, Linear, gemm, softmax_cross_entropy,
+                                    softmax_cross_entropy_columns)
+from mlxtoy.models.llama import LlamaModel, block_causal_mask
+
+
+def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
+    """Per-token cross-entropy logsumexp(logits) - logits[target], in float32 (no gradient
+    bookkeeping: evaluation of models whose logits are not a plain projection)."""
+    x = logits.astype(mx.float32)
+    return mx.logsumexp(x, axis=-1) - mx.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+
+
+def _chunk_spans(n_tokens: int, vocab: int, logits_per_chunk: int) -> list[tuple[int, int]]:
+    # at most 32 chunks in the compiled graph
+    size = max(-(-n_tokens // 32), logits_per_chunk // vocab, 1)
+    return [(i, min(size, n_tokens - i)) for i in range(0, n_tokens, size)]
+
+
+def _logits_per_chunk() -> int:
+    # ~12M logits per chunk by columns (48 MB in float32), ~4M by rows
+    return 12 << 20 if LOGITS_BY_COLUMNS else 1 << 22
+
+
+def loss_logits_alive(n_tokens: int, vocab: int, weight_grad: bool) -> int:
+    """Elements of vocabulary-wide arrays the fused loss holds at once: one chunk's logits and
+    their gradient, and with `weight_grad` every token's gradient (kept for the output
+    weight's). For the memory estimate."""
+    spans = _chunk_spans(n_tokens, vocab, _logits_per_chunk())
+    chunk = spans[0][1] if spans else 0
+    return 2 * chunk * vocab + (n_tokens * vocab if weight_grad else 0)
+
+
+def _chunked_ce(h: mx.array, w: mx.array, targets: mx.array, grads: bool,
+                keep_dlogits: bool = False) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+    """Per chunk of tokens: the cross-entropy of h (N, D) through W (V, D), with `grads` the
+    gradient (softmax - one-hot) @ W with respect to h, and with `keep_dlogits` softmax - one-hot
+    itself, (n, V) per chunk, or (V, n) where the kernels take the logits by columns (the
+    output GEMM W @ h.T is the faster one on CPU). Each chunk starts after the previous one's
+    results, so one chunk's logits are alive at a time. -> (ce chunks, dh chunks, dlogits chunks)."""
+    ces: list[mx.array] = []
+    dhs: list[mx.array] = []
+    dlogits: list[mx.array] = []
+    grad = grads or keep_dlogits
+    for i, n in _chunk_spans(h.shape[0], w.shape[0], _logits_per_chunk()):
+        previous = ces[-1:] + dhs[-1:]
+        hc = mx.depends(h[i:i + n], previous) if previous else h[i:i + n]
+        if LOGITS_BY_COLUMNS:
+            ce, d = softmax_cross_entropy_columns(gemm(hc, w, trans_b=True, trans_out=True), targets[i:i + n], grad)
+        else:
+            ce, d = softmax_cross_entropy(hc @ w.T, targets[i:i + n], grad)
+        ces.append(ce)
+        if grads:
+            dhs.append(gemm(d.astype(w.dtype), w, trans_a=LOGITS_BY_COLUMNS))
+        if keep_dlogits:
+            dlogits.append(d.astype(w.dtype))
+    return ces, dhs, dlogits
+
+
+def _output_ce(weight_grad: bool):
+    """The output projection and the cross-entropy as one function of (h, W, targets), with
+    h (N, D), W (V, D): the logits are computed a chunk of tokens at a time and never held
+    whole. The gradient with respect to h is a per-token factor times (softmax - one-hot) @ W,
+    computed in the forward pass chunk by chunk, so the backward pass is one multiply; with
+    `weight_grad` (a trained output layer) softmax - one-hot is kept for W's gradient."""
+
+    @mx.custom_function
+    def output_ce(h: mx.array, w: mx.array, targets: mx.array):
+        ces, dhs, dlogits = _chunked_ce(h, w, targets, grads=True, keep_dlogits=weight_grad)
+        out = [mx.concatenate(ces), mx.concatenate(dhs).astype(h.dtype)]
+        if weight_grad:
+            out.append(mx.concatenate(dlogits, axis=1 if LOGITS_BY_COLUMNS else 0))
+        return tuple(out)
+
+    @output_ce.vjp
+    def output_ce_vjp(primals, cotangents, outputs):
+        h, w, targets = primals
+        c = cotangents[0][:, None]
+        if weight_grad:
+            d = outputs[2] if LOGITS_BY_COLUMNS else outputs[2].T  # (V, N)
+            dw = gemm(d, (h * c).astype(w.dtype))
+        else:
+            dw = mx.zeros_like(w)
+        return outputs[1] * c.astype(h.dtype), dw, mx.zeros_like(targets)
+
+    return output_ce
+
+
+_OUTPUT_CE = {flag: _output_ce(flag) for flag in (False, True)}
+
+
+def output_cross_entropy(h: mx.array, w: mx.array, targets: mx.array, weight_grad: bool = False) -> mx.array:
+    """Per-token cross-entropy of h (N, D) through the output weight W (V, D), differentiable
+    (the fused chunked form; `weight_grad`: W's gradient is wanted too)."""
+    return _OUTPUT_CE[weight_grad](h, w, targets)[0]
+
+
+def output_layer(model: nn.Module) -> nn.Module | None:
+    """The output layer when the model's logits are plainly h @ W.T (the fused loss applies),
+    else None."""
+    if type(model).logits is not LlamaModel.logits:
+        return None
+    layer = model.output if "output" in model else model.tok_embeddings
+    if type(layer) not in (nn.Linear, Linear, nn.Embedding) or "bias" in layer:
+        return None
+    return layer
+
+
+def token_losses(model: nn.Module, inputs: mx.array, targets: mx.array,
+                 segments: mx.array | None = None, train: bool = True) -> mx.array:
+    """Per-token cross-entropy (B, T); packed rows (segments given) use the block-causal mask.
+
+    train: differentiable (the fused output loss's gradient); False: the same values with no
+    gradient bookkeeping (evaluation, DPO's reference).
+    """
+    mask = block_causal_mask(segments) if segments is not None else None
+    layer = output_layer(model)
+    if layer is None:
+        return cross_entropy(model(inputs, mask=mask), targets)
+    h = model.hidden(inputs, mask=mask)
+    B, T, D = h.shape
+    flat_h, flat_t = h.reshape(B * T, D), targets.reshape(B * T)
+    if not train:  # the same chunks and kernels as training, so values agree to the bit
+        return mx.concatenate(_chunked_ce(flat_h, layer.weight, flat_t, grads=False)[0]).reshape(B, T)
+    trained_w = "weight" in layer.trainable_parameters()
+    return output_cross_entropy(flat_h, layer.weight, flat_t, trained_w).reshape(B, T)
+
+
+def _entropy(logits: mx.array) -> mx.array:
+    x = logits.astype(mx.float32)
+    lse = mx.logsumexp(x, axis=-1, keepdims=True)
+    return lse[..., 0] - (mx.exp(x - lse) * x).sum(-1)
+
+
+def token_logps_and_entropy(model: nn.Module, inputs: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
+    """(B, T) log-probabilities of the targets (differentiable, the fused output loss) and the
+    (B, T) entropy of each position's distribution (no gradient), one forward pass; both in
+    float32 and over chunks of tokens where the logits are a plain projection."""
+    layer = output_layer(model)
+    if layer is None:
+        logits = model(inputs)
+        return -cross_entropy(logits, targets), mx.stop_gradient(_entropy(logits))
+    h = model.hidden(inputs)
+    B, T, D = h.shape
+    flat_h, flat_t = h.reshape(B * T, D), targets.reshape(B * T)
+    trained_w = "weight" in layer.trainable_parameters()
+    logp = -output_cross_entropy(flat_h, layer.weight, flat_t, trained_w).reshape(B, T)
+    hs, w = mx.stop_gradient(flat_h), mx.stop_gradient(layer.weight)
+    parts: list[mx.array] = []
+    for i, n in _chunk_spans(B * T, w.shape[0], _logits_per_chunk()):
+        hc = mx.depends(hs[i:i + n], parts[-1:]) if parts else hs[i:i + n]  # one chunk's logits at a time
+        parts.append(_entropy(hc @ w.T))
+    return logp, mx.concatenate(parts).reshape(B, T)
