@@ -140,7 +140,6 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "muon")  # mlx.optimi
 QLORA_MODES = ("auto", "on", "off")
 DASHBOARDS = ("tensorboard", "wandb")  # --report-to (mlxtoy.dashboards; optional extras)
 OBJECTIVES = ("sft", "dpo", "orpo", "grpo")  # the loss (mlxtoy.train.objectives); `method` is what is trained
-PREFERENCE_OBJECTIVES = ("dpo", "orpo")  # trained on {prompt, chosen, rejected} pairs
 ALL_METHODS = TRAIN_METHODS
 
 # What a number must be (the `check` of a field): one rule shared by validate(), the CLI and
@@ -403,11 +402,6 @@ class TrainConfig:
     def adapters(self) -> bool:
         """Trains adapters on a frozen base (LoRA, DoRA) rather than the weights themselves."""
         return self.method in ADAPTER_METHODS
-
-    @property
-    def preference(self) -> bool:
-        """Trained on preference pairs (DPO, ORPO) rather than on text."""
-        return self.objective in PREFERENCE_OBJECTIVES
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

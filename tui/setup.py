@@ -28,7 +28,9 @@ from mlxtoy.io.tables import dataset_id, is_table_file
 from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
 from mlxtoy.train.data import Renderer
+from mlxtoy.train.objectives import OBJECTIVE_TYPES
 from mlxtoy.train.records import PREF_KIND, read_data
+from mlxtoy.train.rewards import BUILTINS
 from tui.widgets import FilePicker, NavBar
 
 @dataclass(frozen=True)
@@ -45,14 +47,31 @@ class Field:
     def methods(self) -> tuple[str, ...]:
         return train_field(self.name).metadata["methods"]
 
+    @property
+    def objectives(self) -> tuple[str, ...]:
+        return train_field(self.name).metadata["objectives"]
+
+    def applies(self, method: str, objective: str) -> bool:
+        return method in self.methods and objective in self.objectives
+
 
 FIELDS = tuple(Field(name) for name in (
-    "steps", "batch_size", "seq_len", "lr", "beta", "lora_rank", "lora_alpha", "lora_targets", "d_model",
-    "n_layers", "n_heads", "eval_every", "eval_batches", "save_every", "sample_every", "taps_every"))
+    "steps", "batch_size", "seq_len", "lr", "beta", "reward", "group_size", "max_completion_tokens",
+    "lora_rank", "lora_alpha", "lora_targets", "d_model", "n_layers", "n_heads", "eval_every", "eval_batches",
+    "save_every", "sample_every", "taps_every"))
+# what the reward field offers (a FILE.py:FUNCTION of one's own goes there too)
+REWARD_HINT = "built-ins: " + ", ".join(BUILTINS) + "; or FILE.py:FUNCTION"
+
+
+def beta_default(objective: str) -> float:
+    """What --beta is when not given, for this objective (0.1 for DPO / ORPO, 0 for GRPO)."""
+    return OBJECTIVE_TYPES[objective].default_beta
+
 
 # The form starts from TrainConfig's defaults, except that samples and taps are on so the
-# dashboard has something to show (the CLI keeps them off: they cost time).
-UI_OVERRIDES: dict[str, Any] = {"sample_every": 50, "taps_every": 10}
+# dashboard has something to show (the CLI keeps them off: they cost time), and beta shows the
+# default objective's value.
+UI_OVERRIDES: dict[str, Any] = {"sample_every": 50, "taps_every": 10, "beta": beta_default(field_default("objective"))}
 DEFAULTS: dict[str, Any] = {f.name: UI_OVERRIDES.get(f.name, field_default(f.name)) for f in FIELDS}
 
 
@@ -220,7 +239,8 @@ class SetupScreen(Screen):
                 for f in FIELDS:
                     with Horizontal(classes="row", id=f"row-{f.name}"):
                         yield Label(f.label, classes="flabel")
-                        yield Input(_fmt(DEFAULTS[f.name]), id=f"f-{f.name}", compact=True)
+                        yield Input(_fmt(DEFAULTS[f.name]), id=f"f-{f.name}", compact=True,
+                                    placeholder=REWARD_HINT if f.name == "reward" else "")
                     yield Static("", id=f"e-{f.name}", classes="ferror")
                 yield Static("", id="form-error", classes="ferror")
                 yield Button("Start training (ctrl+s)", id="start", variant="success", compact=True)
@@ -384,6 +404,21 @@ class SetupScreen(Screen):
     def _method_changed(self, event: Select.Changed) -> None:
         self._apply_method(str(event.value))
 
+    @on(Select.Changed, "#f-objective")
+    def _objective_changed(self, event: Select.Changed) -> None:
+        # beta follows the objective's default unless it was edited
+        beta = self.query_one("#f-beta", Input)
+        new = beta_default(str(event.value))
+        if beta.value.strip() in {_fmt(beta_default(o)) for o in OBJECTIVE_TYPES}:
+            beta.value = _fmt(new)
+        self._apply_method(self._method())
+
+    def _objective(self) -> str:
+        try:
+            return str(self.query_one("#f-objective", Select).value)
+        except Exception:
+            return str(field_default("objective"))
+
     def _method(self) -> str:
         try:
             return str(self.query_one("#f-method", Select).value)
@@ -393,7 +428,7 @@ class SetupScreen(Screen):
     def _apply_method(self, method: str) -> None:
         self._check_model(self.query_one("#f-model", Input).value)
         for f in FIELDS:
-            shown = method in f.methods
+            shown = f.applies(method, self._objective())
             self.query_one(f"#row-{f.name}").display = shown
             err = self.query_one(f"#e-{f.name}", Static)
             err.display = shown and f.name in self.errors
@@ -434,7 +469,8 @@ class SetupScreen(Screen):
     def collect(self) -> dict[str, Any] | None:
         """The config for the trainer, or None (with the reasons shown) when something is wrong."""
         method = str(self.query_one("#f-method", Select).value)
-        relevant = {"model", "data", "out"} | {f.name for f in FIELDS if method in f.methods}
+        objective = str(self.query_one("#f-objective", Select).value)
+        relevant = {"model", "data", "out"} | {f.name for f in FIELDS if f.applies(method, objective)}
         errors = {k: v for k, v in self.errors.items() if k in relevant}
         form_error = self.query_one("#form-error", Static)
         if errors:
@@ -458,7 +494,7 @@ class SetupScreen(Screen):
             "objective": str(self.query_one("#f-objective", Select).value),
         }
         for f in FIELDS:
-            if method in f.methods:
+            if f.applies(method, objective):
                 cfg[f.name] = self.values[f.name]
         if method == "scratch":
             cfg["n_kv_heads"] = cfg["n_heads"]

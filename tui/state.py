@@ -189,8 +189,9 @@ class RunState:
 
     @property
     def preference(self) -> bool:
-        """A DPO / ORPO run: it has reward margins and pair accuracies to show."""
-        return bool(self.pref_steps or self.val_pref_steps) or self.config.get("objective") in ("dpo", "orpo")
+        """A DPO / ORPO run: it has reward margins and pair accuracies to show (known from its
+        first step or evaluation, whatever the objective is called)."""
+        return bool(self.pref_steps or self.val_pref_steps)
 
     def taps_grid(self, metric: str = "rms") -> tuple[int, list[str], dict[tuple[int, str], float]]:
         """-> (n_layers, sites, {(layer, site): value}) from the latest taps event."""

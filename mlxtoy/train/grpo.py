@@ -66,19 +66,18 @@ class GRPOSpec:
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
-    """Rewards (N,) of N / group_size groups, in order -> (advantages (N,), the std each was
-    scaled by (N,)): reward - group mean, over the group's (unbiased) std + STD_EPS, the
-    batch's, or not at all. The std is returned whatever `scale` is (for the metrics)."""
+    """Rewards (N,) of N / group_size groups, in order -> (advantages (N,), each completion's
+    group's (unbiased) reward std (N,), whatever `scale` is: the metrics and dynamic sampling
+    read it): reward - group mean, over the group's std + STD_EPS, the batch's, or nothing."""
     r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
     group_std = r.std(axis=1, ddof=1) if group_size > 1 else np.zeros(len(r))
     # a group whose rewards are all equal has advantage 0 exactly (its float mean may not
     # equal its members to the last bit)
     adv = np.where(np.isclose(group_std, 0.0)[:, None], 0.0, r - r.mean(axis=1, keepdims=True)).reshape(-1)
+    std = np.repeat(group_std, group_size)
     if scale == "batch":
-        std = np.full(r.size, r.std(ddof=1) if r.size > 1 else 0.0)
-    else:
-        std = np.repeat(group_std, group_size)
-    if scale != "none":
+        adv = adv / ((r.std(ddof=1) if r.size > 1 else 0.0) + STD_EPS)
+    elif scale == "group":
         adv = adv / (std + STD_EPS)
     return adv.astype(np.float32), std
 

@@ -1,0 +1,399 @@
+"""GRPO: advantages, every loss type and importance level, the KL term and their gradients
+against an independent torch implementation of TRL's documented formulas; the ratio at the
+first iteration; rewards (built-ins, a user's file, one error line when it raises); a constant
+reward trains nothing; resume equals an uninterrupted run; batched generation equals one
+prompt at a time; and the house rule that nothing outside the objectives' home branches on
+the objective's name."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+from contextlib import redirect_stderr, redirect_stdout
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from helpers_train import REPO, run_cli, run_training, tiny_model, write_jsonl, write_tiny_model_folder
+from mlxtoy.config import TrainConfig
+from mlxtoy.errors import UserError
+from mlxtoy.generate import generate_batch, generate_tokens
+from mlxtoy.rundir import read_metrics
+from mlxtoy.sampling import SamplingParams
+from mlxtoy.train.control import TrainControl
+from mlxtoy.train.grpo import GRPOSpec, group_advantages, grpo_loss
+from mlxtoy.train.job import resume_config
+from mlxtoy.train.logprobs import token_logps_and_entropy, token_losses
+from mlxtoy.train.rewards import RewardSet, split_specs
+
+# ------------------------------------------------------------------ the house rule
+
+HOME = {os.path.join("mlxtoy", "train", name) for name in ("objectives.py", "grpo.py", "rewards.py")}
+BRANCH = re.compile(r"""objective["']?\]?\)?\s*(==|!=|(not\s+)?in\s*[(\[{])|in\s+PREFERENCE_OBJECTIVES""")
+
+
+def objective_branches(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if BRANCH.search(line)]
+
+
+def test_no_objective_branch_outside_its_home():
+    # positive controls: the check sees the branches the objectives replaced
+    for planted in ('if cfg.objective == "dpo" and not cfg.adapters:', "pairs = objective in (\"dpo\", \"orpo\")",
+                    'self.config.get("objective") in ("dpo", "orpo")', "return self.objective in PREFERENCE_OBJECTIVES",
+                    "if objective != 'sft':"):
+        assert objective_branches(planted), planted
+    for fine in ("objective = make_objective(cfg)", "self.objective.loss(model, *args)", "OBJECTIVES = ('sft',)"):
+        assert not objective_branches(fine), fine
+    found = {}
+    for top in ("mlxtoy", "tui"):
+        for folder, _, files in os.walk(os.path.join(REPO, top)):
+            for name in files:
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, REPO)
+                if name.endswith(".py") and rel not in HOME:
+                    hits = objective_branches(open(path, encoding="utf-8").read())
+                    if hits:
+                        found[rel] = hits
+    assert not found, f"branches on the objective's name outside {sorted(HOME)}: {found}"
+
+
+# ------------------------------------------------------------------ advantages and the loss vs torch
+
+
+def numpy_advantages(rewards: np.ndarray, G: int, scale: str) -> np.ndarray:
+    """TRL's recipe, written out: reward - group mean, over (unbiased std + 1e-4)."""
+    out = np.zeros_like(rewards)
+    all_std = np.std(rewards, ddof=1)
+    for g in range(len(rewards) // G):
+        r = rewards[g * G:(g + 1) * G]
+        std = np.std(r, ddof=1)
+        a = r - r.mean() if std > 1e-12 else np.zeros(G)
+        out[g * G:(g + 1) * G] = a / (std + 1e-4) if scale == "group" else a / (all_std + 1e-4) if scale == "batch" else a
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_the_formula(scale):
+    rng = np.random.default_rng(0)
+    rewards = np.concatenate([rng.normal(size=4), np.full(4, 0.7), rng.integers(0, 2, 4).astype(float)])
+    adv, std = group_advantages(rewards, 4, scale)
+    np.testing.assert_allclose(adv, numpy_advantages(rewards, 4, scale), rtol=1e-6, atol=1e-7)
+    assert (adv[4:8] == 0).all()  # a constant group: exactly zero, whatever the scaling
+    np.testing.assert_allclose(std[:4], np.std(rewards[:4], ddof=1))
+
+
+def torch_loss(logp, old, ref, adv, mask, loss_type, importance, eps, eps_high, beta, max_len, detached):
+    """TRL's GRPOTrainer loss from its documentation, in float64."""
+    old = logp.detach() if detached else old
+    log_ratio = logp - old
+    if importance == "sequence":
+        log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        log_w = log_ratio
+    c1 = torch.exp(log_w)
+    c2 = torch.clamp(c1, 1 - eps, 1 + eps_high)
+    per_token = -torch.min(c1 * adv[:, None], c2 * adv[:, None])
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if beta:
+        per_token = per_token + beta * kl
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type in ("bnpo", "dapo"):  # one micro-batch, one process: the same normaliser
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    else:
+        loss = (per_token * mask).sum() / (per_token.size(0) * max_len)
+    low = ((c1 < 1 - eps) & (adv[:, None] < 0)).double()
+    high = ((c1 > 1 + eps_high) & (adv[:, None] > 0)).double()
+    region = torch.maximum(low, high)
+    clip = region.mean() if importance == "sequence" else (region * mask).sum() / mask.sum()
+    return loss, (kl * mask).sum() / mask.sum(), clip
+
+
+def loss_inputs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    B, T = 6, 9
+    mask = np.zeros((B, T), np.float32)
+    for b, n in enumerate([9, 4, 7, 1, 6, 8]):
+        mask[b, T - n:] = 1  # completions after prompts of different lengths
+    logp = (-rng.uniform(0.05, 3.0, (B, T))).astype(np.float32)
+    old = (logp + rng.normal(0, 0.3, (B, T))).astype(np.float32)  # ratios both sides of the clip
+    ref = (logp + rng.normal(0, 0.5, (B, T))).astype(np.float32)
+    adv = rng.normal(0, 1, B).astype(np.float32)
+    return logp, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+@pytest.mark.parametrize("beta,detached", [(0.0, False), (0.04, False), (0.04, True)])
+def test_loss_and_gradients_equal_torch(loss_type, importance, beta, detached):
+    logp, old, ref, adv, mask = loss_inputs()
+    spec = GRPOSpec(loss_type, importance, 0.2, 0.28, beta, max_completion_tokens=12, detached_old=detached)
+    norms = mx.array([mask.shape[0], float(mask.sum()), float(mask.sum())], dtype=mx.float32)
+
+    def f(lp):
+        return grpo_loss(lp, mx.array(old), mx.array(ref), mx.array(adv), mx.array(mask), spec, norms)
+
+    loss, stats = f(mx.array(logp))
+    grad = mx.grad(lambda lp: f(lp)[0])(mx.array(logp))
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in dict(logp=logp, old=old, ref=ref, adv=adv, mask=mask).items()}
+    t["logp"].requires_grad_(True)
+    t_loss, t_kl, t_clip = torch_loss(t["logp"], t["old"], t["ref"], t["adv"], t["mask"], loss_type, importance,
+                                      0.2, 0.28, beta, 12, detached)
+    t_loss.backward()
+    assert loss.item() == pytest.approx(t_loss.item(), rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(np.array(grad), t["logp"].grad.numpy(), rtol=1e-4, atol=1e-6)
+    kl, clip = np.array(stats)[1], np.array(stats)[4]
+    if beta:
+        assert kl == pytest.approx(t_kl.item(), rel=1e-5)
+    assert clip == pytest.approx(t_clip.item(), abs=1e-6)
+    if not detached:
+        assert clip > 0  # the fixture does reach the clip
+
+
+def test_micro_batches_add_up_to_the_step():
+    """Split into two micro-batches with the step's norms, the losses and gradients sum to the
+    one-batch ones (grpo, dr_grpo, dapo); bnpo is each micro-batch's token mean, averaged."""
+    logp, old, ref, adv, mask = loss_inputs(1)
+    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo"):
+        spec = GRPOSpec(loss_type, "token", 0.2, 0.2, 0.04, 12, detached_old=False)
+        parts = [slice(0, 2), slice(2, 6)]
+
+        def loss_of(lp, rows, norms):
+            return grpo_loss(lp, mx.array(old[rows]), mx.array(ref[rows]), mx.array(adv[rows]),
+                             mx.array(mask[rows]), spec, norms)[0]
+
+        split = 0.0
+        for rows in parts:
+            micro = mx.array([6, float(mask.sum()), float(mask[rows].sum()) * 2], dtype=mx.float32)
+            split += loss_of(mx.array(logp[rows]), rows, micro).item()
+        if loss_type == "bnpo":
+            whole = np.mean([loss_of(mx.array(logp[r]), r, mx.array([6, float(mask.sum()), float(mask[r].sum())])).item()
+                             for r in parts])
+        else:
+            whole = loss_of(mx.array(logp), slice(0, 6), mx.array([6, float(mask.sum()), float(mask.sum())])).item()
+        assert split == pytest.approx(whole, rel=1e-5, abs=1e-7), loss_type
+
+
+def test_kl_gradient_is_zero_at_ratio_one():
+    logp, _, _, _, mask = loss_inputs(2)
+    spec = GRPOSpec("dapo", "token", 0.2, 0.2, beta=0.5, detached_old=True)
+    norms = mx.array([mask.shape[0], float(mask.sum()), float(mask.sum())], dtype=mx.float32)
+    zero_adv = mx.zeros((mask.shape[0],))
+    grad = mx.grad(lambda lp: grpo_loss(lp, mx.array(logp), mx.array(logp), zero_adv, mx.array(mask), spec, norms)[0])(
+        mx.array(logp))
+    assert not np.array(grad).any()
+    # positive control: away from the reference the KL pulls back
+    grad = mx.grad(lambda lp: grpo_loss(lp, mx.array(logp), mx.array(logp - 0.3), zero_adv, mx.array(mask), spec,
+                                        norms)[0])(mx.array(logp))
+    assert np.abs(np.array(grad)).max() > 1e-3
+
+
+def test_stored_logps_equal_the_training_forward():
+    """The generating policy's log-probs, stored right after generation, are the training
+    forward's to the bit: the ratio at the first iteration is exactly 1."""
+    model = tiny_model(0, vocab_size=259)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 259, (4, 25)).astype(np.int32)
+    inputs, targets = mx.array(x[:, :-1]), mx.array(x[:, 1:])
+    stored = -token_losses(model, inputs, targets, None, train=False)
+    train_logp, entropy = token_logps_and_entropy(model, inputs, targets)
+    assert np.array_equal(np.array(stored), np.array(train_logp))
+    assert not np.array(train_logp - mx.stop_gradient(stored)).any()  # log-ratio 0: ratio exp(0) = 1
+    # and both against torch's log-softmax / entropy of the full logits
+    logits = torch.tensor(np.array(model(inputs)), dtype=torch.float64)
+    lsm = torch.log_softmax(logits, -1)
+    want = lsm.gather(-1, torch.tensor(x[:, 1:, None].astype(np.int64)))[..., 0]
+    np.testing.assert_allclose(np.array(train_logp), want.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(entropy), -(lsm.exp() * lsm).sum(-1).numpy(), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ rewards
+
+
+class Row:
+    def __init__(self, answer, row=None, where="t:1"):
+        self.answer, self.row, self.where = answer, row or {"prompt": "q", "answer": answer}, where
+        self.prompt = self.row.get("prompt")
+
+
+def test_builtin_rewards():
+    assert split_specs("exact,regex:a{1,2},b,length:4") == ["exact", "regex:a{1,2},b", "length:4"]
+    rs = RewardSet.parse("exact,contains,regex:^\\d+$,numeric,think-format,length:4")
+    rows = [Row("42"), Row("42"), Row("42"), Row("no number")]
+    texts = [" 42 ", "it is 42.", "<think>6*7</think> 42", "x"]
+    got = rs.score(rows, texts, [2, 5, 9, 1])
+    want = np.array([[1, 1, 0, 1, 0, 0], [0, 1, 0, 1, 0, -0.25], [0, 1, 0, 1, 1, -1.25],
+                     [0, 0, 0, np.nan, 0, 0]])
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want))
+    weighted = RewardSet.parse("exact,numeric", [2.0, 0.5])
+    np.testing.assert_allclose(weighted.combine(weighted.score(rows[3:], ["x"], [1])), [0.0])  # None counts 0
+    for bad, msg in (("nope", "unknown reward"), ("regex:(", "not a valid regular expression"),
+                     ("length:0", "N must be"), ("", "needs --reward")):
+        with pytest.raises(UserError, match=re.escape(msg)):
+            RewardSet.parse(bad)
+    with pytest.raises(UserError, match="2 weights for 1 rewards"):
+        RewardSet.parse("exact", [1.0, 2.0])
+
+
+def test_user_reward_gets_the_columns_it_names(tmp_path):
+    path = tmp_path / "rw.py"
+    path.write_text("calls = []\n"
+                    "def score(completion, answer, level, **rest):\n"
+                    "    calls.append(sorted(rest))\n"
+                    "    return None if level < 0 else float(completion == answer) + level\n"
+                    "def narrow(completion):\n    return len(completion)\n")
+    rs = RewardSet.parse(f"{path}:score,{path}:narrow")
+    got = rs.score([Row("a", {"prompt": "p", "answer": "a", "level": 2}),
+                    Row("a", {"prompt": "p", "answer": "a", "level": -1})], ["a", "bb"], [1, 2])
+    np.testing.assert_allclose(got, [[3.0, 1.0], [np.nan, 2.0]])
+    assert rs.names == ["score", "narrow"]
+    with pytest.raises(UserError, match="needs column 'level', which t:1 does not have"):
+        rs.score([Row("a")], ["a"], [1])
+
+
+# ------------------------------------------------------------------ generation
+
+
+def test_batched_generation_equals_one_prompt_at_a_time():
+    model = tiny_model(0, vocab_size=259)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(40, 52))]
+    greedy = SamplingParams(temp=0.0)
+    out = generate_batch(model, prompts, repeats=2, sampling=greedy, max_tokens=10, eos_ids=[258], seed=0)
+    for i, row in enumerate(out):
+        alone = [t for t, _ in generate_tokens(model, prompts[i // 2], sampling=greedy, max_tokens=10)]
+        assert row == alone, i
+    hot = SamplingParams(temp=1.0)
+    a = generate_batch(model, prompts, repeats=3, sampling=hot, max_tokens=8, eos_ids=[258], seed=7)
+    assert a == generate_batch(model, prompts, repeats=3, sampling=hot, max_tokens=8, eos_ids=[258], seed=7)
+    assert a != generate_batch(model, prompts, repeats=3, sampling=hot, max_tokens=8, eos_ids=[258], seed=8)
+    assert len({tuple(r) for r in a[:3]}) > 1  # a group's completions differ
+
+
+# ------------------------------------------------------------------ training runs on a tiny model
+
+
+def grpo_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": f"{a}+1", "answer": str(a + 1), "level": a % 3}
+            for a in (rng.randrange(10, 99) for _ in range(n))]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    model = write_tiny_model_folder(str(root / "model"))
+    data = write_jsonl(str(root / "data.jsonl"), grpo_rows(40, 1))
+    (root / "rw.py").write_text("def short(completion, level):\n    return -len(completion) / 8.0 + level\n"
+                                "def constant(completion):\n    return 1.0\n")
+    return {"root": root, "model": model, "data": data, "rw": str(root / "rw.py")}
+
+
+def cfg_for(work, out, **kw) -> TrainConfig:
+    base = dict(model=work["model"], data=work["data"], out=str(out), method="lora", objective="grpo",
+                reward=f"exact,{work['rw']}:short", steps=4, batch_size=2, group_size=4, max_completion_tokens=10,
+                seq_len=64, lr=5e-3, eval_every=2, eval_batches=1, save_every=0, lora_targets=["q", "v"], seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def events(run, kind: str) -> list[dict]:
+    return [e for e in read_metrics(os.path.join(str(run), "metrics.jsonl")) if e["event"] == kind]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_resume_equals_uninterrupted(work, tmp_path, method):
+    kw = dict(method=method, steps=4, grad_accum=2, beta=0.04, lr=1e-3 if method == "full" else 5e-3,
+              loss_type="grpo", iterations_per_generation=1)
+    full = run_training(cfg_for(work, tmp_path / "full", **kw), handle_sigint=False)
+    part = run_training(cfg_for(work, tmp_path / "part", **kw), control=TrainControl(stop_at=2), handle_sigint=False)
+    assert part.reason == "stopped" and part.step == 2
+    rest = run_training(resume_config(str(tmp_path / "part"), {}), resume=True, handle_sigint=False)
+    assert rest.reason == "finished" and rest.step == 4 and full.reason == "finished"
+    a, b = events(tmp_path / "full", "step"), events(tmp_path / "part", "step")
+    assert [e["samples"] for e in a] == [e["samples"] for e in b]  # the same completions sampled
+    for key in ("loss", "reward", "kl", "entropy", "grad_norm"):
+        np.testing.assert_allclose([e[key] for e in a], [e[key] for e in b], rtol=0, atol=1e-6, err_msg=key)
+    assert any(e["kl"] > 0 for e in a[1:])  # the reference is in use
+    for k, v in mx.load(str(tmp_path / "full" / "checkpoints" / "step_4" / "trainable.safetensors")).items():
+        w = mx.load(str(tmp_path / "part" / "checkpoints" / "step_4" / "trainable.safetensors"))[k]
+        np.testing.assert_allclose(np.array(v), np.array(w), rtol=0, atol=1e-6, err_msg=k)
+    ev = events(tmp_path / "full", "eval")
+    assert ev and all("reward" in e and e["val_loss"] == -e["reward"] for e in ev)
+    step = a[0]
+    for key in ("reward_std", "rewards/exact/mean", "rewards/short/mean", "frac_reward_zero_std",
+                "completions/mean_length", "completions/clipped_ratio", "clip_ratio", "entropy"):
+        assert key in step, key
+    assert len(step["samples"]) == 4 and {"prompt", "completion", "reward", "rewards"} <= set(step["samples"][0])
+
+
+def test_constant_reward_gives_zero_advantage_and_no_update(work, tmp_path):
+    res = run_training(cfg_for(work, tmp_path / "run", reward=f"{work['rw']}:constant", steps=2, eval_every=0,
+                               lora_targets=["q", "v", "down"]), handle_sigint=False)
+    assert res.reason == "finished"
+    steps = events(tmp_path / "run", "step")
+    assert all(e["frac_reward_zero_std"] == 1.0 and e["reward_std"] == 0.0 and e["loss"] == 0.0 for e in steps)
+    assert all(e["grad_norm"] == 0.0 for e in steps)
+    trained = mx.load(str(tmp_path / "run" / "checkpoints" / "step_2" / "trainable.safetensors"))
+    assert all(not np.array(v).any() for k, v in trained.items() if k.endswith(".b") or "lora_b" in k)
+    # positive control: a reward that varies moves the adapters
+    run_training(cfg_for(work, tmp_path / "moves", steps=2, eval_every=0), handle_sigint=False)
+    moved = mx.load(str(tmp_path / "moves" / "checkpoints" / "step_2" / "trainable.safetensors"))
+    assert any(np.array(v).any() for k, v in moved.items() if k.endswith(".b") or "lora_b" in k)
+
+
+def _main(args):
+    from mlxtoy.cli import main
+
+    err, so = io.StringIO(), io.StringIO()
+    with redirect_stderr(err), redirect_stdout(so):
+        code = main(args)
+    return code, err.getvalue().strip().splitlines()
+
+
+def test_bad_input_one_error_line_exit_2(work, tmp_path):
+    common = ["--model", work["model"], "--steps", "1"]
+    sft = write_jsonl(str(tmp_path / "sft.jsonl"), [{"prompt": "a", "completion": "b"}])
+    cases = [
+        (["--data", work["data"], "--objective", "grpo"], "--objective grpo needs --reward"),
+        (["--data", work["data"], "--objective", "grpo", "--reward", "exactly"], "--reward exactly: unknown reward"),
+        (["--data", work["data"], "--objective", "grpo", "--reward", "nofile.py:f"], "no such file nofile.py"),
+        (["--data", sft, "--objective", "grpo", "--reward", "exact"], "--objective grpo needs prompt rows"),
+        (["--data", work["data"]], "prompt/answer rows need --objective grpo (the objective is sft)"),
+        (["--data", work["data"], "--group-size", "4"], "group_size applies to objective grpo only"),
+        (["--data", work["data"], "--objective", "grpo", "--reward", "exact", "--group-size", "1"],
+         "group_size must be >= 2"),
+        (["--data", work["data"], "--objective", "grpo", "--reward", "exact", "--loss-type", "x"],
+         "loss_type must be one of"),
+    ]
+    for i, (extra, msg) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        code, lines = _main(["train", *common, "--out", str(out), *extra])
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], (msg, lines)
+        assert not out.exists(), msg
+
+
+def test_a_raising_reward_is_one_error_line_and_keeps_the_run(work, tmp_path):
+    path = tmp_path / "boom.py"
+    path.write_text("calls = [0]\n"
+                    "def boom(completion, answer):\n"
+                    "    calls[0] += 1\n"
+                    "    if calls[0] > 8:  # the second step's first completion\n"
+                    "        raise ValueError('cannot parse\\nthis')\n"
+                    "    return float(completion == answer)\n")
+    out = tmp_path / "run"
+    r = run_cli("train", "--model", work["model"], "--data", work["data"], "--out", str(out), "--objective", "grpo",
+                "--reward", f"{path}:boom", "--steps", "3", "--batch-size", "2", "--group-size", "4",
+                "--max-completion-tokens", "6", "--eval-every", "0", "--save-every", "0")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert lines[-1].startswith("error: ") and sum(m.startswith("error") for m in lines) == 1, lines
+    assert f"{path}:boom: raised ValueError: cannot parse this (on {work['data']}:" in lines[-1], lines[-1]
+    assert "Traceback" not in r.stderr
+    # nothing lost: the step trained before the error is checkpointed, and the run resumes
+    assert (out / "checkpoints" / "step_1").is_dir()
+    assert not (out / ".lock").exists() and not any(n.endswith(".lock") for n in os.listdir(out))
