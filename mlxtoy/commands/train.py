@@ -57,6 +57,8 @@ def _flag_help(f: dataclasses.Field) -> str:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="LoRA, full fine-tuning or from-scratch training",
+                       usage="%(prog)s [--config FILE.yaml] [--model MODEL] --data DATA --out RUN [options]\n"
+                             "       %(prog)s --resume RUN [options]",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE.yaml", help="a YAML file of config fields")
     p.add_argument("--resume", metavar="RUN", help="continue the run in RUN from its newest checkpoint")
