@@ -6,6 +6,10 @@ Face folder that every tool loads: mlxtoy, mlx-lm's tuner, transformers + peft o
 same work), AdamW. Each (tool, method) runs in its own process, so peak memory is its own.
 
     python bench/bench_train.py [--steps 8] [--rounds 2] [--methods lora,full] [--tools mlxtoy,torch,mlx-lm]
+                                [--baseline torch] [--batch 4] [--seq 256]
+
+Tool `mlxtoy-mlx` is mlxtoy with MLXTOY_KERNELS=0: the MLX-only path, which Metal and CUDA run
+(bench/bench_portable.py compares it with mlx-lm).
 
 Needs mlx-lm, torch, transformers and peft (`scripts/setup.sh test` installs them). Prints a
 table: median tokens/s over the steps after the first two (compilation), the ratio to
@@ -165,21 +169,27 @@ def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
             "wall": time.perf_counter() - t0}
 
 
-WORKERS = {"mlxtoy": worker_mlxtoy, "mlx-lm": worker_mlxlm, "torch": worker_torch}
+WORKERS = {"mlxtoy": worker_mlxtoy, "mlxtoy-mlx": worker_mlxtoy, "mlx-lm": worker_mlxlm, "torch": worker_torch}
+ENV = {"mlxtoy-mlx": {"MLXTOY_KERNELS": "0"}}  # read at import: set for the worker process
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> None:
+    global BATCH, SEQ  # the workers read them; --batch / --seq set them
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--methods", default="lora,full")
-    ap.add_argument("--tools", default="mlxtoy,torch,mlx-lm")
+    ap.add_argument("--tools", default=tools)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline", default="torch", help="the tool the ratios are to")
+    ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--seq", type=int, default=SEQ)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    BATCH, SEQ = args.batch, args.seq
     if args.worker:
         fn = WORKERS[args.worker]
         print("RESULT " + json.dumps(fn(args.method, args.hf, args.data, args.steps)))
@@ -191,8 +201,9 @@ def main() -> None:
         for method in args.methods.split(","):
             for tool in args.tools.split(","):
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", tool, "--method", method,
-                       "--hf", hf, "--data", data, "--steps", str(args.steps)]
-                p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+                       "--hf", hf, "--data", data, "--steps", str(args.steps), "--batch", str(BATCH),
+                       "--seq", str(SEQ)]
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ | ENV.get(tool, {}))
                 line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
                 if p.returncode != 0 or line is None:
                     print(f"{tool} {method}: failed\n{p.stderr[-3000:]}", file=sys.stderr)
@@ -201,18 +212,18 @@ def main() -> None:
                 r["steady"] = r["tokens_per_sec"][2:] or r["tokens_per_sec"]
                 r["first_s"] = BATCH * SEQ / r["tokens_per_sec"][0]
                 runs.setdefault((method, tool), []).append(r)
-                print(f"round {rnd + 1} {method:5s} {tool:7s} {statistics.median(r['steady']):7.1f} tok/s  "
+                print(f"round {rnd + 1} {method:5s} {tool:10s} {statistics.median(r['steady']):7.1f} tok/s  "
                       f"first step {r['first_s']:5.1f} s  peak {r['peak_gb']:.2f} GB  RSS {r['rss_gb']:.2f} GB  "
                       f"loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}", flush=True)
     print(f"\nSmolLM2-135M float32, batch {BATCH} x {SEQ}, {args.steps} steps x {args.rounds} rounds; "
           f"tokens/s: median over every round's steps 3+; first step: median over rounds")
-    print(f"{'method':6s} {'tool':8s} {'tokens/s':>9s} {'vs torch':>9s} {'first step s':>13s} "
+    print(f"{'method':6s} {'tool':10s} {'tokens/s':>9s} {'vs ' + args.baseline:>10s} {'first step s':>13s} "
           f"{'peak MLX GB':>12s} {'peak RSS GB':>12s}")
     for (method, tool), rs in runs.items():
         tps = statistics.median([t for r in rs for t in r["steady"]])
-        torch_rs = runs.get((method, "torch"))
-        ratio = tps / statistics.median([t for r in torch_rs for t in r["steady"]]) if torch_rs else float("nan")
-        print(f"{method:6s} {tool:8s} {tps:9.1f} {ratio:8.2f}x {statistics.median(r['first_s'] for r in rs):13.1f} "
+        base = runs.get((method, args.baseline))
+        ratio = tps / statistics.median([t for r in base for t in r["steady"]]) if base else float("nan")
+        print(f"{method:6s} {tool:10s} {tps:9.1f} {ratio:9.2f}x {statistics.median(r['first_s'] for r in rs):13.1f} "
               f"{max(r['peak_gb'] for r in rs):12.2f} {max(r['rss_gb'] for r in rs):12.2f}")
 
 

@@ -255,7 +255,11 @@ def use_device(want: str) -> BackendInfo:
 
 
 # What rebuilds the kernels against the MLX installed now (from a checkout of mlxtoy)
-KERNELS_FIX = "pip install --force-reinstall --no-build-isolation ./kernels"
+KERNELS_FIX = "pip install --no-build-isolation --force-reinstall --no-deps <mlxtoy's source folder>"
+# Where mlxtoy's install builds them (setup.py)
+KERNELS_WHERE = ("mlxtoy's install builds them on Linux x86-64 with CMake and a C++20 compiler"
+                 if platform.system() == "Linux" and platform.machine() == "x86_64"
+                 else "they are for Linux x86-64 CPUs")
 KERNELS_STAMP = "mlx_version.txt"  # in the mlxtoy_kernels package: the MLX version it was built against
 
 
@@ -277,7 +281,8 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
     would meet another MLX's arrays. Refusing one prints one warning line naming the fix."""
     if not settings.KERNELS.value():
         return None, f"{settings.KERNELS.name}=0"
-    if _package_dir("mlxtoy_kernels") is None:
+    folder = _package_dir("mlxtoy_kernels")
+    if folder is None or not glob.glob(os.path.join(folder, "_ext*")):  # (the build may have failed)
         return None, "not installed"
     stamp = kernels_stamp()
     if stamp != mx.__version__:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create ./.venv (once) and install mlxtoy into it. `scripts/setup.sh test` adds the test
+# Create ./.venv (once) and install mlxtoy into it, editable. `scripts/setup.sh test` adds the test
 # references (llama-cpp-python compiles llama.cpp: ~10 minutes the first time on 2 cores;
 # pip caches the built wheel, so later runs are fast).
 set -euo pipefail
@@ -9,16 +9,21 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
 fi
+# mlxtoy's install builds its CPU kernels (kernels/: C++ MLX primitives, ~15 s; setup.py) on
+# Linux x86-64. Without build isolation they compile against the MLX installed here, so MLX and
+# the build's tools come first. Without a compiler mlxtoy installs without them (its MLX-only path).
+MLX="mlx>=0.29"
+[ "$(uname -s)" = Linux ] && MLX="mlx[cpu]>=0.29"
+.venv/bin/python -m pip install -q "$MLX" "nanobind>=3.0.1,<4" "cmake>=3.25" "setuptools>=77"
+# kernels installed as their own package before they were built with mlxtoy
+.venv/bin/python -m pip uninstall -q -y mlxtoy-kernels 2>/dev/null || true
 if [ "${1:-}" = "test" ]; then
   # torch==2.13.0 is pinned on purpose: it is a CPU wheel (a test reference only).
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"
+  if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then  # the tests need the kernels there
+    MLXTOY_KERNELS=1 .venv/bin/python -c "import sys; from mlxtoy import backend; k, why = backend.cpu_kernels(); \
+sys.exit(0 if k else f'error: the CPU kernels are off ({why})')"
+  fi
 else
-  .venv/bin/python -m pip install -q -e .
-fi
-# mlxtoy's CPU kernels (kernels/: C++ MLX primitives, ~15 s to build), built against the MLX
-# just installed. Without them mlxtoy runs its pure-MLX paths; the tests need them.
-.venv/bin/python -m pip install -q "nanobind>=3.0.1,<4" "cmake>=3.25" "setuptools>=77"  # the build needs (no isolation)
-if ! .venv/bin/python -m pip install -q --no-build-isolation ./kernels; then
-  [ "${1:-}" = "test" ] && exit 1
-  echo "note: kernels/ did not build (a C++20 compiler is needed); mlxtoy runs without them" >&2
+  .venv/bin/python -m pip install -q --no-build-isolation -e .
 fi

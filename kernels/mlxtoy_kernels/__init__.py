@@ -1,4 +1,4 @@
-"""mlxtoy's float32 CPU kernels as MLX primitives (built from kernels/src by `pip install ./kernels`)."""
+"""mlxtoy's float32 CPU kernels as MLX primitives (built from kernels/src by mlxtoy's install, setup.py)."""
 
 from mlxtoy_kernels._ext import (cross_entropy_columns, decode_attention, gemv, gemv_many, rms_norm,  # noqa: F401
                                  rms_norm_grad, softmax_bias, softmax_grad, swiglu, swiglu_grad, threads, openmp, adamw, sum_squares, rope,

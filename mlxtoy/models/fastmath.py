@@ -96,7 +96,9 @@ def kernels_status() -> str:
     if not _ON_CPU:
         return f"off (device {backend.INFO.device}: the kernels are for the CPU)"
     why = backend.cpu_kernels()[1]
-    return f"off (not installed: {backend.KERNELS_FIX})" if why == "not installed" else f"off ({why})"
+    if why == "not installed":
+        return f"off (not built: {backend.KERNELS_WHERE})"
+    return f"off ({why})"
 
 
 def _kernel_ok(*arrays: mx.array) -> bool:
