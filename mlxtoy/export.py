@@ -52,9 +52,24 @@ from mlxtoy.loading import load_run_model, load_weights
 from mlxtoy.models.lora import LORA_TYPES, LoRAHeadProjection, dense_weight, is_dora, lora_modules, row_norms
 from mlxtoy.rundir import is_run_or_checkpoint, locate
 
-FORMATS = ("gguf", "adapter-gguf", "hf", "mlx-lm", "peft")
+FORMAT_HELP = {  # `mlxtoy export --format` and the TUI's export dialog
+    "gguf": "llama.cpp model GGUF (LoRA merged)",
+    "adapter-gguf": "llama.cpp LoRA adapter GGUF (apply with --lora on the base GGUF)",
+    "hf": "Hugging Face folder: config.json + model.safetensors + tokenizer.json",
+    "mlx-lm": "mlx-lm adapter folder (adapters.safetensors + adapter_config.json)",
+    "peft": "PEFT adapter folder (adapter_model.safetensors + adapter_config.json)",
+}
+FORMATS = tuple(FORMAT_HELP)
 DTYPES = GGUF_DTYPES + tuple(QUANT_TYPES)  # the last ones through llama.cpp's quantizer
 FILE_FORMATS = ("gguf", "adapter-gguf")  # one file; the others write a folder
+
+
+def dtypes_for(fmt: str) -> tuple[str, ...]:
+    """The types format `fmt` is written in: every GGUF type and llama.cpp's quantizer types
+    for a model GGUF, the GGUF types for an adapter GGUF, f32 and f16 for the folders."""
+    if fmt == "gguf":
+        return DTYPES
+    return GGUF_DTYPES if fmt in FILE_FORMATS else ("f32", "f16")
 
 @dataclass
 class LoraUpdate:
@@ -522,11 +537,11 @@ def check_format(fmt: str, dtype: str | None) -> tuple[str, str]:
     dtype = (dtype or "f32").lower()
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    if fmt not in FILE_FORMATS and dtype not in ("f32", "f16"):
-        raise UserError(f"--dtype {dtype} is not available for --format {fmt} (choose f32 or f16)")
+    if dtype not in dtypes_for(fmt):
+        if fmt not in FILE_FORMATS:
+            raise UserError(f"--dtype {dtype} is not available for --format {fmt} (choose f32 or f16)")
+        raise UserError(f"--dtype {dtype} is for --format gguf (adapters: f32, f16 or q8_0)")
     if dtype in QUANT_TYPES:
-        if fmt != "gguf":
-            raise UserError(f"--dtype {dtype} is for --format gguf (adapters: f32, f16 or q8_0)")
         find_quantizer(dtype)  # say so before loading anything
     return fmt, dtype
 

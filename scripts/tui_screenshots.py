@@ -7,7 +7,8 @@ way tests/test_tui.py drives the app (Textual's Pilot; no terminal needed).
 
 The Train screen renders a run's metrics.jsonl as the app does when it reopens a run; without
 --run it renders the simulated events of tests/fake_trainer.py. The Setup screen shows the form
-for the run's model and data; the Runs screen lists the runs under --runs.
+for the run's model and data; the Runs screen lists the runs under --runs, and the export
+dialog opens on the first of them.
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ async def shoot(args: argparse.Namespace) -> list[str]:
     config = next((e.get("config") or {} for e in events if e.get("event") == "start"), {})
     written = []
 
-    async def screen(name: str, key: str | None, prepare=None) -> None:
+    async def screen(name: str, keys: tuple[str, ...], prepare=None) -> None:
         app = MlxtoyApp(model=config.get("model"), data=config.get("data") or args.data, runs_dir=args.runs)
         async with app.run_test(size=SIZE) as pilot:
             if prepare is not None:
                 prepare(app)
-            if key:
+            for key in keys:
                 await pilot.press(key)
-            await pilot.pause(args.settle)
+                await pilot.pause(args.settle)
             await _steady(pilot)
             path = app.save_screenshot(f"tui-{name}.svg", args.out)
             written.append(path)
@@ -68,9 +69,10 @@ async def shoot(args: argparse.Namespace) -> list[str]:
         state.status = DONE
         app.run_state = state
 
-    await screen("setup", None)
-    await screen("train", "f2", with_run)
-    await screen("runs", "f4")
+    await screen("setup", ())
+    await screen("train", ("f2",), with_run)
+    await screen("runs", ("f4",))
+    await screen("export", ("f4", "e"))
     return written
 
 

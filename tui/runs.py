@@ -13,6 +13,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Label, Static
 
+from tui.export import ExportScreen
 from tui.state import RunInfo, RunState, scan_runs
 from tui.widgets import LossChart, NavBar
 
@@ -22,6 +23,7 @@ class RunsScreen(Screen):
         Binding("r", "refresh", "Refresh"),
         Binding("o", "open", "Open in dashboard"),
         Binding("t", "talk", "Chat with run"),
+        Binding("e", "export", "Export"),
     ]
 
     def __init__(self, **kw) -> None:
@@ -114,3 +116,9 @@ class RunsScreen(Screen):
             return
         self.app.chat_source_hint = f"run:{self.selected.run_dir}"  # type: ignore[attr-defined]
         self.app.switch_mode("chat")
+
+    def action_export(self) -> None:
+        """The export dialog for the selected run (mlxtoy export's choices, with progress)."""
+        if self.selected is None:
+            return
+        self.app.push_screen(ExportScreen(self.selected.run_dir))

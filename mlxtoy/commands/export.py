@@ -6,15 +6,7 @@ import argparse
 import os
 import sys
 
-from mlxtoy.export import DTYPES, check_format, check_output, export_source, load_source
-
-FORMAT_HELP = {
-    "gguf": "llama.cpp model GGUF (LoRA merged)",
-    "adapter-gguf": "llama.cpp LoRA adapter GGUF (apply with --lora on the base GGUF)",
-    "hf": "Hugging Face folder: config.json + model.safetensors + tokenizer.json",
-    "mlx-lm": "mlx-lm adapter folder (adapters.safetensors + adapter_config.json)",
-    "peft": "PEFT adapter folder (adapter_model.safetensors + adapter_config.json)",
-}
+from mlxtoy.export import DTYPES, FORMAT_HELP, check_format, check_output, export_source, load_source
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
