@@ -27,7 +27,7 @@ from mlxtoy.sampling import SamplingParams
 from mlxtoy.train.control import TrainControl
 from mlxtoy.train.grpo import GRPOSpec, group_advantages, grpo_loss
 from mlxtoy.train.job import resume_config
-from mlxtoy.train.logprobs import token_logps_and_entropy, token_losses
+from mlxtoy.train.logprobs import completion_logps, token_losses
 from mlxtoy.train.rewards import RewardSet, split_specs
 
 # ------------------------------------------------------------------ the house rule
@@ -198,15 +198,19 @@ def test_stored_logps_equal_the_training_forward():
     model = tiny_model(0, vocab_size=259)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 259, (4, 25)).astype(np.int32)
-    inputs, targets = mx.array(x[:, :-1]), mx.array(x[:, 1:])
-    stored = -token_losses(model, inputs, targets, None, train=False)
-    train_logp, entropy = token_logps_and_entropy(model, inputs, targets)
+    pos = np.array([[10 + j + b for j in range(8)] for b in range(4)], dtype=np.int32)  # completion positions
+    targets = np.take_along_axis(x[:, 1:], pos, 1)
+    args = mx.array(x[:, :-1]), mx.array(pos), mx.array(targets)
+    stored = completion_logps(model, *args, train=False, entropy=False)[0]
+    train_logp, entropy = completion_logps(model, *args)
     assert np.array_equal(np.array(stored), np.array(train_logp))
     assert not np.array(train_logp - mx.stop_gradient(stored)).any()  # log-ratio 0: ratio exp(0) = 1
-    # and both against torch's log-softmax / entropy of the full logits
-    logits = torch.tensor(np.array(model(inputs)), dtype=torch.float64)
-    lsm = torch.log_softmax(logits, -1)
-    want = lsm.gather(-1, torch.tensor(x[:, 1:, None].astype(np.int64)))[..., 0]
+    np.testing.assert_array_equal(np.take_along_axis(np.array(-token_losses(model, args[0], mx.array(x[:, 1:]))), pos, 1),
+                                  np.array(train_logp))  # the same as every position's, read at the completion
+    # and against torch's log-softmax / entropy of the full logits
+    logits = torch.tensor(np.array(model(args[0])), dtype=torch.float64)
+    lsm = torch.log_softmax(logits, -1).gather(1, torch.tensor(pos.astype(np.int64))[..., None].expand(-1, -1, 259))
+    want = lsm.gather(-1, torch.tensor(targets[..., None].astype(np.int64)))[..., 0]
     np.testing.assert_allclose(np.array(train_logp), want.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.array(entropy), -(lsm.exp() * lsm).sum(-1).numpy(), rtol=1e-4, atol=1e-4)
 

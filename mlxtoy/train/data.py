@@ -306,8 +306,9 @@ class Batch:
     n_chosen: int = 0  # trained targets of the chosen completions
     # sampled completions (mlxtoy.train.grpo): one row each, prompt + completion
     advantages: np.ndarray | None = None  # (B,) float32
-    old_logps: np.ndarray | None = None  # (B, T) float32: the generating policy's
-    ref_logps: np.ndarray | None = None  # (B, T) float32: the reference's
+    positions: np.ndarray | None = None  # (B, C) int32: row positions of the completion's targets, -1 past
+    old_logps: np.ndarray | None = None  # (B, C) float32: the generating policy's log-probs of them
+    ref_logps: np.ndarray | None = None  # (B, C) float32: the reference's
 
 
 @dataclass

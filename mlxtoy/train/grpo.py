@@ -86,9 +86,9 @@ def grpo_loss(logp: mx.array, old: mx.array, ref: mx.array, adv: mx.array, mask:
               spec: GRPOSpec, norms: mx.array, entropy: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """(loss, stats) of a micro-batch of completions (see the module docstring).
 
-    logp, old, ref: (B, T) log-probs of each target token under the policy, the generating
-    policy and the reference (old is ignored when spec.detached_old); adv (B,); mask (B, T)
-    1 on completion tokens; norms [sequences of the step, completion tokens of the step,
+    logp, old, ref: (B, C) log-probs of each completion token under the policy, the generating
+    policy and the reference (old is ignored when spec.detached_old); adv (B,); mask (B, C)
+    1 where a completion has a token; norms [sequences of the step, completion tokens of the step,
     this micro-batch's completion tokens * micro-batches]; entropy (B, T) or None.
     stats: STATS, each a share of its mean over the step (tokens; sequences for GSPO's
     sequence-level clip fractions)."""
@@ -243,9 +243,11 @@ def generate_groups(model, tokenizer, prompts: list[Prompt], group_size: int, sa
 
 
 def completion_batch(prompts: list[Prompt], completions: list[list[int]], group_size: int,
-                     pad_id: int, index: int) -> Batch:
+                     pad_id: int, index: int, max_tokens: int) -> Batch:
     """Rows prompt + completion (prompt-major, group_size per prompt), right-padded to a
-    multiple of PAD_MULTIPLE; weights 1 on the completion's targets."""
+    multiple of PAD_MULTIPLE; weights 1 on the completion's targets, and `positions` (rows,
+    max_tokens) the targets' row positions (-1 past a completion's end): where the loss reads
+    log-probs."""
     rows = [np.concatenate([prompts[i // group_size].tokens, np.asarray(c, dtype=np.int32)])
             for i, c in enumerate(completions)]
     width = max(len(r) - 1 for r in rows)
@@ -255,12 +257,24 @@ def completion_batch(prompts: list[Prompt], completions: list[list[int]], group_
     targets = np.zeros((B, width), dtype=np.int32)
     weights = np.zeros((B, width), dtype=np.float32)
     segments = np.full((B, width), -1, dtype=np.int32)
+    positions = np.full((B, max_tokens), -1, dtype=np.int32)
     for b, (row, comp) in enumerate(zip(rows, completions)):
         n = len(row) - 1
         inputs[b, :n], targets[b, :n], segments[b, :n] = row[:-1], row[1:], 0
         start = len(row) - len(comp) - 1  # the target of position start is the first completion token
         weights[b, start:n] = 1.0
-    return Batch(inputs, targets, weights, segments, int((segments >= 0).sum()), int(weights.sum()), index)
+        positions[b, :len(comp)] = np.arange(start, n)
+    batch = Batch(inputs, targets, weights, segments, int((segments >= 0).sum()), int(weights.sum()), index)
+    batch.positions = positions
+    return batch
+
+
+def completion_arrays(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, targets, mask), each (rows, max completion tokens), of a completion batch:
+    where its completion tokens are, which they are, and which entries hold one."""
+    valid = batch.positions >= 0
+    pos = np.where(valid, batch.positions, 0)
+    return pos, np.take_along_axis(batch.targets, pos, 1), valid.astype(np.float32)
 
 
 def rollout(model, tokenizer, prompts: list[Prompt], rewards: RewardSet, *, group_size: int,
@@ -274,7 +288,7 @@ def rollout(model, tokenizer, prompts: list[Prompt], rewards: RewardSet, *, grou
     per_reward = rewards.score(owners, texts, [len(c) for c in completions])
     combined = rewards.combine(per_reward)
     adv, std = group_advantages(combined, group_size, scale)
-    batch = completion_batch(prompts, completions, group_size, pad_id, index)
+    batch = completion_batch(prompts, completions, group_size, pad_id, index, max_tokens)
     batch.advantages = adv
     return Rollout(batch, combined, per_reward, std, np.array([len(c) for c in completions]), clipped,
                    texts, owners)
@@ -292,7 +306,7 @@ def keep_groups(roll: Rollout, keep: np.ndarray, group_size: int) -> Rollout:
     b = roll.batch
     sub = Batch(b.inputs[idx], b.targets[idx], b.weights[idx], b.segments[idx], 0, 0, b.index)
     sub.n_tokens, sub.n_loss = int((sub.segments >= 0).sum()), int(sub.weights.sum())
-    sub.advantages = b.advantages[idx]
+    sub.advantages, sub.positions = b.advantages[idx], b.positions[idx]
     return Rollout(sub, roll.rewards[idx], roll.per_reward[idx], roll.std[idx], roll.lengths[idx],
                    roll.clipped[idx], [roll.texts[i] for i in idx], [roll.prompts[i] for i in idx])
 
@@ -384,6 +398,7 @@ def merge(a: Rollout, b: Rollout, limit: int) -> Rollout:
                   np.concatenate([pad(ab.segments, -1), pad(bb.segments[:n_b], -1)]), 0, 0, ab.index)
     batch.n_tokens, batch.n_loss = int((batch.segments >= 0).sum()), int(batch.weights.sum())
     batch.advantages = np.concatenate([ab.advantages, bb.advantages[:n_b]])
+    batch.positions = np.concatenate([ab.positions, bb.positions[:n_b]])
     cat = lambda x, y: np.concatenate([x, y[:n_b]])  # noqa: E731
     return Rollout(batch, cat(a.rewards, b.rewards), cat(a.per_reward, b.per_reward), cat(a.std, b.std),
                    cat(a.lengths, b.lengths), cat(a.clipped, b.clipped), a.texts + b.texts[:n_b],

@@ -142,22 +142,37 @@ def _entropy(logits: mx.array) -> mx.array:
     return lse[..., 0] - (mx.exp(x - lse) * x).sum(-1)
 
 
-def token_logps_and_entropy(model: nn.Module, inputs: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
-    """(B, T) log-probabilities of the targets (differentiable, the fused output loss) and the
-    (B, T) entropy of each position's distribution (no gradient), one forward pass; both in
-    float32 and over chunks of tokens where the logits are a plain projection."""
+def _gather_rows(x: mx.array, positions: mx.array) -> mx.array:
+    """x (B, T, ...) at positions (B, C) of its second axis -> (B, C, ...)."""
+    idx = positions.reshape(*positions.shape, *([1] * (x.ndim - 2)))
+    return mx.take_along_axis(x, mx.broadcast_to(idx, (*positions.shape, *x.shape[2:])), axis=1)
+
+
+def completion_logps(model: nn.Module, inputs: mx.array, positions: mx.array, targets: mx.array,
+                     train: bool = True, entropy: bool = True) -> tuple[mx.array, mx.array | None]:
+    """GRPO's log-probabilities: the forward pass reads whole rows `inputs` (B, T) (prompt and
+    sampled completion ids), and the output layer runs only at `positions` (B, C), the rows'
+    completion tokens (as TRL's logits_to_keep), giving (B, C) float32 log-probs of `targets`
+    (B, C), in chunks; train: differentiable (the fused output loss), False: the same values
+    with no gradient bookkeeping (the stored log-probs: equal to the bit). With `entropy`, each
+    position's entropy over the vocabulary too (no gradient), else None."""
     layer = output_layer(model)
     if layer is None:
-        logits = model(inputs)
-        return -cross_entropy(logits, targets), mx.stop_gradient(_entropy(logits))
-    h = model.hidden(inputs)
-    B, T, D = h.shape
-    flat_h, flat_t = h.reshape(B * T, D), targets.reshape(B * T)
-    trained_w = "weight" in layer.trainable_parameters()
-    logp = -output_cross_entropy(flat_h, layer.weight, flat_t, trained_w).reshape(B, T)
-    hs, w = mx.stop_gradient(flat_h), mx.stop_gradient(layer.weight)
+        logits = _gather_rows(model(inputs), positions)
+        logp = -cross_entropy(logits, targets)
+        return logp, mx.stop_gradient(_entropy(logits)) if entropy else None
+    h = _gather_rows(model.hidden(inputs), positions)
+    B, C, D = h.shape
+    flat_h, flat_t, w = h.reshape(B * C, D), targets.reshape(B * C), layer.weight
+    if train:
+        logp = -output_cross_entropy(flat_h, w, flat_t, "weight" in layer.trainable_parameters())
+    else:
+        logp = -mx.concatenate(_chunked_ce(flat_h, w, flat_t, grads=False)[0])
+    if not entropy:
+        return logp.reshape(B, C), None
+    hs, ws = mx.stop_gradient(flat_h), mx.stop_gradient(w)
     parts: list[mx.array] = []
-    for i, n in _chunk_spans(B * T, w.shape[0], _logits_per_chunk()):
+    for i, n in _chunk_spans(B * C, w.shape[0], _logits_per_chunk()):
         hc = mx.depends(hs[i:i + n], parts[-1:]) if parts else hs[i:i + n]  # one chunk's logits at a time
-        parts.append(_entropy(hc @ w.T))
-    return logp, mx.concatenate(parts).reshape(B, T)
+        parts.append(_entropy(gemm(hc, ws, trans_b=True)))
+    return logp.reshape(B, C), mx.concatenate(parts).reshape(B, C)

@@ -46,8 +46,8 @@ from mlxtoy.sampling import SamplingParams
 from mlxtoy.train import grpo
 from mlxtoy.train.checkpoint import load_reference, save_reference
 from mlxtoy.train.data import Batch, BatchStream, Dataset, tokenize
-from mlxtoy.train.logprobs import (cross_entropy, loss_logits_alive, output_cross_entropy,  # noqa: F401
-                                   output_layer, token_logps_and_entropy, token_losses)
+from mlxtoy.train.logprobs import (completion_logps, cross_entropy, loss_logits_alive,  # noqa: F401
+                                   output_cross_entropy, output_layer, token_losses)
 from mlxtoy.train.pairs import PairStream, tokenize_pairs
 from mlxtoy.train.records import PREF_KIND, PROMPT_KIND, RawSplits, check_kinds
 from mlxtoy.train.rewards import RewardSet
@@ -500,35 +500,41 @@ class GRPO(Objective):
         """The log-probs the loss compares with, stored with the batch right after generation:
         the generating policy's (several iterations per generation) and the reference's."""
         model = self.setup.model
-        inputs, targets = mx.array(batch.inputs), mx.array(batch.targets)
-        zeros = np.zeros(batch.inputs.shape, np.float32)
+        pos, targets, _ = grpo.completion_arrays(batch)
+        args = mx.array(batch.inputs), mx.array(pos), mx.array(targets)
+
+        def logps() -> np.ndarray:
+            return np.array(completion_logps(model, *args, train=False, entropy=False)[0])
+
+        zeros = np.zeros(pos.shape, np.float32)
         batch.old_logps, batch.ref_logps = zeros, zeros
         if not self.spec.detached_old:
-            batch.old_logps = np.array(-token_losses(model, inputs, targets, None, train=False))
+            batch.old_logps = logps()
         if not self.cfg.beta:
             return
         if self.cfg.adapters:
             with adapters_disabled(model):
-                batch.ref_logps = np.array(-token_losses(model, inputs, targets, None, train=False))
+                batch.ref_logps = logps()
             return
         current = model.trainable_parameters()
         model.update(tree_unflatten(list(self.reference.items())))
         try:
-            batch.ref_logps = np.array(-token_losses(model, inputs, targets, None, train=False))
+            batch.ref_logps = logps()
         finally:
             model.update(current)
 
     def args(self, batch: Batch, packed: bool, norm: mx.array) -> tuple:
-        return (mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.weights),
+        pos, targets, mask = grpo.completion_arrays(batch)
+        return (mx.array(batch.inputs), mx.array(pos), mx.array(targets), mx.array(mask),
                 mx.array(batch.advantages), mx.array(batch.old_logps), mx.array(batch.ref_logps),
                 grpo.micro_norms(norm, batch))
 
     def norm(self, batches: list[Batch]) -> mx.array:
         return grpo.step_norms(batches)
 
-    def loss(self, model: nn.Module, inputs, targets, weights, adv, old, ref, norms) -> Any:
-        logp, entropy = token_logps_and_entropy(model, inputs, targets)
-        return grpo.grpo_loss(logp, old, ref, adv, weights, self.spec, norms, entropy)
+    def loss(self, model: nn.Module, inputs, positions, targets, mask, adv, old, ref, norms) -> Any:
+        logp, entropy = completion_logps(model, inputs, positions, targets)
+        return grpo.grpo_loss(logp, old, ref, adv, mask, self.spec, norms, entropy)
 
     def value(self, out: Any) -> mx.array:
         return out[1]
