@@ -91,9 +91,12 @@ def option_entries(help_text: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("command", [m.__name__.rsplit(".", 1)[1] for m in COMMANDS])
 def test_help_reads_as_a_reference(command):
-    """Every option of every command's --help says what it does."""
-    r = run_cli(command, "--help")
+    """Every option of every command's --help says what it does, and every line fits a terminal
+    (argparse wraps the options; a description's own lines must be short too)."""
+    r = run_cli(command, "--help", env={"COLUMNS": "80"})
     assert r.returncode == 0 and r.stdout.startswith(f"usage: mlxtoy {command}"), r
+    long_lines = [line for line in r.stdout.splitlines() if len(line) > 100]
+    assert not long_lines, long_lines
     entries = option_entries(r.stdout)
     assert len(entries) > 1, entries  # -h and the command's own
     empty = [flags for flags, text in entries.items() if not text]

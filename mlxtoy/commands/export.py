@@ -11,9 +11,9 @@ from mlxtoy.export import DTYPES, FORMAT_HELP, check_format, check_output, expor
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a model or a run as GGUF, a LoRA adapter, HF, mlx-lm or PEFT",
-                       description="Export a model (re-typing it) or a training run (final weights or "
-                                   "any checkpoint: RUN/checkpoints/step_N). Formats: " +
-                                   "; ".join(f"{k}: {v}" for k, v in FORMAT_HELP.items()))
+                       description="Export a model (re-typing it) or a training run (final weights or any\n"
+                                   "checkpoint: RUN/checkpoints/step_N).\n\nformats:\n" +
+                                   "\n".join(f"  {k:<14}{v}" for k, v in FORMAT_HELP.items()))
     p.add_argument("source", help="a run directory, a checkpoint directory, or a model "
                                   "(.gguf, Hugging Face folder or id, built-in name)")
     p.add_argument("--out", required=True, help="output file (gguf, adapter-gguf) or folder (hf, mlx-lm, peft)")
