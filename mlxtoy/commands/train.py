@@ -1,11 +1,11 @@
-"""`mlxtoy train`: LoRA, full fine-tuning or from-scratch training (SFT, DPO or ORPO), headless.
+"""`mlxtoy train`: LoRA, full fine-tuning or from-scratch training (SFT, DPO, ORPO or GRPO), headless.
 
 Every TrainConfig field is a flag of the same name (`_` -> `-`); flags override `--config
-FILE.yaml`, which overrides the defaults. `--steps` is the total, so `--resume RUN --steps 2N`
-continues a run stopped at N up to 2N. Progress (a rich bar: step, loss, with DPO / ORPO the
-reward margin and pair accuracy, tokens/s, ETA) and
-events go to stderr; stdout gets the result summary (and the accuracy report with
---eval-accuracy).
+FILE.yaml`, which overrides the defaults (every option: docs/configuration.md). `--steps` is the
+total, so `--resume RUN --steps 2N` continues a run stopped at N up to 2N. Progress and events go
+to stderr: a progress bar on a terminal (step, loss, the objective's metrics, tokens/s, ETA),
+else plain lines (a step line every twentieth of the run), never wrapped. Stdout gets the result
+summary (and with --eval-accuracy the accuracy report before and after).
 """
 
 from __future__ import annotations
