@@ -27,11 +27,11 @@ def work(tmp_path_factory):
     return {"model": write_tiny_model_folder(str(root / "model")), "data": str(data), "root": root}
 
 
-def train_losses(model: str, data: str, out, dtype: str, kernels: str, steps: int = STEPS,
-                 extra: tuple[str, ...] = ()) -> list[float]:
+def train_losses(model: str, data: str, out, dtype: str, kernels: str, steps: int = STEPS, batch: int = 2,
+                 lr: float = 5e-3, extra: tuple[str, ...] = ()) -> list[float]:
     r = run_cli("train", "--model", model, "--data", data, "--out", str(out), "--method", "lora",
-                "--steps", str(steps), "--batch-size", "2", "--seq-len", "64", "--lr", "5e-3",
-                "--eval-every", "0", "--save-every", str(steps), "--dtype", dtype, "--seed", "0",
+                "--steps", str(steps), "--batch-size", str(batch), "--seq-len", "64", "--lr", str(lr),
+                "--eval-every", "0", "--eval-batches", "1", "--save-every", str(steps), "--dtype", dtype, "--seed", "0",
                 "--device", "cpu", *extra, env={"MLXTOY_KERNELS": kernels})
     assert r.returncode == 0, r.stderr[-3000:]
     return [e["loss"] for e in read_metrics(str(out / "metrics.jsonl")) if e["event"] == "step"]
@@ -64,11 +64,12 @@ def test_bfloat16_lora_keeps_float32_state_and_tracks_float32_loss(work, tmp_pat
 @pytest.mark.real
 @pytest.mark.slow
 def test_smollm2_bfloat16_lora_tracks_float32_on_the_mlx_only_path(smollm2_path, work, tmp_path):
-    """SmolLM2 in bfloat16 on MLX's CPU (~8 tokens/s: MLX's CPU has no fast bfloat16 matmul), so
-    3 steps of 2 x 64 tokens; the first losses are within 6% of float32's (issue 35 saw 1-6%)."""
-    kw = dict(steps=3, extra=("--lora-targets", "q,v"))
+    """SmolLM2 in bfloat16 on MLX's CPU, which has no fast bfloat16 matmul: this 2-step run of 1 x 64
+    tokens took 28 s in bfloat16 against 14 s in float32 (load, compile and save included; 2 loaded
+    cores), so it stays this small. The losses were 0.3% and 2.6% from float32's; the bound is 5%."""
+    kw = dict(steps=2, batch=1, lr=1e-3, extra=("--lora-targets", "q,v"))
     f32 = train_losses(smollm2_path, work["data"], tmp_path / "f32", "float32", "0", **kw)
     bf16 = train_losses(smollm2_path, work["data"], tmp_path / "bf16", "bfloat16", "0", **kw)
     gaps = [abs(b - f) / f for b, f in zip(bf16, f32)]
-    assert len(gaps) == 3 and max(gaps) < 0.06, (f32, bf16)
+    assert len(gaps) == 2 and max(gaps) < 0.05, (f32, bf16)
     assert max(gaps) > 0
