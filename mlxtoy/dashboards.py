@@ -6,7 +6,8 @@ W&B online without a login, is a UserError too, never a crash mid-run). Each sin
 every event (mlxtoy.events) and keeps what it can show:
 
     step    train/loss, train/lr, train/tokens_per_sec, train/peak_memory_gb, train/grad_norm,
-            train/reward_* and train/pref_accuracy (preference objectives)
+            train/reward_* and train/pref_accuracy (preference objectives); grpo's values
+            under their TRL names (train/reward, train/rewards/<name>/mean, train/kl, ...)
     eval    val/loss, val/ppl, val/pref_accuracy, val/reward_margin
     taps    taps/<site>/layer<N>: the activation histogram (and its rms as a scalar)
     sample  samples: prompt and generation as text
@@ -41,10 +42,11 @@ EVAL_SCALARS = {"val_loss": "loss", "val_ppl": "ppl", "pref_accuracy": "pref_acc
 
 def scalars(ev: Event) -> dict[str, float]:
     """The dashboard scalars of one event, by tag (empty for other events)."""
-    if isinstance(ev, StepEvent):
-        pairs = {f"train/{k}": getattr(ev, k) for k in STEP_SCALARS}
+    if isinstance(ev, StepEvent):  # and the objective's own values (grpo: train/reward, ...)
+        pairs = {f"train/{k}": getattr(ev, k) for k in STEP_SCALARS} | {f"train/{k}": v for k, v in ev.extra.items()}
     elif isinstance(ev, EvalEvent):
-        pairs = {f"val/{tag}": getattr(ev, k) for k, tag in EVAL_SCALARS.items()}
+        pairs = {f"val/{tag}": getattr(ev, k) for k, tag in EVAL_SCALARS.items()} | {
+            f"val/{k}": v for k, v in ev.extra.items()}
     elif isinstance(ev, TapsEvent):
         pairs = {f"{tap_tag(s)}/rms": s.get("rms") for s in ev.stats}
     else:

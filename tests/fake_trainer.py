@@ -45,7 +45,8 @@ def fake_events(steps: int = 30, n_layers: int = 6, eval_every: int = 10, taps_e
                 sample_every: int = 15, save_every: int = 20, run_dir: str = "runs/demo",
                 done: bool = True, t0: float = T0, objective: str = "sft") -> Iterator[dict[str, Any]]:
     """A realistic, fully deterministic run: start, steps, evals, taps, samples, checkpoints, done.
-    objective dpo / orpo: step and eval events carry rewards and pair accuracy too."""
+    objective dpo / orpo: step and eval events carry rewards and pair accuracy too; grpo: the
+    mean reward (TRL's names) and sampled completions with their rewards."""
     def ev(kind: str, at: int, **kw) -> dict[str, Any]:
         return {"event": kind, "time": t0 + at * 2.0, **kw}
 
@@ -53,19 +54,29 @@ def fake_events(steps: int = 30, n_layers: int = 6, eval_every: int = 10, taps_e
              trainable_params=460_800, total_params=134_975_808,
              config={"model": "smollm2-135m", "method": "lora", "steps": steps, "batch_size": 4,
                      "seq_len": 256, "lr": 1e-4, "lora_rank": 8, "objective": objective})
-    pref = objective != "sft"
+    pref = objective in ("dpo", "orpo")
+    grpo = objective == "grpo"
     yield ev("taps", 0, step=0, stats=_taps(0, n_layers), heads=[])
     for step in range(1, steps + 1):
         lr = 1e-4 * 0.5 * (1 + math.cos(math.pi * step / steps))
         margin = round(2.0 * (1 - math.exp(-step / 10)), 4)
         extra = {"reward_chosen": margin / 2, "reward_rejected": -margin / 2, "reward_margin": margin,
                  "pref_accuracy": round(min(1.0, 0.5 + step / 40), 4)} if pref else {}
+        if grpo:
+            reward = round(0.2 + margin / 2.5, 4)
+            extra = {"reward": reward, "reward_std": 0.2, "rewards/exact/mean": reward, "kl": 0.0, "entropy": 1.5,
+                     "completions/mean_length": 9.0, "frac_reward_zero_std": 0.25,
+                     "samples": [{"prompt": "Write the date 2011-12-26 as day, month name and year.",
+                                  "completion": f"26 December 2011 (step {step})", "reward": reward,
+                                  "rewards": {"exact": reward}}]}
         yield ev("step", step, step=step, loss=round(_loss(step), 4), lr=lr, tokens=1024,
                  tokens_per_sec=512.0, elapsed=2.0 * step, eta=2.0 * (steps - step),
                  peak_memory_gb=2.61, grad_norm=1.0, **extra)
         if eval_every and step % eval_every == 0:
             v = _loss(step) + 0.15
             extra = {"pref_accuracy": round(min(1.0, 0.45 + step / 40), 4), "reward_margin": margin} if pref else {}
+            if grpo:
+                extra = {"reward": round(0.1 + margin / 2.5, 4), "rewards/exact/mean": round(0.1 + margin / 2.5, 4)}
             yield ev("eval", step, step=step, val_loss=round(v, 4), val_ppl=math.exp(v), val_tokens=4096, **extra)
         if taps_every and step % taps_every == 0:
             yield ev("taps", step, step=step, stats=_taps(step, n_layers), heads=[])

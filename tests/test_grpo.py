@@ -401,3 +401,121 @@ def test_a_raising_reward_is_one_error_line_and_keeps_the_run(work, tmp_path):
     # nothing lost: the step trained before the error is checkpointed, and the run resumes
     assert (out / "checkpoints" / "step_1").is_dir()
     assert not (out / ".lock").exists() and not any(n.endswith(".lock") for n in os.listdir(out))
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+def test_two_ranks_equal_one_process(work, tmp_path, loss_type):
+    """Each rank trains on its whole groups (batch-size counts prompts, a multiple of the
+    ranks); the gradients add up to the one-process step's."""
+    from test_distributed import AUDIT, assert_same_run, launch
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(AUDIT)
+    w = dict(work, site=str(site))
+    args = ["--model", work["model"], "--data", work["data"], "--objective", "grpo", "--reward",
+            f"exact,{work['rw']}:short", "--steps", "3", "--batch-size", "2", "--group-size", "4",
+            "--max-completion-tokens", "8", "--seq-len", "64", "--eval-every", "3", "--eval-batches", "1",
+            "--lr", "5e-3", "--beta", "0.04", "--loss-type", loss_type, "--grad-accum", "2", "--seed", "0"]
+    one = str(tmp_path / "one")
+    r = run_cli("train", *args, "--out", one)
+    assert r.returncode == 0, r.stderr
+    two = str(tmp_path / "two")
+    r = launch(w, [*args, "--out", two], timeout=300)
+    assert r.returncode == 0 and '"world_size": 2' in r.stdout, r.stdout + r.stderr
+    assert_same_run(two, one)
+    for key in ("reward", "kl", "entropy", "clip_ratio"):
+        np.testing.assert_allclose([e[key] for e in events(two, "step")], [e[key] for e in events(one, "step")],
+                                   atol=1e-5, rtol=0, err_msg=key)
+
+
+# ------------------------------------------------------------------ the bundled example, SmolLM2
+
+GRPO_ASSETS = os.path.join(REPO, "assets", "grpo")
+HELD_OUT_MARGIN = 0.15  # the held-out mean greedy reward must rise by at least this
+
+
+def held_out_reward(model, tokenizer, rows: list[dict]) -> float:
+    """The example's reward (reward.py's date_parts + exact + length:8, written out here) of
+    greedy answers to the test prompts, rendered as `mlxtoy generate --chat` renders them."""
+    import importlib.util
+
+    from mlxtoy.generate import encode_chat
+
+    spec = importlib.util.spec_from_file_location("grpo_reward", os.path.join(GRPO_ASSETS, "reward.py"))
+    reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reward)
+    eos = set(tokenizer.eos_ids)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": r["prompt"]}]) for r in rows]
+    outs = generate_batch(model, prompts, sampling=SamplingParams(temp=0.0), max_tokens=10, eos_ids=eos)
+    total = 0.0
+    for r, o in zip(rows, outs):
+        text = tokenizer.decode([t for t in o if t not in eos])
+        total += reward.date_parts(text, r["day"], r["month"], r["year"])
+        total += float(text.strip() == r["answer"]) + (0.0 if len(o) <= 8 else -(len(o) - 8) / 8)
+    return total / len(rows)
+
+
+def test_smollm2_bundled_task_raises_held_out_reward(smollm2_path, tmp_path):
+    import json
+    import time
+
+    from mlxtoy.loading import load
+
+    rows = [json.loads(line) for line in open(os.path.join(GRPO_ASSETS, "test.jsonl"))][:24]
+    base, tok = load(smollm2_path)
+    before = held_out_reward(base, tok, rows)
+    del base
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    r = run_cli("train", "--config", os.path.join(GRPO_ASSETS, "grpo.yaml"), "--model", smollm2_path,
+                "--out", str(out), "--steps", "10", "--eval-every", "0", timeout=900)
+    took = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    tuned, tok = load(smollm2_path, adapter=str(out))
+    after = held_out_reward(tuned, tok, rows)
+    print(f"held-out greedy reward {before:.3f} -> {after:.3f} after 10 steps ({took:.0f} s of training)")
+    assert after >= before + HELD_OUT_MARGIN, (before, after)
+
+
+# ------------------------------------------------------------------ the TUI
+
+
+def test_tui_reward_chart_and_samples_follow_a_grpo_run():
+    """Events of a GRPO run arrive one by one: the dashboard's reward chart and samples panel
+    (each completion with its rewards) follow them; an SFT run shows no reward chart."""
+    import asyncio
+
+    from textual.widgets import RichLog
+
+    from fake_trainer import fake_events
+    from tui.app import MlxtoyApp
+    from tui.state import RUNNING, RunState
+    from tui.widgets import RewardChart
+
+    async def drive():
+        app = MlxtoyApp(model="tiny.gguf", data=None, runs_dir="runs")
+        async with app.run_test(size=(140, 44)) as pilot:
+            state = RunState()
+            app.run_state = state
+            await pilot.press("f2")
+            chart = app.screen.query_one(RewardChart)
+            samples = app.screen.query_one("#samples", RichLog)
+            seen = []
+            for ev in fake_events(steps=12, n_layers=4, objective="grpo", done=False):
+                state.apply(ev)
+                state.status = RUNNING
+                if ev["event"] in ("step", "eval") and ev["step"] in (3, 10):
+                    await pilot.pause(1.2)  # the chart redraws at most once a second
+                    seen.append((len(chart._series[0]), len(chart._series[2]), len(samples.lines)))
+            assert chart.display and state.rl and state.summary()["reward"] == f"{state.rewards[-1]:.3f}"
+            assert seen[0][0] == 3 and seen[-1][0] == 10 and seen[-1][1] == 1, seen  # train line, a valid point
+            assert seen[-1][2] > seen[0][2] > 0, seen  # the samples panel grew
+            text = "\n".join(str(line.text) for line in samples.lines)
+            assert "26 December 2011 (step 10)" in text and "reward" in text and "exact" in text
+            app.run_state = RunState.from_events(list(fake_events(steps=5, n_layers=4)))  # control: SFT
+            app.screen.refresh_view(force=True)
+            await pilot.pause(0.2)
+            assert not app.screen.query_one(RewardChart).display
+
+    asyncio.run(drive())

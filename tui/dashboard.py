@@ -1,5 +1,6 @@
 """The training dashboard: stats, loss curves (with DPO / ORPO, the reward margin and pair
-accuracy beside them), the taps heat map, samples and the log.
+accuracy beside them; with GRPO, the rewards), the taps heat map, samples (GRPO's sampled
+completions with their rewards) and the log.
 
 It renders the app's RunState; it never talks to the trainer except through the app's
 commands (pause / resume / stop / sample / checkpoint). Re-rendering is throttled: events mark
@@ -19,7 +20,7 @@ from textual.widgets import Footer, RichLog
 
 from mlxtoy.events import Command
 from tui.state import RunState
-from tui.widgets import LossChart, NavBar, PrefChart, StatsPanel, TapsHeatmap
+from tui.widgets import LossChart, NavBar, PrefChart, RewardChart, StatsPanel, TapsHeatmap
 
 LEVEL_STYLE = {"error": "red", "warning": "yellow", "stderr": "dim"}
 
@@ -47,6 +48,7 @@ class DashboardScreen(Screen):
             with Horizontal(id="charts"):
                 yield LossChart(id="loss-chart")
                 yield PrefChart(id="pref-chart")  # shown for DPO / ORPO runs only
+                yield RewardChart(id="reward-chart")  # shown for GRPO runs only
             yield TapsHeatmap(id="taps")
             with Horizontal(id="dash-bottom"):
                 yield RichLog(id="samples", wrap=True, markup=True, max_lines=200, min_width=20)
@@ -88,6 +90,10 @@ class DashboardScreen(Screen):
             pref.display = state.preference
             if state.preference:
                 pref.show(state)
+            rewards = self.query_one(RewardChart)
+            rewards.display = state.rl
+            if state.rl:
+                rewards.show(state)
             self._chart_time = now
         elif changed:
             self._shown_version = -1  # come back for the chart on the next tick

@@ -55,6 +55,11 @@ class RunState:
     pref_accs: list[float] = field(default_factory=list)
     val_pref_steps: list[int] = field(default_factory=list)
     val_pref_accs: list[float] = field(default_factory=list)
+    # grpo: the mean reward of the step's sampled completions, and of greedy ones at evaluations
+    reward_steps: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    val_reward_steps: list[int] = field(default_factory=list)
+    val_rewards: list[float] = field(default_factory=list)
     samples: list[SampleEvent] = field(default_factory=list)
     taps: TapsEvent | None = None  # the latest taps event
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
@@ -101,6 +106,8 @@ class RunState:
             del self.steps[cut:], self.losses[cut:], self.lrs[cut:]
             keep = sum(1 for s in self.pref_steps if s < step)
             del self.pref_steps[keep:], self.margins[keep:], self.pref_accs[keep:]
+            keep = sum(1 for s in self.reward_steps if s < step)
+            del self.reward_steps[keep:], self.rewards[keep:]
         self.steps.append(step)
         self.losses.append(float(ev.loss) if ev.loss is not None else math.nan)
         self.lrs.append(float(ev.lr or 0.0))
@@ -108,6 +115,14 @@ class RunState:
             self.pref_steps.append(step)
             self.margins.append(float(ev.reward_margin))
             self.pref_accs.append(float(ev.pref_accuracy))
+        if ev.extra.get("reward") is not None:
+            self.reward_steps.append(step)
+            self.rewards.append(float(ev.extra["reward"]))
+            for s in ev.extra.get("samples") or []:  # sampled completions with their rewards
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in (s.get("rewards") or {}).items() if v is not None)
+                self._on_sample(SampleEvent(step=step, prompt=str(s.get("prompt", "")),
+                                            text=f"{s.get('completion', '')}  ⟨reward {float(s.get('reward', 0)):.2f}: "
+                                                 f"{parts}⟩"))
         self.last_step = ev
         if self.status == STARTING:
             self.status = RUNNING
@@ -115,6 +130,12 @@ class RunState:
     def _on_eval(self, ev: EvalEvent) -> None:
         self.val_steps.append(int(ev.step))
         self.val_losses.append(float(ev.val_loss) if ev.val_loss is not None else math.nan)
+        if ev.extra.get("reward") is not None:
+            self.val_reward_steps.append(int(ev.step))
+            self.val_rewards.append(float(ev.extra["reward"]))
+            self.logs.append(LogLine(ev.time, "info", f"step {ev.step}: held-out greedy reward "
+                                                      f"{self.val_rewards[-1]:.3f} ({ev.val_tokens} prompts)"))
+            return
         if ev.pref_accuracy is not None:
             self.val_pref_steps.append(int(ev.step))
             self.val_pref_accs.append(float(ev.pref_accuracy))
@@ -182,10 +203,17 @@ class RunState:
             "elapsed": fmt_duration(float(s.elapsed)) if s else "-",
             "mem": f"{float(s.peak_memory_gb):.2f} GB" if s else "-",
         }
+        if self.rl:
+            out["reward"] = f"{self.rewards[-1]:.3f}" if self.rewards else "-"
         if self.preference:
             out["margin"] = f"{self.margins[-1]:.3f}" if self.margins else "-"
             out["acc"] = f"{self.pref_accs[-1]:.0%}" if self.pref_accs else "-"
         return out
+
+    @property
+    def rl(self) -> bool:
+        """A run with rewards to show (GRPO)."""
+        return bool(self.reward_steps or self.val_reward_steps)
 
     @property
     def preference(self) -> bool:

@@ -197,6 +197,46 @@ class PrefChart(PlotextPlot):
         self.refresh()
 
 
+REWARD_LEGEND = "rewards  [#0087ff]━ sampled (mean)[/]  [#e67800]● greedy, valid[/]"
+
+
+class RewardChart(PlotextPlot):
+    """GRPO: the mean reward of each step's sampled completions (line) and of greedy
+    completions of the validation prompts (points) against the step, beside the loss chart."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._series: tuple[list, ...] = ([], [], [], [])  # steps, rewards; validation steps, rewards
+
+    def show(self, state: RunState) -> None:
+        self._series = (list(state.reward_steps), list(state.rewards), list(state.val_reward_steps),
+                        list(state.val_rewards))
+        self.replot()
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.border_title = REWARD_LEGEND
+        self.replot()
+
+    def replot(self) -> None:
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        steps, rewards, vsteps, vrewards = self._series
+        r = _decimate([(s, v) for s, v in zip(steps, rewards) if math.isfinite(v)], MAX_POINTS)
+        if r:
+            plt.plot([p[0] for p in r], [p[1] for p in r], marker="braille", color=TRAIN_RGB)
+        if vsteps:
+            plt.scatter(vsteps, vrewards, marker="●", color=VALID_RGB)
+        if not r and not vsteps:
+            plt.title("rewards: waiting for the first step")
+        else:
+            xs = [p[0] for p in r] + list(vsteps)
+            ticks = nice_ticks(min(xs), max(xs))
+            plt.xticks(ticks, [str(t) for t in ticks])
+        self.refresh()
+
+
 def nice_ticks(lo: int, hi: int, most: int = 7) -> list[int]:
     """Whole step numbers for the x axis: lo, then multiples of 1, 2 or 5 x 10^k up to hi."""
     span = max(1, hi - lo)

@@ -162,7 +162,7 @@ class ProgressView:
                        f"{ev.total_params:,} parameters; {ev.run_dir}")
             self._start_bar(ev)
         elif kind == "step":
-            pref = _pref_text(ev.reward_margin, ev.pref_accuracy)
+            pref = _pref_text(ev.reward_margin, ev.pref_accuracy) + _reward_text(ev.extra)
             if self.progress:
                 self.progress.update(self.task, completed=ev.step, loss=f"{ev.loss:.4f}", pref=pref,
                                      tps=f"{ev.tokens_per_sec:.0f}", eta=_fmt_time(ev.eta))
@@ -170,7 +170,12 @@ class ProgressView:
                 self.print(f"step {ev.step}/{self.total} loss {ev.loss:.4f}{pref} lr {ev.lr:.2e} "
                            f"{ev.tokens_per_sec:.0f} tok/s ETA {_fmt_time(ev.eta)}")
         elif kind == "eval":
-            if ev.pref_accuracy is not None:
+            if "reward" in ev.extra:  # grpo: the mean reward of greedy completions
+                parts = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in ev.extra.items()
+                                  if k.startswith("rewards/") and v is not None)
+                self.print(f"step {ev.step}: held-out greedy reward {ev.extra['reward']:.3f} over "
+                           f"{ev.val_tokens} prompts ({parts})")
+            elif ev.pref_accuracy is not None:
                 self.print(f"step {ev.step}: val loss {ev.val_loss:.4f}{_pref_text(ev.reward_margin, ev.pref_accuracy)}")
             else:
                 self.print(f"step {ev.step}: val loss {ev.val_loss:.4f}, ppl {ev.val_ppl:.2f}")
@@ -197,6 +202,13 @@ def _pref_text(margin: float | None, accuracy: float | None) -> str:
     if margin is None or accuracy is None:
         return ""
     return f", margin {margin:.3f}, acc {accuracy:.0%}"
+
+
+def _reward_text(extra: dict) -> str:
+    """", reward 0.512, len 9.5" for a GRPO step event ("" otherwise)."""
+    if extra.get("reward") is None:
+        return ""
+    return f", reward {extra['reward']:.3f}, len {extra.get('completions/mean_length', 0):.1f}"
 
 
 def _fmt_time(s: float) -> str:

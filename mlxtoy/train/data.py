@@ -309,6 +309,7 @@ class Batch:
     positions: np.ndarray | None = None  # (B, C) int32: row positions of the completion's targets, -1 past
     old_logps: np.ndarray | None = None  # (B, C) float32: the generating policy's log-probs of them
     ref_logps: np.ndarray | None = None  # (B, C) float32: the reference's
+    micro_tokens: int = 0  # the completion tokens of the whole micro-batch (a shard keeps the count)
 
 
 @dataclass

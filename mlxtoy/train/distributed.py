@@ -218,11 +218,15 @@ class Distributed:
         w = batch.weights[lo:hi]
         seg = batch.segments[lo:hi]
         # preference pairs: `seq`, `ref` and `pairs` keep the batch's numbering of its pairs,
-        # so a shard (whole pairs: a pair never spans rows, see mlxtoy.train.pairs) knows which
+        # so a shard (whole pairs: a pair never spans rows, see mlxtoy.train.pairs) knows which;
+        # sampled completions (grpo): each row's advantage and log-probs go with it (the batch
+        # counts prompts, a multiple of the ranks: each rank takes whole groups)
+        rows = lambda a: a[lo:hi] if a is not None else None  # noqa: E731
         return dataclasses.replace(batch, inputs=batch.inputs[lo:hi], targets=batch.targets[lo:hi],
                                    weights=w, segments=seg, n_tokens=int((seg >= 0).sum()),
-                                   n_loss=int(w.sum()),
-                                   seq=batch.seq[lo:hi] if batch.seq is not None else None)
+                                   n_loss=int(w.sum()), seq=rows(batch.seq), advantages=rows(batch.advantages),
+                                   positions=rows(batch.positions), old_logps=rows(batch.old_logps),
+                                   ref_logps=rows(batch.ref_logps))
 
     # ---- setup
     def prepare(self, build: Callable[[], tuple[TrainConfig, bool]]) -> Prepared:

@@ -137,8 +137,9 @@ def step_norms(batches: list[Batch]) -> mx.array:
 
 
 def micro_norms(norms: mx.array, batch: Batch) -> mx.array:
-    """`step_norms` with its third entry this micro-batch's tokens * the micro-batches."""
-    return mx.concatenate([norms[:2], (norms[2] * max(1, batch.n_loss)).reshape(1)])
+    """`step_norms` with its third entry this micro-batch's tokens (all of them, not a
+    data-parallel shard's) * the micro-batches."""
+    return mx.concatenate([norms[:2], (norms[2] * max(1, batch.micro_tokens or batch.n_loss)).reshape(1)])
 
 
 # ------------------------------------------------------------------ prompts

@@ -484,6 +484,7 @@ class GRPO(Objective):
             t1 = time.perf_counter()
             batches = [r.batch for r in got.rolls]
             for b in batches:
+                b.micro_tokens = b.n_loss  # bnpo's normaliser, whatever share of it a rank trains on
                 self._score(b)
         s.model.train()
         seen = got.metrics.pop("_seen")
