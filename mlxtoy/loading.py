@@ -25,15 +25,16 @@ from mlxtoy import backend
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.io.char_tokenizer import CharTokenizer
-from mlxtoy.arch.registry import build_module, spec_of
-from mlxtoy.io.gguf_read import dequantize_tensor, load_gguf, open_gguf
-from mlxtoy.io.hf import load_hf
+from mlxtoy.arch.registry import build_module, expected_shapes, spec_of
+from mlxtoy.arch.spec import expand, flat_shape
+from mlxtoy.io.gguf_read import dequantize_tensor, gguf_model_config, load_gguf, open_gguf
+from mlxtoy.io.hf import hf_model_config, load_hf
 from mlxtoy.io.registry import resolve_model
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.lens import apply_lens, fold_lens
 from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import apply_lora, merge_lora
-from mlxtoy.models.quant import QuantPlan, install_quantized
+from mlxtoy.models.quant import PackedMatrix, QuantPlan, install_quantized
 from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_STATE, CKPT_TRAINABLE, MODEL_WEIGHTS, RunDir,
                            is_run_or_checkpoint, locate)
 
@@ -126,6 +127,40 @@ def source_size(model_arg: str) -> tuple[int, bool]:
         with safe_open(file, "numpy") as f:
             n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     return n, False
+
+
+def planned_model(model_arg: str, dtype: mx.Dtype, quant: QuantPlan | None = None) -> LlamaModel:
+    """The model `load_weights(model_arg, dtype, quant)` would give, built from the header alone
+    with lazy placeholder arrays of the same shapes and dtypes (nothing is read or allocated):
+    what the memory guard estimates from before a large model is loaded."""
+    kind, path = resolve_model(model_arg)
+    if kind == "gguf":
+        file = open_gguf(path)
+        spec, cfg = gguf_model_config(file)
+        types = {t.name: t.tensor_type.name for t in file.tensors}
+    else:
+        spec, cfg, _, _ = hf_model_config(path)
+        types = {}
+    model = build_module(cfg)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    if quant is None:
+        return model
+    shapes = expected_shapes(cfg)
+    packs = quant.matrices(spec, cfg)
+    planned: dict[str, PackedMatrix] = {}
+    for name, params, _ in expand(spec, cfg, shapes, kind if kind == "gguf" else "hf"):
+        for p in params:
+            layout = quant.layout(p, shapes[p], packs, types.get(name, ""))
+            if layout is None:
+                continue
+            rows, d_in = flat_shape(p, shapes[p])
+            bits, group = layout
+            planned[p] = PackedMatrix(mx.zeros((rows, d_in * bits // 32), mx.uint32),
+                                      mx.zeros((rows, d_in // group), mx.float16),
+                                      mx.zeros((rows, d_in // group), mx.float16), group, bits)
+    install_quantized(model, planned)
+    return model
 
 
 def load_tokenizer(model_arg: str):

@@ -21,7 +21,7 @@ from mlxtoy.io.gguf_read import load_gguf
 from mlxtoy.io.gguf_write import write_gguf
 from mlxtoy.io.quantize import quantize_gguf
 from mlxtoy.loading import build_model
-from mlxtoy.models import quant
+from mlxtoy.models import fastmath, quant
 from mlxtoy.models.lora import apply_lora, lora_parameters
 from mlxtoy.models.quant import (PackedMatrix, QuantizedHeadProjection, QuantizedLinear, QuantPlan,
                                  quantized_linear)
@@ -59,20 +59,26 @@ def test_other_types_are_not_mapped():
     assert affine_blocks(_tensor(np.ones((2, 32), np.float32), Q.Q5_0)) is None
 
 
-@pytest.mark.parametrize("slab_rows", [None, 24])
-def test_cpu_product_and_input_gradient_match_numpy(monkeypatch, slab_rows):
+@pytest.mark.parametrize("path", ["kernels", "mlx", "mlx-slabs"])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
+def test_cpu_product_and_input_gradient_match_numpy(monkeypatch, path, bits, group):
+    """Both CPU products: the kernels' (dequantized slabs inside one primitive, the BLAS's SGEMM)
+    and MLX's ops (`slab_product`), there with several slabs too (a big output layer's case)."""
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((96, 64)).astype(np.float32)
-    if slab_rows:  # several slabs (a big output layer's case), the last one short
-        monkeypatch.setattr(quant, "SLAB_BYTES", slab_rows * 64 * 4)
-        assert len(quant.slabs(96, 64)) == 4
-    packed, _ = quant.quantize_dense(mx.array(w), QuantPlan(4, 32))
+    w = rng.standard_normal((96, 128)).astype(np.float32)
+    if path == "kernels" and not fastmath.KERNELS:
+        pytest.skip(f"the CPU kernels are off here: {fastmath.kernels_status()}")
+    if path == "mlx-slabs":  # the last slab short
+        monkeypatch.setattr(quant, "SLAB_BYTES", 26 * 128 * 4)
+        assert len(quant.slabs(96, 128)) == 4
+    packed, _ = quant.quantize_dense(mx.array(w), QuantPlan(bits, group))
     dense = np.array(packed.dense()).astype(np.float64)
-    x = rng.standard_normal((3, 5, 64)).astype(np.float32)
+    x = rng.standard_normal((3, 5, 128)).astype(np.float32)
     dy = rng.standard_normal((3, 5, 96)).astype(np.float32)
 
     def f(x):
-        return quantized_linear(x, packed.weight, packed.scales, packed.biases, 32, 4)
+        args = (x, packed.weight, packed.scales, packed.biases, group, bits)
+        return fastmath.quant_linear(*args) if path == "kernels" else quant.slab_product(group, bits)(*args[:4])
 
     y, vjp = mx.vjp(f, [mx.array(x)], [mx.array(dy)])
     np.testing.assert_allclose(np.array(y[0]), x.astype(np.float64) @ dense.T, rtol=1e-5, atol=1e-5)
@@ -200,3 +206,38 @@ def test_streaming_load_peak_memory_is_bounded(tmp_path):
     bound = stream["final"] + 2 * stream["largest_f32"] + (8 << 20)
     assert grown <= bound, (grown, stream)
     assert grown_eager >= eager["final"] > 3 * stream["final"], (grown_eager, eager)
+
+
+def test_too_large_a_model_is_refused_before_loading(q8_model, tmp_path, monkeypatch):
+    """Under a memory budget the float32 weights exceed but QLoRA fits: one error naming
+    `--qlora on`, raised from the header alone (the loader is never called), no run written."""
+    from mlxtoy.config import TrainConfig
+    from mlxtoy.errors import UserError
+    from mlxtoy.loading import planned_model
+    from mlxtoy.train import build, job, memory
+    from tests.helpers_train import qa_rows, write_jsonl
+
+    data = write_jsonl(str(tmp_path / "data.jsonl"), qa_rows(8))
+    cfg = TrainConfig(model=q8_model, data=data, out=str(tmp_path / "run"), method="lora", steps=1,
+                      batch_size=1, seq_len=8, lora_targets=["q", "v"], qlora="off")
+    dense = planned_model(q8_model, mx.float32)
+    build.make_trainable(dense, cfg)
+    qlora = planned_model(q8_model, mx.float32, QuantPlan())
+    build.make_trainable(qlora, cfg)
+    weights, q_peak = memory.estimate(cfg, dense).weights, memory.estimate(cfg, qlora).peak
+    assert q_peak < weights  # the budget below sits between them
+    monkeypatch.setenv(memory.MEMORY_ENV, str((weights + q_peak) / 2 / memory.GB))
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(build, "load_weights", never)
+    with pytest.raises(UserError) as err:
+        job.prepare(cfg)
+    message = str(err.value)
+    assert "\n" not in message and "does not fit" in message and "--qlora on" in message, message
+    assert not os.path.exists(cfg.out)
+    # positive control: with room for the dense weights it goes on to load
+    monkeypatch.setenv(memory.MEMORY_ENV, "64")
+    with pytest.raises(AssertionError, match="was loaded"):
+        job.prepare(cfg)

@@ -23,14 +23,11 @@
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "blas.h"
 #include "copy.h"
 #include "kernels.h"
 #include "loops.h"
 #include "pool.h"
-
-// The CBLAS GEMM MLX itself calls (the optimized BLAS mlxtoy loads first, where there is one).
-extern "C" void cblas_sgemm(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
-                            int lda, const float* b, int ldb, float beta, float* c, int ldc);
 
 namespace mlxtoy {
 
@@ -95,15 +92,6 @@ class SerialBlas {
  private:
   int saved_ = 0;
 };
-
-// c (m, n; row stride ldc) = alpha op(a) op(b) + beta c, row-major
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-  cblas_sgemm(kRowMajor, trans_a ? kTrans : kNoTrans, trans_b ? kTrans : kNoTrans, static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb),
-              beta, c, static_cast<int>(ldc));
-}
 
 struct Dims {
   int64_t B, KV, G, T, S, D, Dv, Bb;
@@ -208,7 +196,7 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
             for (int64_t r = 0; r < rb.rows; ++r) st[2 * r] = kNegInf, st[2 * r + 1] = 0.0f;
             continue;
           }
-          gemm(false, true, rb.rows, kl, d.D, scale, item_of(in[0], rb.item, GT, d.D) + rb.first_row * d.D, d.D,
+          blas_gemm(false, true, rb.rows, kl, d.D, scale, item_of(in[0], rb.item, GT, d.D) + rb.first_row * d.D, d.D,
                item_of(in[1], rb.item, d.S, d.D), d.D, 0.0f, pr, d.S);
           for (int64_t r = 0; r < rb.rows; ++r) {
             int64_t br = rb.bias_row(d) + r;
@@ -216,7 +204,7 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
             st[2 * r] = rs.m;
             st[2 * r + 1] = rs.inv;
           }
-          gemm(false, false, rb.rows, d.Dv, kl, 1.0f, pr, d.S, item_of(in[2], rb.item, d.S, d.Dv), d.Dv, 0.0f, orow,
+          blas_gemm(false, false, rb.rows, d.Dv, kl, 1.0f, pr, d.S, item_of(in[2], rb.item, d.S, d.Dv), d.Dv, 0.0f, orow,
                d.Dv);
         }
       });
@@ -239,9 +227,9 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
         float* pr = item_of(p, rb.item, GT, d.S) + rb.first_row * d.S;
         float* dsr = item_of(ds, rb.item, GT, d.S) + rb.first_row * d.S;
         const float* st = item_of(stats, rb.item, GT, 2) + rb.first_row * 2;
-        gemm(false, true, rb.rows, kl, d.D, scale, item_of(in[0], rb.item, GT, d.D) + rb.first_row * d.D, d.D,
+        blas_gemm(false, true, rb.rows, kl, d.D, scale, item_of(in[0], rb.item, GT, d.D) + rb.first_row * d.D, d.D,
              item_of(in[1], rb.item, d.S, d.D), d.D, 0.0f, pr, d.S);
-        gemm(false, true, rb.rows, kl, d.Dv, 1.0f, item_of(dout, rb.item, GT, d.Dv) + rb.first_row * d.Dv, d.Dv,
+        blas_gemm(false, true, rb.rows, kl, d.Dv, 1.0f, item_of(dout, rb.item, GT, d.Dv) + rb.first_row * d.Dv, d.Dv,
              item_of(in[2], rb.item, d.S, d.Dv), d.Dv, 0.0f, dsr, d.S);
         for (int64_t r = 0; r < rb.rows; ++r) {
           int64_t br = rb.bias_row(d) + r;
@@ -249,7 +237,7 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
                             RowStats{st[2 * r], st[2 * r + 1]});
           softmax_grad_row(pr + r * d.S, dsr + r * d.S, dsr + r * d.S, width, open.row[br]);
         }
-        gemm(false, false, rb.rows, d.D, kl, scale, dsr, d.S, item_of(in[1], rb.item, d.S, d.D), d.D, 0.0f, dqr, d.D);
+        blas_gemm(false, false, rb.rows, d.D, kl, scale, dsr, d.S, item_of(in[1], rb.item, d.S, d.D), d.D, 0.0f, dqr, d.D);
       }
     });
     // Pass 2, per key block [c0, c1): dv = p^T d_out and dk = scale ds^T q over the row blocks
@@ -263,9 +251,9 @@ void BlockAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
         float beta = 0.0f;
         auto flush = [&](int64_t r0, int64_t r1) {
           if (r0 == r1) return;
-          gemm(true, false, w, d.Dv, r1 - r0, 1.0f, item_of(p, item, GT, d.S) + r0 * d.S + c0, d.S,
+          blas_gemm(true, false, w, d.Dv, r1 - r0, 1.0f, item_of(p, item, GT, d.S) + r0 * d.S + c0, d.S,
                item_of(dout, item, GT, d.Dv) + r0 * d.Dv, d.Dv, beta, dvr, d.Dv);
-          gemm(true, false, w, d.D, r1 - r0, scale, item_of(ds, item, GT, d.S) + r0 * d.S + c0, d.S,
+          blas_gemm(true, false, w, d.D, r1 - r0, scale, item_of(ds, item, GT, d.S) + r0 * d.S + c0, d.S,
                item_of(in[0], item, GT, d.D) + r0 * d.D, d.D, beta, dkr, d.D);
           beta = 1.0f;
         };

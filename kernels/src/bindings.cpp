@@ -30,6 +30,13 @@ NB_MODULE(_ext, m) {
         "x @ w.T for few rows of x (decoding), split over threads by w's rows");
   m.def("gemv_many", &mlxtoy::gemv_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "[x @ w.T for w in ws] in one call (one split over threads for all of them); a weight (..., K) of more axes gives x.shape[:-1] + w.shape[:-1] (a per-head (H, Dh, K) weight: (..., H, Dh))");
+  m.def("dequantize_affine", &mlxtoy::dequantize_affine, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "mx.dequantize's float32 values for an affine-quantized matrix (2-D), threaded");
+  m.def("quant_linear", &mlxtoy::quant_linear, "a"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "grad"_a = false, nb::kw_only(), "stream"_a = nb::none(),
+        "a @ W.T for an affine-quantized W (grad: a @ W, the input gradient), a slab of W dequantized at a time "
+        "into the BLAS's SGEMM");
   m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm and gemm_many run here (an x86-64 CPU with AVX-512)");
   m.def("gemm_many", &mlxtoy::gemm_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "gemv_many's products for many rows of x (prefill): an AVX-512 GEMM, no gradient");

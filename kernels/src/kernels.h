@@ -12,7 +12,7 @@ class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
                   DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, Pack, GemvPacked,
-                  GemmMany, Gemm };
+                  GemmMany, Gemm, DequantAffine };
 
   // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional,
   // a packing's bits
@@ -52,6 +52,16 @@ class DecodeBlock : public mx::Primitive {
   float eps_, attn_scale_, rope_scale_;
   int packed_;
 };
+
+// MLX's affine quantized matrix (w uint32 (rows, d_in * bits / 32), scales and biases
+// (rows, d_in / group_size)) to float32 (rows, d_in), threaded (packed.h dequant_affine_row)
+mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits, mx::StreamOrDevice st = {});
+
+// x @ W.T (grad: dy @ W) for W in that layout, a slab of rows dequantized at a time into the
+// BLAS's SGEMM (quant.cpp); a (M, K), or (M, N) for the gradient, float32
+mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                       int group_size, int bits, bool grad, mx::StreamOrDevice st = {});
 
 // GGUF blocks (GGMLQuantizationType `type`) to float32, as gguf-py computes them (dequant.cpp)
 bool dequantizes(int type);

@@ -23,6 +23,25 @@ struct Q4Block {
 static_assert(sizeof(Q4Block) == 24, "Q4Block is 24 bytes");
 constexpr int64_t kQ4 = 32;  // weights per block (both kinds)
 
+// A row of MLX's affine quantized layout (mx.quantize: per group of `group` inputs
+// w = scale * q + bias, q packed low bits first, 32 / B of them to a uint32 word) to float32,
+// as mx.dequantize forms it: scale * q + bias, one rounding each.
+template <int B>
+inline void dequant_affine_row(const uint32_t* w, const float* scales, const float* biases, float* y, int64_t d_in,
+                               int64_t group) {
+  constexpr int per_word = 32 / B;
+  constexpr uint32_t mask = (1u << B) - 1;
+  for (int64_t g = 0; g < d_in / group; ++g) {
+    const float s = scales[g], b = biases[g];
+    const uint32_t* wg = w + g * (group / per_word);
+    float* yg = y + g * group;
+    for (int64_t j = 0; j < group / per_word; ++j) {
+      const uint32_t v = wg[j];
+      for (int t = 0; t < per_word; ++t) yg[j * per_word + t] = s * static_cast<float>((v >> (B * t)) & mask) + b;
+    }
+  }
+}
+
 // A row of weights that are all d * q (q in -127..127) per block of 32, as a Q8_0 GGUF
 // dequantizes to: (d, 32 signed bytes), 1.125 bytes a weight.
 struct Q8Block {

@@ -17,10 +17,10 @@ from mlxtoy.arch.registry import expected_shapes, spec_for_gguf
 from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, flat_shape, split
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.io.gguf_file import AFFINE_BLOCKS, affine_blocks, dequantize_tensor, open_gguf
-from mlxtoy.models.quant import TABLES, PackedMatrix, QuantPlan, quantize_dense
+from mlxtoy.io.gguf_file import GGUFFile, affine_blocks, dequantize_tensor, open_gguf
+from mlxtoy.models.quant import PackedMatrix, QuantPlan, quantize_dense
 
-__all__ = ["config_from_metadata", "dequantize_tensor", "load_gguf", "open_gguf"]
+__all__ = ["config_from_metadata", "dequantize_tensor", "gguf_model_config", "load_gguf", "open_gguf"]
 
 
 def config_from_metadata(md: dict[str, Any], path: str) -> tuple[ArchSpec, ModelConfig]:
@@ -29,6 +29,36 @@ def config_from_metadata(md: dict[str, Any], path: str) -> tuple[ArchSpec, Model
     spec = spec_for_gguf(md, path)
     fields = Fields(md, f"{spec.gguf_arch}.", path, "metadata key")
     return spec, ModelConfig(arch=spec.name, **spec.gguf_in(fields, md))
+
+
+def gguf_model_config(file: GGUFFile) -> tuple[ArchSpec, ModelConfig]:
+    """The spec and the whole config of an open GGUF, from its metadata and tensor table (and
+    the few small tensors that carry config: rope_freqs, an architecture's extras); no matrix
+    is dequantized."""
+    path, md = file.path, file.metadata
+    spec, cfg = config_from_metadata(md, path)
+    tensors = {t.name: t for t in file.tensors}
+    # what the tensors say: QKV biases, an untied output (a copy of the table reads as tied)
+    bias = block0_name(spec, "attn.q.bias", "gguf")
+    cfg.qkv_bias = cfg.qkv_bias or (bias is not None and bias in tensors)
+    cfg.tie_embeddings = True
+    if "output.weight" in tensors:
+        out, table = tensors["output.weight"], tensors["token_embd.weight"]
+        if out.tensor_type == table.tensor_type:  # equal bytes, equal values: no float32 copies
+            cfg.tie_embeddings = out.data.shape == table.data.shape and np.array_equal(out.data, table.data)
+        else:
+            a, b = dequantize_tensor(out, path), dequantize_tensor(table, path)
+            cfg.tie_embeddings = a.shape == b.shape and np.array_equal(a, b)
+    if "rope_freqs.weight" in tensors:
+        factors = dequantize_tensor(tensors["rope_freqs.weight"], path).reshape(-1)
+        cfg.rope_scaling = {"type": "freq_factors", "factors": [float(f) for f in factors]}
+    if spec.gguf_extra_in is not None:
+        spec.gguf_extra_in(cfg, lambda n: dequantize_tensor(tensors[n], path) if n in tensors else None)
+    if spec.fix_config is not None:
+        single = {t.ours[0]: tuple(reversed(tensors[t.gguf].shape))
+                  for t in spec.tensors if not t.block and t.gguf in tensors}
+        spec.fix_config(cfg, single)
+    return spec, cfg
 
 
 def load_gguf(path: str, dtype: mx.Dtype | None = None,
@@ -40,38 +70,12 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     dtype = dtype or mx.float32
     file = open_gguf(path)
     md = file.metadata
-    spec, cfg = config_from_metadata(md, path)
+    spec, cfg = gguf_model_config(file)
     tensors = {t.name: t for t in file.tensors}
-    held: dict[str, np.ndarray] = {}
 
     def read(name: str) -> np.ndarray:
-        if name in held:
-            return held.pop(name)
         return dequantize_tensor(tensors[name], path)
 
-    # what the tensors say: QKV biases, an untied output (a copy of the table reads as tied)
-    bias = block0_name(spec, "attn.q.bias", "gguf")
-    cfg.qkv_bias = cfg.qkv_bias or (bias is not None and bias in tensors)
-    cfg.tie_embeddings = True
-    if "output.weight" in tensors:
-        out, table = tensors["output.weight"], tensors["token_embd.weight"]
-        if quant is not None and out.tensor_type == table.tensor_type:  # the bytes say it (no float32 copies)
-            cfg.tie_embeddings = out.data.shape == table.data.shape and np.array_equal(out.data, table.data)
-        else:
-            out, table = read("output.weight"), read("token_embd.weight")
-            cfg.tie_embeddings = out.shape == table.shape and np.array_equal(out, table)
-            held["token_embd.weight"] = table
-            if not cfg.tie_embeddings:
-                held["output.weight"] = out
-    if "rope_freqs.weight" in tensors:
-        factors = dequantize_tensor(tensors["rope_freqs.weight"], path).reshape(-1)
-        cfg.rope_scaling = {"type": "freq_factors", "factors": [float(f) for f in factors]}
-    if spec.gguf_extra_in is not None:
-        spec.gguf_extra_in(cfg, lambda n: dequantize_tensor(tensors[n], path) if n in tensors else None)
-    if spec.fix_config is not None:
-        single = {t.ours[0]: tuple(reversed(tensors[t.gguf].shape))
-                  for t in spec.tensors if not t.block and t.gguf in tensors}
-        spec.fix_config(cfg, single)
     shapes = expected_shapes(cfg)
     items = expand(spec, cfg, shapes, "gguf")
     missing = [name for name, _, _ in items if name not in tensors]
@@ -82,9 +86,7 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     weights: dict[str, mx.array | PackedMatrix] = {}
     errors: dict[str, float] = {}
     for n, (name, params, _) in enumerate(items):
-        exact = tensors[name].tensor_type.name in AFFINE_BLOCKS
-        if quant is not None and quant.fits(shapes[params[0]]) and (
-                packs.issuperset(params) or (exact and set(params) <= set(TABLES))):
+        if quant is not None and quant.layout(params[0], shapes[params[0]], packs, tensors[name].tensor_type.name):
             for param, packed in zip(params, read_packed(tensors[name], params, shapes, quant, errors, path)):
                 weights[param] = packed
         else:

@@ -56,11 +56,9 @@ def read_hf_tensors(path: str, strip_prefix: str = "") -> dict[str, mx.array]:
     return tensors
 
 
-def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = None):
-    """-> (ModelConfig, {param_name: mx.array | PackedMatrix}, LoadedMeta), tensor by tensor
-    (safetensors load lazily, so each tensor is read when it is converted). With `quant`, the
-    matrices it names are quantized at load (PackedMatrix), their errors in the meta."""
-    dtype = dtype or mx.float32
+def hf_model_config(path: str) -> tuple[ArchSpec, ModelConfig, dict[str, Any], dict[str, mx.array]]:
+    """(spec, the whole config, config.json, the tensors, lazily loaded) of an HF folder: only
+    the embedding tables are read (to tell a tied copy from an untied output)."""
     raw_cfg = read_hf_config(path)
     spec, cfg = config_from_hf(raw_cfg, path)
     hf = read_hf_tensors(path)
@@ -76,6 +74,15 @@ def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = 
     if spec.fix_config is not None:
         spec.fix_config(cfg, {t.ours[0]: tuple(hf[t.hf].shape) for t in spec.tensors
                               if not t.block and t.hf in hf})
+    return spec, cfg, raw_cfg, hf
+
+
+def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = None):
+    """-> (ModelConfig, {param_name: mx.array | PackedMatrix}, LoadedMeta), tensor by tensor
+    (safetensors load lazily, so each tensor is read when it is converted). With `quant`, the
+    matrices it names are quantized at load (PackedMatrix), their errors in the meta."""
+    dtype = dtype or mx.float32
+    spec, cfg, raw_cfg, hf = hf_model_config(path)
     shapes = expected_shapes(cfg)
     packs = quant.matrices(spec, cfg) if quant is not None else set()
     weights: dict[str, mx.array | PackedMatrix] = {}
@@ -87,7 +94,7 @@ def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = 
         if t.hf_transform is not None:
             w = _checked(lambda: t.hf_transform.from_hf(w, cfg), path, name, w)
         for param, part in zip(params, split(w, params, shapes, name, path)):
-            if param in packs and quant.fits(part.shape):
+            if quant is not None and quant.layout(param, part.shape, packs):
                 weights[param], errors[f"{name}:{param}"] = quantize_dense(part.reshape(-1, part.shape[-1]), quant)
                 mx.eval(weights[param].weight, weights[param].scales, weights[param].biases)
             else:

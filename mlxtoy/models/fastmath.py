@@ -17,6 +17,7 @@ tests compare with); MLXTOY_KERNELS=0 turns the kernels off.
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -305,6 +306,44 @@ def rope(x: mx.array, offset: int | mx.array, inv_freqs: mx.array, dims: int, tr
 
 FUSED_DECODE = settings.FUSED_DECODE.value()  # tests compare both ways
 PACKED_DECODE = settings.PACKED_DECODE.value()
+
+
+def dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+                      ) -> mx.array | None:
+    """mx.dequantize's float32 values for a 2-D affine-quantized matrix, by the kernels (threaded:
+    MLX's CPU dequantize runs on one thread); None where the kernels are off."""
+    if _K is None or w.ndim != 2:
+        return None
+    return _K.dequantize_affine(w, scales, biases, group_size, bits)
+
+
+def quant_linear_ok(x: mx.array) -> bool:
+    """Whether `quant_linear` takes x (the kernels are on, float32)."""
+    return _K is not None and x.dtype == mx.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_quant_linear(group_size: int, bits: int):
+    @mx.custom_function
+    def product(x, w, scales, biases):
+        rows = x.reshape(-1, x.shape[-1])
+        return _K.quant_linear(rows, w, scales, biases, group_size, bits).reshape(*x.shape[:-1], w.shape[0])
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        x, w, scales, biases = primals
+        g = _cotangent(cotangent).reshape(-1, cotangent.shape[-1])
+        dx = _K.quant_linear(g, w, scales, biases, group_size, bits, True).reshape(x.shape)
+        return dx, mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+
+    return product
+
+
+def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+                 ) -> mx.array:
+    """x @ W.T for an affine-quantized W by the kernels (a slab of W dequantized at a time into
+    the BLAS's SGEMM, forward and input gradient); see `quant_linear_ok`."""
+    return _kernel_quant_linear(group_size, bits)(x, w, scales, biases)
 
 
 def pack_lossless(w: mx.array) -> mx.array | None:

@@ -4,9 +4,10 @@ w = scale * q + bias), and the one product they all take.
 
 On Metal and CUDA `mx.quantized_matmul` multiplies them as they are. MLX's CPU quantized
 matmul runs at a few GFLOP/s, so on CPU the product dequantizes a slab of rows at a time to
-float32 and takes the float32 GEMM (`fastmath.linear`: the BLAS or the kernels' GEMM). Its
-backward dequantizes again for the input gradient (a frozen base needs no weight gradient), so
-no float32 copy of a matrix outlives its own product: the dequantized slabs are transient.
+float32 for the float32 GEMM: inside one kernel where the CPU kernels are on
+(`fastmath.quant_linear`), else as MLX ops. Its backward dequantizes again for the input
+gradient (a frozen base needs no weight gradient), so no float32 copy of a matrix outlives its
+own product.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import mlx.nn as nn
 
 from mlxtoy import backend
 from mlxtoy.errors import UserError
-from mlxtoy.models.fastmath import linear
+from mlxtoy.io.gguf_file import AFFINE_BLOCKS
+from mlxtoy.models.fastmath import dequantize_affine, gemm, quant_linear, quant_linear_ok
 from mlxtoy.models.llama import HeadProjection
 
 BITS = (4, 8)
@@ -34,7 +36,11 @@ QUANT_LEAVES = ("weight", "scales", "biases")
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                dtype: mx.Dtype = mx.float32) -> mx.array:
     """The dense (rows, d_in) matrix in `dtype`; the scale * q + bias is formed in `dtype`, so
-    float32 gives GGML's own dequantized values for Q4_0 / Q4_1 / Q8_0 blocks exactly."""
+    float32 gives GGML's own dequantized values for Q4_0 / Q4_1 / Q8_0 blocks exactly (the CPU
+    kernels, where they are on, compute the same values on every core)."""
+    dense = dequantize_affine(w, scales, biases, group_size, bits) if dtype == mx.float32 else None
+    if dense is not None:
+        return dense
     return mx.dequantize(w, scales.astype(dtype), biases.astype(dtype), group_size, bits)
 
 
@@ -45,26 +51,37 @@ def slabs(rows: int, d_in: int) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _slab_product(group_size: int, bits: int):
+def slab_product(group_size: int, bits: int):
     """x @ W.T for a quantized W, slab by slab, with the input gradient as its only gradient."""
 
-    def dense(w, scales, biases, a, b, dtype):
-        return dequantize(w[a:b], scales[a:b], biases[a:b], group_size, bits, dtype)
+    def dense(w, scales, biases, a, b, dtype, after):
+        # dequantized only once `after` exists (the input, the previous slab's product): MLX
+        # would otherwise schedule every slab of every layer up front, as they depend on
+        # nothing computed, and hold them all
+        w = mx.depends(w[a:b], after)
+        return dequantize(w, scales[a:b], biases[a:b], group_size, bits, dtype)
 
+    # the products inside are bare (`fastmath.gemm`, no gradient node): a node that carries a
+    # gradient holds its operands, the dequantized slab among them, until the step ends
     @mx.custom_function
     def product(x, w, scales, biases):
-        d_in = w.shape[1] * 32 // bits
-        parts = [linear(x, dense(w, scales, biases, a, b, x.dtype)) for a, b in slabs(w.shape[0], d_in)]
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        rows = x.reshape(-1, x.shape[-1])
+        parts: list[mx.array] = []
+        for a, b in slabs(w.shape[0], x.shape[-1]):
+            parts.append(gemm(rows, dense(w, scales, biases, a, b, x.dtype, parts[-1:] or [rows]), trans_b=True))
+        y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        return y.reshape(*x.shape[:-1], w.shape[0])
 
     @product.vjp
     def product_vjp(primals, cotangent, output):
         x, w, scales, biases = primals
+        g = cotangent.reshape(-1, cotangent.shape[-1])
         dx = None
         for a, b in slabs(w.shape[0], x.shape[-1]):
-            part = cotangent[..., a:b] @ dense(w, scales, biases, a, b, cotangent.dtype)
+            part = gemm(g[:, a:b], dense(w, scales, biases, a, b, g.dtype, [g] if dx is None else [dx]))
             dx = part if dx is None else dx + part
-        return dx.astype(x.dtype), mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+        return (dx.reshape(x.shape).astype(x.dtype), mx.zeros_like(w), mx.zeros_like(scales),
+                mx.zeros_like(biases))
 
     return product
 
@@ -74,7 +91,9 @@ def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     """x @ W.T for the quantized W (rows, d_in): dequantized slabs and the float32 GEMM on CPU,
     `mx.quantized_matmul` elsewhere."""
     if backend.INFO.device == "cpu":
-        return _slab_product(group_size, bits)(x, w, scales, biases)
+        if quant_linear_ok(x):
+            return quant_linear(x, w, scales, biases, group_size, bits)
+        return slab_product(group_size, bits)(x, w, scales, biases)
     if scales.dtype != x.dtype:
         scales, biases = scales.astype(x.dtype), biases.astype(x.dtype)
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
@@ -104,6 +123,11 @@ class PackedMatrix:
         return PackedMatrix(self.weight[a:b], self.scales[a:b], self.biases[a:b], self.group_size, self.bits)
 
 
+# The embedding table and the output layer stay quantized only where the file holds them in
+# MLX's layout already (exact); quantizing them at load would cost accuracy on every token.
+TABLES = ("tok_embeddings.weight", "output.weight")
+
+
 @dataclass(frozen=True)
 class QuantPlan:
     """Which matrices a loader keeps quantized, and how it quantizes those a file does not hold
@@ -122,14 +146,18 @@ class QuantPlan:
             raise UserError(f"qlora_group_size: {self.group_size} (choose 32 or 64)")
         return self
 
+    def layout(self, param: str, shape: tuple[int, ...], targets: set[str], file_type: str = ""
+               ) -> tuple[int, int] | None:
+        """(bits, group size) `param` is kept in, or None for a dense one. `targets`: this
+        model's projections (`matrices`); `file_type`: its GGML type in a GGUF. Blocks already
+        in MLX's layout keep their own bits and group 32; the tables only stay quantized so."""
+        exact = AFFINE_BLOCKS.get(file_type)
+        if len(shape) not in (2, 3) or shape[-1] % 32 or not (param in targets or (exact and param in TABLES)):
+            return None
+        if exact:
+            return exact[0], 32
+        return (self.bits, self.group_size) if shape[-1] % self.group_size == 0 else None
 
-    def fits(self, shape: tuple[int, ...]) -> bool:
-        return len(shape) in (2, 3) and shape[-1] % self.group_size == 0 and shape[-1] % 32 == 0
-
-
-# The embedding table and the output layer stay quantized only where the file holds them in
-# MLX's layout already (exact); quantizing them at load would cost accuracy on every token.
-TABLES = ("tok_embeddings.weight", "output.weight")
 
 
 def quantize_dense(w: mx.array, plan: QuantPlan) -> tuple[PackedMatrix, float]:

@@ -74,6 +74,22 @@ def enable_grad_checkpoint(model: nn.Module) -> None:
                                {"__call__": checkpointed_call, "_checkpointed": True})
 
 
+def make_trainable(model: nn.Module, cfg: TrainConfig) -> None:
+    """LoRA / DoRA: the adapters on the frozen (maybe quantized) base; full: the chosen weights."""
+    if cfg.adapters:
+        apply_lora(model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
+                   cfg.lora_per_head_q, cfg.lora_layers, paths=spec_of(model.config.arch).lora_targets,
+                   dora=cfg.method == "dora")
+    else:
+        set_trainable(model, cfg)
+
+
+def load_dtype(cfg: TrainConfig) -> mx.Dtype:
+    """The dtype the base is loaded in: trainable weights stay float32 (master copies); a LoRA
+    base may be lower precision."""
+    return train_dtype(cfg) if cfg.adapters else mx.float32
+
+
 def train_dtype(cfg: TrainConfig) -> mx.Dtype:
     return backend.compute_dtype() if cfg.dtype == "auto" else getattr(mx, cfg.dtype)
 
@@ -103,27 +119,20 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None,
         if cfg.lens:  # projection lens: frozen donor table, trainable W_proj (models.lens)
             facts.lens = attach_lens(model, cfg.lens, tokenizer, seed=cfg.seed)
     else:
-        dtype = train_dtype(cfg)
-        # trainable weights stay float32 (master copies); a LoRA base may be lower precision
-        load_dtype = dtype if cfg.adapters else mx.float32
-        mcfg, weights, meta, tokenizer = load_weights(cfg.model, load_dtype, quant=quant if cfg.adapters else None)
+        mcfg, weights, meta, tokenizer = load_weights(cfg.model, load_dtype(cfg), quant=quant if cfg.adapters else None)
         model = build_module(mcfg, weights)
         model.meta = meta
         del weights
         facts.model_path = meta.source
+        make_trainable(model, cfg)
         if cfg.adapters:
-            apply_lora(model, cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout,
-                       cfg.lora_per_head_q, cfg.lora_layers, paths=spec_of(mcfg.arch).lora_targets,
-                       dora=cfg.method == "dora")
             facts.lora = lora_config_dict(cfg.lora_targets, cfg.lora_rank, cfg.lora_alpha,
                                           cfg.lora_dropout, cfg.lora_per_head_q,
                                           cfg.lora_layers, mcfg.n_layers, method=cfg.method)
-            if quant is not None:
-                facts.qlora = True
-                facts.quantized = describe_quantized(model)
-                facts.quantization_error = quantization_report(meta.quantization_errors) or None
-        else:
-            set_trainable(model, cfg)
+        if quant is not None and cfg.adapters:
+            facts.qlora = True
+            facts.quantized = describe_quantized(model)
+            facts.quantization_error = quantization_report(meta.quantization_errors) or None
     if not cfg.adapters and train_dtype(cfg) != mx.float32:
         # mixed precision: trainable weights stay float32 (master copies, cast per step in the
         # loss); frozen ones are simply stored in the compute dtype

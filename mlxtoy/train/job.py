@@ -31,7 +31,7 @@ from mlxtoy.train.objectives import make_objective
 from mlxtoy.train.records import DataOptions, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
-from mlxtoy.train.memory import MemoryCheck, check_memory, qlora_plan, set_memory_limits
+from mlxtoy.train.memory import MemoryCheck, check_memory, preflight, qlora_plan, set_memory_limits
 
 # fields that change the shape of what a checkpoint holds; a resume may not change them
 STRUCTURAL = ("method", "objective", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
@@ -82,8 +82,9 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
     objective = make_objective(cfg)  # its settings checked (a reward file loaded) before any data
     raw = read_data(cfg.data, DataOptions.of(cfg))
     objective.check_records(raw)
-    model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None,
-                                          quant=qlora_plan(cfg))
+    quant = qlora_plan(cfg)
+    preflight(cfg, quant)
+    model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None, quant=quant)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
                            cfg.seed, raw=raw, tokenize_fn=objective.tokenize)
     facts.data = {"train_examples": len(dataset.train), "valid_examples": len(dataset.valid),

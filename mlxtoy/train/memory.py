@@ -38,10 +38,10 @@ from mlx.utils import tree_flatten
 from mlxtoy import backend, settings
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.loading import source_size
+from mlxtoy.loading import planned_model, source_size
 from mlxtoy.models.fastmath import BLOCK_ATTENTION, KERNELS
-from mlxtoy.models.quant import QuantPlan
-from mlxtoy.train.build import train_dtype
+from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
+from mlxtoy.train.build import load_dtype, make_trainable, train_dtype
 from mlxtoy.train.objectives import loss_logits_alive, make_objective, output_layer
 from mlxtoy.train.step import block_matrix
 
@@ -283,6 +283,21 @@ def machine_memory() -> tuple[int | None, str]:
     return physical_memory(), "physical memory"
 
 
+def preflight(cfg: TrainConfig, quant: QuantPlan | None) -> None:
+    """The memory check from the model file's header, before anything is loaded: a run whose
+    frozen weights alone exceed the machine's memory (certain not to fit), or that
+    `check_memory` refuses, stops here with one error naming settings that fit, instead of
+    being killed by the OS halfway through the load."""
+    if cfg.method == "scratch":
+        return
+    model = planned_model(cfg.model, load_dtype(cfg), quant if cfg.adapters else None)
+    make_trainable(model, cfg)
+    check = check_memory(cfg, model)
+    if not check.fits and check.available and check.estimate.weights > check.available:
+        raise UserError(check.warning().replace("this run may not fit", "this run does not fit")
+                        + " (the model's weights alone exceed it)")
+
+
 def qlora_plan(cfg: TrainConfig) -> QuantPlan | None:
     """How to load the base for QLoRA, or None for a dense base. `--qlora auto`: on Metal/CUDA
     for a quantized file (MLX multiplies it as it is); on CPU when the float32 model would take
@@ -326,6 +341,12 @@ def suggestions(cfg: TrainConfig, model: nn.Module, available: int) -> list[str]
         return f"{estimate(replace(cfg, **kw), model).peak / GB:.2f} GB"
 
     out: list[str] = []
+    if cfg.adapters and not any(isinstance(m, QUANTIZED_TYPES) for _, m in model.named_modules()):
+        quantized = planned_model(cfg.model, load_dtype(cfg), QuantPlan(cfg.qlora_bits, cfg.qlora_group_size))
+        make_trainable(quantized, cfg)
+        peak = estimate(cfg, quantized).peak
+        if peak <= available:
+            out.append(f"--qlora on ({peak / GB:.2f} GB)")
     b = largest_batch(cfg, model, available)
     if b:
         out.append(f"--batch-size {b} ({gb(batch_size=b)})")

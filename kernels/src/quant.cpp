@@ -1,0 +1,118 @@
+// QLoRA's frozen base on CPU: y = x W^T and its input gradient dx = dy W for a W kept in MLX's
+// affine quantized layout (mx.quantize: w uint32 (N, K * bits / 32), scales and biases
+// (N, K / group)). A slab of W's rows at a time is dequantized on the kernels' threads
+// (packed.h dequant_affine_row: mx.dequantize's values) into a buffer of the task's own and
+// multiplied by the BLAS's SGEMM, so no float32 copy of W is ever an MLX array: nothing the
+// graph could hold past the product, and the GEMM runs at the BLAS's float32 rate where MLX's
+// CPU quantized matmul runs at a few GFLOP/s. A frozen base needs no weight gradient.
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "blas.h"
+#include "copy.h"
+#include "kernels.h"
+#include "packed.h"
+#include "pool.h"
+
+namespace mlxtoy {
+
+class QuantLinear : public mx::Primitive {
+ public:
+  QuantLinear(mx::Stream stream, bool grad, int group, int bits)
+      : mx::Primitive(stream), grad_(grad), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxtoy_kernels] CPU kernels only");
+  }
+  const char* name() const override { return "MlxtoyQuantLinear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QuantLinear&>(other);
+    return grad_ == o.grad_ && group_ == o.group_ && bits_ == o.bits_;
+  }
+
+ private:
+  bool grad_;
+  int group_, bits_;
+};
+
+namespace {
+
+constexpr int64_t kSlabFloats = int64_t{1} << 22;  // 16 MB of dequantized rows a slab
+
+void dequant_rows(const uint32_t* w, const float* scales, const float* biases, float* y, int64_t n, int64_t K,
+                  int64_t group, int bits, Pool& threads) {
+  const int64_t words = K * bits / 32, groups = K / group;
+  threads.run(n, std::max<int64_t>(1, (int64_t{1} << 14) / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (bits == 4)
+        dequant_affine_row<4>(w + r * words, scales + r * groups, biases + r * groups, y + r * K, K, group);
+      else
+        dequant_affine_row<8>(w + r * words, scales + r * groups, biases + r * groups, y + r * K, K, group);
+    }
+  });
+}
+
+}  // namespace
+
+void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  std::vector<StridedCopy> copies;
+  std::vector<mx::array> temps;
+  std::vector<const void*> in;
+  for (auto& a : inputs) in.push_back(task_data(a, a.flags().row_contiguous, copies, temps));
+  const int bits = bits_;
+  const int64_t group = group_, N = inputs[1].shape(0), K = inputs[1].shape(1) * (32 / bits);
+  const int64_t M = inputs[0].size() / std::max<int64_t>(inputs[0].shape(-1), 1);
+  const int64_t slab = std::clamp<int64_t>(kSlabFloats / K, 1, N);
+  mx::array buffer({static_cast<int>(slab), static_cast<int>(K)}, mx::float32, nullptr, {});
+  buffer.set_data(mx::allocator::malloc(buffer.nbytes()));
+  temps.push_back(buffer);
+  float* buf = buffer.data<float>();
+  float* y = out.data<float>();
+  const bool grad = grad_;
+  encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
+    for (const auto& c : copies) c.run();
+    auto a = static_cast<const float*>(in[0]);
+    auto w = static_cast<const uint32_t*>(in[1]);
+    auto scales = static_cast<const float*>(in[2]);
+    auto biases = static_cast<const float*>(in[3]);
+    const int64_t words = K * bits / 32, groups = K / group;
+    for (int64_t n0 = 0; n0 < N; n0 += slab) {
+      const int64_t n = std::min(slab, N - n0);
+      dequant_rows(w + n0 * words, scales + n0 * groups, biases + n0 * groups, buf, n, K, group, bits, pool());
+      if (grad)  // dx (M, K) += dy[:, n0:n0+n] @ W[n0:n0+n]
+        blas_gemm(false, false, M, K, n, 1.0f, a + n0, N, buf, K, n0 == 0 ? 0.0f : 1.0f, y, K);
+      else  // y[:, n0:n0+n] = x @ W[n0:n0+n]^T
+        blas_gemm(false, true, M, n, K, 1.0f, a, K, buf, K, 0.0f, y + n0, N);
+    }
+  });
+}
+
+mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                       int group_size, int bits, bool grad, mx::StreamOrDevice s) {
+  if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % (32 / bits))
+    throw std::invalid_argument("[mlxtoy_kernels] quant_linear: bits 4 or 8, a group of whole words");
+  if (w.ndim() != 2 || w.dtype() != mx::uint32 || scales.ndim() != 2 || scales.shape() != biases.shape() ||
+      scales.shape(0) != w.shape(0) || static_cast<int64_t>(w.shape(1)) * (32 / bits) != scales.shape(1) * group_size)
+    throw std::invalid_argument("[mlxtoy_kernels] quant_linear: w (N, K * bits / 32) uint32, scales and biases "
+                                "(N, K / group_size)");
+  const int64_t N = w.shape(0), K = w.shape(1) * (32 / bits);
+  if (a.ndim() != 2 || a.dtype() != mx::float32 || a.shape(1) != (grad ? N : K))
+    throw std::invalid_argument("[mlxtoy_kernels] quant_linear: a float32 (M, K), or (M, N) for the gradient");
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("[mlxtoy_kernels] CPU stream only");
+  mx::Shape shape{a.shape(0), static_cast<int>(grad ? K : N)};
+  return mx::array(std::move(shape), mx::float32, std::make_shared<QuantLinear>(stream, grad, group_size, bits),
+                   {a, w, mx::astype(scales, mx::float32, stream), mx::astype(biases, mx::float32, stream)});
+}
+
+}  // namespace mlxtoy
