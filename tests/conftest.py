@@ -12,6 +12,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import mlxtoy  # noqa: E402,F401  (fast BLAS before anything imports mlx.core)
+from mlxtoy import settings  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """With MLXTOY_KERNELS=0 (the MLX-only path) the tests of the kernels themselves are skipped."""
+    if settings.KERNELS.value():
+        return
+    skip = pytest.mark.skip(reason="MLXTOY_KERNELS=0: a test of the CPU kernels themselves")
+    for item in items:
+        if item.get_closest_marker("kernels"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

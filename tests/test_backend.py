@@ -54,6 +54,7 @@ def probe(blas: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.kernels  # the block attention is theirs
 @pytest.mark.parametrize("blas", ["openblas", "mkl"])
 def test_each_blas_is_the_one_mapped_and_computes_mlx_gemms_and_block_attention(blas):
     got = probe(blas)

@@ -26,6 +26,8 @@ from mlxtoy.models import fastmath
 from mlxtoy.models.cache import make_cache
 from mlxtoy.models.lora import apply_lora
 
+pytestmark = pytest.mark.kernels  # the kernels themselves: skipped under MLXTOY_KERNELS=0 (conftest)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = dict(vocab_size=300, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_head=16, d_ff=96,
             rope_base=10000.0, context_length=512, tie_embeddings=True)

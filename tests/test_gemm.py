@@ -22,6 +22,7 @@ from mlxtoy.models import fastmath
 from test_generate import tiny_model
 from test_kernels import run_py
 
+pytestmark = pytest.mark.kernels  # the kernels themselves: skipped under MLXTOY_KERNELS=0 (conftest)
 needs_avx512 = pytest.mark.skipif(not K.gemm_ok(), reason="the GEMM kernel needs a CPU with AVX-512")
 REPO = Path(__file__).resolve().parent.parent
 

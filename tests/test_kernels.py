@@ -21,6 +21,8 @@ from mlx.utils import tree_flatten
 from mlxtoy import backend
 from mlxtoy.models import fastmath
 
+pytestmark = pytest.mark.kernels  # the kernels themselves: skipped under MLXTOY_KERNELS=0 (conftest)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEG_INF = -np.inf
 f64 = np.float64
