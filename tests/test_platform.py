@@ -84,13 +84,14 @@ import json, sys
 import numpy as np
 import mlxtoy
 import mlx.core as mx
+from mlxtoy import backend
 from mlxtoy.io import gguf_file
 from mlxtoy.models import fastmath
 x, w = mx.random.normal((3, 64), key=mx.random.key(0)), mx.random.normal((64,), key=mx.random.key(1))
 got = fastmath.rms_norm(x, w, 1e-5)
 want = mx.fast.rms_norm(x, w, 1e-5)
 print(json.dumps({"kernels": fastmath.KERNELS, "dequantize_kernels": gguf_file.mlxtoy_kernels is not None,
-                  "status": fastmath.kernels_status(), "from": getattr(fastmath._K, "__file__", None),
+                  "status": fastmath.kernels_status(), "from": getattr(backend.cpu_kernels()[0], "__file__", None),
                   "extension_loaded": "mlxtoy_kernels._ext" in sys.modules,
                   "err": float(mx.abs(got - want).max())}))
 """
