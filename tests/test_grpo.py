@@ -519,3 +519,12 @@ def test_tui_reward_chart_and_samples_follow_a_grpo_run():
             assert not app.screen.query_one(RewardChart).display
 
     asyncio.run(drive())
+
+
+def test_setup_preview_reads_prompt_rows(tmp_path):
+    from helpers_train import byte_tokenizer
+    from tui.setup import data_preview
+
+    out = data_preview(os.path.join(GRPO_ASSETS, "train.jsonl"), "m", 64, {"m": byte_tokenizer(tmp_path)})
+    assert out["kind"] == "prompt" and out["count"] == 200 and "answer" in out["examples"][0]
+    assert out["tokenizer_error"] is None and out["lengths"]["n"] == 200 and out["lengths"]["min"] > 40

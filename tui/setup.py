@@ -29,7 +29,7 @@ from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
 from mlxtoy.train.data import Renderer
 from mlxtoy.train.objectives import OBJECTIVE_TYPES
-from mlxtoy.train.records import PREF_KIND, read_data
+from mlxtoy.train.records import PREF_KIND, PROMPT_KIND, read_data
 from mlxtoy.train.rewards import BUILTINS
 from tui.widgets import FilePicker, NavBar
 
@@ -159,6 +159,8 @@ def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: di
                     ids = r.completion(*rec.value, rec.where)[0]
                 elif rec.kind == PREF_KIND:  # the longer side of a preference pair
                     ids = max((r.pair_side(rec.value[0], c, rec.where)[0] for c in rec.value[1:]), key=len)
+                elif rec.kind == PROMPT_KIND:  # grpo: the prompt (completions are sampled)
+                    ids = r.prompt_of(rec)[0]
                 else:
                     ids = r.text(rec.value)[0]
             except UserError as e:
@@ -186,6 +188,10 @@ def _describe_record(rec) -> str:
         prompt, chosen, rejected = rec.value
         return (f"[dim]prompt[/dim] {escape(clip(prompt[-1]['content'], 50))} [dim]chosen[/dim] "
                 f"{escape(clip(chosen, 30))} [dim]rejected[/dim] {escape(clip(rejected, 30))}")
+    if rec.kind == PROMPT_KIND:
+        prompt, answer, _ = rec.value
+        return (f"[dim]prompt[/dim] {escape(clip(prompt[-1]['content'], 60))} [dim]answer[/dim] "
+                f"{escape(clip(str(answer), 40))}")
     return escape(clip(str(rec.value), 140))
 
 
