@@ -13,6 +13,8 @@ round-robin rounds.
   reads the matrices that are exactly 4- or 8-bit blocks (all of a Q4_1/Q8_0 GGUF's) packed
   (`fastmath.pack_lossless`), packed once in the warm-up run. "mlxtoy (f32 decode)" is the same
   with MLXTOY_PACKED_DECODE=0: every weight read as float32, as llama.cpp's F32 run reads them.
+  "mlxtoy (MLX-only, f32)" is mlxtoy with MLXTOY_KERNELS=0: MLX's own ops, the path Metal and
+  CUDA run (`--skip llama.cpp mlxtoy-f32` leaves it, mlx-lm and the kernels' packed decode).
 - mlx-lm: the same float32 weights written as a Hugging Face folder with mlxtoy's save_hf and
   loaded by mlx-lm, `mlx_lm.generate.generate_step` (mlxtoy is imported first, so both use
   the same fast BLAS).
@@ -63,8 +65,9 @@ def timed(token_iter, n_prompt: int, n_decode: int) -> tuple[float, float]:
     return n_prompt / (t1 - t0), (count - 1) / (t2 - t1)
 
 
-ENGINES = ("mlxtoy", "mlxtoy-f32", "mlx-lm", "llama.cpp-q4_1", "llama.cpp-f32")
-ENV = {"mlxtoy-f32": {"MLXTOY_PACKED_DECODE": "0"}}  # read at import: set for the worker process
+ENGINES = ("mlxtoy", "mlxtoy-f32", "mlxtoy-mlx", "mlx-lm", "llama.cpp-q4_1", "llama.cpp-f32")
+# read at import: set for the worker process
+ENV = {"mlxtoy-f32": {"MLXTOY_PACKED_DECODE": "0"}, "mlxtoy-mlx": {"MLXTOY_KERNELS": "0"}}
 
 
 def make_engine(engine: str, args, files: dict) -> tuple[str, object]:
@@ -77,7 +80,8 @@ def make_engine(engine: str, args, files: dict) -> tuple[str, object]:
     if engine.startswith("mlxtoy"):
         cfg, weights, _, _ = load_weights(args.model)
         model = build_model(cfg, weights)
-        label = "mlxtoy (f32 decode)" if engine == "mlxtoy-f32" else "mlxtoy (packed decode)"
+        label = {"mlxtoy-f32": "mlxtoy (f32 decode)", "mlxtoy-mlx": "mlxtoy (MLX-only, f32)"}.get(
+            engine, "mlxtoy (packed decode)")
         return label, lambda: (t for t, _ in generate_tokens(model, ids, max_tokens=n_d + 1))
     if engine == "mlx-lm":
         from pathlib import Path
@@ -120,7 +124,7 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["mlxtoy", "mlx-lm", "llama.cpp"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["mlxtoy", "mlx-lm", "llama.cpp", *ENGINES])
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--files", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -4,6 +4,8 @@ same MLX, BLAS, model and rows. bench/bench_train.py's harness (SmolLM2-135M flo
 q,v and full fine-tuning, batch 4 x 256, tools alternating), its ratios taken to mlx-lm.
 
     python bench/bench_portable.py [--steps 8] [--rounds 2] [--methods lora,full] [--batch 4] [--seq 256]
+
+Decoding, the same way: python bench/bench_generate.py --skip llama.cpp mlxtoy-f32
 """
 
 from __future__ import annotations
