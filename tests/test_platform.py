@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
@@ -199,3 +200,29 @@ def test_device_cpu_and_a_gpu_where_there_is_none():
         assert r.returncode == 0 and f"device: {backend.gpu_name()}" in r.stdout
     bad = run_cli("doctor", "--device", "tpu")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- the install
+
+
+def test_an_install_that_cannot_build_the_kernels_installs_without_them(tmp_path):
+    """setup.py with no working C++ compiler: the wheel still builds, holds mlxtoy and no kernels
+    (no extension, no stamp), so mlxtoy runs its MLX-only path. (That the install builds them
+    where a compiler exists is what scripts/setup.sh and the doctor test above check.)"""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(Path(REPO, name), source / name)
+    for folder in ("mlxtoy", "tui", "kernels"):
+        shutil.copytree(Path(REPO, folder), source / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "build", "*.egg-info", "mlx_version.txt"))
+    env = os.environ | {"CXX": str(tmp_path / "no-such-c++")}
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps",
+                        "--no-index", "-w", str(tmp_path / "wheels"), str(source)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "mlxtoy: the CPU kernels did not build" in r.stdout + r.stderr  # it tried, and said why
+    (wheel,) = (tmp_path / "wheels").glob("mlxtoy-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mlxtoy/backend.py" in names and "mlxtoy/commands/doctor.py" in names
+    assert not [n for n in names if n.startswith("mlxtoy_kernels/") and not n.endswith("__init__.py")], names
