@@ -245,12 +245,14 @@ INFO = _setup_from_environment()
 def use_device(want: str) -> BackendInfo:
     """Compute on "cpu" or "gpu" from now on (`--device`), with that device's compute dtype;
     a UserError where the GPU is asked for and there is none. Call it before any work: arrays
-    made earlier stay where they are, and the CPU-only maths of `fastmath` was chosen at import."""
+    made earlier stay where they are, and the CPU-only maths of `fastmath` was chosen at import.
+    Processes this one starts (the TUI's trainer) inherit the choice through MLXTOY_DEVICE."""
     try:
         new = _setup(want)
     except UserError as e:
         raise UserError(f"--device {want}: {e}; use --device cpu") from None
     INFO.device, INFO.compute_dtype = new.device, new.compute_dtype
+    os.environ[settings.DEVICE.name] = want
     return INFO
 
 

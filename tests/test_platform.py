@@ -226,3 +226,17 @@ def test_an_install_that_cannot_build_the_kernels_installs_without_them(tmp_path
     names = zipfile.ZipFile(wheel).namelist()
     assert "mlxtoy/backend.py" in names and "mlxtoy/commands/doctor.py" in names
     assert not [n for n in names if n.startswith("mlxtoy_kernels/") and not n.endswith("__init__.py")], names
+
+
+def test_device_reaches_the_processes_a_command_starts(monkeypatch):
+    """`mlxtoy tui --device cpu` trains in a child process: the choice goes with it (MLXTOY_DEVICE)."""
+    monkeypatch.delenv("MLXTOY_DEVICE", raising=False)  # and restored afterwards
+    before = backend.INFO.device
+    try:
+        backend.use_device("cpu")
+        assert os.environ["MLXTOY_DEVICE"] == "cpu"
+        child = subprocess.run([sys.executable, "-c", "import mlxtoy; print(mlxtoy.backend.INFO.device)"],
+                               cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert child.stdout.strip() == "cpu", child.stderr
+    finally:
+        backend.use_device("cpu" if before == "cpu" else "gpu")
