@@ -56,6 +56,7 @@ REFERENCE_LOGPS = "reference_logps.safetensors"  # DPO without LoRA (see the lay
 CKPT_TRAINABLE = "trainable.safetensors"
 CKPT_OPTIMIZER = "optimizer.safetensors"
 CKPT_STATE = "state.json"
+CKPT_OBJECTIVE = "objective.safetensors"  # the objective's own state, when it has one (GRPO: a reused generation)
 BEST = "best"  # RUN/best: a checkpoint folder (see the layout above)
 LOCK = ".lock"  # the pid (and host) of the process writing the run
 RUN_MARKERS = (CONFIG, METRICS, CHECKPOINTS, ADAPTERS, MODEL_WEIGHTS)

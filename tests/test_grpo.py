@@ -528,3 +528,19 @@ def test_setup_preview_reads_prompt_rows(tmp_path):
     out = data_preview(os.path.join(GRPO_ASSETS, "train.jsonl"), "m", 64, {"m": byte_tokenizer(tmp_path)})
     assert out["kind"] == "prompt" and out["count"] == 200 and "answer" in out["examples"][0]
     assert out["tokenizer_error"] is None and out["lengths"]["n"] == 200 and out["lengths"]["min"] > 40
+
+
+def test_resume_mid_generation_equals_uninterrupted(work, tmp_path):
+    """--iterations-per-generation 2 with a checkpoint between the two steps on one
+    generation: the checkpoint keeps the generation (and its stored log-probs)."""
+    kw = dict(steps=4, iterations_per_generation=2, lr=5e-3, eval_every=0, epsilon=0.05)
+    full = run_training(cfg_for(work, tmp_path / "full", **kw), handle_sigint=False)
+    part = run_training(cfg_for(work, tmp_path / "part", **kw), control=TrainControl(stop_at=1), handle_sigint=False)
+    assert part.step == 1 and (tmp_path / "part" / "checkpoints" / "step_1" / "objective.safetensors").exists()
+    rest = run_training(resume_config(str(tmp_path / "part"), {}), resume=True, handle_sigint=False)
+    assert rest.step == 4 and full.reason == "finished"
+    a, b = events(tmp_path / "full", "step"), events(tmp_path / "part", "step")
+    assert a[0]["samples"] == a[1]["samples"] != a[2]["samples"]  # two steps on each generation
+    assert any(e["clip_ratio"] > 0 for e in a)  # the second step's ratio moved off 1
+    for key in ("loss", "reward", "clip_ratio", "grad_norm"):
+        np.testing.assert_allclose([e[key] for e in a], [e[key] for e in b], rtol=0, atol=1e-6, err_msg=key)

@@ -20,7 +20,7 @@ from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_path, write_text_atomic
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.lora import lora_parameters
-from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_OPTIMIZER, CKPT_STATE, CKPT_TRAINABLE,
+from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_OBJECTIVE, CKPT_OPTIMIZER, CKPT_STATE, CKPT_TRAINABLE,
                            MODEL_CONFIG, MODEL_WEIGHTS, REFERENCE_LOGPS, CheckpointState, RunDir, RunFacts)
 
 
@@ -31,14 +31,18 @@ def save_safetensors_atomic(path: str, tensors: dict[str, mx.array],
 
 
 def save_checkpoint(run: RunDir, state: CheckpointState, trainable: dict[str, mx.array],
-                    optimizer_state: dict[str, mx.array], keep: int = 0) -> str:
+                    optimizer_state: dict[str, mx.array], keep: int = 0,
+                    objective_state: tuple[dict[str, mx.array], dict[str, str]] | None = None) -> str:
     """checkpoints/step_N, complete or absent (see RunDir.new_checkpoint); keeps the newest
-    `keep` checkpoints (0: all). Returns its path."""
+    `keep` checkpoints (0: all). `objective_state`: the objective's arrays and metadata, when
+    it has state of its own. Returns its path."""
     if run.read_only:  # a data-parallel rank > 0: rank 0 writes
         return run.checkpoint_path(state.step)
     with run.new_checkpoint(state.step) as tmp:
         mx.save_safetensors(os.path.join(tmp, CKPT_TRAINABLE), trainable)
         mx.save_safetensors(os.path.join(tmp, CKPT_OPTIMIZER), optimizer_state)
+        if objective_state is not None:
+            mx.save_safetensors(os.path.join(tmp, CKPT_OBJECTIVE), *objective_state)
         with open(os.path.join(tmp, CKPT_STATE), "w", encoding="utf-8") as f:
             json.dump(state.__dict__, f, indent=1)
     run.prune_checkpoints(keep)
@@ -119,6 +123,17 @@ def load_checkpoint(path: str) -> tuple[CheckpointState, dict[str, mx.array], di
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"{path}: unreadable checkpoint ({e})") from None
     return state, trainable, opt
+
+
+def load_objective_state(path: str) -> tuple[dict[str, mx.array], dict[str, str]] | None:
+    """The objective's own state in checkpoint `path` (None when it kept none)."""
+    file = os.path.join(path, CKPT_OBJECTIVE)
+    if not os.path.exists(file):
+        return None
+    try:
+        return mx.load(file, return_metadata=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"{file}: unreadable ({e})") from None
 
 
 def save_reference(run: RunDir, logps: dict[str, np.ndarray]) -> None:

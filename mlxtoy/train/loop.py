@@ -28,8 +28,8 @@ from mlxtoy.events import (CheckpointEvent, MetricsSink, Command, DoneEvent, Eva
 from mlxtoy.generate import generate
 from mlxtoy.loading import load_partial
 from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
-from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, restore_optimizer_state, save_best,
-                                     save_checkpoint, write_final)
+from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, load_objective_state,
+                                     restore_optimizer_state, save_best, save_checkpoint, write_final)
 from mlxtoy.train.control import Control, TrainControl
 from mlxtoy.train.data import Dataset, Renderer
 from mlxtoy.train.objectives import Setup, make_objective
@@ -162,6 +162,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         restore_optimizer_state(optimizer, opt_state, resume_from)
         mx.random.seed((st.rng[0] << 32) | st.rng[1])
         step, position, elapsed_before, tokens_seen = st.step, st.data_position, st.elapsed, st.tokens_seen
+        objective.load_state(load_objective_state(resume_from))
         run.truncate_metrics(step)
     reducer = None
     if parallel is not None:  # every rank starts from rank 0's state (its checkpoint on resume)
@@ -190,7 +191,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
         nonlocal last_ckpt, last_saved_step
         trainable = dict(tree_flatten(model.trainable_parameters()))
         last_ckpt = save_checkpoint(run, state_now(at_step), trainable, flat_optimizer_state(optimizer),
-                                    cfg.keep_checkpoints)
+                                    cfg.keep_checkpoints, objective.state())
         last_saved_step = at_step
         emit(CheckpointEvent(step=at_step, path=last_ckpt))
 

@@ -28,6 +28,7 @@ reward_rejected, pref_accuracy] in that additive form.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
@@ -226,6 +227,13 @@ class Objective:
 
     def prepare(self, setup: Setup) -> None:
         self.setup = setup
+
+    def state(self) -> tuple[dict[str, mx.array], dict[str, str]] | None:
+        """What a checkpoint must keep of the objective itself (arrays, metadata), if anything."""
+        return None
+
+    def load_state(self, state: tuple[dict[str, mx.array], dict[str, str]] | None) -> None:
+        """Take back `state` from a resumed run's checkpoint."""
 
     # -- a step
     def step_data(self, stream: BatchStream, position: int) -> StepData:
@@ -460,6 +468,33 @@ class GRPO(Objective):
     def starting_point(self, model: nn.Module) -> None:
         if self.cfg.beta and not self.cfg.adapters:  # the arrays themselves: updates make new ones
             self.reference = dict(tree_flatten(model.trainable_parameters()))
+
+    # -- a generation that later steps still train on (--iterations-per-generation) is state
+    BATCH_ARRAYS = ("inputs", "targets", "weights", "segments", "advantages", "positions", "old_logps", "ref_logps")
+    BATCH_COUNTS = ("n_tokens", "n_loss", "index", "micro_tokens")
+
+    def state(self) -> tuple[dict[str, mx.array], dict[str, str]] | None:
+        if self.reused is None or self.reused[1] >= self.cfg.iterations_per_generation:
+            return None
+        data, uses = self.reused
+        arrays = {f"{i}.{k}": mx.array(getattr(b, k)) for i, b in enumerate(data.batches) for k in self.BATCH_ARRAYS}
+        meta = {"uses": uses, "positions": data.positions, "metrics": data.metrics,
+                "counts": [[getattr(b, k) for k in self.BATCH_COUNTS] for b in data.batches]}
+        return arrays, {"grpo": json.dumps(meta)}
+
+    def load_state(self, state: tuple[dict[str, mx.array], dict[str, str]] | None) -> None:
+        if state is None:
+            return
+        arrays, meta = state[0], json.loads(state[1]["grpo"])
+        batches = []
+        for i, counts in enumerate(meta["counts"]):
+            b = Batch(*(np.array(arrays[f"{i}.{k}"]) for k in self.BATCH_ARRAYS[:4]))
+            for k in self.BATCH_ARRAYS[4:]:
+                setattr(b, k, np.array(arrays[f"{i}.{k}"]))
+            for k, v in zip(self.BATCH_COUNTS, counts):
+                setattr(b, k, v)
+            batches.append(b)
+        self.reused = (StepData(batches, meta["positions"], meta["metrics"]), meta["uses"])
 
     # -- a step: rollouts, then the loss on them
     def step_data(self, stream: BatchStream, position: int) -> StepData:
