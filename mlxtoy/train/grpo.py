@@ -28,6 +28,7 @@ the rollout; mlxtoy.train.objectives.GRPO plugs them into the trainer.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -404,3 +405,52 @@ def merge(a: Rollout, b: Rollout, limit: int) -> Rollout:
     return Rollout(batch, cat(a.rewards, b.rewards), cat(a.per_reward, b.per_reward), cat(a.std, b.std),
                    cat(a.lengths, b.lengths), cat(a.clipped, b.clipped), a.texts + b.texts[:n_b],
                    a.prompts + b.prompts[:n_b])
+
+
+# ------------------------------------------------------------------ evaluation and checkpoints
+
+
+def greedy_rewards(model, tokenizer, prompts: list[Prompt], rewards: RewardSet, max_tokens: int,
+                   rows: int) -> dict[str, Any]:
+    """The eval event's values: the mean combined reward of one greedy completion of each
+    prompt (`rows` prompts decoded together), each reward's mean and the mean length."""
+    texts, lengths = [], []
+    eos = set(tokenizer.eos_ids)
+    for i in range(0, len(prompts), rows):
+        outs = generate_batch(model, [p.tokens.tolist() for p in prompts[i:i + rows]],
+                              sampling=SamplingParams(temp=0.0), max_tokens=max_tokens, eos_ids=eos)
+        texts += [tokenizer.decode([t for t in o if t not in eos]) for o in outs]
+        lengths += [len(o) for o in outs]
+    per = rewards.score(prompts, texts, lengths)
+    out: dict[str, Any] = {"reward": float(rewards.combine(per).mean()) if prompts else float("nan"),
+                           "completions/mean_length": float(np.mean(lengths or [0]))}
+    for j, name in enumerate(rewards.names):
+        col = per[:, j]
+        out[f"rewards/{name}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else None
+    return out
+
+
+SAVED_ARRAYS = ("inputs", "targets", "weights", "segments", "advantages", "positions", "old_logps", "ref_logps")
+SAVED_COUNTS = ("n_tokens", "n_loss", "index", "micro_tokens")
+
+
+def saved_generation(batches: list[Batch], meta: dict[str, Any]) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """A generation's micro-batches (with their advantages and stored log-probs) and `meta`
+    as a checkpoint keeps them (arrays, metadata)."""
+    arrays = {f"{i}.{k}": mx.array(getattr(b, k)) for i, b in enumerate(batches) for k in SAVED_ARRAYS}
+    meta = dict(meta, counts=[[getattr(b, k) for k in SAVED_COUNTS] for b in batches])
+    return arrays, {"grpo": json.dumps(meta)}
+
+
+def restored_generation(arrays: dict[str, mx.array], metadata: dict[str, str]) -> tuple[list[Batch], dict[str, Any]]:
+    """`saved_generation` read back: (micro-batches, meta)."""
+    meta = json.loads(metadata["grpo"])
+    batches = []
+    for i, counts in enumerate(meta["counts"]):
+        b = Batch(*(np.array(arrays[f"{i}.{k}"]) for k in SAVED_ARRAYS[:4]))
+        for k in SAVED_ARRAYS[4:]:
+            setattr(b, k, np.array(arrays[f"{i}.{k}"]))
+        for k, v in zip(SAVED_COUNTS, counts):
+            setattr(b, k, v)
+        batches.append(b)
+    return batches, meta

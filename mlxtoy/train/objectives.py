@@ -28,7 +28,6 @@ reward_rejected, pref_accuracy] in that additive form.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
@@ -40,7 +39,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.generate import generate_batch
 from mlxtoy.models.lora import lora_modules
 from mlxtoy.rundir import REFERENCE_LOGPS, RunDir
 from mlxtoy.sampling import SamplingParams
@@ -470,31 +468,16 @@ class GRPO(Objective):
             self.reference = dict(tree_flatten(model.trainable_parameters()))
 
     # -- a generation that later steps still train on (--iterations-per-generation) is state
-    BATCH_ARRAYS = ("inputs", "targets", "weights", "segments", "advantages", "positions", "old_logps", "ref_logps")
-    BATCH_COUNTS = ("n_tokens", "n_loss", "index", "micro_tokens")
-
     def state(self) -> tuple[dict[str, mx.array], dict[str, str]] | None:
         if self.reused is None or self.reused[1] >= self.cfg.iterations_per_generation:
             return None
         data, uses = self.reused
-        arrays = {f"{i}.{k}": mx.array(getattr(b, k)) for i, b in enumerate(data.batches) for k in self.BATCH_ARRAYS}
-        meta = {"uses": uses, "positions": data.positions, "metrics": data.metrics,
-                "counts": [[getattr(b, k) for k in self.BATCH_COUNTS] for b in data.batches]}
-        return arrays, {"grpo": json.dumps(meta)}
+        return grpo.saved_generation(data.batches, {"uses": uses, "positions": data.positions, "metrics": data.metrics})
 
     def load_state(self, state: tuple[dict[str, mx.array], dict[str, str]] | None) -> None:
-        if state is None:
-            return
-        arrays, meta = state[0], json.loads(state[1]["grpo"])
-        batches = []
-        for i, counts in enumerate(meta["counts"]):
-            b = Batch(*(np.array(arrays[f"{i}.{k}"]) for k in self.BATCH_ARRAYS[:4]))
-            for k in self.BATCH_ARRAYS[4:]:
-                setattr(b, k, np.array(arrays[f"{i}.{k}"]))
-            for k, v in zip(self.BATCH_COUNTS, counts):
-                setattr(b, k, v)
-            batches.append(b)
-        self.reused = (StepData(batches, meta["positions"], meta["metrics"]), meta["uses"])
+        if state is not None:
+            batches, meta = grpo.restored_generation(*state)
+            self.reused = (StepData(batches, meta["positions"], meta["metrics"]), meta["uses"])
 
     # -- a step: rollouts, then the loss on them
     def step_data(self, stream: BatchStream, position: int) -> StepData:
@@ -588,24 +571,11 @@ class GRPO(Objective):
     # -- evaluation: the mean reward of greedy completions of the validation prompts
     def evaluate(self, stepper, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, Any]]:
         s, c = self.setup, self.cfg
-        prompts = [p for i in range(stream.batches_per_epoch if n_batches < 0 else min(n_batches, stream.batches_per_epoch))
-                   for p in stream.prompts(i)]
-        texts, lengths = [], []
-        eos = set(s.tokenizer.eos_ids)
-        chunk = max(1, c.batch_size * c.group_size)
-        for i in range(0, len(prompts), chunk):
-            outs = generate_batch(s.model, [p.tokens.tolist() for p in prompts[i:i + chunk]],
-                                  sampling=SamplingParams(temp=0.0), max_tokens=c.max_completion_tokens,
-                                  eos_ids=eos, seed=0)
-            texts += [s.tokenizer.decode([t for t in o if t not in eos]) for o in outs]
-            lengths += [len(o) for o in outs]
-        per = self.rewards.score(prompts, texts, lengths)
-        reward = float(self.rewards.combine(per).mean()) if len(prompts) else float("nan")
-        fields: dict[str, Any] = {"reward": reward, "completions/mean_length": float(np.mean(lengths or [0]))}
-        for j, name in enumerate(self.rewards.names):
-            col = per[:, j]
-            fields[f"rewards/{name}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else None
-        return -reward, len(prompts), fields
+        n = stream.batches_per_epoch if n_batches < 0 else min(n_batches, stream.batches_per_epoch)
+        prompts = [p for i in range(n) for p in stream.prompts(i)]
+        fields = grpo.greedy_rewards(s.model, s.tokenizer, prompts, self.rewards, c.max_completion_tokens,
+                                     max(1, c.batch_size * c.group_size))
+        return -fields["reward"], len(prompts), fields
 
     # -- the memory estimate: batch_size x group_size rows of prompt + completion
     def memory_rows(self, batch_size: int, seq_len: int) -> tuple[int, int]:
