@@ -207,12 +207,14 @@ def test_stored_logps_equal_the_training_forward():
     assert not np.array(train_logp - mx.stop_gradient(stored)).any()  # log-ratio 0: ratio exp(0) = 1
     np.testing.assert_array_equal(np.take_along_axis(np.array(-token_losses(model, args[0], mx.array(x[:, 1:]))), pos, 1),
                                   np.array(train_logp))  # the same as every position's, read at the completion
-    # and against torch's log-softmax / entropy of the full logits
-    logits = torch.tensor(np.array(model(args[0])), dtype=torch.float64)
-    lsm = torch.log_softmax(logits, -1).gather(1, torch.tensor(pos.astype(np.int64))[..., None].expand(-1, -1, 259))
-    want = lsm.gather(-1, torch.tensor(targets[..., None].astype(np.int64)))[..., 0]
-    np.testing.assert_allclose(np.array(train_logp), want.numpy(), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.array(entropy), -(lsm.exp() * lsm).sum(-1).numpy(), rtol=1e-4, atol=1e-4)
+    # and against torch's log-softmax / entropy of the full logits (at the sampling temperature)
+    for temp in (1.0, 0.7):
+        logp, entropy = completion_logps(model, *args, temperature=temp)
+        logits = torch.tensor(np.array(model(args[0])), dtype=torch.float64) / temp
+        lsm = torch.log_softmax(logits, -1).gather(1, torch.tensor(pos.astype(np.int64))[..., None].expand(-1, -1, 259))
+        want = lsm.gather(-1, torch.tensor(targets[..., None].astype(np.int64)))[..., 0]
+        np.testing.assert_allclose(np.array(logp), want.numpy(), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.array(entropy), -(lsm.exp() * lsm).sum(-1).numpy(), rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------ rewards

@@ -16,7 +16,8 @@ aggregated by --loss-type (as TRL does):
     bnpo     each micro-batch's token mean, averaged over the micro-batches,
     dr_grpo  token sum / (sequences * max completion tokens),
     dapo     token sum / completion tokens of the whole step.
-The "old" policy is the one that generated the completions: with one iteration per
+Log-probs are of the distribution sampled from (logits / --temp, as TRL's). The "old" policy
+is the one that generated the completions: with one iteration per
 generation its log-probs are the policy's own, detached (so w = 1 exactly); with more, the
 log-probs computed right after generation (`Rollout.old`). Log-probs are over the prompt and
 the sampled token ids, never re-tokenized text.

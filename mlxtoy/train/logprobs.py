@@ -149,19 +149,24 @@ def _gather_rows(x: mx.array, positions: mx.array) -> mx.array:
 
 
 def completion_logps(model: nn.Module, inputs: mx.array, positions: mx.array, targets: mx.array,
-                     train: bool = True, entropy: bool = True) -> tuple[mx.array, mx.array | None]:
+                     train: bool = True, entropy: bool = True,
+                     temperature: float = 1.0) -> tuple[mx.array, mx.array | None]:
     """GRPO's log-probabilities: the forward pass reads whole rows `inputs` (B, T) (prompt and
     sampled completion ids), and the output layer runs only at `positions` (B, C), the rows'
     completion tokens (as TRL's logits_to_keep), giving (B, C) float32 log-probs of `targets`
     (B, C), in chunks; train: differentiable (the fused output loss), False: the same values
     with no gradient bookkeeping (the stored log-probs: equal to the bit). With `entropy`, each
-    position's entropy over the vocabulary too (no gradient), else None."""
+    position's entropy over the vocabulary too (no gradient), else None. `temperature`: of the
+    distribution the completions were sampled from, logits / temperature (as TRL does)."""
     layer = output_layer(model)
     if layer is None:
         logits = _gather_rows(model(inputs), positions)
+        logits = logits if temperature == 1.0 else logits.astype(mx.float32) / temperature
         logp = -cross_entropy(logits, targets)
         return logp, mx.stop_gradient(_entropy(logits)) if entropy else None
     h = _gather_rows(model.hidden(inputs), positions)
+    if temperature != 1.0:  # the logits are h @ W.T: scaling h scales them
+        h = h / temperature
     B, C, D = h.shape
     flat_h, flat_t, w = h.reshape(B * C, D), targets.reshape(B * C), layer.weight
     if train:

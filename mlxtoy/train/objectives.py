@@ -523,7 +523,7 @@ class GRPO(Objective):
         args = mx.array(batch.inputs), mx.array(pos), mx.array(targets)
 
         def logps() -> np.ndarray:
-            return np.array(completion_logps(model, *args, train=False, entropy=False)[0])
+            return np.array(completion_logps(model, *args, train=False, entropy=False, temperature=self.cfg.temp)[0])
 
         zeros = np.zeros(pos.shape, np.float32)
         batch.old_logps, batch.ref_logps = zeros, zeros
@@ -552,7 +552,7 @@ class GRPO(Objective):
         return grpo.step_norms(batches)
 
     def loss(self, model: nn.Module, inputs, positions, targets, mask, adv, old, ref, norms) -> Any:
-        logp, entropy = completion_logps(model, inputs, positions, targets)
+        logp, entropy = completion_logps(model, inputs, positions, targets, temperature=self.cfg.temp)
         return grpo.grpo_loss(logp, old, ref, adv, mask, self.spec, norms, entropy)
 
     def value(self, out: Any) -> mx.array:
