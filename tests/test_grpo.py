@@ -546,3 +546,51 @@ def test_resume_mid_generation_equals_uninterrupted(work, tmp_path):
     assert any(e["clip_ratio"] > 0 for e in a)  # the second step's ratio moved off 1
     for key in ("loss", "reward", "clip_ratio", "grad_norm"):
         np.testing.assert_allclose([e[key] for e in a], [e[key] for e in b], rtol=0, atol=1e-6, err_msg=key)
+
+
+# ------------------------------------------------------------------ dynamic sampling and the other options
+
+
+def fake_rollout(pos: int, group_size: int = 2) -> "object":
+    """Two prompts' groups at data position `pos`: the first one's rewards all equal when pos is
+    even, the second's always differing."""
+    from mlxtoy.train.grpo import Prompt, Rollout, completion_batch
+
+    prompts = [Prompt(np.array([1, 2, 3], np.int32), str(pos), {"prompt": f"p{pos}.{i}"}, f"t:{pos}") for i in range(2)]
+    completions = [[4 + k, 5] for k in range(2 * group_size)]
+    rewards = np.array([1.0, 1.0, float(pos), pos + 1.0]) if pos % 2 == 0 else np.array([0.0, 1.0, 2.0, 0.0])
+    adv, std = group_advantages(rewards, group_size, "group")
+    batch = completion_batch(prompts, completions, group_size, 0, pos, 4)
+    batch.advantages = adv
+    return Rollout(batch, rewards, rewards[:, None], std, np.full(4, 2), np.zeros(4, bool),
+                   [f"c{pos}.{k}" for k in range(4)], [prompts[k // group_size] for k in range(4)])
+
+
+def test_skip_zero_std_groups_drops_and_refills():
+    from mlxtoy.train.grpo import collect
+
+    got = collect(lambda pos, attempt: fake_rollout(pos), 10, micro_batches=1, batch_size=2, group_size=2,
+                  skip_zero_std=True, max_draws=4)
+    (roll,) = got.rolls
+    assert got.positions == 2 and len(got.metrics["_seen"]) == 2  # position 10's first group was refilled from 11
+    assert roll.texts == ["c10.2", "c10.3", "c11.0", "c11.1"]
+    assert (roll.std > 0).all() and roll.batch.inputs.shape[0] == 4 and roll.batch.positions.shape == (4, 4)
+    plain = collect(lambda pos, attempt: fake_rollout(pos), 10, 1, 2, 2, skip_zero_std=False, max_draws=4)
+    assert plain.positions == 1 and plain.rolls[0].texts[:2] == ["c10.0", "c10.1"]  # control: kept
+
+
+def test_every_option_trains(work, tmp_path):
+    """Full fine-tuning with a reference, GSPO's sequence ratio, dr_grpo, batch-scaled rewards,
+    two iterations a generation and dynamic sampling, through the CLI."""
+    out = tmp_path / "run"
+    r = run_cli("train", "--model", work["model"], "--data", work["data"], "--out", str(out), "--method", "full",
+                "--objective", "grpo", "--reward", f"{work['rw']}:short,exact", "--reward-weights", "1,2",
+                "--steps", "4", "--batch-size", "2", "--group-size", "3", "--max-completion-tokens", "6",
+                "--beta", "0.1", "--importance-sampling", "sequence", "--loss-type", "dr_grpo", "--scale-rewards",
+                "batch", "--iterations-per-generation", "2", "--skip-zero-std-groups", "--epsilon-high", "0.28",
+                "--temp", "0.9", "--top-p", "0.95", "--min-p", "0.05", "--lr", "1e-3", "--eval-every", "2")
+    assert r.returncode == 0, r.stderr
+    assert "held-out greedy reward" in r.stderr and ", reward " in r.stderr
+    steps = events(out, "step")
+    assert len(steps) == 4 and all(np.isfinite(e["loss"]) and e["kl"] >= 0 for e in steps)
+    assert steps[0]["samples"] == steps[1]["samples"] and steps[1]["kl"] > 0
