@@ -25,6 +25,7 @@ from mlxtoy.models import fastmath, quant
 from mlxtoy.models.lora import apply_lora, lora_parameters
 from mlxtoy.models.quant import (PackedMatrix, QuantizedHeadProjection, QuantizedLinear, QuantPlan,
                                  quantized_linear)
+from tests.helpers_export import tiny_model as export_model, tiny_tokenizer_metadata
 from tests.helpers_train import byte_tokenizer, tiny_model
 
 Q = gguf.GGMLQuantizationType
@@ -87,11 +88,11 @@ def test_cpu_product_and_input_gradient_match_numpy(monkeypatch, path, bits, gro
 
 @pytest.fixture(scope="module")
 def q8_model(tmp_path_factory):
+    """A tiny llama (GQA, d_model 64) with a byte-level BPE vocabulary llama.cpp reads, as Q8_0."""
     root = tmp_path_factory.mktemp("qlora")
-    tok = byte_tokenizer(root)
-    model = tiny_model(3, vocab_size=tok.vocab_size, d_model=64, d_head=16, d_ff=128)
+    model = export_model("llama_gqa", seed=3)
     path = str(root / "tiny-q8_0.gguf")
-    write_gguf(path, model.config, dict(tree_flatten(model.parameters())), tok.to_gguf_metadata(), dtype="q8_0")
+    write_gguf(path, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="q8_0")
     return path
 
 
@@ -116,6 +117,8 @@ def test_qlora_model_equals_the_dequantized_model(q8_model):
     quantized_bytes = sum(v.nbytes for _, v in tree_flatten(qmodel.parameters()))
     dense_bytes = sum(v.nbytes for _, v in tree_flatten(dmodel.parameters()))
     assert quantized_bytes < 0.5 * dense_bytes
+    assert quant.parameter_count(qmodel) == quant.parameter_count(dmodel) == sum(
+        v.size for _, v in tree_flatten(dmodel.parameters()))
 
 
 def test_qlora_adapter_gradients_match_finite_differences(q8_model):
@@ -241,3 +244,59 @@ def test_too_large_a_model_is_refused_before_loading(q8_model, tmp_path, monkeyp
     monkeypatch.setenv(memory.MEMORY_ENV, "64")
     with pytest.raises(AssertionError, match="was loaded"):
         job.prepare(cfg)
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    from tests.helpers_train import write_jsonl
+
+    root = tmp_path_factory.mktemp("qlora-data")
+    rows = [{"text": f"{a} plus one is {a + 1}. " * 4} for a in range(10, 60)]
+    write_jsonl(str(root / "train.jsonl"), rows[:44])
+    write_jsonl(str(root / "valid.jsonl"), rows[44:])
+    return str(root)
+
+
+def _qlora_cfg(model, data, out, **kw):
+    from mlxtoy.config import TrainConfig
+
+    base = dict(model=model, data=data, out=str(out), method="lora", steps=6, batch_size=2, seq_len=48,
+                lr=1e-2, warmup=1, eval_every=3, eval_batches=1, save_every=0, qlora="on", seed=0,
+                lora_targets=["q", "k", "v", "o", "down"], lora_dropout=0.1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.core
+def test_qlora_run_resumes_exactly_and_exports_what_llama_cpp_runs(q8_model, text_data, tmp_path):
+    from mlxtoy.loading import load_run_model
+    from mlxtoy.rundir import read_metrics
+    from mlxtoy.train.control import TrainControl
+    from mlxtoy.train.job import resume_config
+    from tests.helpers_export import llama_cpp_logits, max_rel_diff
+    from tests.helpers_train import run_cli, run_training
+
+    full = run_training(_qlora_cfg(q8_model, text_data, tmp_path / "full"), handle_sigint=False)
+    assert full.reason == "finished"
+    facts = (tmp_path / "full" / "config.yaml").read_text()
+    assert "qlora: true" in facts and "8-bit/g32" in facts
+    part = run_training(_qlora_cfg(q8_model, text_data, tmp_path / "part"), control=TrainControl(stop_at=3),
+                        handle_sigint=False)
+    assert part.step == 3
+    rest = run_training(resume_config(str(tmp_path / "part"), {}), resume=True, handle_sigint=False)
+    assert rest.reason == "finished" and rest.step == 6
+    curve = [e["loss"] for e in read_metrics(str(tmp_path / "part" / "metrics.jsonl")) if e["event"] == "step"]
+    np.testing.assert_allclose(curve, full.losses, atol=1e-6, rtol=0)
+    assert full.losses[-1] < full.losses[0]
+
+    gguf_out = str(tmp_path / "merged.gguf")
+    res = run_cli("export", str(tmp_path / "full"), "--out", gguf_out, "--dtype", "f32")
+    assert res.returncode == 0, res.stderr
+    model, _ = load_run_model(str(tmp_path / "full"))
+    tokens = list(range(40, 90))
+    ours = np.array(model(mx.array([tokens]))[0])
+    theirs = llama_cpp_logits(gguf_out, tokens)
+    assert max_rel_diff(ours, theirs) < 1e-4
+    # the trained adapters changed the model: the base's logits differ
+    base = np.array(_load(q8_model, None)[0](mx.array([tokens]))[0])
+    assert max_rel_diff(base, theirs) > 1e-3

@@ -297,6 +297,19 @@ def quantization_report(errors: dict[str, float]) -> str:
             f"worst {worst:.4f} ({name})")
 
 
+def parameter_count(model: nn.Module) -> int:
+    """The model's parameters as weights, not storage: a quantized matrix counts rows x d_in
+    (not its packed words, scales and biases)."""
+    total = 0
+    for _, m in model.named_modules():
+        own = {k: v for k, v in m.items() if isinstance(v, mx.array) and not k.startswith("_")}
+        if isinstance(m, QUANTIZED_TYPES):
+            total += m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+            own = {k: v for k, v in own.items() if k not in QUANT_LEAVES}
+        total += sum(v.size for v in own.values())
+    return total
+
+
 def describe_quantized(model: nn.Module) -> dict[str, Any]:
     """{bits/group: count} of the quantized modules, for the log and config.yaml."""
     counts: dict[str, int] = {}

@@ -28,6 +28,7 @@ from mlxtoy.events import (CheckpointEvent, MetricsSink, Command, DoneEvent, Eva
 from mlxtoy.generate import generate
 from mlxtoy.loading import load_partial
 from mlxtoy.rundir import CheckpointState, RunDir, RunFacts
+from mlxtoy.models.quant import parameter_count
 from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, load_objective_state,
                                      restore_optimizer_state, save_best, save_checkpoint, write_final)
 from mlxtoy.train.control import Control, TrainControl
@@ -220,7 +221,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
 
     emit(StartEvent(run_dir=run.path, method=cfg.method, total_steps=cfg.steps, start_step=step,
                     trainable_params=_count(model.trainable_parameters()),
-                    total_params=_count(model.parameters()), config=cfg.to_dict()))
+                    total_params=parameter_count(model), config=cfg.to_dict()))
     log(f"data: train {dataset.train_stats.describe()}; valid {len(dataset.valid)} examples; "
         f"{train_stream.batches_per_epoch} batches per epoch" + ("" if packed else " (padded)"))
     if resume_from is not None:
