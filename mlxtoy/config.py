@@ -589,8 +589,8 @@ def parse_text(name: str, text: str) -> tuple[Any, str | None]:
         if not value:
             choices = f.metadata.get("choices") or ()
             return None, "name at least one" + (f" of {','.join(choices)}" if choices else "")
-    elif not text:
-        return None, "required"
+    elif not text:  # required, unless empty is the field's default (grpo's --reward under sft)
+        return ("", None) if default == "" else (None, "required")
     elif isinstance(default, bool):
         low = text.lower()
         if low not in ("true", "false", "yes", "no", "on", "off", "1", "0"):

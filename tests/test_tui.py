@@ -269,11 +269,14 @@ async def test_setup_bad_input_shows_inline_errors(in_assets):
 async def test_setup_form_starts_from_trainconfig_defaults(in_assets):
     """What the form shows (read back from its inputs and from the config it would start)
     is TrainConfig's defaults, except the two fields the UI turns on so the dashboard has
-    something to show."""
+    something to show, and beta, which shows what the default objective resolves it to."""
     from mlxtoy.config import TrainConfig
     from tui.setup import FIELDS, UI_OVERRIDES
 
-    assert set(UI_OVERRIDES) == {"sample_every", "taps_every"}
+    assert set(UI_OVERRIDES) == {"sample_every", "taps_every", "beta"}
+    from mlxtoy.train.objectives import make_objective
+
+    assert UI_OVERRIDES["beta"] == make_objective(TrainConfig()).cfg.beta
     defaults = TrainConfig()
     app = MlxtoyApp(model="tiny.gguf", data="data.jsonl", runs_dir="runs")
     async with app.run_test(size=SIZE) as pilot:
@@ -284,7 +287,7 @@ async def test_setup_form_starts_from_trainconfig_defaults(in_assets):
             shown = app.screen.query_one(f"#f-{f.name}", Input).value
             want = UI_OVERRIDES.get(f.name, getattr(defaults, f.name))
             assert parse_value(f.name, shown) == (want, None), (f.name, shown)
-            if "lora" in f.methods:
+            if f.applies("lora", defaults.objective):
                 assert cfg[f.name] == want, f.name
         assert cfg["seq_len"] == defaults.seq_len  # the default that once drifted
 

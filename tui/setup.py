@@ -28,7 +28,7 @@ from mlxtoy.io.tables import dataset_id, is_table_file
 from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
 from mlxtoy.train.data import Renderer
-from mlxtoy.train.objectives import OBJECTIVE_TYPES
+from mlxtoy.train.objectives import OBJECTIVE_TYPES, make_objective
 from mlxtoy.train.records import PREF_KIND, PROMPT_KIND, read_data
 from mlxtoy.train.rewards import BUILTINS
 from tui.widgets import FilePicker, NavBar
@@ -293,7 +293,8 @@ class SetupScreen(Screen):
         value, err = parse_value(f.name, text)
         if err is None:
             self.values[name] = value
-        self._set_error(name, err)
+        # a field of another method or objective is hidden and not used: nothing to fix there
+        self._set_error(name, err if f.applies(self._method(), self._objective()) else None)
 
     def _check_model(self, text: str) -> None:
         err, info = check_model(text)
@@ -436,6 +437,7 @@ class SetupScreen(Screen):
         for f in FIELDS:
             shown = f.applies(method, self._objective())
             self.query_one(f"#row-{f.name}").display = shown
+            self._check_field(f.name, self.query_one(f"#f-{f.name}", Input).value)  # shown: its errors count
             err = self.query_one(f"#e-{f.name}", Static)
             err.display = shown and f.name in self.errors
 
@@ -507,7 +509,7 @@ class SetupScreen(Screen):
             cfg["d_head"] = max(1, cfg["d_model"] // cfg["n_heads"])
             cfg["d_ff"] = 4 * cfg["d_model"]
         try:
-            TrainConfig.from_dict(cfg).validate()
+            make_objective(TrainConfig.from_dict(cfg).validate())  # grpo: its rewards parse (and load)
         except UserError as e:
             form_error.update(f"✗ {escape(str(e))}")
             form_error.display = True
