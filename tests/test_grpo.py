@@ -594,3 +594,23 @@ def test_every_option_trains(work, tmp_path):
     steps = events(out, "step")
     assert len(steps) == 4 and all(np.isfinite(e["loss"]) and e["kl"] >= 0 for e in steps)
     assert steps[0]["samples"] == steps[1]["samples"] and steps[1]["kl"] > 0
+
+
+def test_table_columns_become_prompt_and_answer(tmp_path):
+    """A CSV with its own column names: --prompt-column / --answer-column; the other columns
+    stay on the row for the rewards."""
+    from mlxtoy.train.records import DataOptions, read_data
+
+    path = tmp_path / "qa.csv"
+    path.write_text("question,solution,difficulty\nWhat is 6*7?,42,easy\nWhat is 2+2?,4,easy\n")
+    cfg = TrainConfig(data=str(path), objective="grpo", prompt_column="question", answer_column="solution")
+    raw = read_data(str(path), DataOptions.of(cfg))
+    rec = raw.train[0]
+    assert rec.kind == "prompt" and rec.value[0] == [{"role": "user", "content": "What is 6*7?"}]
+    assert str(rec.value[1]) == "42" and rec.value[2]["difficulty"] == "easy"
+    rewards = RewardSet.parse("numeric")
+    prompts = [type("P", (), {"answer": rec.value[1], "row": rec.value[2], "where": rec.where, "prompt": "q"})()]
+    assert rewards.score(prompts, ["The answer is 42."], [5])[0, 0] == 1.0
+    with pytest.raises(UserError, match="no column 'answer_text'"):
+        read_data(str(path), DataOptions.of(TrainConfig(data=str(path), objective="grpo",
+                                                        answer_column="answer_text")))
