@@ -569,14 +569,26 @@ def fake_rollout(pos: int, group_size: int = 2) -> "object":
 def test_skip_zero_std_groups_drops_and_refills():
     from mlxtoy.train.grpo import collect
 
-    got = collect(lambda pos, attempt: fake_rollout(pos), 10, micro_batches=1, batch_size=2, group_size=2,
+    got = collect(lambda positions: fake_rollout(*positions), 10, micro_batches=1, batch_size=2, group_size=2,
                   skip_zero_std=True, max_draws=4)
     (roll,) = got.rolls
     assert got.positions == 2 and len(got.metrics["_seen"]) == 2  # position 10's first group was refilled from 11
     assert roll.texts == ["c10.2", "c10.3", "c11.0", "c11.1"]
     assert (roll.std > 0).all() and roll.batch.inputs.shape[0] == 4 and roll.batch.positions.shape == (4, 4)
-    plain = collect(lambda pos, attempt: fake_rollout(pos), 10, 1, 2, 2, skip_zero_std=False, max_draws=4)
+    plain = collect(lambda positions: fake_rollout(*positions), 10, 1, 2, 2, skip_zero_std=False, max_draws=4)
     assert plain.positions == 1 and plain.rolls[0].texts[:2] == ["c10.0", "c10.1"]  # control: kept
+    calls = []
+
+    def draw(positions):  # two micro-batches' prompts: one generation
+        calls.append(positions)
+        one = fake_rollout(positions[0])
+        return merge(one, fake_rollout(positions[1]), 8) if len(positions) == 2 else one
+
+    from mlxtoy.train.grpo import merge
+
+    two = collect(draw, 10, 2, 2, 2, skip_zero_std=False, max_draws=4)
+    assert calls == [[10, 11]] and two.positions == 2 and [r.batch.index for r in two.rolls] == [10, 11]
+    assert two.rolls[1].texts == ["c11.0", "c11.1", "c11.2", "c11.3"]
 
 
 def test_every_option_trains(work, tmp_path):

@@ -1,8 +1,9 @@
 """GRPO (Shao et al. 2024) and its 2025 variants: prompts, rollouts, advantages and the loss.
 
 A step samples `group_size` completions of each of its prompts with the policy as it is
-(`rollout`: every completion of the micro-batch is one batch through the KV-cache decoder,
-mlxtoy.generate.generate_batch), scores them (mlxtoy.train.rewards), and trains on
+(`rollout`: every completion of the step, all its micro-batches, is one batch through the
+KV-cache decoder, mlxtoy.generate.generate_batch), scores them (mlxtoy.train.rewards), and
+trains on
 
     A_i = r_i - mean(r of its group)       divided by the group's std (--scale-rewards group),
                                            the batch's (batch) or nothing (none, Dr. GRPO);
@@ -228,10 +229,10 @@ class Rollout:
     prompts: list[Prompt]  # one per completion
 
 
-def sample_seed(seed: int, position: int, attempt: int) -> int:
-    """The sampling seed of a step's draw: a pure function of the run's seed and the data
-    position (so a resumed run samples what the uninterrupted one did)."""
-    return int(np.random.default_rng([seed, 0x6A90, position, attempt]).integers(0, 2**31 - 1))
+def sample_seed(seed: int, positions: list[int]) -> int:
+    """The sampling seed of a draw: a pure function of the run's seed and the data positions
+    it samples (so a resumed run samples what the uninterrupted one did)."""
+    return int(np.random.default_rng([seed, 0x6A90, *positions]).integers(0, 2**31 - 1))
 
 
 def generate_groups(model, tokenizer, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
@@ -304,8 +305,21 @@ def informative(roll: Rollout, group_size: int) -> np.ndarray:
 
 def keep_groups(roll: Rollout, keep: np.ndarray, group_size: int) -> Rollout:
     """The rollout restricted to the groups marked in `keep`."""
-    rows = np.repeat(keep, group_size)
-    idx = np.flatnonzero(rows)
+    return take_rows(roll, np.flatnonzero(np.repeat(keep, group_size)))
+
+
+def split_rollout(roll: Rollout, parts: int, first_index: int) -> list[Rollout]:
+    """One generation of several micro-batches' prompts -> a rollout per micro-batch (equal
+    shares, whole groups), batch i numbered first_index + i."""
+    n = len(roll.texts) // parts
+    out = [take_rows(roll, np.arange(i * n, (i + 1) * n)) for i in range(parts)] if parts > 1 else [roll]
+    for i, r in enumerate(out):
+        r.batch.index = first_index + i
+    return out
+
+
+def take_rows(roll: Rollout, idx: np.ndarray) -> Rollout:
+    """The rollout's completions `idx` (rows of its batch, in that order)."""
     b = roll.batch
     sub = Batch(b.inputs[idx], b.targets[idx], b.weights[idx], b.segments[idx], 0, 0, b.index)
     sub.n_tokens, sub.n_loss = int((sub.segments >= 0).sum()), int(sub.weights.sum())
@@ -359,30 +373,26 @@ class StepRollouts:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
-def collect(draw: Callable[[int, int], Rollout], position: int, micro_batches: int, batch_size: int,
+def collect(draw: Callable[[list[int]], Rollout], position: int, micro_batches: int, batch_size: int,
             group_size: int, skip_zero_std: bool, max_draws: int) -> StepRollouts:
-    """The micro-batches of one step: `draw(position, attempt)` rolls out the prompts of data
-    position `position`. With `skip_zero_std`, groups whose rewards are all equal are dropped
-    and refilled from the next positions (at most `max_draws` draws per micro-batch; a
-    micro-batch that stays short trains on what it has)."""
-    rolls, seen, pos = [], [], position
-    for _ in range(micro_batches):
-        roll = draw(pos, 0)
-        pos += 1
-        seen.append(roll)
-        if skip_zero_std:
-            kept = keep_groups(roll, informative(roll, group_size), group_size)
-            draws = 1
-            while len(kept.texts) < batch_size * group_size and draws < max_draws:
-                more = draw(pos, 0)
-                pos += 1
-                draws += 1
-                seen.append(more)
-                extra = keep_groups(more, informative(more, group_size), group_size)
-                kept = merge(kept, extra, batch_size * group_size)
-            if len(kept.texts):  # else every group was equal: its advantages are all 0
-                roll = kept
-        rolls.append(roll)
+    """The micro-batches of one step: `draw(positions)` rolls out the prompts of those data
+    positions as one generation; the step's micro-batches are one draw, split. With
+    `skip_zero_std`, groups whose rewards are all equal are dropped and refilled from the next
+    positions (at most `max_draws` draws per micro-batch; a micro-batch that stays short
+    trains on what it has)."""
+    first = draw(list(range(position, position + micro_batches)))
+    rolls, seen, pos = split_rollout(first, micro_batches, position), [first], position + micro_batches
+    for i, roll in enumerate(rolls if skip_zero_std else []):
+        kept = keep_groups(roll, informative(roll, group_size), group_size)
+        draws = 1
+        while len(kept.texts) < batch_size * group_size and draws < max_draws:
+            more = draw([pos])
+            pos += 1
+            draws += 1
+            seen.append(more)
+            kept = merge(kept, keep_groups(more, informative(more, group_size), group_size), batch_size * group_size)
+        if len(kept.texts):  # else every group was equal: its advantages are all 0
+            rolls[i] = kept
     return StepRollouts(rolls, pos - position, {"_seen": seen})
 
 

@@ -489,11 +489,12 @@ class GRPO(Objective):
         s, c = self.setup, self.cfg
         t0 = time.perf_counter()
 
-        def draw(pos: int, attempt: int) -> grpo.Rollout:
-            return grpo.rollout(s.model, s.tokenizer, stream.prompts(pos), self.rewards, group_size=c.group_size,
+        def draw(positions: list[int]) -> grpo.Rollout:  # all these prompts' completions, one batch
+            prompts = [p for pos in positions for p in stream.prompts(pos)]
+            return grpo.rollout(s.model, s.tokenizer, prompts, self.rewards, group_size=c.group_size,
                                 sampling=self.sampling, max_tokens=c.max_completion_tokens,
-                                seed=grpo.sample_seed(c.seed, pos, attempt), scale=c.scale_rewards,
-                                pad_id=s.pad_id, index=pos)
+                                seed=grpo.sample_seed(c.seed, positions), scale=c.scale_rewards,
+                                pad_id=s.pad_id, index=positions[0])
 
         s.model.eval()
         with s.quiet():
