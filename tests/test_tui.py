@@ -732,3 +732,44 @@ def test_snapshot_runs(in_assets, snap_compare):
         await _steady(pilot)
 
     assert snap_compare(_app(data=None), terminal_size=SIZE, run_before=run_before)
+
+
+@run_async
+async def test_grpo_run_shows_rewards_and_samples(in_assets):
+    """A GRPO run started from the Setup screen (objective grpo, a reward, the group size):
+    the dashboard's reward chart and samples panel (completions with their rewards) fill in."""
+    from tui.widgets import RewardChart
+
+    rng = random.Random(1)
+    with open(in_assets / "qa.jsonl", "w") as f:
+        for _ in range(20):
+            a = rng.randrange(10, 99)
+            f.write(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n")
+    out = str(in_assets / "runs-e2e" / "grpo")
+    app = MlxtoyApp(model="tiny.gguf", data="qa.jsonl", runs_dir="runs")
+    async with app.run_test(size=SIZE) as pilot:
+        app.screen.query_one("#f-objective", Select).value = "grpo"
+        await pilot.pause()
+        assert app.screen.query_one("#row-reward").display and app.screen.query_one("#f-beta", Input).value == "0"
+        await wait_for(pilot, lambda: "data" not in app.screen.errors, 30, "the data preview")
+        for name, value in (("out", out), ("steps", "4"), ("batch_size", "2"), ("seq_len", "64"), ("lr", "0.001"),
+                            ("group_size", "3"), ("max_completion_tokens", "5"), ("eval_every", "2"),
+                            ("eval_batches", "1"), ("save_every", "0"), ("sample_every", "0"), ("taps_every", "0")):
+            await set_field(pilot, app, name, value)
+        assert app.screen.errors == {}, app.screen.errors
+        await pilot.press("ctrl+s")  # no reward yet: Start says so, nothing starts
+        await pilot.pause(0.2)
+        assert "needs --reward" in str(app.screen.query_one("#form-error").render()) and not app.trainer_alive
+        await set_field(pilot, app, "reward", "contains,length:3")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.run_state.status == DONE and not app.trainer_alive, 180, "the end")
+        state = app.run_state
+        assert state.done_reason == "finished" and state.rl and len(state.rewards) == 4
+        assert state.val_reward_steps == [0, 2, 4] and state.config["objective"] == "grpo"
+        assert any("reward" in s.text and "length_3" in s.text for s in state.samples)
+        await pilot.press("f2")
+        await pilot.pause(1.2)
+        chart = app.screen.query_one(RewardChart)
+        assert chart.display and len(chart._series[0]) == 4
+        samples = "\n".join(str(line.text) for line in app.screen.query_one("#samples").lines)
+        assert "contains" in samples and "length_3" in samples
