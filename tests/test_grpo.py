@@ -572,7 +572,7 @@ def test_skip_zero_std_groups_drops_and_refills():
     got = collect(lambda positions: fake_rollout(*positions), 10, micro_batches=1, batch_size=2, group_size=2,
                   skip_zero_std=True, max_draws=4)
     (roll,) = got.rolls
-    assert got.positions == 2 and len(got.metrics["_seen"]) == 2  # position 10's first group was refilled from 11
+    assert got.positions == 2 and len(got.seen) == 2  # position 10's first group was refilled from 11
     assert roll.texts == ["c10.2", "c10.3", "c11.0", "c11.1"]
     assert (roll.std > 0).all() and roll.batch.inputs.shape[0] == 4 and roll.batch.positions.shape == (4, 4)
     plain = collect(lambda positions: fake_rollout(*positions), 10, 1, 2, 2, skip_zero_std=False, max_draws=4)

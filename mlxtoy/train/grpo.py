@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -368,9 +368,9 @@ def sample_records(rolls: list[Rollout], rewards: RewardSet, n: int = SAMPLES_SH
 class StepRollouts:
     """What a GRPO step trains on and reports."""
 
-    rolls: list[Rollout]
+    rolls: list[Rollout]  # one per micro-batch
     positions: int  # data positions (prompt batches) consumed
-    metrics: dict[str, Any] = field(default_factory=dict)
+    seen: list[Rollout]  # every draw, the groups dynamic sampling dropped included (the metrics)
 
 
 def collect(draw: Callable[[list[int]], Rollout], position: int, micro_batches: int, batch_size: int,
@@ -393,7 +393,7 @@ def collect(draw: Callable[[list[int]], Rollout], position: int, micro_batches: 
             kept = merge(kept, keep_groups(more, informative(more, group_size), group_size), batch_size * group_size)
         if len(kept.texts):  # else every group was equal: its advantages are all 0
             rolls[i] = kept
-    return StepRollouts(rolls, pos - position, {"_seen": seen})
+    return StepRollouts(rolls, pos - position, seen)
 
 
 def merge(a: Rollout, b: Rollout, limit: int) -> Rollout:

@@ -506,7 +506,7 @@ class GRPO(Objective):
                 b.micro_tokens = b.n_loss  # bnpo's normaliser, whatever share of it a rank trains on
                 self._score(b)
         s.model.train()
-        seen = got.metrics.pop("_seen")
+        seen = got.seen
         metrics = grpo.rollout_metrics(seen, self.rewards, c.group_size)
         metrics["samples"] = grpo.sample_records(seen, self.rewards)
         metrics["timing/generation_s"] = t1 - t0
