@@ -626,3 +626,17 @@ def test_table_columns_become_prompt_and_answer(tmp_path):
     with pytest.raises(UserError, match="no column 'answer_text'"):
         read_data(str(path), DataOptions.of(TrainConfig(data=str(path), objective="grpo",
                                                         answer_column="answer_text")))
+
+
+def test_dashboards_get_the_same_values():
+    from mlxtoy.dashboards import scalars
+    from mlxtoy.events import EvalEvent, StepEvent
+
+    step = StepEvent.of({"reward": 0.5, "rewards/exact/mean": 0.25, "kl": 0.01, "samples": [{"completion": "x"}]},
+                        step=3, loss=0.1, lr=1e-3, tokens=10, tokens_per_sec=5.0, elapsed=1.0, eta=2.0,
+                        peak_memory_gb=0.1)
+    got = scalars(step)
+    assert got["train/reward"] == 0.5 and got["train/rewards/exact/mean"] == 0.25 and got["train/kl"] == 0.01
+    assert not any("samples" in k for k in got) and got["train/loss"] == pytest.approx(0.1)
+    ev = EvalEvent.of({"reward": 0.7}, step=3, val_loss=-0.7, val_ppl=0.5, val_tokens=8)
+    assert scalars(ev)["val/reward"] == 0.7
