@@ -73,10 +73,6 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const int64_t group = group_, N = inputs[1].shape(0), K = inputs[1].shape(1) * (32 / bits);
   const int64_t M = inputs[0].size() / std::max<int64_t>(inputs[0].shape(-1), 1);
   const int64_t slab = std::clamp<int64_t>(kSlabFloats / K, 1, N);
-  mx::array buffer({static_cast<int>(slab), static_cast<int>(K)}, mx::float32, nullptr, {});
-  buffer.set_data(mx::allocator::malloc(buffer.nbytes()));
-  temps.push_back(buffer);
-  float* buf = buffer.data<float>();
   float* y = out.data<float>();
   const bool grad = grad_;
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
@@ -86,6 +82,11 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     auto scales = static_cast<const float*>(in[2]);
     auto biases = static_cast<const float*>(in[3]);
     const int64_t words = K * bits / 32, groups = K / group;
+    // one buffer per stream thread, kept: allocated when the task runs, not when it is queued
+    // (MLX queues far ahead: a buffer per queued product would add up to GBs)
+    static thread_local std::vector<float> slab_buffer;
+    if (slab_buffer.size() < static_cast<size_t>(slab * K)) slab_buffer.resize(slab * K);
+    float* buf = slab_buffer.data();
     for (int64_t n0 = 0; n0 < N; n0 += slab) {
       const int64_t n = std::min(slab, N - n0);
       dequant_rows(w + n0 * words, scales + n0 * groups, biases + n0 * groups, buf, n, K, group, bits, pool());

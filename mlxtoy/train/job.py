@@ -83,7 +83,7 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
     raw = read_data(cfg.data, DataOptions.of(cfg))
     objective.check_records(raw)
     quant = qlora_plan(cfg)
-    preflight(cfg, quant)
+    preflight(cfg, quant, check_shapes)
     model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None, quant=quant)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
                            cfg.seed, raw=raw, tokenize_fn=objective.tokenize)
@@ -135,13 +135,17 @@ def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
     return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from, notes, memory)
 
 
-def check_fits(cfg: TrainConfig, model: nn.Module) -> MemoryCheck:
-    """Refuse, before anything is written, shapes the model cannot take; estimate the step's
-    peak memory and compare it with the machine's (mlxtoy.train.memory: a warning, or with
-    --strict-memory an error, when it will not fit)."""
+def check_shapes(cfg: TrainConfig, model: nn.Module) -> None:
+    """Refuse, before anything is written, shapes the model cannot take."""
     context = model.config.context_length
     if cfg.method != "scratch" and context and cfg.seq_len > context:
         raise UserError(f"seq_len {cfg.seq_len} is longer than the model's context ({context} tokens)")
+
+
+def check_fits(cfg: TrainConfig, model: nn.Module) -> MemoryCheck:
+    """`check_shapes`; then estimate the step's peak memory and compare it with the machine's
+    (mlxtoy.train.memory: a warning, or with --strict-memory an error, when it will not fit)."""
+    check_shapes(cfg, model)
     return check_memory(cfg, model)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -283,15 +284,19 @@ def machine_memory() -> tuple[int | None, str]:
     return physical_memory(), "physical memory"
 
 
-def preflight(cfg: TrainConfig, quant: QuantPlan | None) -> None:
+def preflight(cfg: TrainConfig, quant: QuantPlan | None,
+              check_shapes: Callable[[TrainConfig, nn.Module], None] | None = None) -> None:
     """The memory check from the model file's header, before anything is loaded: a run whose
     frozen weights alone exceed the machine's memory (certain not to fit), or that
     `check_memory` refuses, stops here with one error naming settings that fit, instead of
-    being killed by the OS halfway through the load."""
+    being killed by the OS halfway through the load. `check_shapes` (the job's) runs first on
+    the planned model, so a shape the model cannot take is the error named."""
     if cfg.method == "scratch":
         return
     model = planned_model(cfg.model, load_dtype(cfg), quant if cfg.adapters else None)
     make_trainable(model, cfg)
+    if check_shapes is not None:
+        check_shapes(cfg, model)
     check = check_memory(cfg, model)
     if not check.fits and check.available and check.estimate.weights > check.available:
         raise UserError(check.warning().replace("this run may not fit", "this run does not fit")
