@@ -94,23 +94,26 @@ def synthetic(work, tmp_path, **kw) -> TrainConfig:
 
 def test_estimate_follows_grad_checkpoint_on_a_synthetic_model(work, tmp_path):
     """From scratch (every weight trains), then LoRA on that model (frozen blocks: here
-    checkpointing saves most), each with --grad-checkpoint off and on."""
+    checkpointing saves most), then QLoRA (its projections quantized at load), each with
+    --grad-checkpoint off and on."""
     from mlxtoy.export import export
 
     figures = {}
-    for method in ("scratch", "lora"):
+    for method in ("scratch", "lora", "qlora"):  # qlora: LoRA on that model quantized at load, 4-bit
         for ckpt in (False, True):
             out = tmp_path / f"{method}-{ckpt}"
-            kw = {"model": str(tmp_path / "hf")} if method == "lora" else {}
-            if method == "lora" and not (tmp_path / "hf").exists():
+            kw = {"model": str(tmp_path / "hf")} if method != "scratch" else {}
+            if method != "scratch" and not (tmp_path / "hf").exists():
                 export(str(tmp_path / "scratch-False" / "r"), str(tmp_path / "hf"), "hf", "f32")
-            figures[method, ckpt] = measured_peak(synthetic(work, out, method=method, grad_checkpoint=ckpt,
-                                                            lora_targets=["q", "v", "down"], **kw))
+            if method == "qlora":
+                kw.update(method="lora", qlora="on")
+            figures[method, ckpt] = measured_peak(synthetic(work, out, grad_checkpoint=ckpt,
+                                                            lora_targets=["q", "v", "down"], **({"method": method} | kw)))
     for (method, ckpt), (est, got) in figures.items():
         print(f"synthetic d 256 x 4 layers, {method}, batch 8 x 256, grad_checkpoint {ckpt}: "
               f"estimate {est / 1e6:.0f} MB, measured {got / 1e6:.0f} MB, ratio {est / got:.3f}")
         assert abs(est / got - 1) <= TOLERANCE, (method, ckpt, est, got)
-    for method in ("scratch", "lora"):  # both move the same way
+    for method in ("scratch", "lora", "qlora"):  # all move the same way
         (est_off, got_off), (est_on, got_on) = figures[method, False], figures[method, True]
         assert got_on < got_off and est_on < est_off, method
     # frozen blocks: a real saving (smaller since the block attention keeps no probabilities:

@@ -61,8 +61,7 @@ def slab_product(group_size: int, bits: int):
         w = mx.depends(w[a:b], after)
         return dequantize(w, scales[a:b], biases[a:b], group_size, bits, dtype)
 
-    # the products inside are bare (`fastmath.gemm`, no gradient node): a node that carries a
-    # gradient holds its operands, the dequantized slab among them, until the step ends
+    # the products inside need no gradient of their own: `fastmath.gemm` (no gradient node)
     @mx.custom_function
     def product(x, w, scales, biases):
         rows = x.reshape(-1, x.shape[-1])
