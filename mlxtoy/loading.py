@@ -27,6 +27,7 @@ from mlxtoy.errors import UserError
 from mlxtoy.io.char_tokenizer import CharTokenizer
 from mlxtoy.arch.registry import build_module, expected_shapes, spec_of
 from mlxtoy.arch.spec import expand, flat_shape
+from mlxtoy.io.gguf_file import affine_bits
 from mlxtoy.io.gguf_read import dequantize_tensor, gguf_model_config, load_gguf, open_gguf
 from mlxtoy.io.hf import hf_model_config, load_hf
 from mlxtoy.io.registry import resolve_model
@@ -151,7 +152,7 @@ def planned_model(model_arg: str, dtype: mx.Dtype, quant: QuantPlan | None = Non
     planned: dict[str, PackedMatrix] = {}
     for name, params, _ in expand(spec, cfg, shapes, kind if kind == "gguf" else "hf"):
         for p in params:
-            layout = quant.layout(p, shapes[p], packs, types.get(name, ""))
+            layout = quant.layout(p, shapes[p], packs, affine_bits(types.get(name, "")))
             if layout is None:
                 continue
             rows, d_in = flat_shape(p, shapes[p])

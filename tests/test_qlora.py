@@ -42,6 +42,7 @@ def _packed(t: GGUFTensor) -> PackedMatrix:
     return PackedMatrix(mx.array(w), mx.array(scales), mx.array(biases), 32, bits)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_gguf_blocks_map_to_mlx_bit_exactly(qtype):
     rng = np.random.default_rng(0)
@@ -60,6 +61,7 @@ def test_other_types_are_not_mapped():
     assert affine_blocks(_tensor(np.ones((2, 32), np.float32), Q.Q5_0)) is None
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("path", ["kernels", "mlx", "mlx-slabs"])
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
 def test_cpu_product_and_input_gradient_match_numpy(monkeypatch, path, bits, group):
@@ -101,6 +103,7 @@ def _load(path, plan):
     return build_model(cfg, weights), weights
 
 
+@pytest.mark.core
 def test_qlora_model_equals_the_dequantized_model(q8_model):
     qmodel, weights = _load(q8_model, QuantPlan())
     dmodel, _ = _load(q8_model, None)
@@ -121,6 +124,7 @@ def test_qlora_model_equals_the_dequantized_model(q8_model):
         v.size for _, v in tree_flatten(dmodel.parameters()))
 
 
+@pytest.mark.core
 def test_qlora_adapter_gradients_match_finite_differences(q8_model):
     model, _ = _load(q8_model, QuantPlan())
     apply_lora(model, ["q", "k", "v", "o", "gate", "up", "down"], 4, 8.0)
@@ -300,3 +304,16 @@ def test_qlora_run_resumes_exactly_and_exports_what_llama_cpp_runs(q8_model, tex
     # the trained adapters changed the model: the base's logits differ
     base = np.array(_load(q8_model, None)[0](mx.array([tokens]))[0])
     assert max_rel_diff(base, theirs) > 1e-3
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 64)])
+def test_kernel_dequantize_equals_mlx(bits, group):
+    if not fastmath.KERNELS:
+        pytest.skip(f"the CPU kernels are off here: {fastmath.kernels_status()}")
+    w = mx.random.normal((40, 256), key=mx.random.key(bits + group))
+    q, scales, biases = mx.quantize(w, group, bits)
+    scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+    want = mx.dequantize(q, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
+    got = fastmath.dequantize_affine(q, scales, biases, group, bits)
+    assert got.dtype == mx.float32 and mx.array_equal(got, want).item()
+    assert not mx.array_equal(fastmath.dequantize_affine(q, scales * 2, biases, group, bits), want).item()

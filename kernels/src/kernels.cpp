@@ -290,24 +290,6 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         static_cast<int32_t*>(out[1])[0] = lossless ? 1 : 0;
         break;
       }
-      case Op::DequantAffine: {
-        // w (rows, last words), scales and biases (rows, groups); iparam: group << 4 | bits
-        const int b = bits & 15;
-        const int64_t group = bits >> 4, d_in = last * (32 / b), groups = d_in / group;
-        auto w = static_cast<const uint32_t*>(in[0]);
-        auto scales = static_cast<const float*>(in[1]);
-        auto biases = static_cast<const float*>(in[2]);
-        auto y = static_cast<float*>(out[0]);
-        threads.run(rows, std::max<int64_t>(1, (1 << 14) / d_in), [&](int64_t r0, int64_t r1) {
-          for (int64_t r = r0; r < r1; ++r) {
-            if (b == 4)
-              dequant_affine_row<4>(w + r * last, scales + r * groups, biases + r * groups, y + r * d_in, d_in, group);
-            else
-              dequant_affine_row<8>(w + r * last, scales + r * groups, biases + r * groups, y + r * d_in, d_in, group);
-          }
-        });
-        break;
-      }
       case Op::GemvPacked: {
         // x (rows, K); the packed matrix's rows split first come, first served
         auto x = static_cast<const float*>(in[0]);
@@ -522,20 +504,6 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
   if (x.size() == 0) throw std::invalid_argument("[mlxtoy_kernels] sum_squares: x is empty");
   auto flat = f32(mx::reshape(x, {static_cast<int>(x.size()), 1}, st), "x");
   return make(Kernel::Op::SumSquares, 0, {{1}}, {mx::float32}, {flat}, st)[0];
-}
-
-mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
-                            int bits, mx::StreamOrDevice st) {
-  if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % (32 / bits))
-    throw std::invalid_argument("[mlxtoy_kernels] dequantize_affine: bits 4 or 8, a group of whole words");
-  if (w.ndim() != 2 || w.dtype() != mx::uint32 || scales.shape() != biases.shape() || scales.ndim() != 2 ||
-      scales.shape(0) != w.shape(0) || static_cast<int64_t>(w.shape(1)) * (32 / bits) != scales.shape(1) * group_size)
-    throw std::invalid_argument("[mlxtoy_kernels] dequantize_affine: w (rows, d_in * bits / 32) uint32, "
-                                "scales and biases (rows, d_in / group_size)");
-  mx::Shape shape{w.shape(0), w.shape(1) * (32 / bits)};
-  return make(Kernel::Op::DequantAffine, 0, {shape}, {mx::float32},
-              {w, mx::astype(scales, mx::float32, st), mx::astype(biases, mx::float32, st)}, st,
-              group_size << 4 | bits)[0];
 }
 
 std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st) {

@@ -12,7 +12,7 @@ class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
                   DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, Pack, GemvPacked,
-                  GemmMany, Gemm, DequantAffine };
+                  GemmMany, Gemm };
 
   // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional,
   // a packing's bits
@@ -54,7 +54,7 @@ class DecodeBlock : public mx::Primitive {
 };
 
 // MLX's affine quantized matrix (w uint32 (rows, d_in * bits / 32), scales and biases
-// (rows, d_in / group_size)) to float32 (rows, d_in), threaded (packed.h dequant_affine_row)
+// (rows, d_in / group_size)) to float32 (rows, d_in), threaded (quant.cpp)
 mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                             int bits, mx::StreamOrDevice st = {});
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -22,8 +23,9 @@ namespace mlxtoy {
 
 class QuantLinear : public mx::Primitive {
  public:
-  QuantLinear(mx::Stream stream, bool grad, int group, int bits)
-      : mx::Primitive(stream), grad_(grad), group_(group), bits_(bits) {}
+  enum class Op { Product, InputGrad, Dequantize };  // a W^T, a W, W itself
+  QuantLinear(mx::Stream stream, Op op, int group, int bits)
+      : mx::Primitive(stream), op_(op), group_(group), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -32,11 +34,11 @@ class QuantLinear : public mx::Primitive {
   const char* name() const override { return "MlxtoyQuantLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QuantLinear&>(other);
-    return grad_ == o.grad_ && group_ == o.group_ && bits_ == o.bits_;
+    return op_ == o.op_ && group_ == o.group_ && bits_ == o.bits_;
   }
 
  private:
-  bool grad_;
+  Op op_;
   int group_, bits_;
 };
 
@@ -70,17 +72,23 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   std::vector<const void*> in;
   for (auto& a : inputs) in.push_back(task_data(a, a.flags().row_contiguous, copies, temps));
   const int bits = bits_;
-  const int64_t group = group_, N = inputs[1].shape(0), K = inputs[1].shape(1) * (32 / bits);
-  const int64_t M = inputs[0].size() / std::max<int64_t>(inputs[0].shape(-1), 1);
+  const Op op = op_;
+  // Dequantize: inputs (w, scales, biases); else (a, w, scales, biases)
+  const int64_t first = op == Op::Dequantize ? 0 : 1;
+  const int64_t group = group_, N = inputs[first].shape(0), K = inputs[first].shape(1) * (32 / bits);
+  const int64_t M = first ? inputs[0].size() / std::max<int64_t>(inputs[0].shape(-1), 1) : 0;
   const int64_t slab = std::clamp<int64_t>(kSlabFloats / K, 1, N);
   float* y = out.data<float>();
-  const bool grad = grad_;
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
     for (const auto& c : copies) c.run();
     auto a = static_cast<const float*>(in[0]);
-    auto w = static_cast<const uint32_t*>(in[1]);
-    auto scales = static_cast<const float*>(in[2]);
-    auto biases = static_cast<const float*>(in[3]);
+    auto w = static_cast<const uint32_t*>(in[first]);
+    auto scales = static_cast<const float*>(in[first + 1]);
+    auto biases = static_cast<const float*>(in[first + 2]);
+    if (op == Op::Dequantize) {
+      dequant_rows(w, scales, biases, y, N, K, group, bits, pool());
+      return;
+    }
     const int64_t words = K * bits / 32, groups = K / group;
     // one buffer per stream thread, kept: allocated when the task runs, not when it is queued
     // (MLX queues far ahead: a buffer per queued product would add up to GBs)
@@ -90,7 +98,7 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     for (int64_t n0 = 0; n0 < N; n0 += slab) {
       const int64_t n = std::min(slab, N - n0);
       dequant_rows(w + n0 * words, scales + n0 * groups, biases + n0 * groups, buf, n, K, group, bits, pool());
-      if (grad)  // dx (M, K) += dy[:, n0:n0+n] @ W[n0:n0+n]
+      if (op == Op::InputGrad)  // dx (M, K) += dy[:, n0:n0+n] @ W[n0:n0+n]
         blas_gemm(false, false, M, K, n, 1.0f, a + n0, N, buf, K, n0 == 0 ? 0.0f : 1.0f, y, K);
       else  // y[:, n0:n0+n] = x @ W[n0:n0+n]^T
         blas_gemm(false, true, M, n, K, 1.0f, a, K, buf, K, 0.0f, y + n0, N);
@@ -98,22 +106,44 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   });
 }
 
-mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                       int group_size, int bits, bool grad, mx::StreamOrDevice s) {
+namespace {
+
+void check_layout(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                  const char* what) {
   if ((bits != 4 && bits != 8) || group_size <= 0 || group_size % (32 / bits))
-    throw std::invalid_argument("[mlxtoy_kernels] quant_linear: bits 4 or 8, a group of whole words");
+    throw std::invalid_argument(std::string("[mlxtoy_kernels] ") + what + ": bits 4 or 8, a group of whole words");
   if (w.ndim() != 2 || w.dtype() != mx::uint32 || scales.ndim() != 2 || scales.shape() != biases.shape() ||
       scales.shape(0) != w.shape(0) || static_cast<int64_t>(w.shape(1)) * (32 / bits) != scales.shape(1) * group_size)
-    throw std::invalid_argument("[mlxtoy_kernels] quant_linear: w (N, K * bits / 32) uint32, scales and biases "
-                                "(N, K / group_size)");
+    throw std::invalid_argument(std::string("[mlxtoy_kernels] ") + what +
+                                ": w (N, K * bits / 32) uint32, scales and biases (N, K / group_size)");
+}
+
+mx::array make(QuantLinear::Op op, mx::Shape shape, std::vector<mx::array> inputs, int group_size, int bits,
+               mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument("[mlxtoy_kernels] CPU stream only");
+  for (size_t i = inputs.size() - 2; i < inputs.size(); ++i) inputs[i] = mx::astype(inputs[i], mx::float32, stream);
+  return mx::array(std::move(shape), mx::float32, std::make_shared<QuantLinear>(stream, op, group_size, bits),
+                   std::move(inputs));
+}
+
+}  // namespace
+
+mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                       int group_size, int bits, bool grad, mx::StreamOrDevice s) {
+  check_layout(w, scales, biases, group_size, bits, "quant_linear");
   const int64_t N = w.shape(0), K = w.shape(1) * (32 / bits);
   if (a.ndim() != 2 || a.dtype() != mx::float32 || a.shape(1) != (grad ? N : K))
     throw std::invalid_argument("[mlxtoy_kernels] quant_linear: a float32 (M, K), or (M, N) for the gradient");
-  auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) throw std::invalid_argument("[mlxtoy_kernels] CPU stream only");
-  mx::Shape shape{a.shape(0), static_cast<int>(grad ? K : N)};
-  return mx::array(std::move(shape), mx::float32, std::make_shared<QuantLinear>(stream, grad, group_size, bits),
-                   {a, w, mx::astype(scales, mx::float32, stream), mx::astype(biases, mx::float32, stream)});
+  return make(grad ? QuantLinear::Op::InputGrad : QuantLinear::Op::Product,
+              {a.shape(0), static_cast<int>(grad ? K : N)}, {a, w, scales, biases}, group_size, bits, s);
+}
+
+mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits, mx::StreamOrDevice s) {
+  check_layout(w, scales, biases, group_size, bits, "dequantize_affine");
+  return make(QuantLinear::Op::Dequantize, {w.shape(0), w.shape(1) * (32 / bits)}, {w, scales, biases}, group_size,
+              bits, s);
 }
 
 }  // namespace mlxtoy

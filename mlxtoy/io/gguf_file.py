@@ -234,6 +234,12 @@ def dequantize_tensor(tensor: GGUFTensor, path: str) -> np.ndarray:
 AFFINE_BLOCKS = {"Q4_0": (4, 18), "Q4_1": (4, 20), "Q8_0": (8, 34)}
 
 
+def affine_bits(type_name: str) -> int | None:
+    """The bits of a GGML type whose blocks are MLX's affine layout as they are (group 32), else None."""
+    kind = AFFINE_BLOCKS.get(type_name)
+    return kind[0] if kind else None
+
+
 def affine_blocks(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
     """A Q4_0 / Q4_1 / Q8_0 tensor as MLX's affine quantized layout, group size 32, with no
     re-quantization: (packed uint32 (rows, d_in * bits / 32), scales (rows, d_in / 32),

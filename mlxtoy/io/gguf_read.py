@@ -17,7 +17,7 @@ from mlxtoy.arch.registry import expected_shapes, spec_for_gguf
 from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, flat_shape, split
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.io.gguf_file import GGUFFile, affine_blocks, dequantize_tensor, open_gguf
+from mlxtoy.io.gguf_file import GGUFFile, affine_bits, affine_blocks, dequantize_tensor, open_gguf
 from mlxtoy.models.quant import PackedMatrix, QuantPlan, quantize_dense
 
 __all__ = ["config_from_metadata", "dequantize_tensor", "gguf_model_config", "load_gguf", "open_gguf"]
@@ -86,7 +86,8 @@ def load_gguf(path: str, dtype: mx.Dtype | None = None,
     weights: dict[str, mx.array | PackedMatrix] = {}
     errors: dict[str, float] = {}
     for n, (name, params, _) in enumerate(items):
-        if quant is not None and quant.layout(params[0], shapes[params[0]], packs, tensors[name].tensor_type.name):
+        exact = affine_bits(tensors[name].tensor_type.name)
+        if quant is not None and quant.layout(params[0], shapes[params[0]], packs, exact):
             for param, packed in zip(params, read_packed(tensors[name], params, shapes, quant, errors, path)):
                 weights[param] = packed
         else:

@@ -21,7 +21,6 @@ import mlx.nn as nn
 
 from mlxtoy import backend
 from mlxtoy.errors import UserError
-from mlxtoy.io.gguf_file import AFFINE_BLOCKS
 from mlxtoy.models.fastmath import dequantize_affine, gemm, quant_linear, quant_linear_ok
 from mlxtoy.models.llama import HeadProjection
 
@@ -145,16 +144,16 @@ class QuantPlan:
             raise UserError(f"qlora_group_size: {self.group_size} (choose 32 or 64)")
         return self
 
-    def layout(self, param: str, shape: tuple[int, ...], targets: set[str], file_type: str = ""
+    def layout(self, param: str, shape: tuple[int, ...], targets: set[str], exact_bits: int | None = None
                ) -> tuple[int, int] | None:
         """(bits, group size) `param` is kept in, or None for a dense one. `targets`: this
-        model's projections (`matrices`); `file_type`: its GGML type in a GGUF. Blocks already
-        in MLX's layout keep their own bits and group 32; the tables only stay quantized so."""
-        exact = AFFINE_BLOCKS.get(file_type)
-        if len(shape) not in (2, 3) or shape[-1] % 32 or not (param in targets or (exact and param in TABLES)):
+        model's projections (`matrices`); `exact_bits`: the file holds it in MLX's layout
+        already, with these bits and group 32 (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks), which it
+        keeps; the tables only stay quantized so."""
+        if len(shape) not in (2, 3) or shape[-1] % 32 or not (param in targets or (exact_bits and param in TABLES)):
             return None
-        if exact:
-            return exact[0], 32
+        if exact_bits:
+            return exact_bits, 32
         return (self.bits, self.group_size) if shape[-1] % self.group_size == 0 else None
 
 
