@@ -301,6 +301,10 @@ def test_qlora_run_resumes_exactly_and_exports_what_llama_cpp_runs(q8_model, tex
     ours = np.array(model(mx.array([tokens]))[0])
     theirs = llama_cpp_logits(gguf_out, tokens)
     assert max_rel_diff(ours, theirs) < 1e-4
+    # `generate --adapter RUN` alone runs on the base that run trained (not the built-in model)
+    res = run_cli("generate", "--adapter", str(tmp_path / "full"), "--prompt", "12 plus one is", "--max-tokens", "4",
+                  "--temp", "0")
+    assert res.returncode == 0 and "error" not in res.stderr, res.stderr
     # the trained adapters changed the model: the base's logits differ
     base = np.array(_load(q8_model, None)[0](mx.array([tokens]))[0])
     assert max_rel_diff(base, theirs) > 1e-3

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mlxtoy.io.registry import DEFAULT_MODEL
 from mlxtoy.errors import UserError
 from mlxtoy.generate import encode_chat, stream_generate
 from mlxtoy.sampling import SamplingParams
@@ -20,9 +21,9 @@ from mlxtoy.loading import load
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """Model and sampling flags shared by `generate` and `chat`, in a group each."""
     model = p.add_argument_group("model")
-    model.add_argument("--model", default="smollm2-135m",
+    model.add_argument("--model",
                        help="a .gguf file, a Hugging Face folder or id (org/name[@rev], org/name/file.gguf), "
-                            "or a built-in name (default: smollm2-135m)")
+                            f"or a built-in name (default: the run's own base with --adapter, else {DEFAULT_MODEL})")
     model.add_argument("--adapter", metavar="RUN", help="a training run directory to apply")
     model.add_argument("--system", metavar="S", help="system message for the chat template")
     sampling = p.add_argument_group("sampling")
@@ -53,7 +54,9 @@ def sampling_from_args(args):
 
 
 def load_for_generation(args):
-    return load(args.model, adapter=args.adapter)
+    """The model to generate with: --model (with --adapter's weights applied); with --adapter
+    alone, the base that run trained (a run of a 1B model must not meet the built-in 135M)."""
+    return load(args.model or (None if args.adapter else DEFAULT_MODEL), adapter=args.adapter)
 
 
 def clip_max_tokens(model, n_prompt: int, max_tokens: int) -> int:
