@@ -95,7 +95,7 @@ def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = 
             w = _checked(lambda: t.hf_transform.from_hf(w, cfg), path, name, w)
         for param, part in zip(params, split(w, params, shapes, name, path)):
             if quant is not None and quant.layout(param, part.shape, packs):
-                weights[param], errors[f"{name}:{param}"] = quantize_dense(part.reshape(-1, part.shape[-1]), quant)
+                weights[param], errors[name if len(params) == 1 else f"{name} ({param})"] = quantize_dense(part.reshape(-1, part.shape[-1]), quant)
                 mx.eval(weights[param].weight, weights[param].scales, weights[param].biases)
             else:
                 weights[param] = part.astype(dtype)

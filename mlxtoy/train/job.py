@@ -203,6 +203,10 @@ def _run_with(p: Prepared, send, control, parallel, on_accuracy, handle_sigint) 
     cfg, run = p.cfg, p.run
     for note in p.notes:
         send(LogEvent(message=note, level="warning"))
+    if p.facts.qlora:  # what the base is kept in, and what quantizing at load cost
+        kept = ", ".join(f"{n} modules {layout}" for layout, n in (p.facts.quantized or {}).items())
+        error = p.facts.quantization_error
+        send(LogEvent(message=f"QLoRA base: {kept}" + (f"; {error}" if error else "")))
     if p.memory is not None:
         send(LogEvent(message=p.memory.line()))
         if not p.memory.fits:
