@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from bench_train import write_text_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -120,19 +121,6 @@ def make_model(size: str, path: str) -> str:
     return path
 
 
-def make_data(work: str) -> str:
-    data = os.path.join(work, "data")
-    os.makedirs(data, exist_ok=True)
-    text = open(os.path.join(REPO, "assets", "corpus", "fables.txt")).read()
-    sentences = [s.strip() + "." for s in text.replace("\n", " ").split(".") if len(s.strip()) > 20]
-    rng = random.Random(0)
-    for split, n in (("train", 64), ("valid", 8)):
-        with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
-            for _ in range(n):  # every row longer than 256 tokens
-                f.write(json.dumps({"text": " ".join(rng.choice(sentences) for _ in range(24))}) + "\n")
-    return data
-
-
 def run_mode(mode: str, model: str, data: str, work: str, args) -> dict:
     out = os.path.join(work, f"run-{mode}-{time.time_ns()}")
     cmd = [sys.executable, "-m", "mlxtoy", "train", "--model", model, "--data", data, "--out", out,
@@ -171,7 +159,7 @@ def main() -> None:
     model = make_model(args.size, os.path.join(args.work, f"random-{args.size}-q4_0.gguf"))
     print(f"model {model} ({os.path.getsize(model) / 1e9:.2f} GB, {time.time() - t0:.0f} s to write or find)",
           file=sys.stderr)
-    data = make_data(args.work)
+    data = write_text_data(args.work)
     rows = [run_mode(m, model, data, args.work, args) for m in args.modes.split(",")]
     print(f"{args.size}, LoRA r8 q,v, batch {args.batch} x {args.seq}{', grad checkpoint' if args.grad_checkpoint else ''}")
     print(f"{'mode':8} {'tokens/s':>9} {'first step s':>13} {'peak RSS GB':>12} {'MLX peak GB':>12} {'loss':>8}")

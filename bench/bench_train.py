@@ -46,6 +46,12 @@ def prepare(work: str) -> tuple[str, str]:
     if not os.path.exists(os.path.join(hf, "model.safetensors")):
         cfg, weights, _, tok = load_weights("smollm2-135m", mx.float32)
         save_hf(hf, cfg, weights, tok)
+    return hf, write_text_data(work)
+
+
+def write_text_data(work: str) -> str:
+    """A data folder (train 64, valid 8) of plain-text rows from the bundled corpus, each well
+    over 256 tokens, so every row of a batch is full and every tool does the same work."""
     data = os.path.join(work, "data")
     os.makedirs(data, exist_ok=True)
     text = open(os.path.join(REPO, "assets", "corpus", "fables.txt")).read()
@@ -53,9 +59,9 @@ def prepare(work: str) -> tuple[str, str]:
     rng = random.Random(0)
     for split, n in (("train", 64), ("valid", 8)):
         with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
-            for _ in range(n):  # ~2,000 characters: well over 256 tokens, so every row is full
+            for _ in range(n):  # ~2,000 characters
                 f.write(json.dumps({"text": " ".join(rng.choice(sentences) for _ in range(24))}) + "\n")
-    return hf, data
+    return data
 
 
 def _rss_gb() -> float:

@@ -45,7 +45,10 @@ def gguf_model_config(file: GGUFFile) -> tuple[ArchSpec, ModelConfig]:
     if "output.weight" in tensors:
         out, table = tensors["output.weight"], tensors["token_embd.weight"]
         if out.tensor_type == table.tensor_type:  # equal bytes, equal values: no float32 copies
-            cfg.tie_embeddings = out.data.shape == table.data.shape and np.array_equal(out.data, table.data)
+            # the first rows settle an untied pair without reading both tables whole (twice per
+            # start: the memory preflight plans from this too)
+            cfg.tie_embeddings = (out.data.shape == table.data.shape and np.array_equal(out.data[:1], table.data[:1])
+                                  and np.array_equal(out.data, table.data))
         else:
             a, b = dequantize_tensor(out, path), dequantize_tensor(table, path)
             cfg.tie_embeddings = a.shape == b.shape and np.array_equal(a, b)

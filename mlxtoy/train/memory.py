@@ -306,8 +306,9 @@ def preflight(cfg: TrainConfig, quant: QuantPlan | None,
 def qlora_plan(cfg: TrainConfig) -> QuantPlan | None:
     """How to load the base for QLoRA, or None for a dense base. `--qlora auto`: on Metal/CUDA
     for a quantized file (MLX multiplies it as it is); on CPU when the float32 model would take
-    more than CPU_QLORA_SHARE of the memory (QLoRA's products there dequantize slab by slab,
-    slower than a float32 base that fits). Read from the file's header: nothing is loaded."""
+    more than CPU_QLORA_SHARE of the memory (below that a float32 base keeps the kernels' paths
+    that take dense weights: the fused loss, packed decoding). Read from the file's header:
+    nothing is loaded."""
     if not cfg.adapters or cfg.qlora == "off" or cfg.method == "scratch":
         return None
     plan = QuantPlan(cfg.qlora_bits, cfg.qlora_group_size).validate()
