@@ -5,22 +5,29 @@ The spec's name table gives each tensor's HF name and the transform between HF's
 ours (GGUF's rows): llama's q/k NEOX permute (as llama.cpp's converter does on the way in),
 GPT-2's Conv1D transpose, fused q|k|v split and joined by rows. config.json is the spec's
 `hf_in` / `hf_out`.
+
+mlx-lm's quantized folders (`mlx_lm.convert(..., quantize=True)`: config.json's `quantization`,
+`<name>.weight` packed uint32 beside `<name>.scales` and `<name>.biases`, MLX's affine layout)
+use the same names and layout as Hugging Face's: each packed matrix is kept as it is stored
+(a PackedMatrix, its rows permuted or split as the float one's would be) where the QuantPlan
+keeps that matrix quantized, else dequantized tensor by tensor to the compute dtype.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from typing import Any
 
 import mlx.core as mx
 
 from mlxtoy.arch.registry import SPECS, expected_shapes, spec_for_hf, spec_of
-from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, fuse, split
+from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, flat_shape, fuse, split
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.models.quant import PackedMatrix, QuantPlan, quantize_dense
+from mlxtoy.models.quant import BITS, PackedMatrix, QuantPlan, quantize_dense
 from mlxtoy.textio import read_json
 from mlxtoy.fsutil import atomic_folder
 
@@ -65,24 +72,141 @@ def hf_model_config(path: str) -> tuple[ArchSpec, ModelConfig, dict[str, Any], d
     if spec.hf_prefix:  # checkpoints saved without the base model's prefix (GPT-2's own)
         hf = {k if k.startswith(spec.hf_prefix) or k == "lm_head.weight" else spec.hf_prefix + k: v
               for k, v in hf.items()}
+    layouts = packed_layouts(raw_cfg, hf, path)
+    if layouts and any(t.hf_transform is not None and not t.hf_transform.rows for t in spec.tensors):
+        raise UserError(f"{path}: a quantized {spec.name} folder (mlx-lm's layout of {spec.name} is "
+                        f"not Hugging Face's); mlxtoy reads quantized folders of "
+                        f"{', '.join(n for n, s in SPECS.items() if s.hf_in is not None and not _transposes(s))}")
     head, table = "lm_head.weight", spec.tensor_of("tok_embeddings.weight")[0].hf
     # some checkpoints store a copy of the tied table: untie only if it differs
     cfg.tie_embeddings = head not in hf or table not in hf or (
-        hf[head].shape == hf[table].shape and mx.array_equal(hf[head], hf[table]).item())
+        hf[head].shape == hf[table].shape and layouts.get(head) == layouts.get(table)
+        and mx.array_equal(hf[head], hf[table]).item())
     bias = block0_name(spec, "attn.q.bias", "hf")
     cfg.qkv_bias = bias is not None and bias in hf
     if spec.fix_config is not None:
-        spec.fix_config(cfg, {t.ours[0]: tuple(hf[t.hf].shape) for t in spec.tensors
+        spec.fix_config(cfg, {t.ours[0]: logical_shape(hf, t.hf, layouts) for t in spec.tensors
                               if not t.block and t.hf in hf})
     return spec, cfg, raw_cfg, hf
+
+
+def _transposes(spec: ArchSpec) -> bool:
+    return any(t.hf_transform is not None and not t.hf_transform.rows for t in spec.tensors)
+
+
+# --------------------------------------------------------------------------- mlx-lm's quantized folders
+
+def quantization_of(raw_cfg: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """config.json's mlx-lm quantization (`quantization`, or `quantization_config` in the same
+    form: group_size, bits, mode, and per-module overrides keyed by module path); None for a
+    float folder. Other quantizers' folders (a `quant_method`: GPTQ, AWQ, bitsandbytes, ...)
+    are refused in one line."""
+    q = raw_cfg.get("quantization")
+    if q is None:
+        q = raw_cfg.get("quantization_config")
+        if isinstance(q, dict) and "quant_method" in q:
+            raise UserError(f"{path}: quantized with {q['quant_method']!r}, which mlxtoy does not read "
+                            f"(it reads float folders, mlx-lm's quantized folders and GGUF files)")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise UserError(f"{path}/config.json: quantization: expected an object, got {type(q).__name__}")
+    return q
+
+
+def packed_layouts(raw_cfg: dict[str, Any], hf: dict[str, Any], path: str) -> dict[str, tuple[int, int]]:
+    """{tensor name `<module>.weight`: (bits, group size)} of the matrices an mlx-lm folder
+    holds quantized: those stored with `<module>.scales` beside them (as mlx-lm's loader
+    decides), with config.json's `quantization` (its entry for the module where it has one).
+    `hf`: name -> anything with a `.shape` (arrays, or shapes read from a header)."""
+    packed = [name[: -len(".scales")] for name in hf if name.endswith(".scales")
+              and name[: -len(".scales")] + ".weight" in hf]
+    if not packed:
+        return {}
+    q = quantization_of(raw_cfg, path)
+    if q is None:
+        raise UserError(f"{path}: {packed[0]}.scales, but config.json has no quantization")
+    out: dict[str, tuple[int, int]] = {}
+    for module in packed:
+        own = q.get(module, q)
+        if not isinstance(own, dict):  # `false`: mlx-lm left this module unquantized
+            raise UserError(f"{path}: {module} is stored quantized, but config.json's quantization "
+                            f"says it is not")
+        mode = own.get("mode", q.get("mode", "affine"))
+        if mode != "affine":
+            raise UserError(f"{path}: {module} is quantized in mode {mode!r}; mlxtoy reads mlx-lm's "
+                            f"affine quantization (mlx_lm.convert's default)")
+        try:
+            bits, group = int(own.get("bits", q.get("bits"))), int(own.get("group_size", q.get("group_size")))
+        except (TypeError, ValueError):
+            raise UserError(f"{path}/config.json: quantization of {module}: needs bits and group_size") from None
+        if module + ".biases" not in hf:
+            raise UserError(f"{path}: {module}.scales without {module}.biases (not the affine layout)")
+        w, scales = hf[module + ".weight"], hf[module + ".scales"]
+        if bits not in (2, 3, 4, 5, 6, 8) or group <= 0:
+            raise UserError(f"{path}/config.json: quantization of {module}: bits {bits}, group size {group}")
+        d_in = w.shape[-1] * 32 // bits
+        if len(w.shape) != 2 or tuple(scales.shape) != (w.shape[0], d_in // group) or d_in % group:
+            raise UserError(f"{path}: {module}: packed shape {list(w.shape)} and scales {list(scales.shape)} "
+                            f"do not fit {bits} bits, group size {group}")
+        out[module + ".weight"] = (bits, group)
+    return out
+
+
+def logical_shape(hf: dict[str, Any], name: str, layouts: dict[str, tuple[int, int]]) -> tuple[int, ...]:
+    """The shape of tensor `name` as a float matrix (a packed one's rows x inputs)."""
+    shape = tuple(hf[name].shape)
+    if name in layouts:
+        return (shape[0], shape[1] * 32 // layouts[name][0])
+    return shape
+
+
+def read_packed(hf: dict[str, mx.array], name: str, layout: tuple[int, int]) -> PackedMatrix:
+    """Tensor `name`'s PackedMatrix as stored (popped from `hf`, with its scales and biases)."""
+    module = name[: -len(".weight")]
+    bits, group = layout
+    return PackedMatrix(hf.pop(name), hf.pop(module + ".scales"), hf.pop(module + ".biases"), group, bits)
+
+
+def dense_of(packed: PackedMatrix) -> mx.array:
+    """The float32 matrix (mx.dequantize's values; the kernels' threaded form for 4 and 8 bits)."""
+    if packed.bits in BITS:
+        return packed.dense(mx.float32)
+    return mx.dequantize(packed.weight, packed.scales.astype(mx.float32), packed.biases.astype(mx.float32),
+                         packed.group_size, packed.bits)
+
+
+def _rows_of(packed: PackedMatrix, f) -> PackedMatrix:
+    """A row transform applied to the packed words, scales and biases alike."""
+    return PackedMatrix(f(packed.weight), f(packed.scales), f(packed.biases), packed.group_size, packed.bits)
+
+
+def split_packed(packed: PackedMatrix, params: list[str], shapes: dict[str, tuple[int, ...]], name: str,
+                 where: str) -> list[PackedMatrix]:
+    """`split` for a packed matrix: rows for each of `params` (a per-head one keeps its heads
+    flat, as `install_quantized` takes it)."""
+    flats = [flat_shape(p, shapes[p]) for p in params]
+    want = [sum(f[0] for f in flats), flats[0][-1]]
+    if list(packed.shape) != want or any(len(f) != 2 or f[1:] != flats[0][1:] for f in flats):
+        raise UserError(f"{where}: tensor {name} has shape {list(packed.shape)}, expected {want}")
+    if len(params) == 1:
+        return [packed]
+    out, start = [], 0
+    for f in flats:
+        out.append(packed.rows(start, start + f[0]))
+        start += f[0]
+    return out
 
 
 def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = None):
     """-> (ModelConfig, {param_name: mx.array | PackedMatrix}, LoadedMeta), tensor by tensor
     (safetensors load lazily, so each tensor is read when it is converted). With `quant`, the
-    matrices it names are quantized at load (PackedMatrix), their errors in the meta."""
+    matrices it names are quantized at load (PackedMatrix), their errors in the meta; a matrix
+    an mlx-lm folder stores quantized is kept as stored (the tables too), and without `quant`
+    dequantized to `dtype`."""
     dtype = dtype or mx.float32
     spec, cfg, raw_cfg, hf = hf_model_config(path)
+    layouts = packed_layouts(raw_cfg, hf, path)
     shapes = expected_shapes(cfg)
     packs = quant.matrices(spec, cfg) if quant is not None else set()
     weights: dict[str, mx.array | PackedMatrix] = {}
@@ -90,7 +214,20 @@ def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = 
     for name, params, t in expand(spec, cfg, shapes, "hf"):
         if name not in hf:
             raise UserError(f"{path}: missing tensor {name}")
-        w = hf.pop(name)
+        if name in layouts:
+            packed = read_packed(hf, name, layouts[name])
+            if (quant is not None and packed.bits in BITS
+                    and quant.layout(params[0], shapes[params[0]], packs, packed.bits)):
+                if t.hf_transform is not None:  # row permutes (q/k's NEOX), as for the float rows
+                    packed = _checked(lambda: _rows_of(packed, lambda a: t.hf_transform.from_hf(a, cfg)),
+                                      path, name, packed.weight)
+                for param, part in zip(params, split_packed(packed, params, shapes, name, path)):
+                    weights[param] = part
+                    mx.eval(part.weight, part.scales, part.biases)
+                continue
+            w = dense_of(packed)  # this tensor alone, then as a float one
+        else:
+            w = hf.pop(name)
         if t.hf_transform is not None:
             w = _checked(lambda: t.hf_transform.from_hf(w, cfg), path, name, w)
         for param, part in zip(params, split(w, params, shapes, name, path)):
@@ -102,6 +239,56 @@ def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = 
                 mx.eval(weights[param])
     return cfg, weights, LoadedMeta(source=path, format="hf", metadata={"config": raw_cfg},
                                     quantization_errors=errors)
+
+
+def planned_quantized(path: str, quant: QuantPlan) -> dict[str, PackedMatrix]:
+    """{param: PackedMatrix of placeholder arrays} for the matrices `load_hf(path, quant=quant)`
+    keeps quantized, in the layout it keeps them in (an mlx-lm folder's own bits, group size and
+    scale dtype; the plan's for a float matrix it quantizes at load), from the header alone:
+    the lazy zeros are never evaluated (what `loading.planned_model` builds its model from)."""
+    spec, cfg, raw_cfg, hf = hf_model_config(path)
+    layouts = packed_layouts(raw_cfg, hf, path)
+    shapes = expected_shapes(cfg)
+    packs = quant.matrices(spec, cfg)
+    planned: dict[str, PackedMatrix] = {}
+    for name, params, _ in expand(spec, cfg, shapes, "hf"):
+        stored = layouts.get(name)
+        for p in params:
+            if stored is not None and stored[0] in BITS and quant.layout(p, shapes[p], packs, stored[0]):
+                (bits, group), dtype = stored, hf[name[: -len(".weight")] + ".scales"].dtype
+            elif (layout := quant.layout(p, shapes[p], packs)) is not None:
+                (bits, group), dtype = layout, mx.float16  # `quantize_dense`'s scales
+            else:
+                continue
+            rows, d_in = flat_shape(p, shapes[p])
+            planned[p] = PackedMatrix(mx.zeros((rows, d_in * bits // 32), mx.uint32),
+                                      mx.zeros((rows, d_in // group), dtype),
+                                      mx.zeros((rows, d_in // group), dtype), group, bits)
+    return planned
+
+
+def hf_source_size(path: str) -> tuple[int, bool]:
+    """(parameters, whether any matrix is stored quantized) of an HF folder from its
+    safetensors headers and config.json: a packed matrix counts rows x inputs, its scales and
+    biases not at all."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        try:
+            with safe_open(file, "numpy") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        except Exception as e:
+            raise UserError(f"{file}: cannot read safetensors ({e})") from None
+
+    class _Shape:  # what packed_layouts reads of a tensor
+        def __init__(self, shape):
+            self.shape = shape
+
+    layouts = packed_layouts(read_hf_config(path), {k: _Shape(v) for k, v in shapes.items()}, path)
+    extras = {m[: -len(".weight")] + leaf for m in layouts for leaf in (".scales", ".biases")}
+    n = sum(math.prod(logical_shape({k: _Shape(v)}, k, layouts)) for k, v in shapes.items() if k not in extras)
+    return n, bool(layouts)
 
 
 def _checked(f, path: str, name: str, w: mx.array) -> mx.array:
