@@ -73,10 +73,6 @@ def hf_model_config(path: str) -> tuple[ArchSpec, ModelConfig, dict[str, Any], d
         hf = {k if k.startswith(spec.hf_prefix) or k == "lm_head.weight" else spec.hf_prefix + k: v
               for k, v in hf.items()}
     layouts = packed_layouts(raw_cfg, hf, path)
-    if layouts and any(t.hf_transform is not None and not t.hf_transform.rows for t in spec.tensors):
-        raise UserError(f"{path}: a quantized {spec.name} folder (mlx-lm's layout of {spec.name} is "
-                        f"not Hugging Face's); mlxtoy reads quantized folders of "
-                        f"{', '.join(n for n, s in SPECS.items() if s.hf_in is not None and not _transposes(s))}")
     head, table = "lm_head.weight", spec.tensor_of("tok_embeddings.weight")[0].hf
     # some checkpoints store a copy of the tied table: untie only if it differs
     cfg.tie_embeddings = head not in hf or table not in hf or (
@@ -88,10 +84,6 @@ def hf_model_config(path: str) -> tuple[ArchSpec, ModelConfig, dict[str, Any], d
         spec.fix_config(cfg, {t.ours[0]: logical_shape(hf, t.hf, layouts) for t in spec.tensors
                               if not t.block and t.hf in hf})
     return spec, cfg, raw_cfg, hf
-
-
-def _transposes(spec: ArchSpec) -> bool:
-    return any(t.hf_transform is not None and not t.hf_transform.rows for t in spec.tensors)
 
 
 # --------------------------------------------------------------------------- mlx-lm's quantized folders
@@ -168,6 +160,15 @@ def read_packed(hf: dict[str, mx.array], name: str, layout: tuple[int, int]) -> 
     return PackedMatrix(hf.pop(name), hf.pop(module + ".scales"), hf.pop(module + ".biases"), group, bits)
 
 
+def kept_packed(quant: QuantPlan, t, bits: int, param: str, shapes: dict[str, tuple[int, ...]],
+                packs: set[str]) -> bool:
+    """Whether a matrix stored packed with `bits` stays as stored under `quant`: a 4- or 8-bit
+    matrix the plan keeps quantized (the tables too: the file's form is exact), whose HF -> ours
+    transform moves whole rows (else it is dequantized, transformed, and quantized by the plan)."""
+    return (bits in BITS and (t.hf_transform is None or t.hf_transform.rows)
+            and quant.layout(param, shapes[param], packs, bits) is not None)
+
+
 def dense_of(packed: PackedMatrix) -> mx.array:
     """The float32 matrix (mx.dequantize's values; the kernels' threaded form for 4 and 8 bits)."""
     if packed.bits in BITS:
@@ -216,8 +217,7 @@ def load_hf(path: str, dtype: mx.Dtype | None = None, quant: QuantPlan | None = 
             raise UserError(f"{path}: missing tensor {name}")
         if name in layouts:
             packed = read_packed(hf, name, layouts[name])
-            if (quant is not None and packed.bits in BITS
-                    and quant.layout(params[0], shapes[params[0]], packs, packed.bits)):
+            if quant is not None and kept_packed(quant, t, packed.bits, params[0], shapes, packs):
                 if t.hf_transform is not None:  # row permutes (q/k's NEOX), as for the float rows
                     packed = _checked(lambda: _rows_of(packed, lambda a: t.hf_transform.from_hf(a, cfg)),
                                       path, name, packed.weight)
@@ -251,10 +251,10 @@ def planned_quantized(path: str, quant: QuantPlan) -> dict[str, PackedMatrix]:
     shapes = expected_shapes(cfg)
     packs = quant.matrices(spec, cfg)
     planned: dict[str, PackedMatrix] = {}
-    for name, params, _ in expand(spec, cfg, shapes, "hf"):
+    for name, params, t in expand(spec, cfg, shapes, "hf"):
         stored = layouts.get(name)
         for p in params:
-            if stored is not None and stored[0] in BITS and quant.layout(p, shapes[p], packs, stored[0]):
+            if stored is not None and kept_packed(quant, t, stored[0], p, shapes, packs):
                 (bits, group), dtype = stored, hf[name[: -len(".weight")] + ".scales"].dtype
             elif (layout := quant.layout(p, shapes[p], packs)) is not None:
                 (bits, group), dtype = layout, mx.float16  # `quantize_dense`'s scales
