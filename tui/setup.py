@@ -27,9 +27,9 @@ from mlxtoy.io.registry import BUILTIN, resolve_model
 from mlxtoy.io.tables import dataset_id, is_table_file
 from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
-from mlxtoy.train.data import Renderer
+from mlxtoy.train.formats import Renderer, as_trained
 from mlxtoy.train.objectives import OBJECTIVE_TYPES, make_objective
-from mlxtoy.train.records import PREF_KIND, PROMPT_KIND, read_data
+from mlxtoy.train.records import read_data
 from mlxtoy.train.rewards import BUILTINS
 from tui.widgets import FilePicker, NavBar
 
@@ -134,14 +134,21 @@ def check_out(value: str) -> str | None:
 
 
 def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: dict) -> dict[str, Any]:
-    """Parse the data and measure token lengths (worker thread). Raises UserError on bad data."""
+    """Parse the data and measure token lengths (worker thread). Raises UserError on bad data.
+
+    Every record goes through its format (mlxtoy.train.formats), as the trainer's batches do:
+    "examples" are the first records' previews, "rendered" the first record's sequences as the
+    trainer builds them ([(text, trained), ...] each: the chat template applied, cut to
+    seq_len + 1 tokens), "lengths" the longest sequence of each record."""
     raw = read_data(os.path.expanduser(data))
     records = raw.train
     out: dict[str, Any] = {"count": len(records), "kind": records[0].kind if records else "?",
                            "valid": len(raw.valid) if raw.valid is not None else None,
-                           "test": len(raw.test), "examples": [], "lengths": None, "tokenizer_error": None}
+                           "test": len(raw.test), "examples": [], "rendered": [], "lengths": None,
+                           "tokenizer_error": None}
     for rec in records[:3]:
-        out["examples"].append(_describe_record(rec))
+        out["examples"].append(" ".join((f"[dim]{escape(label)}[/dim] " if label else "") + escape(text)
+                                        for label, text in rec.format.preview(rec)))
     tok = tokenizer_cache.get(model)
     if tok is None and check_model(model)[0] is None:
         try:
@@ -153,20 +160,13 @@ def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: di
         lengths = []
         for rec in records[:2000]:  # enough for the shape of the distribution
             try:
-                if rec.kind == "chat":
-                    ids = r.chat(rec.value, rec.where)[0]
-                elif rec.kind == "completion":
-                    ids = r.completion(*rec.value, rec.where)[0]
-                elif rec.kind == PREF_KIND:  # the longer side of a preference pair
-                    ids = max((r.pair_side(rec.value[0], c, rec.where)[0] for c in rec.value[1:]), key=len)
-                elif rec.kind == PROMPT_KIND:  # grpo: the prompt (completions are sampled)
-                    ids = r.prompt_of(rec)[0]
-                else:
-                    ids = r.text(rec.value)[0]
+                sequences = rec.format.sequences(rec, r)
             except UserError as e:
                 out["tokenizer_error"] = str(e)
                 break
-            lengths.append(len(ids))
+            if not out["rendered"]:
+                out["rendered"] = [r.pieces(*as_trained(ids, loss, seq_len)) for ids, loss in sequences]
+            lengths.append(max(len(ids) for ids, _ in sequences))  # a pair: the longer side
         if lengths:
             out["lengths"] = {"n": len(lengths), "min": min(lengths), "max": max(lengths),
                               "mean": sum(lengths) / len(lengths),
@@ -175,24 +175,17 @@ def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: di
     return out
 
 
-def _describe_record(rec) -> str:
-    def clip(s: str, n: int = 90) -> str:
-        s = " ".join(s.split())
-        return s if len(s) <= n else s[: n - 1] + "…"
-
-    if rec.kind == "completion":
-        return f"[dim]prompt[/dim] {escape(clip(rec.value[0], 60))} [dim]→[/dim] {escape(clip(rec.value[1], 60))}"
-    if rec.kind == "chat":
-        return " ".join(f"[dim]{escape(m['role'])}:[/dim] {escape(clip(m['content'], 50))}" for m in rec.value[:3])
-    if rec.kind == PREF_KIND:
-        prompt, chosen, rejected = rec.value
-        return (f"[dim]prompt[/dim] {escape(clip(prompt[-1]['content'], 50))} [dim]chosen[/dim] "
-                f"{escape(clip(chosen, 30))} [dim]rejected[/dim] {escape(clip(rejected, 30))}")
-    if rec.kind == PROMPT_KIND:
-        prompt, answer, _ = rec.value
-        return (f"[dim]prompt[/dim] {escape(clip(prompt[-1]['content'], 60))} [dim]answer[/dim] "
-                f"{escape(clip(str(answer), 40))}")
-    return escape(clip(str(rec.value), 140))
+def show_rendered(pieces: list[tuple[str, bool]], limit: int = 600) -> str:
+    """A rendered sequence as markup: trained text green, the rest dim; at most `limit` characters."""
+    out, left = [], limit
+    for text, trained in pieces:
+        if left <= 0:
+            out.append("[dim]…[/dim]")
+            break
+        shown = escape(text[:left])
+        out.append(f"[green]{shown}[/green]" if trained else f"[dim]{shown}[/dim]")
+        left -= len(text)
+    return "".join(out)
 
 
 class SetupScreen(Screen):
@@ -359,6 +352,9 @@ class SetupScreen(Screen):
         lines.append("[b]First examples[/b]")
         for i, ex in enumerate(result["examples"], 1):
             lines.append(f"{i}. {ex}")
+        if result["rendered"]:
+            lines += ["", "[b]As trained[/b] [dim](example 1; [/dim][green]trained[/green][dim] tokens green)[/dim]"]
+            lines += [show_rendered(pieces) for pieces in result["rendered"]]
         info.update("\n".join(lines))
 
     @on(Input.Changed)

@@ -1,9 +1,7 @@
 """Training data: records (mlxtoy.train.records) -> token examples -> packed (or padded) batches.
 
-Records are rendered with the tokenizer's chat template where there is one (`Renderer`): a
-completion as a user turn and an assistant turn, a conversation with loss on every assistant
-turn (found by rendering prefixes of the conversation); `.txt` streams are cut into windows of
-`seq_len` tokens.
+Each record is rendered by its format (mlxtoy.train.formats: the tokenizer's chat template where
+there is one, the loss mask); a `.txt` stream is cut into windows of `seq_len` tokens.
 
 Batches: by default several examples are packed into one row; `segments` holds each token's
 document index in its row (-1 for padding) for `block_causal_mask`, so a token only sees
@@ -20,7 +18,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from mlxtoy.errors import UserError
-from mlxtoy.train.records import PREF_KIND, PROMPT_KIND, RawSplits, Record, read_data
+from mlxtoy.train.formats import Record, Renderer, as_trained
+from mlxtoy.train.records import RawSplits, read_data
 
 PAD_MULTIPLE = 32  # batch widths are rounded up to this (few distinct shapes to compile)
 
@@ -62,114 +61,6 @@ class DataStats:
         return s
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class Renderer:
-    """Turns records into token ids and loss masks for one tokenizer."""
-
-    def __init__(self, tokenizer, mask_prompt: bool = True):
-        self.tok = tokenizer
-        self.mask_prompt = mask_prompt
-        self.has_template = bool(tokenizer.chat_template)
-
-    def render(self, messages, add_generation_prompt: bool, where: str) -> list[int]:
-        try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        except UserError:
-            raise
-        except Exception as e:
-            raise UserError(f"{where}: the chat template failed ({type(e).__name__}: {e})") from None
-        return self.tok.encode(text, add_bos=False)
-
-    def _eos(self, ids: list[int]) -> list[int]:
-        eos = self.tok.eos_id
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids = ids + [eos]
-        return ids
-
-    def chat(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
-        if not self.has_template:
-            raise UserError(f"{where}: chat data needs a chat template, and this tokenizer has none "
-                            f"(use {{\"text\"}} or {{\"prompt\",\"completion\"}})")
-        full = self.render(messages, False, where)
-        loss = [not self.mask_prompt] * len(full)
-        if self.mask_prompt:
-            # Each assistant turn is what rendering messages[:i+1] adds to the rendering of
-            # messages[:i] with the generation prompt; common prefixes make this robust to
-            # templates whose prefixes do not tokenize identically at the boundary.
-            for i, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                before = self.render(messages[:i], True, where) if i else []
-                through = full if i == len(messages) - 1 else self.render(messages[: i + 1], False, where)
-                start, end = _common_prefix(before, full), _common_prefix(through, full)
-                for t in range(start, end):
-                    loss[t] = True
-        return full, loss
-
-    def final_turn(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
-        """Like `chat`, but only the final assistant turn (and the end-of-turn tokens the
-        template adds after it) is trained: a preference pair's completion. For a one-turn
-        conversation this is `chat`'s mask."""
-        if not self.has_template:
-            raise UserError(f"{where}: chat data needs a chat template, and this tokenizer has none")
-        full = self.render(messages, False, where)
-        start = _common_prefix(self.render(messages[:-1], True, where), full)
-        return full, [t >= start for t in range(len(full))]
-
-    def pair_side(self, prompt: list[dict], completion: str, where: str) -> tuple[list[int], list[bool]]:
-        """One completion of a preference pair after its prompt messages: ids and loss mask
-        (the completion only), as SFT renders the same conversation."""
-        if self.has_template:
-            return self.final_turn(prompt + [{"role": "assistant", "content": completion}], where)
-        if len(prompt) != 1 or prompt[0]["role"] != "user":
-            raise UserError(f"{where}: a system message or a conversation needs a chat template, "
-                            f"and this tokenizer has none")
-        return Renderer(self.tok, True).completion(prompt[0]["content"], completion, where)
-
-    def completion(self, prompt: str, completion: str, where: str) -> tuple[list[int], list[bool]]:
-        if self.has_template:
-            return self.chat([{"role": "user", "content": prompt},
-                              {"role": "assistant", "content": completion}], where)
-        p = self.tok.encode(prompt)
-        full = self._eos(self.tok.encode(prompt + completion))
-        start = _common_prefix(p, full) if self.mask_prompt else 0
-        return full, [t >= start for t in range(len(full))]
-
-    def text(self, text: str) -> tuple[list[int], list[bool]]:
-        ids = self._eos(self.tok.encode(text))
-        return ids, [True] * len(ids)
-
-    def prompt_of(self, rec: Record) -> tuple[list[int], str | None]:
-        """(prompt ids ready for generation, the exact expected answer or None)."""
-        if rec.kind == "chat":
-            msgs = rec.value
-            last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
-            if last is None:
-                return self.render(msgs, True, rec.where), None
-            return self.render(msgs[:last], True, rec.where), msgs[last]["content"]
-        if rec.kind in (PREF_KIND, PROMPT_KIND):  # (prompt messages, chosen or answer, ...)
-            prompt_msgs, expected = rec.value[0], rec.value[1]
-            expected = expected if isinstance(expected, str) else str(expected)
-            if self.has_template:
-                return self.render(prompt_msgs, True, rec.where), expected
-            return self.tok.encode(prompt_msgs[-1]["content"]), expected
-        if rec.kind == "completion":
-            prompt, answer = rec.value
-            if self.has_template:
-                return self.render([{"role": "user", "content": prompt}], True, rec.where), answer
-            return self.tok.encode(prompt), answer
-        text = rec.value if isinstance(rec.value, str) else ""
-        ids = self.tok.encode(text)
-        return ids[: max(1, len(ids) // 2)], None
-
-
 def tokenize(records: list[Record], tokenizer, seq_len: int, mask_prompt: bool = True,
              name: str = "train") -> tuple[list[Example], DataStats]:
     """Records -> examples of at most seq_len + 1 tokens (over-long ones truncated, counted)."""
@@ -177,34 +68,27 @@ def tokenize(records: list[Record], tokenizer, seq_len: int, mask_prompt: bool =
     out: list[Example] = []
     stats = DataStats()
     for rec in records:
-        if rec.kind == "stream":
-            # a plain-text corpus: consecutive windows sharing one boundary token, so every
-            # token is predicted exactly once
-            ids = r.text(rec.value)[0]
+        fmt = rec.format
+        ids, loss = fmt.sequences(rec, r)[0]
+        if fmt.windowed:
+            # one long text: consecutive windows sharing one boundary token, so every token
+            # is predicted exactly once
             for s in range(0, max(1, len(ids) - 1), seq_len):
                 chunk = np.asarray(ids[s: s + seq_len + 1], dtype=np.int32)
                 if len(chunk) < 2:
                     continue
-                out.append(Example(chunk, np.ones(len(chunk), bool), rec.where))
+                out.append(Example(chunk, np.asarray(loss[s: s + seq_len + 1], dtype=bool), rec.where))
             continue
-        if rec.kind == "chat":
-            ids, loss = r.chat(rec.value, rec.where)
-        elif rec.kind == "completion":
-            ids, loss = r.completion(*rec.value, rec.where)
-        else:
-            ids, loss = r.text(rec.value)
-        if len(ids) > seq_len + 1:
-            stats.truncated += 1
-            ids, loss = ids[: seq_len + 1], loss[: seq_len + 1]
+        stats.truncated += len(ids) > seq_len + 1
+        ids, loss = as_trained(ids, loss, seq_len)
         loss = np.asarray(loss, dtype=bool)
-        loss[0] = False  # the first token is never predicted
         if len(ids) < 2 or not loss.any():
             stats.dropped += 1
             continue
         out.append(Example(np.asarray(ids, dtype=np.int32), loss, rec.where))
     # Truncating every example of a completion / chat set would cut the answers off: surely a
     # seq_len that is too small. Long plain texts are just cut (and counted), as mlx-lm does.
-    if records and stats.truncated == len(records) and records[0].kind in ("chat", "completion"):
+    if records and stats.truncated == len(records) and records[0].format.answer_at_end:
         raise UserError(f"{name}: every example ({len(records)}) is longer than seq_len {seq_len} "
                         f"tokens; raise --seq-len")
     if not out and records:
@@ -253,7 +137,7 @@ def load_dataset(path: str, tokenizer, seq_len: int, mask_prompt: bool = True,
         train_stats.examples -= len(valid)
         # keep the records of the held-out examples for sample prompts
         held = {e.where for e in valid}
-        valid_records = [r for r in raw.train if r.where in held and r.kind != "stream"]
+        valid_records = [r for r in raw.train if r.where in held and not r.format.windowed]
     else:
         valid, valid_stats = (tokenize_fn(raw.valid, tokenizer, seq_len, mask_prompt, name="valid")
                               if raw.valid else ([], DataStats()))

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 from mlxtoy.errors import UserError
 from mlxtoy.generate import stream_generate
-from mlxtoy.train.data import Renderer
-from mlxtoy.train.records import Record
+from mlxtoy.train.formats import Record, Renderer
 
 
 @dataclass
@@ -32,15 +31,6 @@ class AccuracyReport:
 
 def _normalize(s: str) -> str:
     return " ".join(s.split())
-
-
-def prompt_text(rec: Record) -> str:
-    if rec.kind == "completion":
-        return rec.value[0]
-    if rec.kind == "chat":
-        users = [m["content"] for m in rec.value if m["role"] == "user"]
-        return users[-1] if users else ""
-    return str(rec.value)[:80]
 
 
 def _answer(model, tokenizer, ids: list[int], expected: str, max_tokens: int, full: bool) -> str:
@@ -71,13 +61,13 @@ def accuracy(model, tokenizer, examples: list[Record], max_tokens: int = 32,
     if not todo:
         raise UserError("no test examples to measure accuracy on (add test.jsonl to the data folder)")
     for rec in todo:
-        ids, expected = r.prompt_of(rec)
+        ids, expected = rec.format.prompt(rec, r)
         if expected is None:
             raise UserError(f"{rec.where}: no expected answer (needs a completion or an assistant turn)")
         answer = _answer(model, tokenizer, ids, expected, max_tokens, len(samples) < full_answers)
         ok = _normalize(answer) == _normalize(expected)
         correct += ok
-        samples.append({"prompt": prompt_text(rec), "expected": expected, "answer": answer, "ok": ok})
+        samples.append({"prompt": rec.format.prompt_text(rec), "expected": expected, "answer": answer, "ok": ok})
     if was_training:
         model.train()
     return AccuracyReport(correct, len(todo), samples)

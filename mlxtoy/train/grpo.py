@@ -41,8 +41,8 @@ import numpy as np
 from mlxtoy.errors import UserError
 from mlxtoy.generate import generate_batch
 from mlxtoy.sampling import SamplingParams
-from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, DataStats, Renderer, pack_rows
-from mlxtoy.train.records import Record
+from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, DataStats, pack_rows
+from mlxtoy.train.formats import Record, Renderer
 from mlxtoy.train.rewards import RewardSet
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -179,14 +179,8 @@ def tokenize_prompts(records: list[Record], tokenizer, seq_len: int, mask_prompt
     out: list[Prompt] = []
     stats = DataStats(dropped_why=f"the prompt is longer than seq_len {seq_len}")
     for rec in records:
-        messages, answer, row = rec.value
-        if r.has_template:
-            ids = r.render(messages, True, rec.where)
-        elif len(messages) == 1 and messages[0]["role"] == "user":
-            ids = tokenizer.encode(messages[0]["content"])
-        else:
-            raise UserError(f"{rec.where}: a system message or a conversation needs a chat template, "
-                            f"and this tokenizer has none")
+        _, answer, row = rec.value
+        ids = rec.format.sequences(rec, r)[0][0]  # the prompt, ready for sampling
         if len(ids) > seq_len or not ids:
             stats.dropped += 1
             continue

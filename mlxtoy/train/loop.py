@@ -32,9 +32,9 @@ from mlxtoy.models.quant import parameter_count
 from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, load_objective_state,
                                      restore_optimizer_state, save_best, save_checkpoint, write_final)
 from mlxtoy.train.control import Control, TrainControl
-from mlxtoy.train.data import Dataset, Renderer
+from mlxtoy.train.data import Dataset
+from mlxtoy.train.formats import Renderer
 from mlxtoy.train.objectives import Setup, make_objective
-from mlxtoy.train.records import PREF_KIND, PROMPT_KIND
 from mlxtoy.train.step import Reducer, Stepper, make_optimizer
 
 # A taps hook gets (model, step) and returns an event (or events, or None) to emit.
@@ -350,13 +350,8 @@ def _sample_prompts(cfg: TrainConfig, tokenizer, dataset: Dataset) -> list[tuple
     if not out:
         for rec in dataset.valid_records[:2]:
             try:
-                ids, _ = r.prompt_of(rec)
+                ids, _ = rec.format.prompt(rec, r)
             except UserError:
                 continue
-            # a pair or a GRPO prompt: its prompt messages
-            msgs = rec.value[0] if rec.kind in (PREF_KIND, PROMPT_KIND) else rec.value
-            shown = rec.value if isinstance(rec.value, str) else (
-                rec.value[0] if rec.kind == "completion" else
-                next((m["content"] for m in reversed(msgs) if m["role"] == "user"), ""))
-            out.append((shown[:200], ids))
+            out.append((rec.format.prompt_text(rec)[:200], ids))
     return out

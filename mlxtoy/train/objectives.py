@@ -45,10 +45,11 @@ from mlxtoy.sampling import SamplingParams
 from mlxtoy.train import grpo
 from mlxtoy.train.checkpoint import load_reference, save_reference
 from mlxtoy.train.data import Batch, BatchStream, Dataset, tokenize
+from mlxtoy.train.formats import ChatFormat, CompletionFormat, PairFormat, PromptFormat, StreamFormat, TextFormat
 from mlxtoy.train.logprobs import (completion_logps, cross_entropy, loss_logits_alive,  # noqa: F401
                                    output_cross_entropy, output_layer, token_losses)
 from mlxtoy.train.pairs import PairStream, tokenize_pairs
-from mlxtoy.train.records import PREF_KIND, PROMPT_KIND, RawSplits, check_kinds
+from mlxtoy.train.records import RawSplits, check_kinds
 from mlxtoy.train.rewards import RewardSet
 
 STATS = ("loss", "reward_chosen", "reward_rejected", "pref_accuracy")
@@ -196,7 +197,8 @@ class Objective:
 
     name = "sft"
     default_beta = 0.1  # what cfg.beta resolves to when not given
-    kinds: tuple[str, ...] = ("text", "completion", "chat", "stream")  # the record kinds it trains on
+    # the record kinds it trains on (mlxtoy.train.formats)
+    kinds: tuple[str, ...] = (TextFormat.kind, CompletionFormat.kind, ChatFormat.kind, StreamFormat.kind)
     wanted: str | None = None  # how errors describe those kinds (None: the general formats)
 
     def __init__(self, cfg: TrainConfig):
@@ -297,7 +299,7 @@ class SFT(Objective):
 class Preference(Objective):
     """Preference pairs (DPO, ORPO): batches of whole pairs, a loss with statistics."""
 
-    kinds = (PREF_KIND,)
+    kinds = (PairFormat.kind,)
     wanted = ('preference pairs ({"prompt","chosen","rejected"} or {"chosen": [messages], '
               '"rejected": [messages]})')
 
@@ -432,7 +434,7 @@ class GRPO(Objective):
 
     name = "grpo"
     default_beta = 0.0
-    kinds = (PROMPT_KIND,)
+    kinds = (PromptFormat.kind,)
     wanted = 'prompt rows ({"prompt","answer"} or {"messages": [...], "answer"})'
     max_refill_draws = 4  # --skip-zero-std-groups: prompt batches drawn per micro-batch at most
 

@@ -1,9 +1,9 @@
 """Preference pairs (DPO, ORPO): records -> tokenized pairs -> batches of whole pairs.
 
 A pair is two examples, the chosen and the rejected completion of one prompt, each rendered
-exactly as SFT renders that conversation (`Renderer.pair_side`): the loss mask covers the
-completion and the end-of-turn tokens the chat template adds after it, never the prompt.
-Records come from mlxtoy.train.data (the one reader of data files, kind "pref").
+exactly as SFT renders that conversation (mlxtoy.train.formats.PairFormat): the loss mask
+covers the completion and the end-of-turn tokens the chat template adds after it, never the
+prompt. Records come from mlxtoy.train.records (the one reader of data files, kind "pref").
 
 Batches hold `batch_size` pairs; pair j of a batch is sequences 2j (chosen) and 2j + 1
 (rejected), and `Batch.seq` names each target's sequence so the objective can sum per-sequence
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mlxtoy.errors import UserError
-from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, DataStats, Example, Renderer, pack_rows
-from mlxtoy.train.records import Record
+from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, DataStats, Example, pack_rows
+from mlxtoy.train.formats import Record, Renderer, as_trained
 
 
 @dataclass
@@ -51,15 +51,11 @@ def tokenize_pairs(records: list[Record], tokenizer, seq_len: int, mask_prompt: 
     out: list[Pair] = []
     stats = DataStats(dropped_why=f"the prompt leaves no room for the completion at seq_len {seq_len}")
     for rec in records:
-        prompt, chosen, rejected = rec.value
         sides, cut = [], False
-        for text in (chosen, rejected):
-            ids, loss = r.pair_side(prompt, text, rec.where)
-            if len(ids) > seq_len + 1:
-                cut = True
-                ids, loss = ids[: seq_len + 1], loss[: seq_len + 1]
+        for ids, loss in rec.format.sequences(rec, r):  # chosen, rejected
+            cut = cut or len(ids) > seq_len + 1
+            ids, loss = as_trained(ids, loss, seq_len)
             mask = np.asarray(loss, dtype=bool)
-            mask[0] = False  # the first token is never predicted
             sides.append(Example(np.asarray(ids, dtype=np.int32), mask, rec.where))
         if not all(e.loss.any() for e in sides):
             stats.dropped += 1

@@ -1,17 +1,8 @@
 """Training data as the files say it: records, checked, each with where it came from.
 
-Formats (mlx-lm's three JSONL formats, plus plain text):
-- `{"text": ...}`: every token is trained.
-- `{"prompt": ..., "completion": ...}`: loss on the completion only (`mask_prompt`).
-- `{"messages": [{"role", "content"}, ...]}`: rendered with the model's chat template.
-- `.txt`: one continuous stream, cut into windows of `seq_len` tokens.
-- Preference pairs (DPO, ORPO; tokenized and batched by mlxtoy.train.pairs):
-  `{"prompt", "chosen", "rejected"}` strings (optional `"system"`), or TRL's conversational
-  `{"chosen": [messages], "rejected": [messages]}` whose shared prefix is the prompt and whose
-  differing final assistant turns are the completions. Both become kind "pref".
-- Prompts to sample from (GRPO; mlxtoy.train.grpo): `{"prompt", "answer"}` (optional
-  `"system"`) or `{"messages": [...], "answer"}`; every other column is kept for the rewards.
-  Kind "prompt".
+What a record is, per format (text, prompt/completion, messages, `.txt` streams, preference
+pairs, GRPO's prompt/answer rows), lives in mlxtoy.train.formats: this module finds the files
+and rows and hands each object to `parse_object` there.
 
 `data` is one file (split into train/valid deterministically from the seed) or a folder with
 `train.jsonl|train.txt` and optionally `valid.*` and `test.*`. Also a `.parquet`, `.csv` or
@@ -19,6 +10,7 @@ Formats (mlx-lm's three JSONL formats, plus plain text):
 go through the same checks as JSONL objects, named "<file> row N". `DataOptions` picks the
 split / subset and renames columns (`--prompt-column question` ...) for every format.
 Every byte is read through mlxtoy.textio, so bad input is one error naming file:line.
+A file holds one format.
 """
 
 from __future__ import annotations
@@ -29,84 +21,8 @@ from typing import Any
 
 from mlxtoy.errors import UserError
 from mlxtoy.io.tables import Table, dataset_id, is_table_file, is_table_folder, read_tables
-from mlxtoy.textio import check_string, iter_lines, parse_json, read_text
-
-
-@dataclass
-class Record:
-    where: str  # "file:line"
-    kind: str  # "text" | "completion" | "chat" | "stream" | "pref" | "prompt"
-    # str | (prompt, completion) | list of messages | (prompt messages, chosen, rejected) |
-    # (prompt messages, answer, the row's columns)
-    value: Any
-
-
-PREF_KIND = "pref"
-PROMPT_KIND = "prompt"
-# what the kinds that only some objectives train on are called, and which objectives take them
-KIND_NEEDS = {PREF_KIND: ("preference pairs", "dpo or orpo"), PROMPT_KIND: ("prompt/answer rows", "grpo")}
-
-
-def _check_prompt_row(obj: dict, where: str) -> Record:
-    """A GRPO row -> Record("prompt", (prompt messages, answer, every column))."""
-    if "messages" in obj:
-        messages = _check_messages(obj["messages"], where)
-    else:
-        for key in ("prompt",) + (("system",) if "system" in obj else ()):
-            if not isinstance(obj[key], str):
-                raise UserError(f"{where}: field '{key}' must be a string")
-            check_string(obj[key], f"{where}: field '{key}'")
-        messages = ([{"role": "system", "content": obj["system"]}] if "system" in obj else []) + [
-            {"role": "user", "content": obj["prompt"]}]
-    if obj["answer"] is None:
-        raise UserError(f"{where}: field 'answer' is empty (null)")
-    return Record(where, PROMPT_KIND, (messages, obj["answer"], dict(obj)))
-
-
-def _check_pref(obj: dict, where: str) -> Record:
-    """A preference row -> Record("pref", (prompt messages, chosen text, rejected text))."""
-    for key in ("chosen", "rejected"):
-        if key not in obj:
-            raise UserError(f"{where}: missing field '{key}' (a preference pair needs 'chosen' and 'rejected')")
-    chosen, rejected = obj["chosen"], obj["rejected"]
-    if isinstance(chosen, list) or isinstance(rejected, list):
-        c, r = _check_messages(chosen, where), _check_messages(rejected, where)
-        for name, msgs in (("chosen", c), ("rejected", r)):
-            if msgs[-1]["role"] != "assistant":
-                raise UserError(f"{where}: '{name}' must end with an assistant turn (the completion)")
-        if c[:-1] != r[:-1]:
-            raise UserError(f"{where}: 'chosen' and 'rejected' must share every message but the "
-                            f"final assistant turn (the prompt)")
-        prompt, chosen, rejected = c[:-1], c[-1]["content"], r[-1]["content"]
-    else:
-        if "prompt" not in obj:
-            raise UserError(f"{where}: missing field 'prompt' (string 'chosen'/'rejected' need one)")
-        for key in ("prompt", "chosen", "rejected") + (("system",) if "system" in obj else ()):
-            if not isinstance(obj[key], str):
-                raise UserError(f"{where}: field '{key}' must be a string")
-        prompt = ([{"role": "system", "content": obj["system"]}] if "system" in obj else []) + [
-            {"role": "user", "content": obj["prompt"]}]
-    for name, text in (("chosen", chosen), ("rejected", rejected)):
-        if not text.strip():
-            raise UserError(f"{where}: empty completion in '{name}'")
-    if chosen == rejected:
-        raise UserError(f"{where}: 'chosen' and 'rejected' are identical (nothing to prefer)")
-    return Record(where, PREF_KIND, (prompt, chosen, rejected))
-
-
-def _check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
-    if not isinstance(msgs, list) or not msgs:
-        raise UserError(f"{where}: 'messages' must be a non-empty list")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise UserError(f"{where}: message {i} needs 'role' and 'content'")
-        if not isinstance(m["content"], str):
-            raise UserError(f"{where}: message {i} 'content' must be a string")
-        check_string(m["content"], f"{where}: message {i}")
-        out.append({"role": str(m["role"]), "content": m["content"]})
-    return out
-
+from mlxtoy.textio import iter_lines, parse_json, read_text
+from mlxtoy.train.formats import STREAM, Record, parse_object
 
 COLUMN_ROLES = ("text", "prompt", "completion", "messages", "chosen", "rejected", "answer")  # the fields a record reads
 
@@ -139,38 +55,9 @@ class DataOptions:
         return obj
 
 
-def parse_object(obj: Any, where: str) -> Record:
-    """One JSON object or table row -> Record, checked; errors name `where`."""
-    if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    if "chosen" in obj or "rejected" in obj:
-        return _check_pref(obj, where)
-    if "answer" in obj and ("prompt" in obj or "messages" in obj) and "completion" not in obj:
-        return _check_prompt_row(obj, where)
-    if "messages" in obj:
-        return Record(where, "chat", _check_messages(obj["messages"], where))
-    if "prompt" in obj or "completion" in obj:
-        for key in ("prompt", "completion"):
-            if key not in obj:
-                raise UserError(f"{where}: missing field '{key}'")
-            if not isinstance(obj[key], str):
-                raise UserError(f"{where}: field '{key}' must be a string")
-            check_string(obj[key], f"{where}: field '{key}'")
-        return Record(where, "completion", (obj["prompt"], obj["completion"]))
-    if "text" in obj:
-        if not isinstance(obj["text"], str):
-            raise UserError(f"{where}: field 'text' must be a string")
-        check_string(obj["text"], f"{where}: field 'text'")
-        return Record(where, "text", obj["text"])
-    raise UserError(f"{where}: missing field: expected 'text', 'prompt'/'completion', 'messages' "
-                    f"or 'chosen'/'rejected' (got {', '.join(sorted(obj)) or 'an empty object'})")
-
-
-def _one_format(records: list[Record]) -> list[Record]:
-    for prev, rec in zip(records, records[1:]):
-        if rec.kind != prev.kind:
-            raise UserError(f"{rec.where}: mixes formats ({rec.kind} after {prev.kind})")
-    return records
+def check_one_format(prev: Record | None, rec: Record) -> None:
+    if prev is not None and rec.kind != prev.kind:
+        raise UserError(f"{rec.where}: mixes formats ({rec.kind} after {prev.kind})")
 
 
 def parse_jsonl(path: str, opts: DataOptions | None = None) -> list[Record]:
@@ -185,8 +72,7 @@ def parse_jsonl(path: str, opts: DataOptions | None = None) -> list[Record]:
         if isinstance(obj, dict):
             obj = opts.rename(obj, where)
         rec = parse_object(obj, where)
-        if records and rec.kind != records[-1].kind:
-            raise UserError(f"{where}: mixes formats ({rec.kind} after {records[-1].kind})")
+        check_one_format(records[-1] if records else None, rec)
         records.append(rec)
     return records
 
@@ -194,16 +80,17 @@ def parse_jsonl(path: str, opts: DataOptions | None = None) -> list[Record]:
 def parse_rows(table: Table, opts: DataOptions | None = None) -> list[Record]:
     """A table's rows (io.tables) -> Records, with JSONL's checks; `where` is "<label> row N"."""
     opts = opts or DataOptions()
-    records = []
+    records: list[Record] = []
     for i, row in enumerate(table.rows, 1):
         where = f"{table.label} row {i}"
-        records.append(parse_object(opts.rename(row, where), where))
-    return _one_format(records)
+        rec = parse_object(opts.rename(row, where), where)
+        check_one_format(records[-1] if records else None, rec)
+        records.append(rec)
+    return records
 
 
 def parse_txt(path: str) -> list[Record]:
-    text = read_text(path)
-    return [Record(f"{path}:1", "stream", text)] if text.strip() else []
+    return STREAM.parse_text(read_text(path), f"{path}:1")
 
 
 def parse_file(path: str, opts: DataOptions | None = None) -> list[Record]:
@@ -277,5 +164,5 @@ def check_kinds(raw: RawSplits, objective: str, kinds: tuple[str, ...], wanted: 
                 continue
             if wanted is not None:
                 raise UserError(f"{rec.where}: --objective {objective} needs {wanted}, not {rec.kind} data")
-            name, objectives = KIND_NEEDS[rec.kind]
+            name, objectives = rec.format.needs
             raise UserError(f"{rec.where}: {name} need --objective {objectives} (the objective is {objective})")
