@@ -303,6 +303,47 @@ async def test_setup_data_preview(in_assets):
         assert len(preview["examples"]) == 3
         text = str(app.screen.query_one("#data-info", Static).render())
         assert "60 examples" in text and "tokens per example" in text
+        # the first record as the trainer renders it (mlxtoy.train.formats; checked against the
+        # trainer's batches for every kind in tests/test_record_kinds.py)
+        first = json.loads(open("data.jsonl").readline())["text"]
+        assert "As trained" in text and first[:40] in text
+
+
+# A stand-in for the trainer: says which device it was asked for and which it computes on.
+REPORT_DEVICE = ("import json, os; from mlxtoy import backend; print(json.dumps({'event': 'log', 'message': "
+                 "'device: MLXTOY_DEVICE=%s computes on %s' % (os.environ.get('MLXTOY_DEVICE', 'unset'), "
+                 "backend.INFO.device)}), flush=True)")
+
+
+@run_async
+async def test_setup_device_reaches_the_trainer(in_assets):
+    """The Setup form's device (issue 35: --device cpu|gpu in the TUI) reaches the trainer's
+    process, whose backend computes there; auto leaves the choice to it; gpu is refused where
+    this MLX has no GPU."""
+    from mlxtoy import backend
+
+    app = MlxtoyApp(model="tiny.gguf", data="data.jsonl", runs_dir="runs",
+                    trainer_argv=lambda cfg: [sys.executable, "-c", REPORT_DEVICE])
+    async with app.run_test(size=SIZE) as pilot:
+        await fill_setup(pilot, app, str(in_assets / "runs-e2e" / "device"))
+        device = app.screen.query_one("#f-device", Select)
+        assert device.value == "auto" and app.screen.device is None
+        if backend.gpu_name() is None:
+            device.value = "gpu"
+            await pilot.pause()
+            assert "no GPU here" in error_text(app, "device") and app.screen.collect() is None
+        for choice, env, computes in (("cpu", "cpu", "cpu"), ("auto", "unset", backend.gpu_name() or "cpu")):
+            await pilot.press("f1")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "SetupScreen", 10, "the setup")
+            app.screen.query_one("#f-device", Select).value = choice
+            await pilot.pause()
+            assert "device" not in app.screen.errors
+            app.screen.query_one("#f-out", Input).value = str(in_assets / "runs-e2e" / f"device-{choice}")
+            await pilot.pause()
+            await pilot.press("ctrl+s")
+            want = f"device: MLXTOY_DEVICE={env} computes on {computes}"
+            await wait_for(pilot, lambda: any(l.message == want for l in app.run_state.logs), 60, want)
+            await wait_for(pilot, lambda: not app.trainer_alive, 30, "the stand-in to exit")
 
 
 @run_async
@@ -690,6 +731,28 @@ def _dashboard(theme: str, objective: str = "sft"):
         await _steady(pilot)
 
     return run_before
+
+
+@run_async
+async def test_log_lines_do_not_wrap(in_assets):
+    """A log line longer than the log is one line that scrolls sideways: a path in it stays
+    whole (to copy, to grep), never broken across two lines."""
+    from textual.widgets import RichLog
+
+    app = _app(data=None)
+    async with app.run_test(size=SIZE) as pilot:
+        state = _fake_state()
+        path = "/tmp/" + "/".join(["a-rather-long-folder-name"] * 6) + "/checkpoints/step_16"
+        state.log(f"step 16: checkpoint {path}")
+        app.run_state = state
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: app.screen.query_one("#log", RichLog).lines, 10, "the log")
+        await pilot.pause(0.3)
+        log = app.screen.query_one("#log", RichLog)
+        texts = [strip.text for strip in log.lines]
+        assert sum(path in t for t in texts) == 1, texts  # the whole path on one line
+        assert len(texts) == len(state.logs)  # one rendered line per log line
+        assert log.virtual_size.width > log.scrollable_content_region.width  # it scrolls sideways
 
 
 def test_snapshot_dashboard(in_assets, snap_compare):

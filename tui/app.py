@@ -23,7 +23,7 @@ from mlxtoy.events import CheckpointEvent, Command, Event
 from tui.chat import ChatScreen
 from tui.dashboard import DashboardScreen
 from tui.generation import Generator, MLXThread
-from tui.process import TrainerProcess, remote_argv
+from tui.process import TrainerProcess, remote_argv, trainer_env
 from tui.runs import RunsScreen
 from tui.setup import SetupScreen
 from tui.state import DONE, FAILED, PAUSED, RUNNING, STARTING, STOPPING, RunState
@@ -156,16 +156,19 @@ class MlxtoyApp(App):
 
     # ---------------------------------------------------------------- training
 
-    def start_training(self, cfg: dict[str, Any]) -> None:
+    def start_training(self, cfg: dict[str, Any], device: str | None = None) -> None:
+        """Start the trainer on `cfg` (TrainConfig fields), computing on `device` ("cpu", "gpu";
+        None: the GPU where there is one)."""
         if self.trainer_alive:
             self.notify("A run is already training.", severity="warning")
             return
         state = RunState(run_dir=os.path.abspath(cfg["out"]), status=STARTING, method=cfg["method"],
                          total_steps=int(cfg["steps"]), config=dict(cfg))
-        state.log(f"starting the trainer: {cfg['method']} on {cfg['model']}, data {cfg['data']} "
-                  f"(loading the model takes a moment)")
+        state.log(f"starting the trainer: {cfg['method']} on {cfg['model']}, data {cfg['data']}"
+                  + (f", on the {device.upper()}" if device else "") + " (loading the model takes a moment)")
         self.run_state = state
-        self.trainer = TrainerProcess(self.trainer_argv(cfg), self._on_trainer_event, self._on_trainer_exit)
+        self.trainer = TrainerProcess(self.trainer_argv(cfg), self._on_trainer_event, self._on_trainer_exit,
+                                      env=trainer_env(device))
         self.run_worker(self._run_trainer(self.trainer), group="trainer", exit_on_error=False)
         self.switch_mode("train")
         self._refresh_bindings()

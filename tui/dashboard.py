@@ -52,7 +52,8 @@ class DashboardScreen(Screen):
             yield TapsHeatmap(id="taps")
             with Horizontal(id="dash-bottom"):
                 yield RichLog(id="samples", wrap=True, markup=True, max_lines=200, min_width=20)
-                yield RichLog(id="log", wrap=True, markup=True, max_lines=500, min_width=20)
+                # log lines are never wrapped (a path stays whole, to copy): long ones scroll sideways
+                yield RichLog(id="log", wrap=False, markup=True, max_lines=500, min_width=20)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -103,7 +104,7 @@ class DashboardScreen(Screen):
             stamp = time.strftime("%H:%M:%S", time.localtime(line.time))
             style = LEVEL_STYLE.get(line.level)
             msg = escape(line.message)
-            log.write(f"[dim]{stamp}[/dim] " + (f"[{style}]{msg}[/]" if style else msg))
+            log.write(f"[dim]{stamp}[/dim] " + (f"[{style}]{msg}[/]" if style else msg), shrink=False)
         self._log_seen = len(state.logs)
         samples = self.query_one("#samples", RichLog)
         for s in state.samples[self._samples_seen:]:
@@ -112,7 +113,7 @@ class DashboardScreen(Screen):
         self._samples_seen = len(state.samples)
         if not state.steps and not state.logs and not state.run_dir:
             log.clear()
-            log.write("[dim]No run yet: set one up on the Setup screen (F1) and press ctrl+s.[/dim]")
+            log.write("[dim]No run yet: set one up on the Setup screen (F1) and press ctrl+s.[/dim]", shrink=False)
             self._log_seen = 0
 
     # ---------------------------------------------------------------- controls

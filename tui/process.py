@@ -15,6 +15,7 @@ import sys
 from collections import deque
 from typing import Any, Callable
 
+from mlxtoy import settings
 from mlxtoy.events import Command, Event, LogEvent, event_from_dict
 
 LINE_LIMIT = 64 * 1024 * 1024  # a taps event with per-head views can be a long line
@@ -23,6 +24,16 @@ LINE_LIMIT = 64 * 1024 * 1024  # a taps event with per-head views can be a long 
 def remote_argv(config: dict[str, Any]) -> list[str]:
     """The command line that trains `config` and speaks the event protocol."""
     return [sys.executable, "-m", "mlxtoy.train.remote", "--config", json.dumps(config)]
+
+
+def trainer_env(device: str | None) -> dict[str, str]:
+    """The trainer's environment: this process's, with MLXTOY_DEVICE set to `device` ("cpu" or
+    "gpu"), or unset for None (the GPU where there is one), as `--device` does for a command."""
+    env = dict(os.environ)
+    env.pop(settings.DEVICE.name, None)
+    if device:
+        env[settings.DEVICE.name] = device
+    return env
 
 
 class TrainerProcess:

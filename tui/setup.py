@@ -20,6 +20,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, Select, Static
 
+from mlxtoy import backend, settings
 from mlxtoy.config import TrainConfig, field_default, parse_text, train_field
 from mlxtoy.errors import UserError
 from mlxtoy.io.hub import parse_id
@@ -105,6 +106,16 @@ def check_model(value: str) -> tuple[str | None, str]:
     if magic != b"GGUF":
         return f"{value}: not a GGUF file", ""
     return None, f"GGUF, {os.path.getsize(path) / 1e6:.0f} MB"
+
+
+# where the trainer computes: MLXTOY_DEVICE's choices (the CLI's --device), or the GPU where there is one
+DEVICES = (("auto", "auto"),) + tuple((c, c) for c in settings.DEVICE.choices or ())
+
+
+def check_device(value: str) -> str | None:
+    if value == "gpu" and backend.gpu_name() is None:
+        return "no GPU here (this MLX finds neither Metal nor CUDA); choose cpu or auto"
+    return None
 
 
 def check_data_path(value: str) -> str | None:
@@ -215,6 +226,11 @@ class SetupScreen(Screen):
                     yield Button("…", id="browse-model", compact=True, tooltip="Pick a file (ctrl+b)")
                 yield Static("", id="e-model", classes="ferror")
                 with Horizontal(classes="row"):
+                    yield Label("device", classes="flabel")
+                    yield Select(DEVICES, value=settings.DEVICE.value() or "auto", allow_blank=False,
+                                 id="f-device", compact=True, tooltip=settings.DEVICE.help)
+                yield Static("", id="e-device", classes="ferror")
+                with Horizontal(classes="row"):
                     yield Label("data", classes="flabel")
                     yield Input(app.data_arg or "", id="f-data", compact=True,  # type: ignore[attr-defined]
                                 placeholder=".jsonl / .txt file or a folder")
@@ -256,6 +272,7 @@ class SetupScreen(Screen):
             self._check_field(f.name, self.query_one(f"#f-{f.name}", Input).value)
         self._check_model(self.query_one("#f-model", Input).value)
         self._check_out(self.query_one("#f-out", Input).value)
+        self._set_error("device", check_device(self.device or ""))
         self._apply_method("lora")
         data = self.query_one("#f-data", Input).value
         if data:
@@ -403,6 +420,19 @@ class SetupScreen(Screen):
             self.query_one("#model-info", Static).update(
                 f"[b]Model[/b] {escape(value)}  [dim]fetched: {escape(path)}[/dim]")
 
+    @on(Select.Changed, "#f-device")
+    def _device_changed(self, event: Select.Changed) -> None:
+        self._set_error("device", check_device(str(event.value)))
+
+    @property
+    def device(self) -> str | None:
+        """The device chosen: "cpu", "gpu", or None for the GPU where there is one."""
+        try:
+            value = str(self.query_one("#f-device", Select).value)
+        except Exception:  # not composed yet
+            return None
+        return None if value == "auto" else value
+
     @on(Select.Changed, "#f-method")
     def _method_changed(self, event: Select.Changed) -> None:
         self._apply_method(str(event.value))
@@ -474,7 +504,7 @@ class SetupScreen(Screen):
         """The config for the trainer, or None (with the reasons shown) when something is wrong."""
         method = str(self.query_one("#f-method", Select).value)
         objective = str(self.query_one("#f-objective", Select).value)
-        relevant = {"model", "data", "out"} | {f.name for f in FIELDS if f.applies(method, objective)}
+        relevant = {"model", "device", "data", "out"} | {f.name for f in FIELDS if f.applies(method, objective)}
         errors = {k: v for k, v in self.errors.items() if k in relevant}
         form_error = self.query_one("#form-error", Static)
         if errors:
@@ -521,7 +551,7 @@ class SetupScreen(Screen):
         if cfg is None:
             self.notify("The setup has errors (shown in red).", severity="error")
             return
-        self.app.start_training(cfg)  # type: ignore[attr-defined]
+        self.app.start_training(cfg, self.device)  # type: ignore[attr-defined]
 
     def on_screen_resume(self) -> None:
         # a new run needs a new folder: the previous default is taken once a run started there
