@@ -196,15 +196,6 @@ def last_user(messages: list[dict]) -> str:
     return next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
 
 
-def ask(rec: Record, r: Renderer) -> tuple[list[int], str]:
-    """A pair's or a GRPO row's (prompt messages, chosen or answer, ...) -> (prompt ids,
-    expected answer); without a chat template the last message's text is the prompt."""
-    prompt, expected = rec.value[0], str(rec.value[1])
-    if r.has_template:
-        return r.render(prompt, True, rec.where), expected
-    return r.tok.encode(prompt[-1]["content"]), expected
-
-
 class Format:
     """One record kind. Subclasses override what differs; every method takes the record."""
 
@@ -326,7 +317,21 @@ class ChatFormat(Format):
         return [(f"{m['role']}:", clip(m["content"], 50)) for m in rec.value[:3]]
 
 
-class PairFormat(Format):
+class PromptedFormat(Format):
+    """The kinds whose value starts with (prompt messages, the expected completion, ...)."""
+
+    def prompt(self, rec: Record, r: Renderer) -> tuple[list[int], str | None]:
+        """Without a chat template the last message's text is the prompt."""
+        prompt, expected = rec.value[0], str(rec.value[1])
+        if r.has_template:
+            return r.render(prompt, True, rec.where), expected
+        return r.tok.encode(prompt[-1]["content"]), expected
+
+    def prompt_text(self, rec: Record) -> str:
+        return last_user(rec.value[0])
+
+
+class PairFormat(PromptedFormat):
     """Preference pairs (DPO, ORPO; batched by mlxtoy.train.pairs): (prompt messages, chosen
     text, rejected text). Each side is rendered as SFT renders that conversation."""
 
@@ -369,19 +374,13 @@ class PairFormat(Format):
         prompt, chosen, rejected = rec.value
         return [r.pair_side(prompt, text, rec.where) for text in (chosen, rejected)]
 
-    def prompt(self, rec: Record, r: Renderer) -> tuple[list[int], str | None]:
-        return ask(rec, r)
-
-    def prompt_text(self, rec: Record) -> str:
-        return last_user(rec.value[0])
-
     def preview(self, rec: Record) -> list[tuple[str, str]]:
         prompt, chosen, rejected = rec.value
         return [("prompt", clip(prompt[-1]["content"], 50)), ("chosen", clip(chosen, 30)),
                 ("rejected", clip(rejected, 30))]
 
 
-class PromptFormat(Format):
+class PromptFormat(PromptedFormat):
     """GRPO's rows (mlxtoy.train.grpo): (prompt messages, answer, every column of the row, for
     the rewards). Nothing of the row is trained: the completions are sampled."""
 
@@ -404,12 +403,6 @@ class PromptFormat(Format):
     def sequences(self, rec: Record, r: Renderer) -> list[Tokens]:
         ids = r.generation_prompt(rec.value[0], rec.where)
         return [(ids, [False] * len(ids))]
-
-    def prompt(self, rec: Record, r: Renderer) -> tuple[list[int], str | None]:
-        return ask(rec, r)
-
-    def prompt_text(self, rec: Record) -> str:
-        return last_user(rec.value[0])
 
     def preview(self, rec: Record) -> list[tuple[str, str]]:
         prompt, answer, _ = rec.value
