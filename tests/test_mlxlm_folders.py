@@ -249,3 +249,39 @@ def test_qlora_off_dequantizes(folders, text_data, tmp_path):
     assert "qlora: true" not in (run / "config.yaml").read_text()
     _, weights, _ = load_hf(q, mx.float32)
     assert not any(isinstance(w, PackedMatrix) for w in weights.values())
+
+
+@pytest.mark.core
+def test_tied_qwen2_folder_matches_mlx_lm(tmp_path):
+    """A second architecture and the common small-model case: Qwen2 (q/k/v biases, NEOX RoPE
+    kept as it is), tied output (the quantized embedding table is the output layer too)."""
+    from mlx_lm import convert
+
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=N_HEADS, num_key_value_heads=N_KV, num_hidden_layers=2,
+                                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      bos_token_id=0, eos_token_id=0,
+                                      # mlx-lm's qwen2 reads a top-level rope_theta (default 1e6), which
+                                      # transformers 5 no longer writes: the base both read alike
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(config)
+    _randomize(ref, seed=2)
+    hf, q = str(tmp_path / "hf"), str(tmp_path / "q4")
+    ref.save_pretrained(hf)
+    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(), source="tiny")
+    with open(os.path.join(hf, "tokenizer.json"), "w") as f:
+        f.write(tok.to_hf_tokenizer_json())
+    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
+        json.dump(tok.to_hf_tokenizer_config(), f)
+    convert(hf, q, quantize=True, q_bits=4, q_group_size=64, dtype="bfloat16")
+    tokens = _tokens()
+    theirs = _mlx_lm_logits(q, tokens)
+    assert theirs.max() - theirs.min() > 5.0
+    for plan in (None, QuantPlan(bits=8, group_size=32)):  # the folder's 4-bit/g64 is kept, not the plan's
+        ours, model = _our_logits(q, tokens, plan)
+        assert model.config.tie_embeddings and model.config.qkv_bias
+        assert isinstance(model.tok_embeddings, QuantizedEmbedding) == (plan is not None)
+        if plan is not None:
+            assert (model.layers[0].attn.q.bits, model.layers[0].attn.q.group_size) == (4, 64)
+        assert max_rel_diff(ours, theirs) < 1e-5, plan
