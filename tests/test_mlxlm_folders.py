@@ -48,6 +48,17 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
 
 
+def _save(ref, folder: str) -> str:
+    """The transformers model's HF folder with the tiny tokenizer (mlx-lm loads one)."""
+    ref.save_pretrained(folder)
+    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(), source="tiny")
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write(tok.to_hf_tokenizer_json())
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(tok.to_hf_tokenizer_config(), f)
+    return folder
+
+
 def _predicate(path: str, module) -> bool | dict:
     if path == "model.layers.1.mlp.down_proj":
         return False  # stays float in the folder
@@ -69,13 +80,7 @@ def folders(tmp_path_factory):
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config)
     _randomize(ref, seed=1)
-    hf = str(root / "hf")
-    ref.save_pretrained(hf)
-    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(), source="tiny")
-    with open(os.path.join(hf, "tokenizer.json"), "w") as f:
-        f.write(tok.to_hf_tokenizer_json())
-    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
-        json.dump(tok.to_hf_tokenizer_config(), f)
+    hf = _save(ref, str(root / "hf"))
     q = str(root / "q4")
     convert(hf, q, quantize=True, q_bits=4, q_group_size=64, dtype="float16", quant_predicate=_predicate)
     return hf, q
@@ -267,13 +272,7 @@ def test_tied_qwen2_folder_matches_mlx_lm(tmp_path):
     torch.manual_seed(0)
     ref = transformers.Qwen2ForCausalLM(config)
     _randomize(ref, seed=2)
-    hf, q = str(tmp_path / "hf"), str(tmp_path / "q4")
-    ref.save_pretrained(hf)
-    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(), source="tiny")
-    with open(os.path.join(hf, "tokenizer.json"), "w") as f:
-        f.write(tok.to_hf_tokenizer_json())
-    with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
-        json.dump(tok.to_hf_tokenizer_config(), f)
+    hf, q = _save(ref, str(tmp_path / "hf")), str(tmp_path / "q4")
     convert(hf, q, quantize=True, q_bits=4, q_group_size=64, dtype="bfloat16")
     tokens = _tokens()
     theirs = _mlx_lm_logits(q, tokens)
