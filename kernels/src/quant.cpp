@@ -7,7 +7,9 @@
 // CPU quantized matmul runs at a few GFLOP/s. A frozen base needs no weight gradient.
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -23,7 +25,9 @@ namespace mlxtoy {
 
 class QuantLinear : public mx::Primitive {
  public:
-  enum class Op { Product, InputGrad, Dequantize };  // a W^T, a W, W itself
+  // a W^T, a W, W itself, a W^T for a few rows of a (decoding: the quantized GEMV, scales and
+  // biases in their own dtype)
+  enum class Op { Product, InputGrad, Dequantize, Gemv };
   QuantLinear(mx::Stream stream, Op op, int group, int bits)
       : mx::Primitive(stream), op_(op), group_(group), bits_(bits) {}
 
@@ -59,6 +63,271 @@ void dequant_rows(const uint32_t* w, const float* scales, const float* biases, f
   });
 }
 
+
+// ---- the quantized GEMV (decoding) ----------------------------------------------------------
+// For a few rows of x (at most kGemvRows) the product is bound by reading W, so no slab is
+// dequantized to memory: each row of packed words is read once, widened to float32 in
+// registers and multiplied there, with the affine form split as
+//   y[m, n] = sum_g scale[n, g] * (x_g . q_g) + bias[n, g] * sum(x_g)
+// (x's sums over each group taken once per call). The scales and biases are read in their own
+// dtype (float16 for a GGUF's blocks): a cast to float32 per call would write 8 bytes a group
+// of every matrix on every token.
+
+constexpr int64_t kGemvRows = 4;
+constexpr int64_t kChunk = 32;  // weights a step of the loops (16 bytes at 4 bits, 32 at 8)
+
+enum class ScaleType { F32, F16, BF16 };
+
+inline ScaleType scale_type(const mx::array& a) {
+  return a.dtype() == mx::float16 ? ScaleType::F16 : a.dtype() == mx::bfloat16 ? ScaleType::BF16 : ScaleType::F32;
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (man << 13));  // inf, NaN
+  if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112) << 23) | (man << 13));
+  return std::bit_cast<float>(sign) + static_cast<float>(man) * 5.9604644775390625e-08f;  // subnormal: man 2^-24
+}
+
+#ifdef MLXTOY_AVX2
+__attribute__((target("avx2,f16c"))) inline int64_t f16_to_f32_f16c(const uint16_t* h, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  return i;
+}
+#endif
+
+// n scales (or biases) of type t at p as float32
+inline void scales_to_f32(const void* p, ScaleType t, float* out, int64_t n) {
+  if (t == ScaleType::F32) {
+    std::memcpy(out, p, n * sizeof(float));
+    return;
+  }
+  auto h = static_cast<const uint16_t*>(p);
+  int64_t i = 0;
+#ifdef MLXTOY_AVX2
+  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (t == ScaleType::F16 && f16c) i = f16_to_f32_f16c(h, out, n);
+#endif
+  for (; i < n; ++i)
+    out[i] = t == ScaleType::BF16 ? std::bit_cast<float>(static_cast<uint32_t>(h[i]) << 16) : half_to_float(h[i]);
+}
+
+// x (M, K) as the loops read it: at 4 bits each chunk of 32 with its even elements first, then
+// its odd ones (the low and the high nibbles of the chunk's 16 bytes); at 8 bits as it is
+inline void order_x(const float* x, float* xo, int64_t M, int64_t K, int bits) {
+  if (bits == 8) {
+    std::memcpy(xo, x, M * K * sizeof(float));
+    return;
+  }
+  for (int64_t i = 0; i < M * K; i += kChunk)
+    for (int j = 0; j < kChunk / 2; ++j) {
+      xo[i + j] = x[i + 2 * j];
+      xo[i + kChunk / 2 + j] = x[i + 2 * j + 1];
+    }
+}
+
+// rows [n0, n1) of y (M, N) = x W^T for rows of W (words a row) with its scales and biases
+// already float32 (sc, bi: (n1 - n0, groups)); xo: order_x's x, xs: x's group sums (M, groups)
+template <int M, int B>
+void qgemv_rows_portable(const float* xo, const float* xs, const uint32_t* w, const float* sc, const float* bi,
+                         float* y, int64_t N, int64_t K, int64_t group, int64_t n0, int64_t n1) {
+  const int64_t words = K * B / 32, groups = K / group;
+  for (int64_t n = n0; n < n1; ++n) {
+    auto q = reinterpret_cast<const uint8_t*>(w + n * words);
+    const float* s = sc + (n - n0) * groups;
+    const float* b = bi + (n - n0) * groups;
+    for (int m = 0; m < M; ++m) {
+      const float* xm = xo + m * K;
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float dot = 0.0f;
+        for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+          if (B == 4) {
+            const uint8_t* qc = q + c / 2;
+#pragma omp simd reduction(+ : dot)
+            for (int j = 0; j < 16; ++j)
+              dot += xm[c + j] * static_cast<float>(qc[j] & 15) + xm[c + 16 + j] * static_cast<float>(qc[j] >> 4);
+          } else {
+#pragma omp simd reduction(+ : dot)
+            for (int j = 0; j < 32; ++j) dot += xm[c + j] * static_cast<float>(q[c + j]);
+          }
+        }
+        acc += s[g] * dot + b[g] * xs[m * groups + g];
+      }
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+#ifdef MLXTOY_AVX2
+// The same with AVX-512: a chunk's 32 weights as two vectors of 16 floats (4 bits: the low
+// nibbles, then the high ones), R rows of W a pass (independent chains and R streams of W in
+// flight), each widened once for every row of x; each group's x . q kept in 16 lanes and scaled
+// into the row's accumulator; the bias terms as one dot over the groups.
+template <int M, int B, int R>
+__attribute__((target("avx512f"))) inline void qgemv_pass_avx512(const float* xo, const float* xs,
+                                                                 const uint8_t* q, const float* s, const float* b,
+                                                                 float* y, int64_t N, int64_t K, int64_t group) {
+  const int64_t groups = K / group, row_bytes = K * B / 8;
+  const __m128i low4 = _mm_set1_epi8(15);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dot[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) dot[r][m] = _mm512_setzero_ps();
+    for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* qr = q + r * row_bytes;
+        __m512 lo, hi;
+        if (B == 4) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c / 2));
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4)));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+        } else {
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c))));
+          hi = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c + 16))));
+        }
+        for (int m = 0; m < M; ++m) {
+          dot[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xo + m * K + c), lo, dot[r][m]);
+          dot[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xo + m * K + c + 16), hi, dot[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sg = _mm512_set1_ps(s[r * groups + g]);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(sg, dot[r][m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      __m512 bacc = _mm512_setzero_ps();
+      const float* br = b + r * groups;
+      int64_t g = 0;
+      for (; g + 16 <= groups; g += 16)
+        bacc = _mm512_fmadd_ps(_mm512_loadu_ps(br + g), _mm512_loadu_ps(xs + m * groups + g), bacc);
+      if (g < groups) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (groups - g)) - 1);
+        bacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, br + g), _mm512_maskz_loadu_ps(tail, xs + m * groups + g),
+                               bacc);
+      }
+      y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]) + _mm512_reduce_add_ps(bacc);
+    }
+}
+
+template <int M, int B>
+__attribute__((target("avx512f"))) void qgemv_rows_avx512(const float* xo, const float* xs, const uint32_t* w,
+                                                          const float* sc, const float* bi, float* y, int64_t N,
+                                                          int64_t K, int64_t group, int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  const int64_t words = K * B / 32, groups = K / group;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    qgemv_pass_avx512<M, B, R>(xo, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + (n - n0) * groups,
+                               bi + (n - n0) * groups, y + n, N, K, group);
+  for (; n < n1; ++n)
+    qgemv_pass_avx512<M, B, 1>(xo, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + (n - n0) * groups,
+                               bi + (n - n0) * groups, y + n, N, K, group);
+}
+
+// The same with AVX2 and FMA: 8 floats a vector, four to a chunk.
+template <int M, int B>
+__attribute__((target("avx2,fma"))) void qgemv_rows_avx2(const float* xo, const float* xs, const uint32_t* w,
+                                                         const float* sc, const float* bi, float* y, int64_t N,
+                                                         int64_t K, int64_t group, int64_t n0, int64_t n1) {
+  const int64_t words = K * B / 32, groups = K / group;
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    auto q = reinterpret_cast<const uint8_t*>(w + n * words);
+    const float* s = sc + (n - n0) * groups;
+    const float* b = bi + (n - n0) * groups;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_ps();
+      for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+        __m256 f[4];
+        if (B == 4) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c / 2));
+          const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+          f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+          f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+          f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+          f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        } else {
+          for (int v = 0; v < 4; ++v)
+            f[v] = _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c + 8 * v))));
+        }
+        for (int m = 0; m < M; ++m)
+          for (int v = 0; v < 4; ++v) dot[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xo + m * K + c + 8 * v), f[v], dot[m]);
+      }
+      const __m256 sg = _mm256_set1_ps(s[g]);
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(sg, dot[m], acc[m]);
+    }
+    for (int m = 0; m < M; ++m) {
+      float bsum = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) bsum += b[g] * xs[m * groups + g];
+      y[m * N + n] = hsum8(acc[m]) + bsum;
+    }
+  }
+}
+#endif
+
+template <int M, int B>
+void qgemv_rows(const float* xo, const float* xs, const uint32_t* w, const float* sc, const float* bi, float* y,
+                int64_t N, int64_t K, int64_t group, int64_t n0, int64_t n1) {
+#ifdef MLXTOY_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (cpu_avx512()) return qgemv_rows_avx512<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+  if (avx2) return qgemv_rows_avx2<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+#endif
+  qgemv_rows_portable<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+}
+
+template <int B>
+void qgemv_span(int64_t M, const float* xo, const float* xs, const uint32_t* w, const float* sc, const float* bi,
+                float* y, int64_t N, int64_t K, int64_t group, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return qgemv_rows<1, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+    case 2: return qgemv_rows<2, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+    case 3: return qgemv_rows<3, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+    default: return qgemv_rows<4, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+  }
+}
+
+// y (M, N) = x (M, K) W^T, M <= kGemvRows, W's rows split over the kernels' threads first come,
+// first served
+void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
+           float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
+  const int64_t groups = K / group;
+  const size_t elem = st == ScaleType::F32 ? 4 : 2;
+  std::vector<float> xo(M * K), xs(M * groups);
+  order_x(x, xo.data(), M, K, bits);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
+      xs[m * groups + g] = sum;
+    }
+  // a chunk's scales and biases are widened to float32 into the thread's own buffers first
+  const int64_t chunk = std::max<int64_t>(8, gemv_chunk(N, threads.threads()) / 4);
+  threads.run_dynamic(N, chunk, [&](int64_t n0, int64_t n1) {
+    thread_local std::vector<float> sc, bi;
+    const size_t need = static_cast<size_t>((n1 - n0) * groups);
+    if (sc.size() < need) sc.resize(need), bi.resize(need);
+    scales_to_f32(static_cast<const char*>(scales) + n0 * groups * elem, st, sc.data(), (n1 - n0) * groups);
+    scales_to_f32(static_cast<const char*>(biases) + n0 * groups * elem, st, bi.data(), (n1 - n0) * groups);
+    if (bits == 4) qgemv_span<4>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
+    else qgemv_span<8>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
+  });
+}
+
 }  // namespace
 
 void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -79,10 +348,15 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const int64_t M = first ? inputs[0].size() / std::max<int64_t>(inputs[0].shape(-1), 1) : 0;
   const int64_t slab = std::clamp<int64_t>(kSlabFloats / K, 1, N);
   float* y = out.data<float>();
+  const ScaleType st = scale_type(inputs[first + 1]);
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
     for (const auto& c : copies) c.run();
     auto a = static_cast<const float*>(in[0]);
     auto w = static_cast<const uint32_t*>(in[first]);
+    if (op == Op::Gemv) {
+      qgemv(a, M, w, in[first + 1], in[first + 2], st, y, N, K, group, bits, pool());
+      return;
+    }
     auto scales = static_cast<const float*>(in[first + 1]);
     auto biases = static_cast<const float*>(in[first + 2]);
     if (op == Op::Dequantize) {
@@ -122,7 +396,12 @@ mx::array make(QuantLinear::Op op, mx::Shape shape, std::vector<mx::array> input
                mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("[mlxtoy_kernels] CPU stream only");
-  for (size_t i = inputs.size() - 2; i < inputs.size(); ++i) inputs[i] = mx::astype(inputs[i], mx::float32, stream);
+  // the GEMV reads float16, bfloat16 or float32 scales and biases as they are (alike); the rest float32
+  const auto dt = inputs[inputs.size() - 2].dtype();
+  const bool own = op == QuantLinear::Op::Gemv && inputs.back().dtype() == dt &&
+                   (dt == mx::float16 || dt == mx::bfloat16 || dt == mx::float32);
+  if (!own)
+    for (size_t i = inputs.size() - 2; i < inputs.size(); ++i) inputs[i] = mx::astype(inputs[i], mx::float32, stream);
   return mx::array(std::move(shape), mx::float32, std::make_shared<QuantLinear>(stream, op, group_size, bits),
                    std::move(inputs));
 }
@@ -135,8 +414,9 @@ mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& 
   const int64_t N = w.shape(0), K = w.shape(1) * (32 / bits);
   if (a.ndim() != 2 || a.dtype() != mx::float32 || a.shape(1) != (grad ? N : K))
     throw std::invalid_argument("[mlxtoy_kernels] quant_linear: a float32 (M, K), or (M, N) for the gradient");
-  return make(grad ? QuantLinear::Op::InputGrad : QuantLinear::Op::Product,
-              {a.shape(0), static_cast<int>(grad ? K : N)}, {a, w, scales, biases}, group_size, bits, s);
+  const bool few = a.shape(0) <= kGemvRows && group_size % kChunk == 0;
+  const auto op = grad ? QuantLinear::Op::InputGrad : few ? QuantLinear::Op::Gemv : QuantLinear::Op::Product;
+  return make(op, {a.shape(0), static_cast<int>(grad ? K : N)}, {a, w, scales, biases}, group_size, bits, s);
 }
 
 mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
