@@ -284,3 +284,35 @@ def test_tied_qwen2_folder_matches_mlx_lm(tmp_path):
         if plan is not None:
             assert (model.layers[0].attn.q.bits, model.layers[0].attn.q.group_size) == (4, 64)
         assert max_rel_diff(ours, theirs) < 1e-5, plan
+
+
+# name -> (transformers config class, model class, keywords): Phi-3's fused q|k|v and gate|up
+# split from packed rows, Gemma 3's norm offsets and 6-layer window pattern (mlx-lm's needs 6)
+ARCHS = {
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5, pad_token_id=0, tie_word_embeddings=False)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_hidden_layers=6, head_dim=16, sliding_window=16,
+                                                             query_pre_attn_scalar=16, pad_token_id=0)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=None, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_other_architectures_match_mlx_lm(arch, tmp_path):
+    from mlx_lm import convert
+
+    config_cls, model_cls, kw = ARCHS[arch]
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=N_HEADS,
+              num_key_value_heads=N_KV, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+              bos_token_id=0, eos_token_id=0) | kw
+    torch.manual_seed(0)
+    ref = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw))
+    _randomize(ref, seed=2)
+    hf, q = _save(ref, str(tmp_path / "hf")), str(tmp_path / "q4")
+    convert(hf, q, quantize=True, q_bits=4, q_group_size=64)
+    tokens = _tokens()
+    theirs = _mlx_lm_logits(q, tokens)
+    for plan in (None, QuantPlan(bits=4, group_size=64)):
+        ours, model = _our_logits(q, tokens, plan)
+        assert any(isinstance(m, QUANTIZED_TYPES) for _, m in model.named_modules()) == (plan is not None)
+        assert max_rel_diff(ours, theirs) < 1e-5, plan
