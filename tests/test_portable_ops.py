@@ -28,7 +28,7 @@ from mlxtoy import backend
 from mlxtoy.config import ModelConfig, TrainConfig
 from mlxtoy.models import fastmath
 from mlxtoy.models.llama import LlamaModel, block_causal_mask, window_mask
-from mlxtoy.models.quant import PackedMatrix, QuantizedLinear, quantize_dense, QuantPlan, quantized_module
+from mlxtoy.models.quant import QuantizedLinear, QuantPlan, quantize_dense, quantized_module
 
 pytestmark = pytest.mark.core
 
