@@ -19,6 +19,7 @@ import glob
 import json
 import math
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -280,14 +281,10 @@ def hf_source_size(path: str) -> tuple[int, bool]:
                 shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
         except Exception as e:
             raise UserError(f"{file}: cannot read safetensors ({e})") from None
-
-    class _Shape:  # what packed_layouts reads of a tensor
-        def __init__(self, shape):
-            self.shape = shape
-
-    layouts = packed_layouts(read_hf_config(path), {k: _Shape(v) for k, v in shapes.items()}, path)
+    headers = {k: SimpleNamespace(shape=v) for k, v in shapes.items()}  # what packed_layouts reads
+    layouts = packed_layouts(read_hf_config(path), headers, path)
     extras = {m[: -len(".weight")] + leaf for m in layouts for leaf in (".scales", ".biases")}
-    n = sum(math.prod(logical_shape({k: _Shape(v)}, k, layouts)) for k, v in shapes.items() if k not in extras)
+    n = sum(math.prod(logical_shape(headers, k, layouts)) for k in shapes if k not in extras)
     return n, bool(layouts)
 
 
