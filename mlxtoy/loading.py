@@ -9,7 +9,6 @@ and their layout. Models stay pure: what to read and how to put it together live
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -19,7 +18,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from safetensors import safe_open
 
 from mlxtoy import backend
 from mlxtoy.config import LoadedMeta, ModelConfig
@@ -29,7 +27,7 @@ from mlxtoy.arch.registry import build_module, expected_shapes, spec_of
 from mlxtoy.arch.spec import expand, flat_shape
 from mlxtoy.io.gguf_file import affine_bits
 from mlxtoy.io.gguf_read import dequantize_tensor, gguf_model_config, load_gguf, open_gguf
-from mlxtoy.io.hf import hf_model_config, load_hf
+from mlxtoy.io.hf import hf_model_config, hf_source_size, load_hf, planned_quantized
 from mlxtoy.io.registry import resolve_model
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.lens import apply_lens, fold_lens
@@ -70,17 +68,22 @@ def load_weights(model_arg: str, dtype: mx.Dtype | None = None, quant: QuantPlan
     return cfg, weights, meta, tokenizer
 
 
-def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None):
+def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None,
+         quant: QuantPlan | str | None = None):
     """MODEL (.gguf, HF folder, Hugging Face id or built-in name) -> (model, tokenizer).
 
     `adapter`: a run directory; its adapters (LoRA) or weights (full / scratch) are applied.
+    `quant`: None, every weight dense (adapters merged in); a QuantPlan, the base's projections
+    kept quantized as QLoRA keeps them (never whole in float32; a LoRA run's adapters stay
+    unmerged on top); "run", a run's base as that run trained it (`run_quant_plan`).
     """
     if adapter is not None:
-        return load_run_model(adapter, base=model, dtype=dtype)
+        return load_run_model(adapter, base=model, dtype=dtype, quant=quant)
     if is_run_or_checkpoint(model):  # a training run (or one of its checkpoints, RUN/best) as MODEL
-        return load_run_model(model, dtype=dtype)
-    cfg, weights, meta, tokenizer = load_weights(model, dtype)
+        return load_run_model(model, dtype=dtype, quant=quant)
+    cfg, weights, meta, tokenizer = load_weights(model, dtype, quant=quant if isinstance(quant, QuantPlan) else None)
     m = build_model(cfg, weights)
+    del weights
     m.meta = meta
     return m, tokenizer
 
@@ -123,11 +126,7 @@ def source_size(model_arg: str) -> tuple[int, bool]:
         tensors = open_gguf(path).tensors
         n = sum(math.prod(t.shape) for t in tensors)
         return n, any(t.tensor_type.name.startswith(("Q", "IQ")) for t in tensors)
-    n = 0
-    for file in glob.glob(os.path.join(path, "*.safetensors")):
-        with safe_open(file, "numpy") as f:
-            n += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    return n, False
+    return hf_source_size(path)  # an mlx-lm quantized folder counts as quantized
 
 
 def planned_model(model_arg: str, dtype: mx.Dtype, quant: QuantPlan | None = None) -> LlamaModel:
@@ -147,10 +146,13 @@ def planned_model(model_arg: str, dtype: mx.Dtype, quant: QuantPlan | None = Non
         model.set_dtype(dtype)
     if quant is None:
         return model
+    if kind != "gguf":  # an mlx-lm folder's packed matrices in their own layout, the rest as planned
+        install_quantized(model, planned_quantized(path, quant))
+        return model
     shapes = expected_shapes(cfg)
     packs = quant.matrices(spec, cfg)
     planned: dict[str, PackedMatrix] = {}
-    for name, params, _ in expand(spec, cfg, shapes, kind if kind == "gguf" else "hf"):
+    for name, params, _ in expand(spec, cfg, shapes, "gguf"):
         for p in params:
             layout = quant.layout(p, shapes[p], packs, affine_bits(types.get(name, "")))
             if layout is None:
@@ -208,17 +210,34 @@ def run_weights(run: RunDir, cfg, ckpt: str | None) -> tuple[dict[str, mx.array]
     return mx.load(os.path.join(ckpt, CKPT_TRAINABLE)), ckpt
 
 
+def run_quant_plan(run_dir: str) -> QuantPlan | None:
+    """How a LoRA / DoRA run's base was kept while it trained: its QuantPlan for a QLoRA run
+    (config.yaml's qlora_bits / qlora_group_size; a GGUF's Q4_0 / Q4_1 / Q8_0 blocks keep their
+    own), None for a dense base or a run without adapters."""
+    run, _ = locate(run_dir)
+    cfg, facts = run.read_config()
+    if not (cfg.adapters and facts.qlora):
+        return None
+    return QuantPlan(cfg.qlora_bits, cfg.qlora_group_size).validate()
+
+
 def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None = None,
-                   merge: bool = True):
+                   merge: bool = True, quant: QuantPlan | str | None = None):
     """A run's model -> (model, tokenizer), in eval mode.
 
     lora / dora: the base (`base`, else the run's model) with the adapters (merged by default).
     full: the run's full weights (the base supplies the tokenizer). scratch: the run's model.
+    quant (lora / dora only): a QuantPlan keeps the base's projections quantized, "run" as the
+    run trained them (`run_quant_plan`; dense for a run that had a dense base); the adapters then
+    stay unmerged on top (merging would need the dense base). None: a dense base.
     """
     run, ckpt = locate(run_dir)
     cfg, facts = run.read_config()
     weights, source = run_weights(run, cfg, ckpt)
     dtype = dtype or backend.compute_dtype()
+    if quant == "run":
+        quant = run_quant_plan(run_dir)
+    plan = quant if isinstance(quant, QuantPlan) and cfg.adapters else None
     if cfg.method == "scratch":
         if not facts.model_config:
             raise UserError(f"{run.path}: config.yaml records no model_config")
@@ -234,7 +253,7 @@ def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None
             attach_lens(model, facts.lens["donor"], tokenizer)
         meta = None
     else:
-        mcfg, base_weights, meta, tokenizer = load_weights(base or cfg.model, dtype)
+        mcfg, base_weights, meta, tokenizer = load_weights(base or cfg.model, dtype, quant=plan)
         model = build_model(mcfg, base_weights)
         del base_weights
         if cfg.adapters:
@@ -244,7 +263,7 @@ def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None
                        lora.get("layers", cfg.lora_layers), paths=spec_of(mcfg.arch).lora_targets,
                        dora=cfg.method == "dora")
     load_partial(model, weights, source)
-    if cfg.adapters and merge:
+    if cfg.adapters and merge and plan is None:
         merge_lora(model)
     if merge:  # a projection lens becomes the plain embedding table it equals
         fold_lens(model)

@@ -1,0 +1,182 @@
+"""Generation from a quantized base: the kernels' fused quantized GEMV (decoding's few rows of x)
+against numpy float64 with a positive control, greedy generation from the quantized base equal to
+generation from the dequantized float32 model (kernels and MLX-only paths), llama.cpp's top token
+on a Q4_0 GGUF, and `generate --adapter RUN` of a QLoRA run keeping the base quantized with the
+adapters unmerged on top."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxtoy.generate import generate_tokens
+from mlxtoy.io.gguf_read import load_gguf
+from mlxtoy.io.gguf_write import write_gguf
+from mlxtoy.io.quantize import quantize_gguf
+from mlxtoy.loading import build_model, load
+from mlxtoy.models import fastmath, quant
+from mlxtoy.models.lora import LORA_TYPES
+from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
+from tests.helpers_export import tiny_model as export_model, tiny_tokenizer_metadata
+from tests.helpers_train import byte_tokenizer
+
+needs_kernels = pytest.mark.skipif(not fastmath.KERNELS, reason=f"the CPU kernels are off here: "
+                                                                f"{fastmath.kernels_status()}")
+
+
+def _quantized(rows: int, d_in: int, bits: int, group: int, dtype, seed: int):
+    w = mx.array(np.random.default_rng(seed).standard_normal((rows, d_in)).astype(np.float32))
+    q, scales, biases = mx.quantize(w, group, bits)
+    return q, scales.astype(dtype), biases.astype(dtype)
+
+
+def _dense64(q, scales, biases, group, bits) -> np.ndarray:
+    return np.array(mx.dequantize(q, scales.astype(mx.float32), biases.astype(mx.float32), group, bits)
+                    ).astype(np.float64)
+
+
+@needs_kernels
+@pytest.mark.core
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 64)])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_quantized_gemv_matches_numpy(bits, group, dtype):
+    """1-4 rows of x (the GEMV; 67 rows of W: a tail past the passes of 4 rows; 20 groups of 32:
+    a tail past the bias dot's 16 lanes) against float64, and one changed weight is seen."""
+    q, scales, biases = _quantized(67, 640, bits, group, dtype, seed=bits + group)
+    dense = _dense64(q, scales, biases, group, bits)
+    rng = np.random.default_rng(7)
+    for rows in (1, 2, 3, 4):
+        x = rng.standard_normal((rows, 640)).astype(np.float32)
+        y = fastmath.quant_linear(mx.array(x[:, None]), q, scales, biases, group, bits)  # (rows, 1, 67)
+        assert y.shape == (rows, 1, 67) and y.dtype == mx.float32
+        # float32 sums of 640 terms: within a few eps of sum |x_k w_k|
+        bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
+        assert (np.abs(np.array(y)[:, 0] - x.astype(np.float64) @ dense.T) <= bound).all()
+    # positive control: one word of row 66 (the tail) changed -> that output, and only it, moves
+    bad = np.array(q)
+    bad[66, 3] ^= 0x0F0F0F0F if bits == 4 else 0x7F7F7F7F
+    y_bad = np.array(fastmath.quant_linear(mx.array(x), mx.array(bad), scales, biases, group, bits))
+    y_ok = np.array(fastmath.quant_linear(mx.array(x), q, scales, biases, group, bits))
+    assert np.abs(y_bad[:, 66] - y_ok[:, 66]).max() > 1e-2
+    np.testing.assert_array_equal(y_bad[:, :66], y_ok[:, :66])
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
+def test_mlx_only_decode_product_matches_numpy(bits, group):
+    """The product decoding takes where the kernels are off (MLX's ops, slab by slab)."""
+    q, scales, biases = _quantized(48, 256, bits, group, mx.float16, seed=3)
+    x = np.random.default_rng(4).standard_normal((1, 1, 256)).astype(np.float32)
+    y = quant.slab_product(group, bits)(mx.array(x), q, scales, biases)
+    np.testing.assert_allclose(np.array(y)[0], x[0].astype(np.float64) @ _dense64(q, scales, biases, group, bits).T,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory):
+    """A tiny llama (GQA, d_model 64) as Q8_0 (our writer) and as Q4_0 (llama.cpp's quantizer)."""
+    root = tmp_path_factory.mktemp("qdecode")
+    model = export_model("llama_gqa", seed=5)
+    q8 = str(root / "tiny-q8_0.gguf")
+    write_gguf(q8, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="q8_0")
+    f32 = str(root / "tiny-f32.gguf")
+    write_gguf(f32, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="f32")
+    q4 = quantize_gguf(f32, str(root / "tiny-q4_0.gguf"), "q4_0")
+    return {"q8_0": q8, "q4_0": q4}
+
+
+def _greedy(model, prompt, n=24):
+    return [t for t, _ in generate_tokens(model, prompt, max_tokens=n)]
+
+
+@pytest.mark.core
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_greedy_generation_from_the_quantized_base_equals_the_dequantized_model(gguf_models, kind, monkeypatch):
+    path = gguf_models[kind]
+    qmodel, _ = load(path, quant=QuantPlan())
+    dmodel, _ = load(path)
+    assert sum(isinstance(m, QUANTIZED_TYPES) for _, m in qmodel.named_modules()) >= 7 * qmodel.config.n_layers
+    assert not any(isinstance(m, QUANTIZED_TYPES) for _, m in dmodel.named_modules())
+    prompt = list(range(40, 60))
+    want = _greedy(dmodel, prompt)
+    assert _greedy(qmodel, prompt) == want
+    # the same from the MLX-only product (slab_product: what runs without the kernels)
+    monkeypatch.setattr(quant, "quant_linear_ok", lambda x: False)
+    assert _greedy(qmodel, prompt) == want
+    # positive control: another prompt gives another continuation (the comparison can fail)
+    assert _greedy(dmodel, list(range(100, 120))) != want
+
+
+@pytest.mark.core
+def test_llama_cpp_top_token_agrees_on_a_q4_0_gguf(gguf_models):
+    """llama.cpp multiplies Q4_0 by 8-bit activations, so its logits differ from ours by a little:
+    its top token agrees wherever ours leads by a clear margin, and our first decoded token (the
+    quantized model's decode step) is its top token after the prompt."""
+    from tests.helpers_export import llama_cpp_logits
+
+    path = gguf_models["q4_0"]
+    qmodel, _ = load(path, quant=QuantPlan())
+    tokens = list(range(40, 80))
+    ours = np.array(qmodel(mx.array([tokens]))[0])
+    theirs = llama_cpp_logits(path, tokens)
+    top2 = np.sort(ours, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.02 * (ours.max(-1) - ours.min(-1))
+    assert clear.sum() >= len(tokens) // 2
+    np.testing.assert_array_equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
+    assert np.abs(ours - theirs).max() < 0.05 * np.abs(theirs).max()
+    first = _greedy(qmodel, tokens, n=1)[0]
+    assert first == int(ours[-1].argmax())
+    if clear[-1]:
+        assert first == int(theirs[-1].argmax())
+
+
+@pytest.mark.core
+def test_generate_from_a_qlora_run_keeps_the_base_quantized(gguf_models, tmp_path):
+    """`load(..., quant="run")` (what `generate --adapter RUN` takes by default for a QLoRA run):
+    the base quantized as the run trained it, the adapters unmerged on top, the same logits as
+    the dense merged model; `--quantized off` gives that dense model; the CLI runs both."""
+    from mlxtoy.commands.generate import generation_quant
+    from mlxtoy.config import TrainConfig
+    from tests.helpers_train import qa_rows, run_cli, run_training, write_jsonl
+
+    data = write_jsonl(str(tmp_path / "data.jsonl"), qa_rows(16))
+    run = str(tmp_path / "run")
+    cfg = TrainConfig(model=gguf_models["q8_0"], data=data, out=run, method="lora", steps=3, batch_size=2,
+                      seq_len=32, lr=1e-2, warmup=1, eval_every=0, save_every=0, qlora="on", seed=0,
+                      lora_targets=["q", "v", "down"])
+    assert run_training(cfg, handle_sigint=False).reason == "finished"
+    assert generation_quant(None, run) == "run"
+    assert generation_quant(None, run, "off") is None
+    qmodel, _ = load(gguf_models["q8_0"], adapter=run, quant="run")
+    dense, _ = load(gguf_models["q8_0"], adapter=run)
+    adapters = [m for _, m in qmodel.named_modules() if isinstance(m, LORA_TYPES)]
+    assert len(adapters) == 3 * qmodel.config.n_layers
+    assert all(isinstance(m.base, QUANTIZED_TYPES) for m in adapters)
+    assert not any(isinstance(m, (*LORA_TYPES, *QUANTIZED_TYPES)) for _, m in dense.named_modules())
+    tokens = mx.array([list(range(30, 62))])
+    np.testing.assert_allclose(np.array(qmodel(tokens)), np.array(dense(tokens)), rtol=1e-4, atol=1e-4)
+    prompt = list(range(30, 50))
+    assert _greedy(qmodel, prompt, 12) == _greedy(dense, prompt, 12)
+    for extra in ([], ["--quantized", "off"]):
+        res = run_cli("generate", "--adapter", run, "--prompt", "12 plus one is", "--max-tokens", "4", *extra)
+        assert res.returncode == 0 and "error" not in res.stderr, res.stderr
+
+
+def test_a_dense_base_too_large_is_refused_before_loading(gguf_models, monkeypatch):
+    """`--quantized off` on a model whose float32 weights exceed the memory: one error line naming
+    `--quantized on`, from the header alone; auto keeps it quantized instead."""
+    from mlxtoy.commands.generate import generation_quant
+    from mlxtoy.errors import UserError
+    from mlxtoy.train import memory
+
+    path = gguf_models["q4_0"]
+    monkeypatch.setenv(memory.MEMORY_ENV, "0.0001")  # 100 kB
+    with pytest.raises(UserError) as err:
+        generation_quant(path, None, "off")
+    assert "\n" not in str(err.value) and "--quantized on" in str(err.value)
+    assert isinstance(generation_quant(path, None, "auto"), QuantPlan)
+    monkeypatch.setenv(memory.MEMORY_ENV, "64")  # positive control: room enough, dense
+    assert generation_quant(path, None, "auto") is None and generation_quant(path, None, "off") is None
+    assert isinstance(generation_quant(path, None, "on"), QuantPlan)
