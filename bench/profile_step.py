@@ -17,7 +17,8 @@ from mlxtoy.config import TrainConfig
 from mlxtoy.loading import load
 from mlxtoy.models.lora import apply_lora
 from mlxtoy.models.fastmath import attention, linear, rms_norm, swiglu
-from mlxtoy.train.objectives import output_cross_entropy, sft_loss
+from mlxtoy.train.logprobs import OutputWeights, output_cross_entropy
+from mlxtoy.train.objectives import sft_loss
 from mlxtoy.train.step import Stepper, make_optimizer
 from mlxtoy.train.data import Batch
 B, T = 4, 256
@@ -42,9 +43,9 @@ vg = mx.compile(lambda *a: lg(model, *a))
 bench("loss + gradients (no optimizer)", lambda: mx.eval(vg(inp, tgt, w, None, norm)))
 fh = mx.compile(lambda x: model.hidden(x))
 bench("forward through the 30 blocks", lambda: mx.eval(fh(inp)))
-h = mx.random.normal((B * T, 576)); E = model.tok_embeddings.weight; t1 = tgt.reshape(-1); c = mx.random.uniform(shape=(B * T,))
+h = mx.random.normal((B * T, 576)); t1 = tgt.reshape(-1); c = mx.random.uniform(shape=(B * T,))
 mx.eval(h, c)  # inputs a compiled function captures unevaluated would be recomputed in every call
-hv = mx.compile(mx.value_and_grad(lambda h: (output_cross_entropy(h, E, t1) * c).sum()))
+hv = mx.compile(mx.value_and_grad(lambda h: (output_cross_entropy(h, OutputWeights(model.tok_embeddings), t1) * c).sum()))
 bench("output projection + cross-entropy, fwd + bwd", lambda: mx.eval(hv(h)))
 xs = mx.random.normal((B * T, 576)); xf = mx.random.normal((B * T, 1536)); mx.eval(xs, xf)
 gm = mx.compile(lambda x, xf: [linear(xf if W.shape[1] == 1536 else x, W) for W in base_ws])  # training's GEMM path

@@ -23,6 +23,7 @@ from mlxtoy.io.quantize import quantize_gguf
 from mlxtoy.loading import build_model
 from mlxtoy.models import fastmath, quant
 from mlxtoy.models.lora import apply_lora, lora_parameters
+from mlxtoy.train.logprobs import output_layer, token_losses
 from mlxtoy.models.quant import (PackedMatrix, QuantizedHeadProjection, QuantizedLinear, QuantPlan,
                                  quantized_linear)
 from tests.helpers_export import tiny_model as export_model, tiny_tokenizer_metadata
@@ -155,6 +156,50 @@ def test_qlora_adapter_gradients_match_finite_differences(q8_model):
             fd = (hi - lo) / (2 * eps)
             assert abs(fd - np.array(grads[name])[idx]) < 2e-3 + 2e-2 * abs(fd), (name, idx, fd)
         model.update(tree_unflatten(list(flat.items())))
+
+
+@pytest.mark.core
+def test_fused_loss_through_a_quantized_output_layer_matches_autograd(q8_model):
+    """The tied Q8_0 table as the output layer takes the chunked fused loss (the logits of a
+    chunk at a time, its own input gradient); its per-token losses and the adapters' gradients
+    equal MLX's autograd through the whole logits (the reference, outside the fused code)."""
+    model, _ = _load(q8_model, QuantPlan())
+    assert isinstance(output_layer(model), quant.QuantizedEmbedding)
+    apply_lora(model, ["q", "v", "down"], 4, 8.0)
+    rng = np.random.default_rng(4)
+    model.update(tree_unflatten([(k, mx.array(rng.standard_normal(v.shape).astype(np.float32) * 0.05))
+                                 for k, v in lora_parameters(model).items()]))
+    inputs = mx.array(rng.integers(0, 259, (2, 40)).astype(np.int32))
+    targets = mx.array(rng.integers(0, 259, (2, 40)).astype(np.int32))
+    weights = mx.array(rng.uniform(0.5, 1.5, (2, 40)).astype(np.float32))
+
+    def fused(params):
+        model.update(params)
+        return (token_losses(model, inputs, targets) * weights).sum()
+
+    def reference(params):
+        model.update(params)
+        logits = model(inputs)
+        picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return ((mx.logsumexp(logits, axis=-1) - picked) * weights).sum()
+
+    params = model.trainable_parameters()
+    (fl, fg), (rl, rg) = mx.value_and_grad(fused)(params), mx.value_and_grad(reference)(params)
+    np.testing.assert_allclose(fl.item(), rl.item(), rtol=1e-5)
+    np.testing.assert_allclose(np.array(token_losses(model, inputs, targets, train=False)),
+                               np.array(token_losses(model, inputs, targets)), rtol=0, atol=0)
+    fg, rg = dict(tree_flatten(fg)), dict(tree_flatten(rg))
+    assert set(fg) == set(rg) == set(lora_parameters(model))
+    for name in fg:
+        np.testing.assert_allclose(np.array(fg[name]), np.array(rg[name]), rtol=2e-4, atol=2e-6, err_msg=name)
+    # positive control: the same comparison sees an output layer's gradient left out
+    def hidden_only(params):
+        model.update(params)
+        return (model.hidden(inputs) ** 2).sum()
+
+    h_only = mx.grad(hidden_only)(params)
+    assert not np.allclose(np.array(dict(tree_flatten(h_only))["layers.0.attn.q.lora_b"]),
+                           np.array(rg["layers.0.attn.q.lora_b"]), rtol=2e-4, atol=2e-6)
 
 
 def test_q4_0_gguf_from_llama_cpp_loads_quantized(q8_model, tmp_path):

@@ -333,7 +333,7 @@ def _kernel_quant_linear(group_size: int, bits: int):
     def product_vjp(primals, cotangent, output):
         x, w, scales, biases = primals
         g = _cotangent(cotangent).reshape(-1, cotangent.shape[-1])
-        dx = _K.quant_linear(g, w, scales, biases, group_size, bits, True).reshape(x.shape)
+        dx = quant_linear_input_grad(g, w, scales, biases, group_size, bits).reshape(x.shape)
         return dx, mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
 
     return product
@@ -344,6 +344,13 @@ def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     """x @ W.T for an affine-quantized W by the kernels (a slab of W dequantized at a time into
     the BLAS's SGEMM, forward and input gradient); see `quant_linear_ok`."""
     return _kernel_quant_linear(group_size, bits)(x, w, scales, biases)
+
+
+def quant_linear_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                            bits: int) -> mx.array:
+    """g (N, rows) @ W for an affine-quantized W (rows, d_in) by the kernels, with no gradient of its
+    own (`quant_linear`'s input gradient, and the fused loss's through a quantized output layer)."""
+    return _K.quant_linear(g, w, scales, biases, group_size, bits, True)
 
 
 def pack_lossless(w: mx.array) -> mx.array | None:
@@ -439,10 +446,23 @@ def _ce_and_dlogits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.a
     return (m + mx.log(s))[..., 0] - picked, mx.where(is_target, e / s - 1.0, e / s)
 
 
+@mx.compile
+def _softmax_minus_one_hot(x: mx.array, lse: mx.array, targets: mx.array) -> mx.array:
+    # elementwise only (MLX's exp: the polynomial one does not fuse), so one (N, V) array
+    p = mx.exp(x - lse[:, None])
+    return mx.where(mx.arange(x.shape[-1]) == targets[:, None], p - 1.0, p)
+
+
 def softmax_cross_entropy(logits: mx.array, targets: mx.array, grad: bool) -> tuple[mx.array, mx.array | None]:
     """logits (N, V), targets (N,) -> (cross-entropy logsumexp - logits[target] (N,), with
     `grad` its gradient softmax - one-hot (N, V), else None). The cross-entropy is the same
-    to the bit with and without `grad`."""
+    to the bit with and without `grad`. With the kernels (logits by rows: a quantized output
+    layer's) the threaded logsumexp, and the gradient in one pass that holds nothing but itself;
+    else one compiled function (its polynomial exp is faster, its temporaries larger)."""
+    if _kernel_ok(logits) and logits.ndim == 2:
+        lse = logsumexp(logits)
+        ce = lse - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+        return ce, (_softmax_minus_one_hot(logits, lse, targets) if grad else None)
     ce, d = _ce_and_dlogits(logits, targets)
     return ce, (d if grad else None)
 

@@ -21,7 +21,8 @@ import mlx.nn as nn
 
 from mlxtoy import backend
 from mlxtoy.errors import UserError
-from mlxtoy.models.fastmath import dequantize_affine, gemm, quant_linear, quant_linear_ok
+from mlxtoy.models.fastmath import (dequantize_affine, gemm, quant_linear, quant_linear_input_grad,
+                                    quant_linear_ok)
 from mlxtoy.models.llama import HeadProjection
 
 BITS = (4, 8)
@@ -73,15 +74,37 @@ def slab_product(group_size: int, bits: int):
     @product.vjp
     def product_vjp(primals, cotangent, output):
         x, w, scales, biases = primals
-        g = cotangent.reshape(-1, cotangent.shape[-1])
-        dx = None
-        for a, b in slabs(w.shape[0], x.shape[-1]):
-            part = gemm(g[:, a:b], dense(w, scales, biases, a, b, g.dtype, [g] if dx is None else [dx]))
-            dx = part if dx is None else dx + part
+        dx = slab_input_grad(cotangent.reshape(-1, cotangent.shape[-1]), w, scales, biases, group_size, bits)
         return (dx.reshape(x.shape).astype(x.dtype), mx.zeros_like(w), mx.zeros_like(scales),
                 mx.zeros_like(biases))
 
     return product
+
+
+def slab_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                    bits: int) -> mx.array:
+    """g (N, rows) @ W for a quantized W, slab by slab (MLX ops), each slab dequantized only once
+    the previous slab's part exists."""
+    dx = None
+    for a, b in slabs(w.shape[0], w.shape[1] * 32 // bits):
+        dense = dequantize(mx.depends(w[a:b], [g] if dx is None else [dx]), scales[a:b], biases[a:b],
+                           group_size, bits, g.dtype)
+        part = gemm(g[:, a:b], dense)
+        dx = part if dx is None else dx + part
+    return dx
+
+
+def quantized_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                         group_size: int, bits: int) -> mx.array:
+    """g (N, rows) @ W for the quantized W (rows, d_in), with no gradient of its own: the input
+    gradient of `quantized_linear`, for a loss that computes it itself (the fused output loss)."""
+    if backend.INFO.device == "cpu":
+        if quant_linear_ok(g):
+            return quant_linear_input_grad(g, w, scales, biases, group_size, bits)
+        return slab_input_grad(g, w, scales, biases, group_size, bits)
+    if scales.dtype != g.dtype:
+        scales, biases = scales.astype(g.dtype), biases.astype(g.dtype)
+    return mx.quantized_matmul(g, w, scales, biases, transpose=False, group_size=group_size, bits=bits)
 
 
 def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,

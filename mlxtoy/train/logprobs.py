@@ -6,12 +6,15 @@ no-gradient forms evaluation and references use (the same chunks and kernels: th
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy.models.fastmath import (LOGITS_BY_COLUMNS, Linear, gemm, softmax_cross_entropy,
                                     softmax_cross_entropy_columns)
 from mlxtoy.models.llama import LlamaModel, block_causal_mask
+from mlxtoy.models.quant import QUANTIZED_TYPES, quantized_input_grad, quantized_linear
 
 
 def cross_entropy(logits: mx.array, targets: mx.array) -> mx.array:
@@ -41,42 +44,66 @@ def loss_logits_alive(n_tokens: int, vocab: int, weight_grad: bool) -> int:
     return 2 * chunk * vocab + (n_tokens * vocab if weight_grad else 0)
 
 
-def _chunked_ce(h: mx.array, w: mx.array, targets: mx.array, grads: bool,
-                keep_dlogits: bool = False) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
-    """Per chunk of tokens: the cross-entropy of h (N, D) through W (V, D), with `grads` the
+class OutputWeights:
+    """The output layer's frozen or trained weight as the fused loss multiplies it: a float
+    matrix W (V, D), or W kept quantized (a QLoRA base's tied embedding or output layer, whose
+    logits and input gradient are the quantized products; it is never trained)."""
+
+    def __init__(self, layer: nn.Module):
+        self.quant = (layer.group_size, layer.bits) if isinstance(layer, QUANTIZED_TYPES) else None
+        self.arrays = (layer.weight, layer.scales, layer.biases) if self.quant else (layer.weight,)
+        self.trained = not self.quant and "weight" in layer.trainable_parameters()
+
+    @property
+    def vocab(self) -> int:
+        return self.arrays[0].shape[0]
+
+
+def _chunked_ce(h: mx.array, ws: tuple[mx.array, ...], quant: tuple[int, int] | None, targets: mx.array,
+                grads: bool, keep_dlogits: bool = False
+                ) -> tuple[list[mx.array], list[mx.array], list[mx.array]]:
+    """Per chunk of tokens: the cross-entropy of h (N, D) through W (V, D) (`ws`: (W,), or its
+    quantized (weight, scales, biases) with `quant` = (group size, bits)), with `grads` the
     gradient (softmax - one-hot) @ W with respect to h, and with `keep_dlogits` softmax - one-hot
-    itself, (n, V) per chunk, or (V, n) where the kernels take the logits by columns (the
-    output GEMM W @ h.T is the faster one on CPU). Each chunk starts after the previous one's
-    results, so one chunk's logits are alive at a time. -> (ce chunks, dh chunks, dlogits chunks)."""
+    itself, (n, V) per chunk, or (V, n) where the kernels take a float W's logits by columns
+    (the output GEMM W @ h.T is the faster one on CPU). Each chunk starts after the previous
+    one's results, so one chunk's logits are alive at a time. -> (ce, dh, dlogits chunks)."""
     ces: list[mx.array] = []
     dhs: list[mx.array] = []
     dlogits: list[mx.array] = []
     grad = grads or keep_dlogits
+    by_columns = LOGITS_BY_COLUMNS and quant is None
+    w = ws[0]
     for i, n in _chunk_spans(h.shape[0], w.shape[0], _logits_per_chunk()):
         previous = ces[-1:] + dhs[-1:]
         hc = mx.depends(h[i:i + n], previous) if previous else h[i:i + n]
-        if LOGITS_BY_COLUMNS:
+        if quant:
+            ce, d = softmax_cross_entropy(quantized_linear(hc, *ws, *quant), targets[i:i + n], grad)
+        elif by_columns:
             ce, d = softmax_cross_entropy_columns(gemm(hc, w, trans_b=True, trans_out=True), targets[i:i + n], grad)
         else:
             ce, d = softmax_cross_entropy(hc @ w.T, targets[i:i + n], grad)
         ces.append(ce)
         if grads:
-            dhs.append(gemm(d.astype(w.dtype), w, trans_a=LOGITS_BY_COLUMNS))
+            dhs.append(quantized_input_grad(d.astype(h.dtype), *ws, *quant) if quant
+                       else gemm(d.astype(w.dtype), w, trans_a=by_columns))
         if keep_dlogits:
             dlogits.append(d.astype(w.dtype))
     return ces, dhs, dlogits
 
 
-def _output_ce(weight_grad: bool):
-    """The output projection and the cross-entropy as one function of (h, W, targets), with
-    h (N, D), W (V, D): the logits are computed a chunk of tokens at a time and never held
-    whole. The gradient with respect to h is a per-token factor times (softmax - one-hot) @ W,
-    computed in the forward pass chunk by chunk, so the backward pass is one multiply; with
-    `weight_grad` (a trained output layer) softmax - one-hot is kept for W's gradient."""
+@functools.lru_cache(maxsize=None)
+def _output_ce(weight_grad: bool, quant: tuple[int, int] | None):
+    """The output projection and the cross-entropy as one function of (h, targets, *W), with
+    h (N, D), W (V, D) (or its quantized arrays): the logits are computed a chunk of tokens at a
+    time and never held whole. The gradient with respect to h is a per-token factor times
+    (softmax - one-hot) @ W, computed in the forward pass chunk by chunk, so the backward pass
+    is one multiply; with `weight_grad` (a trained output layer) softmax - one-hot is kept for
+    W's gradient."""
 
     @mx.custom_function
-    def output_ce(h: mx.array, w: mx.array, targets: mx.array):
-        ces, dhs, dlogits = _chunked_ce(h, w, targets, grads=True, keep_dlogits=weight_grad)
+    def output_ce(h: mx.array, targets: mx.array, *ws: mx.array):
+        ces, dhs, dlogits = _chunked_ce(h, ws, quant, targets, grads=True, keep_dlogits=weight_grad)
         out = [mx.concatenate(ces), mx.concatenate(dhs).astype(h.dtype)]
         if weight_grad:
             out.append(mx.concatenate(dlogits, axis=1 if LOGITS_BY_COLUMNS else 0))
@@ -84,25 +111,28 @@ def _output_ce(weight_grad: bool):
 
     @output_ce.vjp
     def output_ce_vjp(primals, cotangents, outputs):
-        h, w, targets = primals
+        h, targets, *ws = primals
         c = cotangents[0][:, None]
         if weight_grad:
             d = outputs[2] if LOGITS_BY_COLUMNS else outputs[2].T  # (V, N)
-            dw = gemm(d, (h * c).astype(w.dtype))
+            dws = [gemm(d, (h * c).astype(ws[0].dtype))]
         else:
-            dw = mx.zeros_like(w)
-        return outputs[1] * c.astype(h.dtype), dw, mx.zeros_like(targets)
+            dws = [mx.zeros_like(w) for w in ws]
+        return (outputs[1] * c.astype(h.dtype), mx.zeros_like(targets), *dws)
 
     return output_ce
 
 
-_OUTPUT_CE = {flag: _output_ce(flag) for flag in (False, True)}
+def output_cross_entropy(h: mx.array, weights: OutputWeights, targets: mx.array) -> mx.array:
+    """Per-token cross-entropy of h (N, D) through the output layer's weights, differentiable
+    (the fused chunked form; W's gradient too where the layer is trained)."""
+    return _output_ce(weights.trained, weights.quant)(h, targets, *weights.arrays)[0]
 
 
-def output_cross_entropy(h: mx.array, w: mx.array, targets: mx.array, weight_grad: bool = False) -> mx.array:
-    """Per-token cross-entropy of h (N, D) through the output weight W (V, D), differentiable
-    (the fused chunked form; `weight_grad`: W's gradient is wanted too)."""
-    return _OUTPUT_CE[weight_grad](h, w, targets)[0]
+def chunked_cross_entropy(h: mx.array, weights: OutputWeights, targets: mx.array) -> mx.array:
+    """`output_cross_entropy`'s values with no gradient bookkeeping (the same chunks and
+    kernels, so the same bits): evaluation, references, stored log-probs."""
+    return mx.concatenate(_chunked_ce(h, weights.arrays, weights.quant, targets, grads=False)[0])
 
 
 def output_layer(model: nn.Module) -> nn.Module | None:
@@ -111,7 +141,7 @@ def output_layer(model: nn.Module) -> nn.Module | None:
     if type(model).logits is not LlamaModel.logits:
         return None
     layer = model.output if "output" in model else model.tok_embeddings
-    if type(layer) not in (nn.Linear, Linear, nn.Embedding) or "bias" in layer:
+    if type(layer) not in (nn.Linear, Linear, nn.Embedding, *QUANTIZED_TYPES) or "bias" in layer:
         return None
     return layer
 
@@ -130,10 +160,10 @@ def token_losses(model: nn.Module, inputs: mx.array, targets: mx.array,
     h = model.hidden(inputs, mask=mask)
     B, T, D = h.shape
     flat_h, flat_t = h.reshape(B * T, D), targets.reshape(B * T)
+    weights = OutputWeights(layer)
     if not train:  # the same chunks and kernels as training, so values agree to the bit
-        return mx.concatenate(_chunked_ce(flat_h, layer.weight, flat_t, grads=False)[0]).reshape(B, T)
-    trained_w = "weight" in layer.trainable_parameters()
-    return output_cross_entropy(flat_h, layer.weight, flat_t, trained_w).reshape(B, T)
+        return chunked_cross_entropy(flat_h, weights, flat_t).reshape(B, T)
+    return output_cross_entropy(flat_h, weights, flat_t).reshape(B, T)
 
 
 def _entropy(logits: mx.array) -> mx.array:
@@ -168,16 +198,17 @@ def completion_logps(model: nn.Module, inputs: mx.array, positions: mx.array, ta
     if temperature != 1.0:  # the logits are h @ W.T: scaling h scales them
         h = h / temperature
     B, C, D = h.shape
-    flat_h, flat_t, w = h.reshape(B * C, D), targets.reshape(B * C), layer.weight
+    flat_h, flat_t, weights = h.reshape(B * C, D), targets.reshape(B * C), OutputWeights(layer)
     if train:
-        logp = -output_cross_entropy(flat_h, w, flat_t, "weight" in layer.trainable_parameters())
+        logp = -output_cross_entropy(flat_h, weights, flat_t)
     else:
-        logp = -mx.concatenate(_chunked_ce(flat_h, w, flat_t, grads=False)[0])
+        logp = -chunked_cross_entropy(flat_h, weights, flat_t)
     if not entropy:
         return logp.reshape(B, C), None
-    hs, ws = mx.stop_gradient(flat_h), mx.stop_gradient(w)
+    hs, ws = mx.stop_gradient(flat_h), [mx.stop_gradient(w) for w in weights.arrays]
     parts: list[mx.array] = []
-    for i, n in _chunk_spans(B * C, w.shape[0], _logits_per_chunk()):
+    for i, n in _chunk_spans(B * C, weights.vocab, _logits_per_chunk()):
         hc = mx.depends(hs[i:i + n], parts[-1:]) if parts else hs[i:i + n]  # one chunk's logits at a time
-        parts.append(_entropy(gemm(hc, ws, trans_b=True)))
+        logits = quantized_linear(hc, *ws, *weights.quant) if weights.quant else gemm(hc, ws[0], trans_b=True)
+        parts.append(_entropy(logits))
     return logp.reshape(B, C), mx.concatenate(parts).reshape(B, C)
