@@ -74,6 +74,10 @@ void dequant_rows(const uint32_t* w, const float* scales, const float* biases, f
 // of every matrix on every token.
 
 constexpr int64_t kGemvRows = 4;
+// Each line of W is prefetched two passes (of R rows) before the loop reads it: out of cache the
+// loop's work per byte keeps too few misses in flight for the hardware's own prefetch (measured
+// on a Zen 4, one thread, 8192 x 4096: 12.1 -> 15.6 G weights/s; in L3 ~19)
+constexpr int64_t kAheadPasses = 2;
 constexpr int64_t kChunk = 32;  // weights a step of the loops (16 bytes at 4 bits, 32 at 8)
 
 enum class ScaleType { F32, F16, BF16 };
@@ -182,6 +186,8 @@ __attribute__((target("avx512f"))) inline void qgemv_pass_avx512(const float* xo
     for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
       for (int r = 0; r < R; ++r) {
         const uint8_t* qr = q + r * row_bytes;
+        if ((c * B / 8) % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(qr + c * B / 8 + kAheadPasses * R * row_bytes), _MM_HINT_T0);
         __m512 lo, hi;
         if (B == 4) {
           const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c / 2));
@@ -315,16 +321,21 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
       for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
       xs[m * groups + g] = sum;
     }
-  // a chunk's scales and biases are widened to float32 into the thread's own buffers first
-  const int64_t chunk = std::max<int64_t>(8, gemv_chunk(N, threads.threads()) / 4);
-  threads.run_dynamic(N, chunk, [&](int64_t n0, int64_t n1) {
+  // a block of rows' scales and biases are widened to float32 into the thread's own buffers
+  // first (kept small: read again from L1/L2 by the block's rows)
+  constexpr int64_t kBlockRows = 32;
+  const int64_t chunk = std::max<int64_t>(kBlockRows, gemv_chunk(N, threads.threads()) / 4);
+  threads.run_dynamic(N, chunk, [&](int64_t c0, int64_t c1) {
     thread_local std::vector<float> sc, bi;
-    const size_t need = static_cast<size_t>((n1 - n0) * groups);
+    const size_t need = static_cast<size_t>(kBlockRows * groups);
     if (sc.size() < need) sc.resize(need), bi.resize(need);
-    scales_to_f32(static_cast<const char*>(scales) + n0 * groups * elem, st, sc.data(), (n1 - n0) * groups);
-    scales_to_f32(static_cast<const char*>(biases) + n0 * groups * elem, st, bi.data(), (n1 - n0) * groups);
-    if (bits == 4) qgemv_span<4>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
-    else qgemv_span<8>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
+    for (int64_t n0 = c0; n0 < c1; n0 += kBlockRows) {
+      const int64_t n1 = std::min(c1, n0 + kBlockRows);
+      scales_to_f32(static_cast<const char*>(scales) + n0 * groups * elem, st, sc.data(), (n1 - n0) * groups);
+      scales_to_f32(static_cast<const char*>(biases) + n0 * groups * elem, st, bi.data(), (n1 - n0) * groups);
+      if (bits == 4) qgemv_span<4>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
+      else qgemv_span<8>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
+    }
   });
 }
 
