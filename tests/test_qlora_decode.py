@@ -19,8 +19,8 @@ from mlxtoy.loading import build_model, load
 from mlxtoy.models import fastmath, quant
 from mlxtoy.models.lora import LORA_TYPES
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
-from tests.helpers_export import tiny_model as export_model, tiny_tokenizer_metadata
-from tests.helpers_train import byte_tokenizer
+from tests.helpers_export import VOCAB, tiny_model as export_model, tiny_tokenizer_metadata
+from tests.helpers_train import tiny_model
 
 needs_kernels = pytest.mark.skipif(not fastmath.KERNELS, reason=f"the CPU kernels are off here: "
                                                                 f"{fastmath.kernels_status()}")
@@ -37,13 +37,27 @@ def _dense64(q, scales, biases, group, bits) -> np.ndarray:
                     ).astype(np.float64)
 
 
+def _x_rounding_bound(x, q, scales, biases, group) -> np.ndarray:
+    """The most that rounding x to 16 bits per group of 32 (the VNNI form's) can move each output:
+    sum_g |scale_g| sum_k q_k max|x_g| / 65534, q the integer levels (0..15)."""
+    s = np.array(scales.astype(mx.float32)).astype(np.float64)  # (N, groups)
+    b = np.array(biases.astype(mx.float32)).astype(np.float64)
+    dense = _dense64(q, scales, biases, group, 4)
+    levels = np.rint((dense - np.repeat(b, group, 1)) / np.repeat(s, group, 1))  # (N, K)
+    xmax = np.abs(x.reshape(x.shape[0], -1, group)).max(-1)  # (rows, groups)
+    qsum = levels.reshape(levels.shape[0], -1, group).sum(-1)  # (N, groups)
+    return (xmax / 65534) @ (np.abs(s) * qsum).T
+
+
 @needs_kernels
 @pytest.mark.core
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 64)])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_quantized_gemv_matches_numpy(bits, group, dtype):
     """1-4 rows of x (the GEMV; 67 rows of W: a tail past the passes of 4 rows; 20 groups of 32:
-    a tail past the bias dot's 16 lanes) against float64, and one changed weight is seen."""
+    a tail past the bias dot's 16 lanes) against float64, and one changed weight is seen. 4 bits
+    in groups of 32 (a Q4_0/Q4_1 GGUF's) take the VNNI form where the CPU has it: x rounded to 16
+    bits per group, within that rounding's bound; the rest float32 sums, within a few eps."""
     q, scales, biases = _quantized(67, 640, bits, group, dtype, seed=bits + group)
     dense = _dense64(q, scales, biases, group, bits)
     rng = np.random.default_rng(7)
@@ -53,6 +67,8 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
         assert y.shape == (rows, 1, 67) and y.dtype == mx.float32
         # float32 sums of 640 terms: within a few eps of sum |x_k w_k|
         bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
+        if (bits, group) == (4, 32):
+            bound = bound + _x_rounding_bound(x, q, scales, biases, group)
         assert (np.abs(np.array(y)[:, 0] - x.astype(np.float64) @ dense.T) <= bound).all()
     # positive control: one word of row 66 (the tail) changed -> that output, and only it, moves
     bad = np.array(q)
@@ -61,6 +77,44 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
     y_ok = np.array(fastmath.quant_linear(mx.array(x), q, scales, biases, group, bits))
     assert np.abs(y_bad[:, 66] - y_ok[:, 66]).max() > 1e-2
     np.testing.assert_array_equal(y_bad[:, :66], y_ok[:, :66])
+
+
+_FLOAT_FORM = r"""
+import json, sys
+import numpy as np, mlx.core as mx
+import mlxtoy
+from mlxtoy.models import fastmath
+w = mx.array(np.random.default_rng(0).standard_normal((67, 640)).astype(np.float32))
+q, s, b = mx.quantize(w, 32, 4)
+x = mx.array(np.random.default_rng(1).standard_normal((1, 640)).astype(np.float32))
+print(json.dumps(np.array(fastmath.quant_linear(x, q, s.astype(mx.float16), b.astype(mx.float16), 32, 4)).tolist()))
+"""
+
+
+@needs_kernels
+def test_the_float_form_of_the_4_bit_gemv_is_exact_to_float32_rounding():
+    """MLXTOY_KERNEL_VNNI=0 (read once, so in a process of its own): 4-bit/g32 decoding in float32
+    sums, within a few eps of float64; the default (VNNI where the CPU has it) agrees within the
+    16-bit rounding of x."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(env):
+        out = subprocess.run([sys.executable, "-c", _FLOAT_FORM], capture_output=True, text=True, check=True,
+                             env=os.environ | env)
+        return np.array(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    w = mx.array(np.random.default_rng(0).standard_normal((67, 640)).astype(np.float32))
+    q, s, b = mx.quantize(w, 32, 4)
+    s, b = s.astype(mx.float16), b.astype(mx.float16)
+    x = np.random.default_rng(1).standard_normal((1, 640)).astype(np.float32)
+    dense = _dense64(q, s, b, 32, 4)
+    want = x.astype(np.float64) @ dense.T
+    plain, default = run({"MLXTOY_KERNEL_VNNI": "0"}), run({})
+    assert (np.abs(plain - want) <= 1e-6 * (np.abs(x) @ np.abs(dense).T)).all()
+    assert (np.abs(default - want) <= 1e-6 * (np.abs(x) @ np.abs(dense).T) + _x_rounding_bound(x, q, s, b, 32)).all()
 
 
 @pytest.mark.core
@@ -84,7 +138,13 @@ def gguf_models(tmp_path_factory):
     f32 = str(root / "tiny-f32.gguf")
     write_gguf(f32, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="f32")
     q4 = quantize_gguf(f32, str(root / "tiny-q4_0.gguf"), "q4_0")
-    return {"q8_0": q8, "q4_0": q4}
+    # widths that are multiples of 128 (the 4-bit GEMV's VNNI blocks of 4 groups)
+    wide = tiny_model(9, vocab_size=VOCAB, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                      d_head=32, d_ff=384)
+    wide_f32 = str(root / "wide-f32.gguf")
+    write_gguf(wide_f32, wide.config, dict(tree_flatten(wide.parameters())), tiny_tokenizer_metadata(), dtype="f32")
+    wide_q4 = quantize_gguf(wide_f32, str(root / "wide-q4_0.gguf"), "q4_0")
+    return {"q8_0": q8, "q4_0": q4, "wide-q4_0": wide_q4}
 
 
 def _greedy(model, prompt, n=24):
@@ -92,7 +152,7 @@ def _greedy(model, prompt, n=24):
 
 
 @pytest.mark.core
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "wide-q4_0"])
 def test_greedy_generation_from_the_quantized_base_equals_the_dequantized_model(gguf_models, kind, monkeypatch):
     path = gguf_models[kind]
     qmodel, _ = load(path, quant=QuantPlan())
@@ -110,13 +170,14 @@ def test_greedy_generation_from_the_quantized_base_equals_the_dequantized_model(
 
 
 @pytest.mark.core
-def test_llama_cpp_top_token_agrees_on_a_q4_0_gguf(gguf_models):
+@pytest.mark.parametrize("kind", ["q4_0", "wide-q4_0"])
+def test_llama_cpp_top_token_agrees_on_a_q4_0_gguf(gguf_models, kind):
     """llama.cpp multiplies Q4_0 by 8-bit activations, so its logits differ from ours by a little:
     its top token agrees wherever ours leads by a clear margin, and our first decoded token (the
     quantized model's decode step) is its top token after the prompt."""
     from tests.helpers_export import llama_cpp_logits
 
-    path = gguf_models["q4_0"]
+    path = gguf_models[kind]
     qmodel, _ = load(path, quant=QuantPlan())
     tokens = list(range(40, 80))
     ours = np.array(qmodel(mx.array([tokens]))[0])

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -240,6 +242,123 @@ __attribute__((target("avx512f"))) void qgemv_rows_avx512(const float* xo, const
                                bi + (n - n0) * groups, y + n, N, K, group);
 }
 
+// 4 bits, groups of 32, with AVX-512 VNNI: integer products, two to a 32-bit lane. x is rounded
+// to 16 bits per group of 32 (x ~ xscale_g * xq, xscale_g = max |x_g| / 32767: each input within
+// 1 / 65534 of its group's largest), once per call; then a group's x . q is exact in int32
+// (q <= 15: 32 products stay below 2^24, so its float is exact too) and
+//   y = sum_g scale_g xscale_g (xq . q)_g + bias_g sum(x_g)   (sum(x_g) from x itself).
+// A block of 4 groups (64 bytes of a row) makes 4 vectors of 32 nibbles widened to 16 bits, 8
+// from each group (one two-source byte permute each), so one vector's 16 lanes hold 4 lanes of
+// each group and one multiply-add scales 4 groups: per 128 weights 4 VNNI products and 3 float
+// ops where the float loop takes 12 FMAs.
+constexpr int64_t kVnniBlock = 128;  // weights of a row a block: 4 groups of 32
+
+struct VnniTables {
+  alignas(64) uint8_t idx[4][64];  // vector v: word 8 j + t <- nibble 8 v + t of group j
+  VnniTables() {
+    for (int v = 0; v < 4; ++v)
+      for (int j = 0; j < 4; ++j)
+        for (int t = 0; t < 8; ++t) {
+          // the block's byte 16 j + 4 v + t / 2; bit 6 picks the second source (the high nibbles)
+          idx[v][2 * (8 * j + t)] = static_cast<uint8_t>((16 * j + 4 * v + t / 2) | ((t & 1) << 6));
+          idx[v][2 * (8 * j + t) + 1] = 0;  // masked to 0: the word's high byte
+        }
+  }
+};
+
+template <int M, int R>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) inline void qgemv4_pass_vnni(
+    const int16_t* xq, const float* xsl, const float* xs, const uint8_t* q, const float* s, const float* b, float* y,
+    int64_t N, int64_t K) {
+  static const VnniTables tables;
+  const int64_t groups = K / 32, row_bytes = K / 2;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i i0 = _mm512_load_si512(tables.idx[0]), i1 = _mm512_load_si512(tables.idx[1]),
+                i2 = _mm512_load_si512(tables.idx[2]), i3 = _mm512_load_si512(tables.idx[3]);
+  const __mmask64 even = 0x5555555555555555ull;
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < K / kVnniBlock; ++blk) {
+    const int16_t* xb = xq + blk * kVnniBlock;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qb = q + r * row_bytes + blk * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(qb + kAheadPasses * R * row_bytes), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(qb);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const __m512i q0 = _mm512_maskz_permutex2var_epi8(even, lo, i0, hi);
+      const __m512i q1 = _mm512_maskz_permutex2var_epi8(even, lo, i1, hi);
+      const __m512i q2 = _mm512_maskz_permutex2var_epi8(even, lo, i2, hi);
+      const __m512i q3 = _mm512_maskz_permutex2var_epi8(even, lo, i3, hi);
+      const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s + r * groups + 4 * blk)));
+      for (int m = 0; m < M; ++m) {
+        const int16_t* xm = xb + m * K;
+        __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), q0, _mm512_loadu_si512(xm));
+        d = _mm512_dpwssd_epi32(d, q1, _mm512_loadu_si512(xm + 32));
+        d = _mm512_dpwssd_epi32(d, q2, _mm512_loadu_si512(xm + 64));
+        d = _mm512_dpwssd_epi32(d, q3, _mm512_loadu_si512(xm + 96));
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(xsl + m * (K / 8) + blk * 16));
+        acc[r][m] = _mm512_fmadd_ps(f, sv, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      __m512 bacc = _mm512_setzero_ps();
+      const float* br = b + r * groups;
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 k = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+        bacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, br + g), _mm512_maskz_loadu_ps(k, xs + m * groups + g), bacc);
+      }
+      y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]) + _mm512_reduce_add_ps(bacc);
+    }
+}
+
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) void qgemv4_rows_vnni(
+    const int16_t* xq, const float* xsl, const float* xs, const uint32_t* w, const float* sc, const float* bi,
+    float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  const int64_t words = K / 8, groups = K / 32;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    qgemv4_pass_vnni<M, R>(xq, xsl, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + (n - n0) * groups,
+                           bi + (n - n0) * groups, y + n, N, K);
+  for (; n < n1; ++n)
+    qgemv4_pass_vnni<M, 1>(xq, xsl, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + (n - n0) * groups,
+                           bi + (n - n0) * groups, y + n, N, K);
+}
+
+inline bool cpu_vnni() {
+  // MLXTOY_KERNEL_VNNI=0: the float32 form instead (tests, comparisons)
+  static const bool ok = !(std::getenv("MLXTOY_KERNEL_VNNI") && std::string(std::getenv("MLXTOY_KERNEL_VNNI")) == "0") &&
+                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// x (M, K) for qgemv4_rows_vnni: xq rounded to int16 per group of 32, laid out per block of 4
+// groups as its 4 vectors (vector v, word 8 j + t: element 8 v + t of group j), and each group's
+// xscale repeated on its 4 lanes of a block (xsl (M, K / 8))
+inline void vnni_x(const float* x, int64_t M, int64_t K, int16_t* xq, float* xsl) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t blk = 0; blk < K / kVnniBlock; ++blk)
+      for (int j = 0; j < 4; ++j) {
+        const float* xg = x + m * K + blk * kVnniBlock + 32 * j;
+        float amax = 0.0f;
+        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xg[k]));
+        const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / scale;
+        for (int k = 0; k < 32; ++k) {
+          const int v = k / 8, t = k % 8;
+          const float r = std::nearbyint(xg[k] * inv);
+          xq[m * K + blk * kVnniBlock + 32 * v + 8 * j + t] =
+              static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, r)));
+        }
+        for (int l = 0; l < 4; ++l) xsl[m * (K / 8) + blk * 16 + 4 * j + l] = scale;
+      }
+}
+
 // The same with AVX2 and FMA: 8 floats a vector, four to a chunk.
 template <int M, int B>
 __attribute__((target("avx2,fma"))) void qgemv_rows_avx2(const float* xo, const float* xs, const uint32_t* w,
@@ -313,8 +432,17 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
            float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
   const int64_t groups = K / group;
   const size_t elem = st == ScaleType::F32 ? 4 : 2;
-  std::vector<float> xo(M * K), xs(M * groups);
-  order_x(x, xo.data(), M, K, bits);
+#ifdef MLXTOY_AVX2
+  const bool vnni = bits == 4 && group == 32 && K % kVnniBlock == 0 && cpu_vnni();
+#else
+  const bool vnni = false;
+#endif
+  std::vector<float> xo(vnni ? 0 : M * K), xs(M * groups), xsl(vnni ? M * K / 8 : 0);
+  std::vector<int16_t> xq(vnni ? M * K : 0);
+#ifdef MLXTOY_AVX2
+  if (vnni) vnni_x(x, M, K, xq.data(), xsl.data());
+#endif
+  if (!vnni) order_x(x, xo.data(), M, K, bits);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       float sum = 0.0f;
@@ -333,6 +461,17 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
       const int64_t n1 = std::min(c1, n0 + kBlockRows);
       scales_to_f32(static_cast<const char*>(scales) + n0 * groups * elem, st, sc.data(), (n1 - n0) * groups);
       scales_to_f32(static_cast<const char*>(biases) + n0 * groups * elem, st, bi.data(), (n1 - n0) * groups);
+#ifdef MLXTOY_AVX2
+      if (vnni) {
+        switch (M) {
+          case 1: qgemv4_rows_vnni<1>(xq.data(), xsl.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1); break;
+          case 2: qgemv4_rows_vnni<2>(xq.data(), xsl.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1); break;
+          case 3: qgemv4_rows_vnni<3>(xq.data(), xsl.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1); break;
+          default: qgemv4_rows_vnni<4>(xq.data(), xsl.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1);
+        }
+        continue;
+      }
+#endif
       if (bits == 4) qgemv_span<4>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
       else qgemv_span<8>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
     }
