@@ -202,6 +202,18 @@ def test_fused_loss_through_a_quantized_output_layer_matches_autograd(q8_model):
                            np.array(rg["layers.0.attn.q.lora_b"]), rtol=2e-4, atol=2e-6)
 
 
+@pytest.mark.core
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_quantized_table_gives_rows_in_the_compute_dtype(q8_model, dtype):
+    cfg, weights, _ = load_gguf(q8_model, dtype, quant=QuantPlan())
+    model = build_model(cfg, weights)
+    rows = model.tok_embeddings(mx.array([[1, 2, 3]]))
+    assert rows.dtype == dtype == model.norm.weight.dtype
+    dense = quant.dequantize(model.tok_embeddings.weight, model.tok_embeddings.scales,
+                             model.tok_embeddings.biases, 32, model.tok_embeddings.bits)[mx.array([1, 2, 3])]
+    np.testing.assert_allclose(np.array(rows[0].astype(mx.float32)), np.array(dense), rtol=1e-2, atol=1e-3)
+
+
 def test_q4_0_gguf_from_llama_cpp_loads_quantized(q8_model, tmp_path):
     f32 = str(tmp_path / "f32.gguf")
     cfg, weights, meta = load_gguf(q8_model, mx.float32)

@@ -35,13 +35,14 @@ QUANT_LEAVES = ("weight", "scales", "biases")
 
 def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                dtype: mx.Dtype = mx.float32) -> mx.array:
-    """The dense (rows, d_in) matrix in `dtype`; the scale * q + bias is formed in `dtype`, so
-    float32 gives GGML's own dequantized values for Q4_0 / Q4_1 / Q8_0 blocks exactly (the CPU
-    kernels, where they are on, compute the same values on every core)."""
-    dense = dequantize_affine(w, scales, biases, group_size, bits) if dtype == mx.float32 else None
-    if dense is not None:
-        return dense
-    return mx.dequantize(w, scales.astype(dtype), biases.astype(dtype), group_size, bits)
+    """The dense (rows, d_in) matrix in `dtype`. scale * q + bias is formed in float32 (GGML's own
+    values for Q4_0 / Q4_1 / Q8_0 blocks, exactly) and then rounded once: in bfloat16 the sum
+    would cancel (a Q8_0 block's bias is -128 scales) and lose up to half a quantization step.
+    The CPU kernels, where they are on, compute the same values on every core."""
+    dense = dequantize_affine(w, scales, biases, group_size, bits)
+    if dense is None:
+        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits)
+    return dense if dtype == mx.float32 else dense.astype(dtype)
 
 
 def slabs(rows: int, d_in: int) -> list[tuple[int, int]]:
@@ -254,18 +255,19 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose use as the output layer is `quantized_linear`."""
 
     @classmethod
-    def of(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
-           ) -> "QuantizedEmbedding":
+    def of(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+           dtype: mx.Dtype = mx.float32) -> "QuantizedEmbedding":
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.group_size, layer.bits, layer.mode = group_size, bits, "affine"
         layer.num_embeddings, layer.dims = w.shape[0], w.shape[1] * 32 // bits
         layer.weight, layer.scales, layer.biases = w, scales, biases
+        layer.out_dtype = dtype  # of the rows it gives: the model's compute dtype
         layer.freeze()
         return layer
 
     def __call__(self, x: mx.array) -> mx.array:
-        return dequantize(self.weight[x], self.scales[x], self.biases[x], self.group_size, self.bits)
+        return dequantize(self.weight[x], self.scales[x], self.biases[x], self.group_size, self.bits, self.out_dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
@@ -282,15 +284,16 @@ def _child(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     return parent, name
 
 
-def quantized_module(dense: nn.Module, packed: PackedMatrix, bias: mx.array | None = None) -> nn.Module:
+def quantized_module(dense: nn.Module, packed: PackedMatrix, bias: mx.array | None = None,
+                     dtype: mx.Dtype = mx.float32) -> nn.Module:
     """The quantized stand-in for `dense` (a Linear, HeadProjection or Embedding of the model
-    being built) holding `packed`."""
+    being built) holding `packed`; an embedding gives rows in `dtype`."""
     w, scales, biases, group_size, bits = (packed.weight, packed.scales, packed.biases,
                                            packed.group_size, packed.bits)
     if isinstance(dense, HeadProjection):
         return QuantizedHeadProjection(w, scales, biases, dense.n_heads, dense.d_head, group_size, bits, bias)
     if isinstance(dense, nn.Embedding):
-        return QuantizedEmbedding.of(w, scales, biases, group_size, bits)
+        return QuantizedEmbedding.of(w, scales, biases, group_size, bits, dtype)
     if isinstance(dense, nn.Linear):
         return QuantizedLinear.of(w, scales, biases, group_size, bits, bias)
     raise TypeError(f"cannot quantize a {type(dense).__name__}")
@@ -298,13 +301,16 @@ def quantized_module(dense: nn.Module, packed: PackedMatrix, bias: mx.array | No
 
 def install_quantized(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Swap in quantized modules wherever `weights` holds a PackedMatrix (`<path>.weight`),
-    taking it (and the module's bias) out of `weights`; -> the dense rest, for `model.update`."""
+    taking it (and the module's bias) out of `weights`; -> the dense rest, for `model.update`.
+    A quantized embedding gives rows in the dense weights' dtype (the compute dtype)."""
     rest = dict(weights)
+    dtype = next((v.dtype for v in weights.values() if isinstance(v, mx.array)
+                  and mx.issubdtype(v.dtype, mx.floating)), mx.float32)
     for key in [k for k, v in weights.items() if isinstance(v, PackedMatrix)]:
         path = key[: -len(".weight")]
         parent, name = _child(model, path)
         dense = parent[int(name)] if name.isdigit() else getattr(parent, name)
-        setattr(parent, name, quantized_module(dense, rest.pop(key), rest.pop(path + ".bias", None)))
+        setattr(parent, name, quantized_module(dense, rest.pop(key), rest.pop(path + ".bias", None), dtype))
     return rest
 
 

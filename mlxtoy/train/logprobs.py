@@ -30,16 +30,17 @@ def _chunk_spans(n_tokens: int, vocab: int, logits_per_chunk: int) -> list[tuple
     return [(i, min(size, n_tokens - i)) for i in range(0, n_tokens, size)]
 
 
-def _logits_per_chunk() -> int:
+def _logits_per_chunk(by_columns: bool = LOGITS_BY_COLUMNS) -> int:
     # ~12M logits per chunk by columns (48 MB in float32), ~4M by rows
-    return 12 << 20 if LOGITS_BY_COLUMNS else 1 << 22
+    return 12 << 20 if by_columns else 1 << 22
 
 
-def loss_logits_alive(n_tokens: int, vocab: int, weight_grad: bool) -> int:
+def loss_logits_alive(n_tokens: int, vocab: int, weight_grad: bool, quantized: bool = False) -> int:
     """Elements of vocabulary-wide arrays the fused loss holds at once: one chunk's logits and
     their gradient, and with `weight_grad` every token's gradient (kept for the output
-    weight's). For the memory estimate."""
-    spans = _chunk_spans(n_tokens, vocab, _logits_per_chunk())
+    weight's). `quantized`: the output layer is (its logits come by rows). For the memory
+    estimate."""
+    spans = _chunk_spans(n_tokens, vocab, _logits_per_chunk(LOGITS_BY_COLUMNS and not quantized))
     chunk = spans[0][1] if spans else 0
     return 2 * chunk * vocab + (n_tokens * vocab if weight_grad else 0)
 
@@ -74,7 +75,7 @@ def _chunked_ce(h: mx.array, ws: tuple[mx.array, ...], quant: tuple[int, int] | 
     grad = grads or keep_dlogits
     by_columns = LOGITS_BY_COLUMNS and quant is None
     w = ws[0]
-    for i, n in _chunk_spans(h.shape[0], w.shape[0], _logits_per_chunk()):
+    for i, n in _chunk_spans(h.shape[0], w.shape[0], _logits_per_chunk(by_columns)):
         previous = ces[-1:] + dhs[-1:]
         hc = mx.depends(h[i:i + n], previous) if previous else h[i:i + n]
         if quant:
@@ -207,7 +208,7 @@ def completion_logps(model: nn.Module, inputs: mx.array, positions: mx.array, ta
         return logp.reshape(B, C), None
     hs, ws = mx.stop_gradient(flat_h), [mx.stop_gradient(w) for w in weights.arrays]
     parts: list[mx.array] = []
-    for i, n in _chunk_spans(B * C, weights.vocab, _logits_per_chunk()):
+    for i, n in _chunk_spans(B * C, weights.vocab, _logits_per_chunk(LOGITS_BY_COLUMNS and not weights.quant)):
         hc = mx.depends(hs[i:i + n], parts[-1:]) if parts else hs[i:i + n]  # one chunk's logits at a time
         logits = quantized_linear(hc, *ws, *weights.quant) if weights.quant else gemm(hc, ws[0], trans_b=True)
         parts.append(_entropy(logits))

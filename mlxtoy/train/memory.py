@@ -241,7 +241,7 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
     output = output_layer(model)
     if output is not None and KERNELS:
         trained = "weight" in output.trainable_parameters()
-        logits = loss_logits_alive(tokens, m.vocab_size, trained) * 4
+        logits = loss_logits_alive(tokens, m.vocab_size, trained, isinstance(output, QUANTIZED_TYPES)) * 4
     else:
         logits = tokens * m.vocab_size * (item + 8) + objective.memory_extra_logits(tokens, m.vocab_size)
     accum = 2 * grads if cfg.grad_accum > 1 else 0  # the running sum and a micro-batch's
