@@ -71,11 +71,13 @@ def generation_quant(model: str | None, adapter: str | None, mode: str = "auto")
     float32 weights alone exceed the machine's memory is refused here, before anything is read."""
     from mlxtoy.config import TrainConfig
     from mlxtoy.loading import run_quant_plan, source_size
-    from mlxtoy.rundir import locate
+    from mlxtoy.rundir import is_run_or_checkpoint, locate
     from mlxtoy.train import memory
 
     if mode not in QUANTIZED_MODES:
         raise UserError(f"--quantized {mode}: choose from {', '.join(QUANTIZED_MODES)}")
+    if adapter is None and model is not None and is_run_or_checkpoint(model):
+        adapter, model = model, None  # a run (or RUN/best) as MODEL: its own base, as it trained
     run_cfg = locate(adapter)[0].read_config()[0] if adapter else None
     if run_cfg is not None and not run_cfg.adapters:
         return None  # full / scratch runs hold dense weights of their own
