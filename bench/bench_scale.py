@@ -7,6 +7,8 @@ query / 8 KV heads, d_ff 8192), `8b` Llama-3.1-8B's (4096, 32 layers, 32 / 8 hea
 take SmolLM2's 49,152-token vocabulary and tokenizer, tied (1b) or untied (8b).
 
     python bench/bench_scale.py --size 1b [--modes qlora,lora] [--steps 6] [--batch 2 --seq 256]
+    python bench/bench_scale.py --write-hf 1b   # a Hugging Face folder of those shapes (random,
+        # bfloat16, by transformers) for bench_train.py --model: mlxtoy, torch + peft, mlx-lm
 
 Prints one row per mode: median tokens/s over the steps after the first, the first step's
 time, peak RSS (the whole process: loading included) and MLX's peak memory.
@@ -121,6 +123,35 @@ def make_model(size: str, path: str) -> str:
     return path
 
 
+def write_hf(size: str, work: str) -> str:
+    """A Hugging Face Llama folder of `size`'s shapes, random weights saved by transformers in
+    bfloat16 (what a user downloads), with SmolLM2's tokenizer files."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench_train import prepare
+
+    path = os.path.join(work, f"random-{size}-hf")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    d, n_layers, heads, kv_heads, d_ff, tied = SIZES[size]
+    smollm2, _ = prepare(os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
+    config = LlamaConfig(vocab_size=49152, hidden_size=d, intermediate_size=d_ff, num_hidden_layers=n_layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
+                         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=tied,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = path + f".tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(smollm2, name), os.path.join(tmp, name))
+    os.replace(tmp, path)
+    return path
+
+
 def run_mode(mode: str, model: str, data: str, work: str, args) -> dict:
     out = os.path.join(work, f"run-{mode}-{time.time_ns()}")
     cmd = [sys.executable, "-m", "mlxtoy", "train", "--model", model, "--data", data, "--out", out,
@@ -153,8 +184,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--grad-checkpoint", action="store_true")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "mlxtoy-bench-scale"))
+    ap.add_argument("--write-hf", choices=sorted(SIZES), help="write a Hugging Face folder of these shapes and stop")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
+    if args.write_hf:
+        print(write_hf(args.write_hf, args.work))
+        return
     t0 = time.time()
     model = make_model(args.size, os.path.join(args.work, f"random-{args.size}-q4_0.gguf"))
     print(f"model {model} ({os.path.getsize(model) / 1e9:.2f} GB, {time.time() - t0:.0f} s to write or find)",

@@ -6,7 +6,10 @@ Face folder that every tool loads: mlxtoy, mlx-lm's tuner, transformers + peft o
 same work), AdamW. Each (tool, method) runs in its own process, so peak memory is its own.
 
     python bench/bench_train.py [--steps 8] [--rounds 2] [--methods lora,full] [--tools mlxtoy,torch,mlx-lm]
-                                [--baseline torch] [--batch 4] [--seq 256]
+                                [--baseline torch] [--batch 4] [--seq 256] [--model HF_FOLDER]
+
+`--model` trains another Hugging Face folder on the same rows (`python bench/bench_scale.py
+--write-hf 1b` writes one with Llama-3.2-1B's shapes).
 
 Tool `mlxtoy-mlx` is mlxtoy with MLXTOY_KERNELS=0: the MLX-only path, which Metal and CUDA run
 (bench/bench_portable.py compares it with mlx-lm).
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> N
     ap.add_argument("--batch", type=int, default=BATCH)
     ap.add_argument("--seq", type=int, default=SEQ)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
+    ap.add_argument("--model", help="a Hugging Face folder to train instead of SmolLM2-135M")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> N
         return
     os.makedirs(args.work, exist_ok=True)
     hf, data = prepare(args.work)
+    hf = args.model or hf
     runs: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(args.rounds):  # tools alternate, so drift in the machine hits each of them
         for method in args.methods.split(","):
@@ -221,7 +226,8 @@ def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> N
                 print(f"round {rnd + 1} {method:5s} {tool:10s} {statistics.median(r['steady']):7.1f} tok/s  "
                       f"first step {r['first_s']:5.1f} s  peak {r['peak_gb']:.2f} GB  RSS {r['rss_gb']:.2f} GB  "
                       f"loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}", flush=True)
-    print(f"\nSmolLM2-135M float32, batch {BATCH} x {SEQ}, {args.steps} steps x {args.rounds} rounds; "
+    name = os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M"
+    print(f"\n{name} float32, batch {BATCH} x {SEQ}, {args.steps} steps x {args.rounds} rounds; "
           f"tokens/s: median over every round's steps 3+; first step: median over rounds")
     print(f"{'method':6s} {'tool':10s} {'tokens/s':>9s} {'vs ' + args.baseline:>10s} {'first step s':>13s} "
           f"{'peak MLX GB':>12s} {'peak RSS GB':>12s}")
