@@ -261,6 +261,10 @@ class TrainConfig:
                              "GGUF blocks keep their own)", check="pos", methods=ADAPTER_METHODS)
     qlora_group_size: int = option(32, "QLoRA: inputs per quantization group, 32 or 64", check="pos",
                                    methods=ADAPTER_METHODS)
+    qlora_tables: bool = option(False, "QLoRA: quantize the embedding table and the output layer at load "
+                                "too (else they stay as the file holds them: quantized if in Q4_0/Q4_1/Q8_0 "
+                                "blocks, otherwise dense); less memory for a large vocabulary, some "
+                                "accuracy on every token", methods=ADAPTER_METHODS)
 
     # LoRA
     lora_rank: int = option(8, "LoRA rank", check="pos", methods=ADAPTER_METHODS, label="lora rank")

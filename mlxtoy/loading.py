@@ -218,7 +218,7 @@ def run_quant_plan(run_dir: str) -> QuantPlan | None:
     cfg, facts = run.read_config()
     if not (cfg.adapters and facts.qlora):
         return None
-    return QuantPlan(cfg.qlora_bits, cfg.qlora_group_size).validate()
+    return QuantPlan.of(cfg)
 
 
 def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None = None,

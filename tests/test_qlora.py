@@ -20,7 +20,7 @@ from mlxtoy.io.gguf_file import GGUFTensor, affine_blocks
 from mlxtoy.io.gguf_read import load_gguf
 from mlxtoy.io.gguf_write import write_gguf
 from mlxtoy.io.quantize import quantize_gguf
-from mlxtoy.loading import build_model
+from mlxtoy.loading import build_model, planned_model
 from mlxtoy.models import fastmath, quant
 from mlxtoy.models.lora import apply_lora, lora_parameters
 from mlxtoy.train.logprobs import output_layer, token_losses
@@ -214,6 +214,27 @@ def test_quantized_table_gives_rows_in_the_compute_dtype(q8_model, dtype):
     np.testing.assert_allclose(np.array(rows[0].astype(mx.float32)), np.array(dense), rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.core
+@pytest.mark.parametrize("tables", [False, True])
+def test_tables_are_quantized_at_load_only_on_request(tmp_path, tables):
+    """A float32 file: its embedding table stays dense unless the plan asks (--qlora-tables);
+    either way the header's plan (the memory preflight's) has the loaded model's arrays, and
+    the 8-bit model stays close to the float one."""
+    src = export_model("llama_gqa", seed=5)
+    path = write_gguf(str(tmp_path / "tiny-f32.gguf"), src.config, dict(tree_flatten(src.parameters())),
+                      tiny_tokenizer_metadata(), dtype="f32")
+    plan = QuantPlan(8, 32, tables)
+    qmodel, _ = _load(path, plan)
+    dmodel, _ = _load(path, None)
+    assert isinstance(qmodel.tok_embeddings, quant.QuantizedEmbedding) == tables
+    assert isinstance(qmodel.layers[0].ffn.down, QuantizedLinear)
+    shapes = {k: (v.shape, v.dtype) for k, v in tree_flatten(qmodel.parameters())}
+    assert {k: (v.shape, v.dtype) for k, v in tree_flatten(planned_model(path, mx.float32, plan).parameters())} == shapes
+    tokens = mx.array(np.random.default_rng(0).integers(0, 259, (1, 24)).astype(np.int32))
+    want = np.array(dmodel(tokens))
+    np.testing.assert_allclose(np.array(qmodel(tokens)), want, atol=0.05 * np.abs(want).max())
+
+
 def test_q4_0_gguf_from_llama_cpp_loads_quantized(q8_model, tmp_path):
     f32 = str(tmp_path / "f32.gguf")
     cfg, weights, meta = load_gguf(q8_model, mx.float32)
@@ -277,7 +298,6 @@ def test_too_large_a_model_is_refused_before_loading(q8_model, tmp_path, monkeyp
     `--qlora on`, raised from the header alone (the loader is never called), no run written."""
     from mlxtoy.config import TrainConfig
     from mlxtoy.errors import UserError
-    from mlxtoy.loading import planned_model
     from mlxtoy.train import build, job, memory
     from tests.helpers_train import qa_rows, write_jsonl
 

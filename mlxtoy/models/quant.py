@@ -145,17 +145,25 @@ class PackedMatrix:
         return PackedMatrix(self.weight[a:b], self.scales[a:b], self.biases[a:b], self.group_size, self.bits)
 
 
-# The embedding table and the output layer stay quantized only where the file holds them in
-# MLX's layout already (exact); quantizing them at load would cost accuracy on every token.
+# The embedding table and the output layer stay quantized where the file holds them in MLX's
+# layout already (exact); quantizing them at load costs accuracy on every token, so only on
+# request (`QuantPlan.tables`).
 TABLES = ("tok_embeddings.weight", "output.weight")
 
 
 @dataclass(frozen=True)
 class QuantPlan:
     """Which matrices a loader keeps quantized, and how it quantizes those a file does not hold
-    in MLX's layout already (Q4_0 / Q4_1 / Q8_0 blocks keep their own 4 or 8 bits, group 32)."""
+    in MLX's layout already (Q4_0 / Q4_1 / Q8_0 blocks keep their own 4 or 8 bits, group 32).
+    `tables`: the embedding table and the output layer are quantized at load as well."""
     bits: int = 4
     group_size: int = 32
+    tables: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> "QuantPlan":
+        """The plan a TrainConfig's qlora_bits / qlora_group_size / qlora_tables ask for, checked."""
+        return cls(cfg.qlora_bits, cfg.qlora_group_size, cfg.qlora_tables).validate()
 
     def matrices(self, spec, cfg) -> set[str]:
         """Our parameter names to quantize: every LoRA-targetable projection of every block."""
@@ -173,8 +181,9 @@ class QuantPlan:
         """(bits, group size) `param` is kept in, or None for a dense one. `targets`: this
         model's projections (`matrices`); `exact_bits`: the file holds it in MLX's layout
         already, with these bits and group 32 (a GGUF's Q4_0 / Q4_1 / Q8_0 blocks), which it
-        keeps; the tables only stay quantized so."""
-        if len(shape) not in (2, 3) or shape[-1] % 32 or not (param in targets or (exact_bits and param in TABLES)):
+        keeps; the tables are kept so, or quantized with `tables`."""
+        table = param in TABLES and bool(exact_bits or self.tables)
+        if len(shape) not in (2, 3) or shape[-1] % 32 or not (param in targets or table):
             return None
         if exact_bits:
             return exact_bits, 32

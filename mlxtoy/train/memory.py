@@ -311,7 +311,7 @@ def qlora_plan(cfg: TrainConfig) -> QuantPlan | None:
     nothing is loaded."""
     if not cfg.adapters or cfg.qlora == "off" or cfg.method == "scratch":
         return None
-    plan = QuantPlan(cfg.qlora_bits, cfg.qlora_group_size).validate()
+    plan = QuantPlan.of(cfg)
     if cfg.qlora == "on":
         return plan
     params, quantized = source_size(cfg.model)
@@ -348,7 +348,7 @@ def suggestions(cfg: TrainConfig, model: nn.Module, available: int) -> list[str]
 
     out: list[str] = []
     if cfg.adapters and not any(isinstance(m, QUANTIZED_TYPES) for _, m in model.named_modules()):
-        quantized = planned_model(cfg.model, load_dtype(cfg), QuantPlan(cfg.qlora_bits, cfg.qlora_group_size))
+        quantized = planned_model(cfg.model, load_dtype(cfg), QuantPlan.of(cfg))
         make_trainable(quantized, cfg)
         peak = estimate(cfg, quantized).peak
         if peak <= available:
