@@ -266,12 +266,38 @@ struct VnniTables {
   }
 };
 
-template <int M, int R>
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) inline void qgemv4_pass_vnni(
-    const int16_t* xq, const float* xsl, const float* xs, const uint8_t* q, const float* s, const float* b, float* y,
+// 4 (or 16) scales or biases of type T from p as float32 (T: float, or uint16_t holding float16
+// (F16 true) or bfloat16 bits)
+template <ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m128 load4(const void* p, int64_t i) {
+  if constexpr (T == ScaleType::F32) return _mm_loadu_ps(static_cast<const float*>(p) + i);
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  if constexpr (T == ScaleType::F16) return _mm_cvtph_ps(h);
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+template <ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const void* p, int64_t i, __mmask16 k) {
+  if constexpr (T == ScaleType::F32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + i);
+  if constexpr (T == ScaleType::F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// scales and biases read in their own type T (no widened copy: they are a fifth of the bytes and
+// prefetched with the words)
+template <int M, int R, ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,f16c"))) inline void qgemv4_pass_vnni(
+    const int16_t* xq, const float* xsl, const float* xs, const uint8_t* q, const char* s, const char* b, float* y,
     int64_t N, int64_t K) {
   static const VnniTables tables;
-  const int64_t groups = K / 32, row_bytes = K / 2;
+  constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
+  const int64_t groups = K / 32, row_bytes = K / 2, ahead = kAheadPasses * R;
+  for (int r = 0; r < R; ++r)  // the rows' scales and biases two passes ahead
+    for (int64_t o = 0; o < groups * elem; o += 64) {
+      _mm_prefetch(s + (r + ahead) * groups * elem + o, _MM_HINT_T0);
+      _mm_prefetch(b + (r + ahead) * groups * elem + o, _MM_HINT_T0);
+    }
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i i0 = _mm512_load_si512(tables.idx[0]), i1 = _mm512_load_si512(tables.idx[1]),
                 i2 = _mm512_load_si512(tables.idx[2]), i3 = _mm512_load_si512(tables.idx[3]);
@@ -284,14 +310,14 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) inline void qg
     const int16_t* xb = xq + blk * kVnniBlock;
     for (int r = 0; r < R; ++r) {
       const uint8_t* qb = q + r * row_bytes + blk * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(qb + kAheadPasses * R * row_bytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qb + ahead * row_bytes), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(qb);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       const __m512i q0 = _mm512_maskz_permutex2var_epi8(even, lo, i0, hi);
       const __m512i q1 = _mm512_maskz_permutex2var_epi8(even, lo, i1, hi);
       const __m512i q2 = _mm512_maskz_permutex2var_epi8(even, lo, i2, hi);
       const __m512i q3 = _mm512_maskz_permutex2var_epi8(even, lo, i3, hi);
-      const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(s + r * groups + 4 * blk)));
+      const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(load4<T>(s + r * groups * elem, 4 * blk)));
       for (int m = 0; m < M; ++m) {
         const int16_t* xm = xb + m * K;
         __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), q0, _mm512_loadu_si512(xm));
@@ -306,28 +332,41 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) inline void qg
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       __m512 bacc = _mm512_setzero_ps();
-      const float* br = b + r * groups;
       for (int64_t g = 0; g < groups; g += 16) {
         const __mmask16 k = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
-        bacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, br + g), _mm512_maskz_loadu_ps(k, xs + m * groups + g), bacc);
+        bacc = _mm512_fmadd_ps(load16<T>(b + r * groups * elem, g, k), _mm512_maskz_loadu_ps(k, xs + m * groups + g),
+                               bacc);
       }
       y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]) + _mm512_reduce_add_ps(bacc);
     }
 }
 
-template <int M>
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni"))) void qgemv4_rows_vnni(
-    const int16_t* xq, const float* xsl, const float* xs, const uint32_t* w, const float* sc, const float* bi,
+template <int M, ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,f16c"))) void qgemv4_rows_vnni(
+    const int16_t* xq, const float* xsl, const float* xs, const uint32_t* w, const void* scales, const void* biases,
     float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
-  const int64_t words = K / 8, groups = K / 32;
+  constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
+  const int64_t words = K / 8, row_sc = K / 32 * elem;
+  auto sc = static_cast<const char*>(scales), bi = static_cast<const char*>(biases);
   int64_t n = n0;
   for (; n + R <= n1; n += R)
-    qgemv4_pass_vnni<M, R>(xq, xsl, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + (n - n0) * groups,
-                           bi + (n - n0) * groups, y + n, N, K);
+    qgemv4_pass_vnni<M, R, T>(xq, xsl, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                              bi + n * row_sc, y + n, N, K);
   for (; n < n1; ++n)
-    qgemv4_pass_vnni<M, 1>(xq, xsl, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + (n - n0) * groups,
-                           bi + (n - n0) * groups, y + n, N, K);
+    qgemv4_pass_vnni<M, 1, T>(xq, xsl, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                              bi + n * row_sc, y + n, N, K);
+}
+
+template <ScaleType T>
+void qgemv4_vnni(int64_t M, const int16_t* xq, const float* xsl, const float* xs, const uint32_t* w,
+                 const void* scales, const void* biases, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return qgemv4_rows_vnni<1, T>(xq, xsl, xs, w, scales, biases, y, N, K, n0, n1);
+    case 2: return qgemv4_rows_vnni<2, T>(xq, xsl, xs, w, scales, biases, y, N, K, n0, n1);
+    case 3: return qgemv4_rows_vnni<3, T>(xq, xsl, xs, w, scales, biases, y, N, K, n0, n1);
+    default: return qgemv4_rows_vnni<4, T>(xq, xsl, xs, w, scales, biases, y, N, K, n0, n1);
+  }
 }
 
 inline bool cpu_vnni() {
@@ -449,6 +488,19 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
       for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
       xs[m * groups + g] = sum;
     }
+#ifdef MLXTOY_AVX2
+  if (vnni) {
+    threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
+      if (st == ScaleType::F16)
+        qgemv4_vnni<ScaleType::F16>(M, xq.data(), xsl.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+      else if (st == ScaleType::BF16)
+        qgemv4_vnni<ScaleType::BF16>(M, xq.data(), xsl.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+      else
+        qgemv4_vnni<ScaleType::F32>(M, xq.data(), xsl.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+    });
+    return;
+  }
+#endif
   // a block of rows' scales and biases are widened to float32 into the thread's own buffers
   // first (kept small: read again from L1/L2 by the block's rows)
   constexpr int64_t kBlockRows = 32;
@@ -461,17 +513,6 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
       const int64_t n1 = std::min(c1, n0 + kBlockRows);
       scales_to_f32(static_cast<const char*>(scales) + n0 * groups * elem, st, sc.data(), (n1 - n0) * groups);
       scales_to_f32(static_cast<const char*>(biases) + n0 * groups * elem, st, bi.data(), (n1 - n0) * groups);
-#ifdef MLXTOY_AVX2
-      if (vnni) {
-        switch (M) {
-          case 1: qgemv4_rows_vnni<1>(xq.data(), xsl.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1); break;
-          case 2: qgemv4_rows_vnni<2>(xq.data(), xsl.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1); break;
-          case 3: qgemv4_rows_vnni<3>(xq.data(), xsl.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1); break;
-          default: qgemv4_rows_vnni<4>(xq.data(), xsl.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1);
-        }
-        continue;
-      }
-#endif
       if (bits == 4) qgemv_span<4>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
       else qgemv_span<8>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
     }
