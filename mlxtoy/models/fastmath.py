@@ -342,7 +342,12 @@ def _kernel_quant_linear(group_size: int, bits: int):
 def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
                  ) -> mx.array:
     """x @ W.T for an affine-quantized W by the kernels (a slab of W dequantized at a time into
-    the BLAS's SGEMM, forward and input gradient); see `quant_linear_ok`."""
+    the BLAS's SGEMM, forward and input gradient; at most 4 rows of x, decoding, the fused
+    quantized GEMV that reads the packed words as they are); see `quant_linear_ok`. Inside
+    `inference()` the kernel is called bare (no gradient node)."""
+    if _bare(x):
+        rows = x.reshape(-1, x.shape[-1])
+        return _K.quant_linear(rows, w, scales, biases, group_size, bits).reshape(*x.shape[:-1], w.shape[0])
     return _kernel_quant_linear(group_size, bits)(x, w, scales, biases)
 
 
