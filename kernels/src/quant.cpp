@@ -252,7 +252,7 @@ __attribute__((target("avx512f"))) void qgemv_rows_avx512(const float* xo, const
 // each group and one multiply-add scales 4 groups: per 128 weights 4 VNNI products and 3 float
 // ops where the float loop takes 12 FMAs.
 constexpr int64_t kVnniBlock = 128;
-constexpr int64_t kVnniAheadPasses = 4;  // weights of a row a block: 4 groups of 32
+constexpr int64_t kVnniAheadPasses = 2;  // weights of a row a block: 4 groups of 32
 
 struct VnniTables {
   alignas(64) uint8_t idx[4][64];  // vector v: word 8 j + t <- nibble 8 v + t of group j
@@ -293,8 +293,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,f16c"))) 
     int64_t N, int64_t K) {
   static const VnniTables tables;
   constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
-  // prefetched into L2 (into L1 they evicted the pass's own lines: two threads streaming from
-  // memory, 8 x 14336 x 4096: 22 -> 37 G weights/s), four passes ahead
+  // prefetched into L2 (into L1 they evicted the pass's own lines), two passes (16 rows) ahead:
+  // two threads streaming 8 x 14336 x 4096 from memory, 22 (L1, 8 rows ahead) -> 38 (L2, 4 rows
+  // a pass) -> 45 G weights/s (8 rows a pass)
   const int64_t groups = K / 32, row_bytes = K / 2, ahead = kVnniAheadPasses * R;
   for (int r = 0; r < R; ++r)  // the rows' scales and biases
     for (int64_t o = 0; o < groups * elem; o += 64) {
@@ -348,7 +349,7 @@ template <int M, ScaleType T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,f16c"))) void qgemv4_rows_vnni(
     const int16_t* xq, const float* xsl, const float* xs, const uint32_t* w, const void* scales, const void* biases,
     float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  constexpr int R = M == 1 ? 8 : M == 2 ? 4 : 2;
   constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
   const int64_t words = K / 8, row_sc = K / 32 * elem;
   auto sc = static_cast<const char*>(scales), bi = static_cast<const char*>(biases);
