@@ -95,10 +95,13 @@ KERNEL_SPINS = Switch("MLXTOY_KERNEL_SPINS", int, 4000, "how long the kernels' o
 KERNEL_DONE_SPINS = Switch("MLXTOY_KERNEL_DONE_SPINS", int, 400, "how long the kernels' calling "
                            "thread spins for its workers to finish before it sleeps",
                            audience=DEBUG, read_by="C++")
+KERNEL_VNNI = Switch("MLXTOY_KERNEL_VNNI", bool, True, "0: decoding from a 4-bit base multiplies in "
+                     "float32 instead of AVX-512 VNNI integer products (x rounded to 16 bits a group)",
+                     audience=DEBUG, read_by="C++")
 
 SWITCHES: tuple[Switch, ...] = (DEVICE, DTYPE, BLAS, KERNELS, MALLOC, CACHE, MEMORY_GB, KERNEL_THREADS,
                                 GEMM, BLOCK_ATTENTION, FUSED_DECODE, PACKED_DECODE, KERNEL_POOL,
-                                KERNEL_SPINS, KERNEL_DONE_SPINS)
+                                KERNEL_SPINS, KERNEL_DONE_SPINS, KERNEL_VNNI)
 
 
 def markdown_table(switches: tuple[Switch, ...] = SWITCHES) -> str:
