@@ -12,7 +12,8 @@ same work), AdamW. Each (tool, method) runs in its own process, so peak memory i
 --write-hf 1b` writes one with Llama-3.2-1B's shapes).
 
 Tool `mlxtoy-mlx` is mlxtoy with MLXTOY_KERNELS=0: the MLX-only path, which Metal and CUDA run
-(bench/bench_portable.py compares it with mlx-lm).
+(bench/bench_portable.py compares it with mlx-lm); `mlxtoy-blas` keeps the kernels but gives
+float32 products of many rows to the BLAS (MLXTOY_GEMM=0).
 
 Needs mlx-lm, torch, transformers and peft (`scripts/setup.sh test` installs them). Prints a
 table: median tokens/s over the steps after the first two (compilation), the ratio to
@@ -103,6 +104,7 @@ def worker_mlxlm(method: str, hf: str, data: str, steps: int) -> dict:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model, tok = load(hf)
+    model.set_dtype(mx.float32)  # a bfloat16 folder too: every tool trains in float32
     mx.random.seed(0)
     model.freeze()
     if method == "full":
@@ -178,8 +180,10 @@ def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
             "wall": time.perf_counter() - t0}
 
 
-WORKERS = {"mlxtoy": worker_mlxtoy, "mlxtoy-mlx": worker_mlxtoy, "mlx-lm": worker_mlxlm, "torch": worker_torch}
-ENV = {"mlxtoy-mlx": {"MLXTOY_KERNELS": "0"}}  # read at import: set for the worker process
+WORKERS = {"mlxtoy": worker_mlxtoy, "mlxtoy-mlx": worker_mlxtoy, "mlxtoy-blas": worker_mlxtoy,
+           "mlx-lm": worker_mlxlm, "torch": worker_torch}
+# read at import: set for the worker process (mlxtoy-blas: the kernels on, the BLAS's GEMM)
+ENV = {"mlxtoy-mlx": {"MLXTOY_KERNELS": "0"}, "mlxtoy-blas": {"MLXTOY_GEMM": "0"}}
 
 
 def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> None:

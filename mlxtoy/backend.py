@@ -49,6 +49,25 @@ def cpu_features() -> tuple[str, set[str]]:
     return vendor, flags
 
 
+def cpu_family() -> int | None:
+    """/proc/cpuinfo's "cpu family" (AMD: 25 Zen 3 and Zen 4, 26 Zen 5); None where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "cpu family":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def split_avx512() -> bool:
+    """Whether AVX-512 runs as two 256-bit halves here (AMD Zen 4: family 25 with avx512f)."""
+    vendor, flags = cpu_features()
+    return vendor == "AuthenticAMD" and "avx512f" in flags and cpu_family() == 25
+
+
 def _package_dir(name: str) -> str | None:
     """Where an installed package lives, without importing it (mlxtoy_kernels imports mlx.core)."""
     spec = importlib.util.find_spec(name)

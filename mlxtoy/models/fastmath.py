@@ -220,10 +220,19 @@ def _gemv(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
 # Products of many rows through the kernels' AVX-512 GEMM, which outruns the BLAS on these
 # shapes whether or not the BLAS has AVX-512 kernels of its own (bench/, README)
 GEMM = KERNELS and _K.gemm_ok() and settings.GEMM.value()
+# Where AVX-512 runs as two 256-bit halves (Zen 4) the BLAS's GEMM beats the kernels' on 1B-class
+# matrices (both sides >= 2048; docs/performance.md); smaller ones keep the kernels' (as fast
+# there, and no transposed copies).
+LARGE_TO_BLAS = GEMM and backend.split_avx512()
+LARGE_SIDE = 2048
+
+
+def _large(w: mx.array) -> bool:
+    return min(w.size // w.shape[-1], w.shape[-1]) >= LARGE_SIDE
 
 
 def _takes_gemm(x: mx.array, *weights: mx.array) -> bool:
-    return GEMM and _kernel_ok(x, *weights)
+    return GEMM and _kernel_ok(x, *weights) and not (LARGE_TO_BLAS and any(_large(w) for w in weights))
 
 
 @mx.custom_function
