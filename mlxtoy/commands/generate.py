@@ -12,11 +12,14 @@ import argparse
 import sys
 
 from mlxtoy import backend
-from mlxtoy.io.registry import DEFAULT_MODEL
+from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.generate import encode_chat, stream_generate
+from mlxtoy.io.registry import DEFAULT_MODEL
+from mlxtoy.loading import load, run_quant_plan, source_size
+from mlxtoy.rundir import is_run_or_checkpoint, locate
 from mlxtoy.sampling import SamplingParams
-from mlxtoy.loading import load
+from mlxtoy.train import memory
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -69,11 +72,6 @@ def generation_quant(model: str | None, adapter: str | None, mode: str = "auto")
     `train --qlora auto` (`memory.qlora_plan`, from the file's header); on: quantized (a QLoRA
     run's bits and group size, else 4-bit/g32); off: dense, adapters merged. A dense base whose
     float32 weights alone exceed the machine's memory is refused here, before anything is read."""
-    from mlxtoy.config import TrainConfig
-    from mlxtoy.loading import run_quant_plan, source_size
-    from mlxtoy.rundir import is_run_or_checkpoint, locate
-    from mlxtoy.train import memory
-
     if mode not in QUANTIZED_MODES:
         raise UserError(f"--quantized {mode}: choose from {', '.join(QUANTIZED_MODES)}")
     if adapter is None and model is not None and is_run_or_checkpoint(model):
