@@ -25,6 +25,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _device_choice_stays_in_its_test():
+    """A command run in-process with --device sets MLXTOY_DEVICE for the processes it starts
+    (backend.use_device); one test's choice must not become the next one's default."""
+    before = os.environ.get(settings.DEVICE.name)
+    yield
+    if before is None:
+        os.environ.pop(settings.DEVICE.name, None)
+    else:
+        os.environ[settings.DEVICE.name] = before
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from mlxtoy.io.registry import default_model_path
