@@ -3,7 +3,9 @@ for the export tests."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import numpy as np
 
@@ -12,6 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxtoy.config import LoadedMeta, ModelConfig
+from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.llama import LlamaModel
 
 from helpers_parity import tiny_bpe_vocab
@@ -60,6 +63,17 @@ CONFIGS = {
                         rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
 }
+
+
+def write_tiny_tokenizer(folder: str) -> Tokenizer:
+    """The tiny tokenizer as a Hugging Face folder's tokenizer.json + tokenizer_config.json
+    (transformers, PEFT and mlx-lm load the folder with it)."""
+    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(), source="tiny")
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write(tok.to_hf_tokenizer_json())
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(tok.to_hf_tokenizer_config(), f)
+    return tok
 
 
 def tiny_config(name: str) -> ModelConfig:

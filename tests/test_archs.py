@@ -29,8 +29,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_diff,
-                            tiny_tokenizer_metadata)
+from helpers_export import VOCAB, argmax_agreement, llama_cpp_logits, max_rel_diff, write_tiny_tokenizer
 from helpers_train import run_training, write_jsonl
 from mlxtoy.arch.registry import spec_of
 from mlxtoy.config import TrainConfig
@@ -38,7 +37,6 @@ from mlxtoy.export import export, export_model
 from mlxtoy.generate import generate_tokens
 from mlxtoy.io.gguf_read import load_gguf
 from mlxtoy.io.hf import load_hf
-from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.loading import build_model, load
 from mlxtoy.models.cache import make_cache
 from mlxtoy.models.lora import apply_lora, lora_modules
@@ -115,15 +113,6 @@ def _randomize(model, seed: int) -> None:
             p.copy_(v)
 
 
-def _write_tokenizer(folder: str) -> Tokenizer:
-    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(), source="tiny")
-    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        f.write(tok.to_hf_tokenizer_json())
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(tok.to_hf_tokenizer_config(), f)
-    return tok
-
-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def hf_case(request, tmp_path_factory):
     """(variant name, HF folder written by transformers, transformers model, tokens)."""
@@ -136,7 +125,7 @@ def hf_case(request, tmp_path_factory):
     ref.eval()
     folder = str(tmp_path_factory.mktemp(name) / "hf")
     ref.save_pretrained(folder)
-    _write_tokenizer(folder)
+    write_tiny_tokenizer(folder)
     tokens = np.random.default_rng(2).integers(0, VOCAB, SEQ).tolist()
     return name, folder, ref, tokens
 
@@ -337,7 +326,7 @@ def test_longrope_past_the_original_context(tmp_path):
     ref.eval()
     folder = str(tmp_path / "hf")
     ref.save_pretrained(folder)
-    _write_tokenizer(folder)
+    write_tiny_tokenizer(folder)
     tokens = np.random.default_rng(5).integers(0, VOCAB, SEQ).tolist()
     theirs = _theirs(ref, tokens)
     model, _ = load(folder)

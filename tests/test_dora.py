@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 import llama_cpp  # noqa: F401  (declared test dependency: fail, not skip, without it)
 from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_diff, our_logits, randomize,
-                            tiny_model, tiny_tokenizer_metadata, tokens_128)
+                            tiny_model, tiny_tokenizer_metadata, tokens_128, write_tiny_tokenizer)
 from helpers_parity import llama_quantize
 from helpers_train import qa_rows, run_training, write_jsonl, write_tiny_model_folder
 from mlxtoy.cli import main as cli_main
@@ -277,11 +277,7 @@ def _phi3_folder(root) -> str:
                         else torch.randn(p.shape))
     folder = str(root / "phi3")
     ref.save_pretrained(folder)
-    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(), source="tiny")
-    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        f.write(tok.to_hf_tokenizer_json())
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(tok.to_hf_tokenizer_config(), f)
+    write_tiny_tokenizer(folder)
     return folder
 
 

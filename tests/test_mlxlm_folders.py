@@ -10,7 +10,6 @@ The folder: a tiny random Llama written by transformers (untied, GQA), converted
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -23,11 +22,10 @@ import mlx.core as mx
 import torch
 import transformers
 
-from helpers_export import VOCAB, llama_cpp_logits, max_rel_diff, tiny_tokenizer_metadata
+from helpers_export import VOCAB, llama_cpp_logits, max_rel_diff, write_tiny_tokenizer
 from mlxtoy.arch.spec import neox_to_interleaved
 from mlxtoy.errors import UserError
 from mlxtoy.io.hf import hf_source_size, load_hf, planned_quantized, quantization_of
-from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.loading import build_model
 from mlxtoy.models.quant import QUANTIZED_TYPES, PackedMatrix, QuantizedEmbedding, QuantPlan
 
@@ -51,11 +49,7 @@ def _randomize(model, seed: int) -> None:
 def _save(ref, folder: str) -> str:
     """The transformers model's HF folder with the tiny tokenizer (mlx-lm loads one)."""
     ref.save_pretrained(folder)
-    tok = Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata(), source="tiny")
-    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        f.write(tok.to_hf_tokenizer_json())
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(tok.to_hf_tokenizer_config(), f)
+    write_tiny_tokenizer(folder)
     return folder
 
 
