@@ -51,16 +51,17 @@ def slabs(rows: int, d_in: int) -> list[tuple[int, int]]:
     return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
 
+def dense_slab(w: mx.array, scales: mx.array, biases: mx.array, a: int, b: int, group_size: int, bits: int,
+               dtype: mx.Dtype, after: list[mx.array]) -> mx.array:
+    """Rows a:b of the quantized W dequantized to `dtype`, only once `after` exists (the input,
+    the previous slab's result): MLX would otherwise schedule every slab of every layer up
+    front, as they depend on nothing computed, and hold them all."""
+    return dequantize(mx.depends(w[a:b], after), scales[a:b], biases[a:b], group_size, bits, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def slab_product(group_size: int, bits: int):
     """x @ W.T for a quantized W, slab by slab, with the input gradient as its only gradient."""
-
-    def dense(w, scales, biases, a, b, dtype, after):
-        # dequantized only once `after` exists (the input, the previous slab's product): MLX
-        # would otherwise schedule every slab of every layer up front, as they depend on
-        # nothing computed, and hold them all
-        w = mx.depends(w[a:b], after)
-        return dequantize(w, scales[a:b], biases[a:b], group_size, bits, dtype)
 
     # the products inside need no gradient of their own: `fastmath.gemm` (no gradient node)
     @mx.custom_function
@@ -68,7 +69,8 @@ def slab_product(group_size: int, bits: int):
         rows = x.reshape(-1, x.shape[-1])
         parts: list[mx.array] = []
         for a, b in slabs(w.shape[0], x.shape[-1]):
-            parts.append(gemm(rows, dense(w, scales, biases, a, b, x.dtype, parts[-1:] or [rows]), trans_b=True))
+            dense = dense_slab(w, scales, biases, a, b, group_size, bits, x.dtype, parts[-1:] or [rows])
+            parts.append(gemm(rows, dense, trans_b=True))
         y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
@@ -88,9 +90,8 @@ def slab_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.array
     the previous slab's part exists."""
     dx = None
     for a, b in slabs(w.shape[0], w.shape[1] * 32 // bits):
-        dense = dequantize(mx.depends(w[a:b], [g] if dx is None else [dx]), scales[a:b], biases[a:b],
-                           group_size, bits, g.dtype)
-        part = gemm(g[:, a:b], dense)
+        part = gemm(g[:, a:b], dense_slab(w, scales, biases, a, b, group_size, bits, g.dtype,
+                                          [g] if dx is None else [dx]))
         dx = part if dx is None else dx + part
     return dx
 
