@@ -39,14 +39,14 @@ def _dense64(q, scales, biases, group, bits) -> np.ndarray:
 
 def _x_rounding_bound(x, q, scales, biases, group) -> np.ndarray:
     """The most that rounding x to 16 bits per group of 32 (the VNNI form's) can move each output:
-    sum_g |scale_g| sum_k q_k max|x_g| / 65534, q the integer levels (0..15)."""
+    sum_g |scale_g| sum_k q_k max|x_g| / 65278, q the integer levels (0..15)."""
     s = np.array(scales.astype(mx.float32)).astype(np.float64)  # (N, groups)
     b = np.array(biases.astype(mx.float32)).astype(np.float64)
     dense = _dense64(q, scales, biases, group, 4)
     levels = np.rint((dense - np.repeat(b, group, 1)) / np.repeat(s, group, 1))  # (N, K)
     xmax = np.abs(x.reshape(x.shape[0], -1, group)).max(-1)  # (rows, groups)
     qsum = levels.reshape(levels.shape[0], -1, group).sum(-1)  # (N, groups)
-    return (xmax / 65534) @ (np.abs(s) * qsum).T
+    return (xmax / 65278) @ (np.abs(s) * qsum).T
 
 
 @needs_kernels
@@ -77,6 +77,52 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
     y_ok = np.array(fastmath.quant_linear(mx.array(x), q, scales, biases, group, bits))
     assert np.abs(y_bad[:, 66] - y_ok[:, 66]).max() > 1e-2
     np.testing.assert_array_equal(y_bad[:, :66], y_ok[:, :66])
+
+
+@needs_kernels
+@pytest.mark.core
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_symmetric_gemv_leaves_the_biases_unread(dtype):
+    """A Q4_0 / Q8_0 block's biases are -2^(bits - 1) scales; `symmetric` says so, and the GEMV
+    then computes their part from the scales: equal to float64 within the same bound, and (the
+    control) given wrong biases it still does, where the general form follows them."""
+    for bits in (4, 8):
+        rng = np.random.default_rng(bits)
+        levels = rng.integers(0, 2 ** bits, (67, 640)).astype(np.float32)
+        scales = rng.uniform(0.01, 0.05, (67, 640 // 32)).astype(np.float32)
+        w = (levels - 2 ** (bits - 1)) * np.repeat(scales, 32, 1)  # exactly symmetric blocks
+        # MLX's packing: element j of a uint32 at bits (j % (32 / bits)) * bits, little-endian
+        u8 = levels.astype(np.uint8)
+        q = mx.array((u8[:, 0::2] | (u8[:, 1::2] << 4) if bits == 4 else u8).copy().view("<u4"))
+        s, b = mx.array(scales).astype(dtype), (-(2 ** (bits - 1)) * mx.array(scales)).astype(dtype)
+        if dtype == mx.float16:
+            w = (levels - 2 ** (bits - 1)) * np.repeat(np.array(s.astype(mx.float32)), 32, 1)
+        dense = _dense64(q, s, b, 32, bits)
+        np.testing.assert_allclose(dense, w, atol=1e-6)
+        x = rng.standard_normal((1, 640)).astype(np.float32)
+        want = x.astype(np.float64) @ dense.T
+        bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
+        if bits == 4:
+            bound = bound + _x_rounding_bound(x, q, s, b, 32)
+        y = np.array(fastmath.quant_linear(mx.array(x), q, s, b, 32, bits, symmetric=True))
+        assert (np.abs(y - want) <= bound).all()
+        wrong = b + 1.0
+        general = np.array(fastmath.quant_linear(mx.array(x), q, s, wrong, 32, bits))
+        sym = np.array(fastmath.quant_linear(mx.array(x), q, s, wrong, 32, bits, symmetric=True))
+        assert np.abs(general - want).max() > 1.0  # the general form reads the biases
+        if bits == 4 and fastmath.quant_vnni():
+            assert (np.abs(sym - want) <= bound).all()  # the symmetric one does not
+
+
+@pytest.mark.core
+def test_q4_0_and_q8_0_bases_are_marked_symmetric(gguf_models):
+    """The loader marks the modules it kept from Q4_0 / Q8_0 blocks, and no others."""
+    for kind in ("q4_0", "q8_0"):
+        model, _ = load(gguf_models[kind], quant=QuantPlan())
+        mods = [m for _, m in model.named_modules() if isinstance(m, QUANTIZED_TYPES)]
+        assert mods and all(m.symmetric for m in mods)
+    packed = quant.quantize_dense(mx.ones((8, 64)), QuantPlan())[0]
+    assert not packed.symmetric
 
 
 _FLOAT_FORM = r"""

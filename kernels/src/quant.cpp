@@ -30,8 +30,10 @@ class QuantLinear : public mx::Primitive {
   // a W^T, a W, W itself, a W^T for a few rows of a (decoding: the quantized GEMV, scales and
   // biases in their own dtype)
   enum class Op { Product, InputGrad, Dequantize, Gemv };
-  QuantLinear(mx::Stream stream, Op op, int group, int bits)
-      : mx::Primitive(stream), op_(op), group_(group), bits_(bits) {}
+  // symmetric: the biases are -2^(bits - 1) scales (a Q4_0 / Q8_0 block's), which the GEMV may
+  // then leave unread
+  QuantLinear(mx::Stream stream, Op op, int group, int bits, bool symmetric = false)
+      : mx::Primitive(stream), op_(op), group_(group), bits_(bits), symmetric_(symmetric) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -40,12 +42,13 @@ class QuantLinear : public mx::Primitive {
   const char* name() const override { return "MlxtoyQuantLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QuantLinear&>(other);
-    return op_ == o.op_ && group_ == o.group_ && bits_ == o.bits_;
+    return op_ == o.op_ && group_ == o.group_ && bits_ == o.bits_ && symmetric_ == o.symmetric_;
   }
 
  private:
   Op op_;
   int group_, bits_;
+  bool symmetric_;
 };
 
 namespace {
@@ -242,30 +245,21 @@ __attribute__((target("avx512f"))) void qgemv_rows_avx512(const float* xo, const
                                bi + (n - n0) * groups, y + n, N, K, group);
 }
 
-// 4 bits, groups of 32, with AVX-512 VNNI: integer products, two to a 32-bit lane. x is rounded
-// to 16 bits per group of 32 (x ~ xscale_g * xq, xscale_g = max |x_g| / 32767: each input within
-// 1 / 65534 of its group's largest), once per call; then a group's x . q is exact in int32
-// (q <= 15: 32 products stay below 2^24, so its float is exact too) and
-//   y = sum_g scale_g xscale_g (xq . q)_g + bias_g sum(x_g)   (sum(x_g) from x itself).
-// A block of 4 groups (64 bytes of a row) makes 4 vectors of 32 nibbles widened to 16 bits, 8
-// from each group (one two-source byte permute each), so one vector's 16 lanes hold 4 lanes of
-// each group and one multiply-add scales 4 groups: per 128 weights 4 VNNI products and 3 float
-// ops where the float loop takes 12 FMAs.
-constexpr int64_t kVnniBlock = 128;
-constexpr int64_t kVnniAheadPasses = 2;  // weights of a row a block: 4 groups of 32
-
-struct VnniTables {
-  alignas(64) uint8_t idx[4][64];  // vector v: word 8 j + t <- nibble 8 v + t of group j
-  VnniTables() {
-    for (int v = 0; v < 4; ++v)
-      for (int j = 0; j < 4; ++j)
-        for (int t = 0; t < 8; ++t) {
-          // the block's byte 16 j + 4 v + t / 2; bit 6 picks the second source (the high nibbles)
-          idx[v][2 * (8 * j + t)] = static_cast<uint8_t>((16 * j + 4 * v + t / 2) | ((t & 1) << 6));
-          idx[v][2 * (8 * j + t) + 1] = 0;  // masked to 0: the word's high byte
-        }
-  }
-};
+// 4 bits, groups of 32, with AVX-512 VNNI: unsigned-by-signed byte products, four to a 32-bit
+// lane (vpdpbusd), the nibbles as they are read. x is rounded to 16 bits per group of 32
+// (x ~ xscale_g * x16, xscale_g = max |x_g| / 32639: each input within 1 / 65278 of its group's
+// largest) and x16 split into two signed bytes, x16 = 256 xh + xl, so a group's q . x16 is
+// 256 (q . xh) + (q . xl), exact in int32 (|q . x16| <= 32 * 15 * 32639 < 2^24: its float is exact
+// too), and
+//   y = sum_g scale_g xscale_g (q . x16)_g + bias_g sum(x_g)   (sum(x_g) from x itself).
+// A block of 4 groups (64 bytes of a row) gives two vectors, the low nibbles (x's even elements)
+// and the high ones (the odd), and four byte products; lane l holds bytes 4l..4l+3, all of group
+// l / 4, so one multiply-add scales 4 groups. Where the biases are -8 scales (a Q4_0 block:
+// `symmetric`) they are not read: -8 sum(x16_g) goes into the integer sum, and a weight costs 4.5
+// bits of memory where it costs 5 with biases (float16).
+constexpr int64_t kVnniBlock = 128;  // weights of a row a block: 4 groups of 32
+constexpr int64_t kVnniAheadPasses = 2;
+constexpr float kX16 = 32639.0f;  // the largest |x16| whose high byte stays within a signed byte
 
 // 4 (or 16) scales or biases of type T from p as float32 (T: float, or uint16_t holding float16
 // (F16 true) or bfloat16 bits)
@@ -285,121 +279,149 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// scales and biases read in their own type T (no widened copy: they are a fifth of the bytes and
-// prefetched with the words)
-template <int M, int R, ScaleType T>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,f16c"))) inline void qgemv4_pass_vnni(
-    const int16_t* xq, const float* xsl, const float* xs, const uint8_t* q, const char* s, const char* b, float* y,
-    int64_t N, int64_t K) {
-  static const VnniTables tables;
+// x as vnni_x lays it out: per row of x and block, the 4 byte vectors (high bytes of the even
+// elements, low bytes of the even, then the odd), xscale on its group's 4 lanes, and (symmetric)
+// 8 sum(x16_g) on the group's first lane
+struct VnniX {
+  const int8_t* bytes;  // (M, K / 128, 4, 64)
+  const float* xsl;     // (M, K / 8)
+  const int32_t* corr;  // (M, K / 8)
+  const float* sums;    // (M, K / 32): sum(x_g)
+};
+
+// scales (and biases, unless symmetric) read in their own type T (no widened copy: prefetched
+// with the words)
+template <int M, int R, ScaleType T, bool Sym>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void qgemv4_pass_vnni(
+    const VnniX& x, const uint8_t* q, const char* s, const char* b, float* y, int64_t N, int64_t K) {
   constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
-  // prefetched into L2 (into L1 they evicted the pass's own lines), two passes (16 rows) ahead:
-  // two threads streaming 8 x 14336 x 4096 from memory, 22 (L1, 8 rows ahead) -> 38 (L2, 4 rows
-  // a pass) -> 45 G weights/s (8 rows a pass)
+  // prefetched into L2 (into L1 they evicted the pass's own lines), two passes ahead
   const int64_t groups = K / 32, row_bytes = K / 2, ahead = kVnniAheadPasses * R;
   for (int r = 0; r < R; ++r)  // the rows' scales and biases
     for (int64_t o = 0; o < groups * elem; o += 64) {
       _mm_prefetch(s + (r + ahead) * groups * elem + o, _MM_HINT_T1);
-      _mm_prefetch(b + (r + ahead) * groups * elem + o, _MM_HINT_T1);
+      if constexpr (!Sym) _mm_prefetch(b + (r + ahead) * groups * elem + o, _MM_HINT_T1);
     }
   const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i i0 = _mm512_load_si512(tables.idx[0]), i1 = _mm512_load_si512(tables.idx[1]),
-                i2 = _mm512_load_si512(tables.idx[2]), i3 = _mm512_load_si512(tables.idx[3]);
-  const __mmask64 even = 0x5555555555555555ull;
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < K / kVnniBlock; ++blk) {
-    const int16_t* xb = xq + blk * kVnniBlock;
+  const int64_t blocks = K / kVnniBlock;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    // x's vectors of the block, read once for the pass's R rows
+    __m512i xv[M][4], xc[M];
+    __m512 xsl[M];
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xb = x.bytes + (m * blocks + blk) * 256;
+      for (int i = 0; i < 4; ++i) xv[m][i] = _mm512_loadu_si512(xb + 64 * i);
+      xsl[m] = _mm512_loadu_ps(x.xsl + m * (K / 8) + blk * 16);
+      if constexpr (Sym) xc[m] = _mm512_loadu_si512(x.corr + m * (K / 8) + blk * 16);
+    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* qb = q + r * row_bytes + blk * 64;
       _mm_prefetch(reinterpret_cast<const char*>(qb + ahead * row_bytes), _MM_HINT_T1);
       const __m512i v = _mm512_loadu_si512(qb);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      const __m512i q0 = _mm512_maskz_permutex2var_epi8(even, lo, i0, hi);
-      const __m512i q1 = _mm512_maskz_permutex2var_epi8(even, lo, i1, hi);
-      const __m512i q2 = _mm512_maskz_permutex2var_epi8(even, lo, i2, hi);
-      const __m512i q3 = _mm512_maskz_permutex2var_epi8(even, lo, i3, hi);
       const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(load4<T>(s + r * groups * elem, 4 * blk)));
       for (int m = 0; m < M; ++m) {
-        const int16_t* xm = xb + m * K;
-        __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), q0, _mm512_loadu_si512(xm));
-        d = _mm512_dpwssd_epi32(d, q1, _mm512_loadu_si512(xm + 32));
-        d = _mm512_dpwssd_epi32(d, q2, _mm512_loadu_si512(xm + 64));
-        d = _mm512_dpwssd_epi32(d, q3, _mm512_loadu_si512(xm + 96));
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(xsl + m * (K / 8) + blk * 16));
-        acc[r][m] = _mm512_fmadd_ps(f, sv, acc[r][m]);
+        __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][0]);
+        __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][1]);
+        dh = _mm512_dpbusd_epi32(dh, hi, xv[m][2]);
+        dl = _mm512_dpbusd_epi32(dl, hi, xv[m][3]);
+        __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+        if constexpr (Sym) d = _mm512_sub_epi32(d, xc[m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xsl[m]), sv, acc[r][m]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
-      __m512 bacc = _mm512_setzero_ps();
-      for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 k = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
-        bacc = _mm512_fmadd_ps(load16<T>(b + r * groups * elem, g, k), _mm512_maskz_loadu_ps(k, xs + m * groups + g),
-                               bacc);
+      float total = _mm512_reduce_add_ps(acc[r][m]);
+      if constexpr (!Sym) {
+        __m512 bacc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g += 16) {
+          const __mmask16 k = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+          bacc = _mm512_fmadd_ps(load16<T>(b + r * groups * elem, g, k),
+                                 _mm512_maskz_loadu_ps(k, x.sums + m * groups + g), bacc);
+        }
+        total += _mm512_reduce_add_ps(bacc);
       }
-      y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]) + _mm512_reduce_add_ps(bacc);
+      y[m * N + r] = total;
     }
 }
 
-template <int M, ScaleType T>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,f16c"))) void qgemv4_rows_vnni(
-    const int16_t* xq, const float* xsl, const float* xs, const uint32_t* w, const void* scales, const void* biases,
-    float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+template <int M, ScaleType T, bool Sym>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void qgemv4_rows_vnni(
+    const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y, int64_t N, int64_t K,
+    int64_t n0, int64_t n1) {
   constexpr int R = M == 1 ? 8 : M == 2 ? 4 : 2;
   constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
   const int64_t words = K / 8, row_sc = K / 32 * elem;
   auto sc = static_cast<const char*>(scales), bi = static_cast<const char*>(biases);
   int64_t n = n0;
   for (; n + R <= n1; n += R)
-    qgemv4_pass_vnni<M, R, T>(xq, xsl, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
-                              bi + n * row_sc, y + n, N, K);
+    qgemv4_pass_vnni<M, R, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                                   bi + n * row_sc, y + n, N, K);
   for (; n < n1; ++n)
-    qgemv4_pass_vnni<M, 1, T>(xq, xsl, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
-                              bi + n * row_sc, y + n, N, K);
+    qgemv4_pass_vnni<M, 1, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                                   bi + n * row_sc, y + n, N, K);
+}
+
+template <ScaleType T, bool Sym>
+void qgemv4_vnni(int64_t M, const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y,
+                 int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return qgemv4_rows_vnni<1, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 2: return qgemv4_rows_vnni<2, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 3: return qgemv4_rows_vnni<3, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    default: return qgemv4_rows_vnni<4, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+  }
 }
 
 template <ScaleType T>
-void qgemv4_vnni(int64_t M, const int16_t* xq, const float* xsl, const float* xs, const uint32_t* w,
-                 const void* scales, const void* biases, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  switch (M) {
-    case 1: return qgemv4_rows_vnni<1, T>(xq, xsl, xs, w, scales, biases, y, N, K, n0, n1);
-    case 2: return qgemv4_rows_vnni<2, T>(xq, xsl, xs, w, scales, biases, y, N, K, n0, n1);
-    case 3: return qgemv4_rows_vnni<3, T>(xq, xsl, xs, w, scales, biases, y, N, K, n0, n1);
-    default: return qgemv4_rows_vnni<4, T>(xq, xsl, xs, w, scales, biases, y, N, K, n0, n1);
-  }
+void qgemv4_vnni(bool symmetric, int64_t M, const VnniX& x, const uint32_t* w, const void* scales,
+                 const void* biases, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (symmetric) return qgemv4_vnni<T, true>(M, x, w, scales, biases, y, N, K, n0, n1);
+  qgemv4_vnni<T, false>(M, x, w, scales, biases, y, N, K, n0, n1);
 }
 
 inline bool cpu_vnni() {
   // MLXTOY_KERNEL_VNNI=0: the float32 form instead (tests, comparisons)
   static const bool ok = !(std::getenv("MLXTOY_KERNEL_VNNI") && std::string(std::getenv("MLXTOY_KERNEL_VNNI")) == "0") &&
                          __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni");
+                         __builtin_cpu_supports("avx512vnni");
   return ok;
 }
 
-// x (M, K) for qgemv4_rows_vnni: xq rounded to int16 per group of 32, laid out per block of 4
-// groups as its 4 vectors (vector v, word 8 j + t: element 8 v + t of group j), and each group's
-// xscale repeated on its 4 lanes of a block (xsl (M, K / 8))
-inline void vnni_x(const float* x, int64_t M, int64_t K, int16_t* xq, float* xsl) {
+// x (M, K) for qgemv4_rows_vnni (VnniX): rounded to 16 bits per group of 32 and split in bytes
+inline void vnni_x(const float* x, int64_t M, int64_t K, int8_t* bytes, float* xsl, int32_t* corr) {
+  const int64_t blocks = K / kVnniBlock;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t blk = 0; blk < K / kVnniBlock; ++blk)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      int8_t* out = bytes + (m * blocks + blk) * 256;
+      const float* xb = x + m * K + blk * kVnniBlock;
       for (int j = 0; j < 4; ++j) {
-        const float* xg = x + m * K + blk * kVnniBlock + 32 * j;
+        const float* xg = xb + 32 * j;
         float amax = 0.0f;
         for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xg[k]));
-        const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / scale;
+        const float scale = amax > 0.0f ? amax / kX16 : 1.0f, inv = 1.0f / scale;
+        int32_t sum = 0;
         for (int k = 0; k < 32; ++k) {
-          const int v = k / 8, t = k % 8;
-          const float r = std::nearbyint(xg[k] * inv);
-          xq[m * K + blk * kVnniBlock + 32 * v + 8 * j + t] =
-              static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, r)));
+          const int x16 = static_cast<int>(std::min(kX16, std::max(-kX16, std::nearbyint(xg[k] * inv))));
+          const int xl = ((x16 + 128) & 255) - 128, xh = (x16 - xl) / 256;
+          // element 32 j + k sits in byte (32 j + k) / 2 of the block: its low nibble if even
+          const int byte = 16 * j + k / 2, odd = k & 1;
+          out[128 * odd + byte] = static_cast<int8_t>(xh);
+          out[128 * odd + 64 + byte] = static_cast<int8_t>(xl);
+          sum += x16;
         }
-        for (int l = 0; l < 4; ++l) xsl[m * (K / 8) + blk * 16 + 4 * j + l] = scale;
+        for (int l = 0; l < 4; ++l) {
+          xsl[m * (K / 8) + blk * 16 + 4 * j + l] = scale;
+          corr[m * (K / 8) + blk * 16 + 4 * j + l] = l == 0 ? 8 * sum : 0;
+        }
       }
+    }
 }
 
 // The same with AVX2 and FMA: 8 floats a vector, four to a chunk.
@@ -472,7 +494,7 @@ void qgemv_span(int64_t M, const float* xo, const float* xs, const uint32_t* w, 
 // y (M, N) = x (M, K) W^T, M <= kGemvRows, W's rows split over the kernels' threads first come,
 // first served
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
-           float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
+           bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
   const int64_t groups = K / group;
   const size_t elem = st == ScaleType::F32 ? 4 : 2;
 #ifdef MLXTOY_AVX2
@@ -481,9 +503,10 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
   const bool vnni = false;
 #endif
   std::vector<float> xo(vnni ? 0 : M * K), xs(M * groups), xsl(vnni ? M * K / 8 : 0);
-  std::vector<int16_t> xq(vnni ? M * K : 0);
+  std::vector<int8_t> xbytes(vnni ? 2 * M * K : 0);
+  std::vector<int32_t> corr(vnni ? M * K / 8 : 0);
 #ifdef MLXTOY_AVX2
-  if (vnni) vnni_x(x, M, K, xq.data(), xsl.data());
+  if (vnni) vnni_x(x, M, K, xbytes.data(), xsl.data(), corr.data());
 #endif
   if (!vnni) order_x(x, xo.data(), M, K, bits);
   for (int64_t m = 0; m < M; ++m)
@@ -494,13 +517,14 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
     }
 #ifdef MLXTOY_AVX2
   if (vnni) {
+    const VnniX vx{xbytes.data(), xsl.data(), corr.data(), xs.data()};
     threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
       if (st == ScaleType::F16)
-        qgemv4_vnni<ScaleType::F16>(M, xq.data(), xsl.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+        qgemv4_vnni<ScaleType::F16>(symmetric, M, vx, w, scales, biases, y, N, K, n0, n1);
       else if (st == ScaleType::BF16)
-        qgemv4_vnni<ScaleType::BF16>(M, xq.data(), xsl.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+        qgemv4_vnni<ScaleType::BF16>(symmetric, M, vx, w, scales, biases, y, N, K, n0, n1);
       else
-        qgemv4_vnni<ScaleType::F32>(M, xq.data(), xsl.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+        qgemv4_vnni<ScaleType::F32>(symmetric, M, vx, w, scales, biases, y, N, K, n0, n1);
     });
     return;
   }
@@ -537,6 +561,7 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   for (auto& a : inputs) in.push_back(task_data(a, a.flags().row_contiguous, copies, temps));
   const int bits = bits_;
   const Op op = op_;
+  const bool symmetric = symmetric_;
   // Dequantize: inputs (w, scales, biases); else (a, w, scales, biases)
   const int64_t first = op == Op::Dequantize ? 0 : 1;
   const int64_t group = group_, N = inputs[first].shape(0), K = inputs[first].shape(1) * (32 / bits);
@@ -549,7 +574,7 @@ void QuantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     auto a = static_cast<const float*>(in[0]);
     auto w = static_cast<const uint32_t*>(in[first]);
     if (op == Op::Gemv) {
-      qgemv(a, M, w, in[first + 1], in[first + 2], st, y, N, K, group, bits, pool());
+      qgemv(a, M, w, in[first + 1], in[first + 2], st, symmetric, y, N, K, group, bits, pool());
       return;
     }
     auto scales = static_cast<const float*>(in[first + 1]);
@@ -588,7 +613,7 @@ void check_layout(const mx::array& w, const mx::array& scales, const mx::array& 
 }
 
 mx::array make(QuantLinear::Op op, mx::Shape shape, std::vector<mx::array> inputs, int group_size, int bits,
-               mx::StreamOrDevice s) {
+               mx::StreamOrDevice s, bool symmetric = false) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("[mlxtoy_kernels] CPU stream only");
   // the GEMV reads float16, bfloat16 or float32 scales and biases as they are (alike); the rest float32
@@ -597,21 +622,30 @@ mx::array make(QuantLinear::Op op, mx::Shape shape, std::vector<mx::array> input
                    (dt == mx::float16 || dt == mx::bfloat16 || dt == mx::float32);
   if (!own)
     for (size_t i = inputs.size() - 2; i < inputs.size(); ++i) inputs[i] = mx::astype(inputs[i], mx::float32, stream);
-  return mx::array(std::move(shape), mx::float32, std::make_shared<QuantLinear>(stream, op, group_size, bits),
+  return mx::array(std::move(shape), mx::float32, std::make_shared<QuantLinear>(stream, op, group_size, bits, symmetric),
                    std::move(inputs));
 }
 
 }  // namespace
 
 mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                       int group_size, int bits, bool grad, mx::StreamOrDevice s) {
+                       int group_size, int bits, bool grad, bool symmetric, mx::StreamOrDevice s) {
   check_layout(w, scales, biases, group_size, bits, "quant_linear");
   const int64_t N = w.shape(0), K = w.shape(1) * (32 / bits);
   if (a.ndim() != 2 || a.dtype() != mx::float32 || a.shape(1) != (grad ? N : K))
     throw std::invalid_argument("[mlxtoy_kernels] quant_linear: a float32 (M, K), or (M, N) for the gradient");
   const bool few = a.shape(0) <= kGemvRows && group_size % kChunk == 0;
   const auto op = grad ? QuantLinear::Op::InputGrad : few ? QuantLinear::Op::Gemv : QuantLinear::Op::Product;
-  return make(op, {a.shape(0), static_cast<int>(grad ? K : N)}, {a, w, scales, biases}, group_size, bits, s);
+  return make(op, {a.shape(0), static_cast<int>(grad ? K : N)}, {a, w, scales, biases}, group_size, bits, s,
+              symmetric);
+}
+
+bool quant_vnni_ok() {
+#ifdef MLXTOY_AVX2
+  return cpu_vnni();
+#else
+  return false;
+#endif
 }
 
 mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,

@@ -232,6 +232,8 @@ def dequantize_tensor(tensor: GGUFTensor, path: str) -> np.ndarray:
 # GGUF block types whose values are exactly MLX's affine form scale * q + bias per group of 32
 # (q unsigned): type -> (bits, bytes a block).
 AFFINE_BLOCKS = {"Q4_0": (4, 18), "Q4_1": (4, 20), "Q8_0": (8, 34)}
+# blocks whose bias is -2^(bits - 1) scales in that layout (no offset of their own)
+SYMMETRIC_BLOCKS = ("Q4_0", "Q8_0")
 
 
 def affine_bits(type_name: str) -> int | None:

@@ -17,7 +17,8 @@ from mlxtoy.arch.registry import expected_shapes, spec_for_gguf
 from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, flat_shape, split
 from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
-from mlxtoy.io.gguf_file import GGUFFile, affine_bits, affine_blocks, dequantize_tensor, open_gguf
+from mlxtoy.io.gguf_file import (SYMMETRIC_BLOCKS, GGUFFile, affine_bits, affine_blocks, dequantize_tensor,
+                                 open_gguf)
 from mlxtoy.models.quant import PackedMatrix, QuantPlan, quantize_dense
 
 __all__ = ["config_from_metadata", "dequantize_tensor", "gguf_model_config", "load_gguf", "open_gguf"]
@@ -120,7 +121,8 @@ def read_packed(tensor, params: list[str], shapes: dict[str, tuple[int, ...]], q
     blocks = affine_blocks(tensor)
     if blocks is not None:
         w, scales, biases, bits = blocks
-        whole = PackedMatrix(mx.array(w), mx.array(scales), mx.array(biases), 32, bits)
+        whole = PackedMatrix(mx.array(w), mx.array(scales), mx.array(biases), 32, bits,
+                             symmetric=tensor.tensor_type.name in SYMMETRIC_BLOCKS)
     else:
         whole, errors[tensor.name] = quantize_dense(mx.array(dequantize_tensor(tensor, path)), quant)
     mx.eval(whole.weight, whole.scales, whole.biases)

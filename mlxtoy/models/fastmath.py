@@ -332,11 +332,12 @@ def quant_linear_ok(x: mx.array) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_quant_linear(group_size: int, bits: int):
+def _kernel_quant_linear(group_size: int, bits: int, symmetric: bool):
     @mx.custom_function
     def product(x, w, scales, biases):
         rows = x.reshape(-1, x.shape[-1])
-        return _K.quant_linear(rows, w, scales, biases, group_size, bits).reshape(*x.shape[:-1], w.shape[0])
+        return _K.quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric
+                               ).reshape(*x.shape[:-1], w.shape[0])
 
     @product.vjp
     def product_vjp(primals, cotangent, output):
@@ -348,16 +349,24 @@ def _kernel_quant_linear(group_size: int, bits: int):
     return product
 
 
-def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
-                 ) -> mx.array:
+def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+                 symmetric: bool = False) -> mx.array:
     """x @ W.T for an affine-quantized W by the kernels (a slab of W dequantized at a time into
     the BLAS's SGEMM, forward and input gradient; at most 4 rows of x, decoding, the fused
-    quantized GEMV that reads the packed words as they are); see `quant_linear_ok`. Inside
-    `inference()` the kernel is called bare (no gradient node)."""
+    quantized GEMV that reads the packed words as they are, and not the biases where they are
+    -2^(bits - 1) scales: `symmetric`); see `quant_linear_ok`. Inside `inference()` the kernel is
+    called bare (no gradient node)."""
     if _bare(x):
         rows = x.reshape(-1, x.shape[-1])
-        return _K.quant_linear(rows, w, scales, biases, group_size, bits).reshape(*x.shape[:-1], w.shape[0])
-    return _kernel_quant_linear(group_size, bits)(x, w, scales, biases)
+        return _K.quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric
+                               ).reshape(*x.shape[:-1], w.shape[0])
+    return _kernel_quant_linear(group_size, bits, symmetric)(x, w, scales, biases)
+
+
+def quant_vnni() -> bool:
+    """Whether `quant_linear`'s 4-bit GEMV (groups of 32) runs as AVX-512 VNNI integer products here
+    (x rounded to 16 bits a group) rather than in float32."""
+    return _K is not None and _K.quant_vnni_ok()
 
 
 def quant_linear_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,

@@ -110,12 +110,13 @@ def quantized_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.
 
 
 def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                     group_size: int, bits: int) -> mx.array:
+                     group_size: int, bits: int, symmetric: bool = False) -> mx.array:
     """x @ W.T for the quantized W (rows, d_in): dequantized slabs and the float32 GEMM on CPU,
-    `mx.quantized_matmul` elsewhere."""
+    `mx.quantized_matmul` elsewhere. `symmetric`: the biases are -2^(bits - 1) scales (Q4_0 /
+    Q8_0 blocks), so the kernels' decoding GEMV need not read them."""
     if backend.INFO.device == "cpu":
         if quant_linear_ok(x):
-            return quant_linear(x, w, scales, biases, group_size, bits)
+            return quant_linear(x, w, scales, biases, group_size, bits, symmetric)
         return slab_product(group_size, bits)(x, w, scales, biases)
     if scales.dtype != x.dtype:
         scales, biases = scales.astype(x.dtype), biases.astype(x.dtype)
@@ -130,6 +131,7 @@ class PackedMatrix:
     biases: mx.array
     group_size: int
     bits: int
+    symmetric: bool = False  # biases = -2^(bits - 1) scales: a Q4_0 / Q8_0 block's
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -143,7 +145,8 @@ class PackedMatrix:
         return dequantize(self.weight, self.scales, self.biases, self.group_size, self.bits, dtype)
 
     def rows(self, a: int, b: int) -> "PackedMatrix":
-        return PackedMatrix(self.weight[a:b], self.scales[a:b], self.biases[a:b], self.group_size, self.bits)
+        return PackedMatrix(self.weight[a:b], self.scales[a:b], self.biases[a:b], self.group_size, self.bits,
+                            self.symmetric)
 
 
 # The embedding table and the output layer stay quantized where the file holds them in MLX's
@@ -206,10 +209,10 @@ class QuantizedLinear(nn.QuantizedLinear):
 
     @classmethod
     def of(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-           bias: mx.array | None = None) -> "QuantizedLinear":
+           bias: mx.array | None = None, symmetric: bool = False) -> "QuantizedLinear":
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.group_size, layer.bits, layer.mode = group_size, bits, "affine"
+        layer.group_size, layer.bits, layer.mode, layer.symmetric = group_size, bits, "affine", symmetric
         layer.weight, layer.scales, layer.biases = w, scales, biases
         if bias is not None:
             layer.bias = bias
@@ -217,7 +220,7 @@ class QuantizedLinear(nn.QuantizedLinear):
         return layer
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        y = quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.symmetric)
         return y + self.bias if "bias" in self else y
 
 
@@ -226,11 +229,11 @@ class QuantizedHeadProjection(HeadProjection):
     (n_heads * d_head, d_in) matrix; heads stay addressable through `dense_weight()`."""
 
     def __init__(self, w: mx.array, scales: mx.array, biases: mx.array, n_heads: int, d_head: int,
-                 group_size: int, bits: int, bias: mx.array | None = None):
+                 group_size: int, bits: int, bias: mx.array | None = None, symmetric: bool = False):
         nn.Module.__init__(self)
         self.weight, self.scales, self.biases = w, scales, biases
         self.shape_heads = (n_heads, d_head)
-        self.group_size, self.bits = group_size, bits
+        self.group_size, self.bits, self.symmetric = group_size, bits, symmetric
         if bias is not None:
             self.bias = bias
         self.freeze()
@@ -258,7 +261,8 @@ class QuantizedHeadProjection(HeadProjection):
         self.freeze(keys=list(QUANT_LEAVES), recurse=False)  # the base stays frozen
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.heads(quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits))
+        return self.heads(quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits,
+                                           self.symmetric))
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
@@ -266,10 +270,10 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
 
     @classmethod
     def of(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-           dtype: mx.Dtype = mx.float32) -> "QuantizedEmbedding":
+           dtype: mx.Dtype = mx.float32, symmetric: bool = False) -> "QuantizedEmbedding":
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.group_size, layer.bits, layer.mode = group_size, bits, "affine"
+        layer.group_size, layer.bits, layer.mode, layer.symmetric = group_size, bits, "affine", symmetric
         layer.num_embeddings, layer.dims = w.shape[0], w.shape[1] * 32 // bits
         layer.weight, layer.scales, layer.biases = w, scales, biases
         layer.out_dtype = dtype  # of the rows it gives: the model's compute dtype
@@ -280,7 +284,8 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         return dequantize(self.weight[x], self.scales[x], self.biases[x], self.group_size, self.bits, self.out_dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        return quantized_linear(x, self.weight, self.scales, self.biases, self.group_size, self.bits,
+                                self.symmetric)
 
 
 QUANTIZED_TYPES = (QuantizedLinear, QuantizedHeadProjection, QuantizedEmbedding)
@@ -298,14 +303,14 @@ def quantized_module(dense: nn.Module, packed: PackedMatrix, bias: mx.array | No
                      dtype: mx.Dtype = mx.float32) -> nn.Module:
     """The quantized stand-in for `dense` (a Linear, HeadProjection or Embedding of the model
     being built) holding `packed`; an embedding gives rows in `dtype`."""
-    w, scales, biases, group_size, bits = (packed.weight, packed.scales, packed.biases,
-                                           packed.group_size, packed.bits)
+    w, scales, biases, group_size, bits, sym = (packed.weight, packed.scales, packed.biases,
+                                                packed.group_size, packed.bits, packed.symmetric)
     if isinstance(dense, HeadProjection):
-        return QuantizedHeadProjection(w, scales, biases, dense.n_heads, dense.d_head, group_size, bits, bias)
+        return QuantizedHeadProjection(w, scales, biases, dense.n_heads, dense.d_head, group_size, bits, bias, sym)
     if isinstance(dense, nn.Embedding):
-        return QuantizedEmbedding.of(w, scales, biases, group_size, bits, dtype)
+        return QuantizedEmbedding.of(w, scales, biases, group_size, bits, dtype, sym)
     if isinstance(dense, nn.Linear):
-        return QuantizedLinear.of(w, scales, biases, group_size, bits, bias)
+        return QuantizedLinear.of(w, scales, biases, group_size, bits, bias, sym)
     raise TypeError(f"cannot quantize a {type(dense).__name__}")
 
 
