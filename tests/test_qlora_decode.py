@@ -12,6 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxtoy.generate import generate_tokens
+from mlxtoy.inference import inference_quant
 from mlxtoy.io.gguf_read import load_gguf
 from mlxtoy.io.gguf_write import write_gguf
 from mlxtoy.io.quantize import quantize_gguf
@@ -244,7 +245,6 @@ def test_generate_from_a_qlora_run_keeps_the_base_quantized(gguf_models, tmp_pat
     """`load(..., quant="run")` (what `generate --adapter RUN` takes by default for a QLoRA run):
     the base quantized as the run trained it, the adapters unmerged on top, the same logits as
     the dense merged model; `--quantized off` gives that dense model; the CLI runs both."""
-    from mlxtoy.commands.generate import generation_quant
     from mlxtoy.config import TrainConfig
     from tests.helpers_train import qa_rows, run_cli, run_training, write_jsonl
 
@@ -254,8 +254,8 @@ def test_generate_from_a_qlora_run_keeps_the_base_quantized(gguf_models, tmp_pat
                       seq_len=32, lr=1e-2, warmup=1, eval_every=0, save_every=0, qlora="on", seed=0,
                       lora_targets=["q", "v", "down"])
     assert run_training(cfg, handle_sigint=False).reason == "finished"
-    assert generation_quant(None, run) == "run"
-    assert generation_quant(None, run, "off") is None
+    assert inference_quant(None, run) == "run"
+    assert inference_quant(None, run, "off") is None
     qmodel, _ = load(gguf_models["q8_0"], adapter=run, quant="run")
     dense, _ = load(gguf_models["q8_0"], adapter=run)
     adapters = [m for _, m in qmodel.named_modules() if isinstance(m, LORA_TYPES)]
@@ -274,16 +274,15 @@ def test_generate_from_a_qlora_run_keeps_the_base_quantized(gguf_models, tmp_pat
 def test_a_dense_base_too_large_is_refused_before_loading(gguf_models, monkeypatch):
     """`--quantized off` on a model whose float32 weights exceed the memory: one error line naming
     `--quantized on`, from the header alone; auto keeps it quantized instead."""
-    from mlxtoy.commands.generate import generation_quant
     from mlxtoy.errors import UserError
     from mlxtoy.train import memory
 
     path = gguf_models["q4_0"]
     monkeypatch.setenv(memory.MEMORY_ENV, "0.0001")  # 100 kB
     with pytest.raises(UserError) as err:
-        generation_quant(path, None, "off")
+        inference_quant(path, None, "off")
     assert "\n" not in str(err.value) and "--quantized on" in str(err.value)
-    assert isinstance(generation_quant(path, None, "auto"), QuantPlan)
+    assert isinstance(inference_quant(path, None, "auto"), QuantPlan)
     monkeypatch.setenv(memory.MEMORY_ENV, "64")  # positive control: room enough, dense
-    assert generation_quant(path, None, "auto") is None and generation_quant(path, None, "off") is None
-    assert isinstance(generation_quant(path, None, "on"), QuantPlan)
+    assert inference_quant(path, None, "auto") is None and inference_quant(path, None, "off") is None
+    assert isinstance(inference_quant(path, None, "on"), QuantPlan)

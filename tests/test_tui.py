@@ -632,6 +632,44 @@ async def test_chat_offers_the_current_runs_best_checkpoint(in_assets, tmp_path)
 
 
 @run_async
+async def test_chat_keeps_a_qlora_runs_base_quantized(in_assets, tmp_path):
+    """The chat panel loads a QLoRA run as `mlxtoy generate` does: the base quantized as it
+    trained, the adapters unmerged on top (not the dense merged model), and it replies."""
+    from helpers_train import run_training
+    from mlxtoy.config import TrainConfig
+    from mlxtoy.models.lora import LORA_TYPES
+    from mlxtoy.models.quant import QUANTIZED_TYPES
+
+    out = str(tmp_path / "qlora")
+    run_training(TrainConfig(model=str(in_assets / "tiny.gguf"), data=str(in_assets / "datasets"), out=out,
+                             steps=2, batch_size=2, seq_len=32, eval_every=0, save_every=0, qlora="on",
+                             lora_targets=["q", "v", "down"]), handle_sigint=False)
+    app = MlxtoyApp(model="tiny.gguf", runs_dir="runs")
+    async with app.run_test(size=SIZE) as pilot:
+        app.run_state.run_dir = out
+        await pilot.press("f3")
+        await pilot.pause(0.3)
+        screen = app.screen
+        screen.refresh_sources()
+        screen.query_one("#source", Select).value = "@current"
+        screen.query_one("#temp", Input).value = "0"
+        screen.query_one("#max_tokens", Input).value = "6"
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: screen.loaded is not None, 60, "the QLoRA run to load")
+        model = app.generator.model
+        adapters = [m for _, m in model.named_modules() if isinstance(m, LORA_TYPES)]
+        assert len(adapters) == 3 * model.config.n_layers
+        assert all(isinstance(m.base, QUANTIZED_TYPES) for m in adapters)
+        assert "quantized base" in str(screen.query_one("#chat-status", Static).render())
+        prompt = screen.query_one("#prompt", Input)
+        prompt.focus()
+        prompt.value = "say the"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not screen.generating and screen._reply_text, 60, "a reply")
+        assert "tokens/s" in str(screen.query_one("#chat-status", Static).render())
+
+
+@run_async
 async def test_runs_screen_reopens_charts(in_assets):
     app = MlxtoyApp(model="tiny.gguf", runs_dir="runs")
     async with app.run_test(size=SIZE) as pilot:

@@ -18,8 +18,9 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 
 from mlxtoy.generate import ChatSession, stream_generate
+from mlxtoy.inference import load_for_inference
+from mlxtoy.models.quant import describe_quantized
 from mlxtoy.sampling import SamplingParams
-from mlxtoy.loading import load
 
 
 class MLXThread:
@@ -73,12 +74,10 @@ class Generator:
         if self.key == source.key and self.model is not None:
             return self.description
         self.model = self.tokenizer = self.session = None
-        model, tokenizer = load(source.model, adapter=source.adapter)
+        # the decision `mlxtoy generate` takes: a QLoRA run's base stays quantized, adapters unmerged
+        model, tokenizer = load_for_inference(source.model, source.adapter)
         self.model, self.tokenizer, self.key = model, tokenizer, source.key
-        cfg = model.config
-        where = getattr(model, "run_source", None) or source.model
-        self.description = (f"{source.label}: {cfg.arch}, {cfg.n_layers} layers, d_model {cfg.d_model}"
-                            f" ({where})")
+        self.description = describe(source, model)
         return self.description
 
     @property
@@ -115,3 +114,12 @@ class Generator:
             if close:
                 close()  # ends the generator so ChatSession records the partial reply
         return stats
+
+
+def describe(source: Source, model) -> str:
+    """One line for the status bar: what is loaded, and how its base is kept."""
+    cfg = model.config
+    where = getattr(model, "run_source", None) or source.model
+    kept = ", ".join(f"{n} {layout}" for layout, n in describe_quantized(model).items())
+    base = f", quantized base ({kept})" if kept else ""
+    return f"{source.label}: {cfg.arch}, {cfg.n_layers} layers, d_model {cfg.d_model}{base} ({where})"

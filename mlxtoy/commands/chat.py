@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mlxtoy.commands.generate import add_sampling_args, load_for_generation, sampling_from_args
+from mlxtoy.commands.generate import add_sampling_args, sampling_from_args
 from mlxtoy.errors import UserError
 from mlxtoy.generate import ChatSession
+from mlxtoy.inference import load_for_inference
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -37,7 +38,7 @@ def _drop_oldest_turn(session) -> bool:
 
 def run(args) -> int:
     sampling = sampling_from_args(args)
-    model, tokenizer = load_for_generation(args)
+    model, tokenizer = load_for_inference(args.model, args.adapter, args.quantized)
     if not tokenizer.chat_template:
         raise UserError(f"{args.model}: the model has no chat template; use `mlxtoy generate`")
     session = ChatSession(model, tokenizer, system=args.system, sampling=sampling,

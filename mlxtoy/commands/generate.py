@@ -11,15 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mlxtoy import backend
-from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.generate import encode_chat, stream_generate
+from mlxtoy.inference import QUANTIZED_FLAG, load_for_inference
 from mlxtoy.io.registry import DEFAULT_MODEL
-from mlxtoy.loading import load, run_quant_plan, source_size
-from mlxtoy.rundir import is_run_or_checkpoint, locate
 from mlxtoy.sampling import SamplingParams
-from mlxtoy.train import memory
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -29,12 +25,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                        help="a .gguf file, a Hugging Face folder or id (org/name[@rev], org/name/file.gguf), "
                             f"or a built-in name (default: the run's own base with --adapter, else {DEFAULT_MODEL})")
     model.add_argument("--adapter", metavar="RUN", help="a training run directory to apply")
-    model.add_argument("--quantized", choices=QUANTIZED_MODES, default="auto",
-                       help="keep the base's projections quantized, as QLoRA keeps them (a GGUF's "
-                            "Q4_0/Q4_1/Q8_0 blocks as they are, other weights 4-bit; a run's adapters then "
-                            "stay unmerged on top). auto (default): as a QLoRA run trained; else where "
-                            "`train --qlora auto` would (on Metal/CUDA for a quantized file, on CPU when "
-                            "float32 would not fit in memory)")
+    model.add_argument("--quantized", **QUANTIZED_FLAG)
     model.add_argument("--system", metavar="S", help="system message for the chat template")
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
@@ -61,45 +52,6 @@ def sampling_from_args(args):
     return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty,
                           repetition_window=args.repetition_window, seed=args.seed).validate()
-
-
-QUANTIZED_MODES = ("auto", "on", "off")
-
-
-def generation_quant(model: str | None, adapter: str | None, mode: str = "auto"):
-    """How `load` keeps the base for generating (its `quant`): None dense, a QuantPlan quantized,
-    "run" as the QLoRA run `adapter` trained it. auto: a QLoRA run's own way, else the rule of
-    `train --qlora auto` (`memory.qlora_plan`, from the file's header); on: quantized (a QLoRA
-    run's bits and group size, else 4-bit/g32); off: dense, adapters merged. A dense base whose
-    float32 weights alone exceed the machine's memory is refused here, before anything is read."""
-    if mode not in QUANTIZED_MODES:
-        raise UserError(f"--quantized {mode}: choose from {', '.join(QUANTIZED_MODES)}")
-    if adapter is None and model is not None and is_run_or_checkpoint(model):
-        adapter, model = model, None  # a run (or RUN/best) as MODEL: its own base, as it trained
-    run_cfg = locate(adapter)[0].read_config()[0] if adapter else None
-    if run_cfg is not None and not run_cfg.adapters:
-        return None  # full / scratch runs hold dense weights of their own
-    base = model or (run_cfg.model if run_cfg is not None else DEFAULT_MODEL)
-    if mode != "off":
-        if run_cfg is not None and run_quant_plan(adapter) is not None:
-            return "run"
-        plan = memory.qlora_plan(TrainConfig(model=base, method="lora", qlora=mode))
-        if plan is not None:
-            return plan
-    available, what = memory.machine_memory()
-    weights = source_size(base)[0] * backend.compute_dtype().size
-    if available and weights > available:
-        raise UserError(f"{base}: its weights take {weights / 1e9:.1f} GB dense, more than the {what} "
-                        f"({available / 1e9:.1f} GB); --quantized on keeps the base quantized")
-    return None
-
-
-def load_for_generation(args):
-    """The model to generate with: --model (with --adapter's weights applied); with --adapter
-    alone, the base that run trained (a run of a 1B model must not meet the built-in 135M);
-    kept quantized as --quantized says (`generation_quant`)."""
-    quant = generation_quant(args.model, args.adapter, getattr(args, "quantized", "auto"))
-    return load(args.model or (None if args.adapter else DEFAULT_MODEL), adapter=args.adapter, quant=quant)
 
 
 def clip_max_tokens(model, n_prompt: int, max_tokens: int) -> int:
@@ -129,7 +81,7 @@ def run(args) -> int:
     if not args.prompt or not args.prompt.strip():
         raise UserError("--prompt is empty: give some text to continue")
     sampling = sampling_from_args(args)
-    model, tokenizer = load_for_generation(args)
+    model, tokenizer = load_for_inference(args.model, args.adapter, args.quantized)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         tokens = encode_chat(tokenizer, messages + [{"role": "user", "content": args.prompt}])

@@ -1,4 +1,9 @@
-"""`mlxtoy taps MODEL --prompt TEXT [--adapter RUN] [--save FILE] [--compare OTHER] [--json]`."""
+"""`mlxtoy taps MODEL --prompt TEXT [--adapter RUN] [--quantized auto|on|off] [--save FILE]
+[--compare OTHER] [--json]`.
+
+A QLoRA run's base is tapped quantized as it trained, the adapters unmerged on top, as
+`generate` runs it (`inference.load_for_inference`): an 8B base never goes whole to float32.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mlxtoy.errors import UserError
-from mlxtoy.loading import load
+from mlxtoy.inference import QUANTIZED_FLAG, load_for_inference
 from mlxtoy.rundir import is_run_or_checkpoint
 from mlxtoy.taps import capture, drift, load_taps, save_taps, summarize
 
@@ -24,6 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "org/name/file.gguf), or a built-in name")
     p.add_argument("--prompt", required=True, help="text to run through the model")
     p.add_argument("--adapter", help="a run directory whose adapters or weights are applied")
+    p.add_argument("--quantized", **QUANTIZED_FLAG)
     p.add_argument("--save", metavar="FILE", help="write the raw tap tensors (.safetensors)")
     p.add_argument("--compare", metavar="OTHER",
                    help="another model, a run directory, or a saved taps file: print the drift")
@@ -34,11 +40,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _load_other(other: str, base: str):
-    """OTHER: a run or one of its checkpoints (applied to the base model), else a model."""
+def _load_other(other: str, base: str, quantized: str):
+    """OTHER: a run or one of its checkpoints (applied to the base model), else a model; its
+    base kept as --quantized says, like the first model's."""
     if is_run_or_checkpoint(other):
-        return load(base, adapter=other)
-    return load(other)
+        return load_for_inference(base, adapter=other, mode=quantized)
+    return load_for_inference(other, mode=quantized)
 
 
 def run(args) -> int:
@@ -49,7 +56,7 @@ def run(args) -> int:
         layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     except ValueError:
         raise UserError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
-    model, tokenizer = load(args.model, adapter=args.adapter)
+    model, tokenizer = load_for_inference(args.model, args.adapter, args.quantized)
     tokens = tokenizer.encode(args.prompt)
     if not tokens:
         raise UserError("--prompt encodes to no tokens")
@@ -64,7 +71,7 @@ def run(args) -> int:
             if other_tokens != tokens:
                 raise UserError(f"{args.compare}: taps were saved for a different prompt")
         else:
-            other_model, other_tok = _load_other(args.compare, args.model)
+            other_model, other_tok = _load_other(args.compare, args.model, args.quantized)
             if other_model.config.vocab_size != model.config.vocab_size:
                 raise UserError(f"{args.compare}: vocabulary differs ({other_model.config.vocab_size} vs "
                                 f"{model.config.vocab_size}); cannot feed it the same tokens")
