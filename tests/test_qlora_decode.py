@@ -82,6 +82,37 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
 
 @needs_kernels
 @pytest.mark.core
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_a_prompt_takes_the_vnni_gemv_at_inference(symmetric):
+    """At inference a prompt's rows (more than decoding's 4; 5 to 37: tails past the fours and the
+    tiles of 16 rows of W) take the 4-bit GEMV too, within x's 16-bit rounding of float64; outside
+    inference they take the exact slab product; a changed weight moves its output only."""
+    q, scales, biases = _quantized(67, 640, 4, 32, mx.float16, seed=11)
+    if symmetric:  # Q4_0's blocks: levels - 8 times the scale
+        biases = (-8 * scales.astype(mx.float32)).astype(mx.float16)
+    dense = _dense64(q, scales, biases, 32, 4)
+    rng = np.random.default_rng(12)
+    for rows in (5, 9, 37):
+        x = rng.standard_normal((rows, 640)).astype(np.float32)
+        want = x.astype(np.float64) @ dense.T
+        eps = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
+        with fastmath.inference():
+            y = np.array(fastmath.quant_linear(mx.array(x), q, scales, biases, 32, 4, symmetric))
+        exact = np.array(fastmath.quant_linear(mx.array(x), q, scales, biases, 32, 4))  # slabs
+        assert (np.abs(exact - want) <= eps).all()
+        assert (np.abs(y - want) <= eps + _x_rounding_bound(x, q, scales, biases, 32)).all()
+        if fastmath.quant_vnni():  # rounded: not the slab product's values
+            assert np.abs(y - exact).max() > 0
+    bad = np.array(q)
+    bad[66, 3] ^= 0x0F0F0F0F
+    with fastmath.inference():
+        y_bad = np.array(fastmath.quant_linear(mx.array(x), mx.array(bad), scales, biases, 32, 4, symmetric))
+    assert np.abs(y_bad[:, 66] - y[:, 66]).max() > 1e-2
+    np.testing.assert_array_equal(y_bad[:, :66], y[:, :66])
+
+
+@needs_kernels
+@pytest.mark.core
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
 def test_symmetric_gemv_leaves_the_biases_unread(dtype):
     """A Q4_0 / Q8_0 block's biases are -2^(bits - 1) scales; `symmetric` says so, and the GEMV

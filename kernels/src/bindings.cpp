@@ -34,10 +34,12 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "stream"_a = nb::none(),
         "mx.dequantize's float32 values for an affine-quantized matrix (2-D), threaded");
   m.def("quant_linear", &mlxtoy::quant_linear, "a"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
-        "grad"_a = false, nb::kw_only(), "symmetric"_a = false, "stream"_a = nb::none(),
+        "grad"_a = false, nb::kw_only(), "symmetric"_a = false, "inference"_a = false,
+        "stream"_a = nb::none(),
         "a @ W.T for an affine-quantized W (grad: a @ W, the input gradient), a slab of W dequantized at a time "
         "into the BLAS's SGEMM; symmetric: the biases are -2^(bits - 1) scales (Q4_0 / Q8_0 blocks), which "
-        "decoding's GEMV then need not read");
+        "decoding's GEMV then need not read; inference: more rows than decoding's (a prompt) may take the "
+        "GEMV's VNNI form too (x rounded to 16 bits a group; no gradient)");
   m.def("quant_vnni_ok", &mlxtoy::quant_vnni_ok,
         "whether quant_linear's 4-bit GEMV (groups of 32) takes AVX-512 VNNI here (MLXTOY_KERNEL_VNNI=0: no)");
   m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm and gemm_many run here (an x86-64 CPU with AVX-512)");

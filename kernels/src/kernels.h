@@ -61,7 +61,8 @@ mx::array dequantize_affine(const mx::array& w, const mx::array& scales, const m
 // x @ W.T (grad: dy @ W) for W in that layout, a slab of rows dequantized at a time into the
 // BLAS's SGEMM (quant.cpp); a (M, K), or (M, N) for the gradient, float32
 mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                       int group_size, int bits, bool grad, bool symmetric = false, mx::StreamOrDevice st = {});
+                       int group_size, int bits, bool grad, bool symmetric = false, bool inference = false,
+                       mx::StreamOrDevice st = {});
 
 // whether quant_linear's 4-bit GEMV (groups of 32) takes AVX-512 VNNI here
 bool quant_vnni_ok();

@@ -260,6 +260,9 @@ __attribute__((target("avx512f"))) void qgemv_rows_avx512(const float* xo, const
 constexpr int64_t kVnniBlock = 128;  // weights of a row a block: 4 groups of 32
 constexpr int64_t kVnniAheadPasses = 2;
 constexpr float kX16 = 32639.0f;  // the largest |x16| whose high byte stays within a signed byte
+// Up to this many rows of x (a prompt, at inference) the VNNI form, compute-bound past a few rows,
+// beats dequantizing slabs for the SGEMM (docs/performance.md, "Decoding from a quantized base")
+constexpr int64_t kVnniMaxRows = 256;
 
 // 4 (or 16) scales or biases of type T from p as float32 (T: float, or uint16_t holding float16
 // (F16 true) or bfloat16 bits)
@@ -491,8 +494,18 @@ void qgemv_span(int64_t M, const float* xo, const float* xs, const uint32_t* w, 
   }
 }
 
-// y (M, N) = x (M, K) W^T, M <= kGemvRows, W's rows split over the kernels' threads first come,
-// first served
+// sums (M, K / group) of x (M, K) over each group
+inline void group_sums(const float* x, int64_t M, int64_t K, int64_t group, float* sums) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / group; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
+      sums[m * (K / group) + g] = sum;
+    }
+}
+
+// y (M, N) = x (M, K) W^T, W's rows split over the kernels' threads first come, first served;
+// M <= kGemvRows, or any M in the VNNI form (`vnni_rows`)
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
   const int64_t groups = K / group;
@@ -506,29 +519,35 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
   std::vector<int8_t> xbytes(vnni ? 2 * M * K : 0);
   std::vector<int32_t> corr(vnni ? M * K / 8 : 0);
 #ifdef MLXTOY_AVX2
-  if (vnni) vnni_x(x, M, K, xbytes.data(), xsl.data(), corr.data());
-#endif
-  if (!vnni) order_x(x, xo.data(), M, K, bits);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.0f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
-      xs[m * groups + g] = sum;
-    }
-#ifdef MLXTOY_AVX2
   if (vnni) {
+    // x's rows rounded and laid out on the threads when there are many (a prompt)
+    threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+      vnni_x(x + m0 * K, m1 - m0, K, xbytes.data() + m0 * 2 * K, xsl.data() + m0 * (K / 8), corr.data() + m0 * (K / 8));
+      group_sums(x + m0 * K, m1 - m0, K, group, xs.data() + m0 * groups);
+    });
     const VnniX vx{xbytes.data(), xsl.data(), corr.data(), xs.data()};
+    // More than kGemvRows rows of x (a prompt) go through in fours over a tile of W's rows while
+    // it is in cache: W is still read from memory once.
+    constexpr int64_t kTileRows = 16;
     threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
-      if (st == ScaleType::F16)
-        qgemv4_vnni<ScaleType::F16>(symmetric, M, vx, w, scales, biases, y, N, K, n0, n1);
-      else if (st == ScaleType::BF16)
-        qgemv4_vnni<ScaleType::BF16>(symmetric, M, vx, w, scales, biases, y, N, K, n0, n1);
-      else
-        qgemv4_vnni<ScaleType::F32>(symmetric, M, vx, w, scales, biases, y, N, K, n0, n1);
+      for (int64_t t0 = n0; t0 < n1; t0 += M <= kGemvRows ? n1 - n0 : kTileRows)
+        for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {
+          const int64_t t1 = std::min(n1, M <= kGemvRows ? n1 : t0 + kTileRows), rows = std::min(kGemvRows, M - m0);
+          const VnniX part{vx.bytes + m0 * 2 * K, vx.xsl + m0 * (K / 8), vx.corr + m0 * (K / 8), vx.sums + m0 * groups};
+          float* yp = y + m0 * N;
+          if (st == ScaleType::F16)
+            qgemv4_vnni<ScaleType::F16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+          else if (st == ScaleType::BF16)
+            qgemv4_vnni<ScaleType::BF16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+          else
+            qgemv4_vnni<ScaleType::F32>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+        }
     });
     return;
   }
 #endif
+  order_x(x, xo.data(), M, K, bits);
+  group_sums(x, M, K, group, xs.data());
   // a block of rows' scales and biases are widened to float32 into the thread's own buffers
   // first (kept small: read again from L1/L2 by the block's rows)
   constexpr int64_t kBlockRows = 32;
@@ -629,12 +648,15 @@ mx::array make(QuantLinear::Op op, mx::Shape shape, std::vector<mx::array> input
 }  // namespace
 
 mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                       int group_size, int bits, bool grad, bool symmetric, mx::StreamOrDevice s) {
+                       int group_size, int bits, bool grad, bool symmetric, bool inference,
+                       mx::StreamOrDevice s) {
   check_layout(w, scales, biases, group_size, bits, "quant_linear");
   const int64_t N = w.shape(0), K = w.shape(1) * (32 / bits);
   if (a.ndim() != 2 || a.dtype() != mx::float32 || a.shape(1) != (grad ? N : K))
     throw std::invalid_argument("[mlxtoy_kernels] quant_linear: a float32 (M, K), or (M, N) for the gradient");
-  const bool few = a.shape(0) <= kGemvRows && group_size % kChunk == 0;
+  const bool few = (a.shape(0) <= kGemvRows && group_size % kChunk == 0) ||
+                   (inference && a.shape(0) <= kVnniMaxRows && bits == 4 && group_size == 32 && K % kVnniBlock == 0 &&
+                    cpu_vnni());
   const auto op = grad ? QuantLinear::Op::InputGrad : few ? QuantLinear::Op::Gemv : QuantLinear::Op::Product;
   return make(op, {a.shape(0), static_cast<int>(grad ? K : N)}, {a, w, scales, biases}, group_size, bits, s,
               symmetric);

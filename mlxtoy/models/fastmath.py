@@ -355,10 +355,11 @@ def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     the BLAS's SGEMM, forward and input gradient; at most 4 rows of x, decoding, the fused
     quantized GEMV that reads the packed words as they are, and not the biases where they are
     -2^(bits - 1) scales: `symmetric`); see `quant_linear_ok`. Inside `inference()` the kernel is
-    called bare (no gradient node)."""
+    called bare (no gradient node), and a prompt's rows take the GEMV's VNNI form as well where it
+    runs (x rounded to 16 bits a group, as in decoding)."""
     if _bare(x):
         rows = x.reshape(-1, x.shape[-1])
-        return _K.quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric
+        return _K.quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric, inference=True
                                ).reshape(*x.shape[:-1], w.shape[0])
     return _kernel_quant_linear(group_size, bits, symmetric)(x, w, scales, biases)
 
