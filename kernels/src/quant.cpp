@@ -397,28 +397,44 @@ inline bool cpu_vnni() {
   return ok;
 }
 
-// x (M, K) for qgemv4_rows_vnni (VnniX): rounded to 16 bits per group of 32 and split in bytes
-inline void vnni_x(const float* x, int64_t M, int64_t K, int8_t* bytes, float* xsl, int32_t* corr) {
+// x (M, K) for qgemv4_rows_vnni (VnniX): rounded to 16 bits per group of 32 and split in bytes,
+// and each group's sum (sums (M, K / 32)). Vectors: per call this runs on one thread before the
+// rows are shared out, where a scalar loop took as long as a small matrix's whole product.
+__attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, int64_t M, int64_t K, int8_t* bytes,
+                                                              float* xsl, int32_t* corr, float* sums) {
   const int64_t blocks = K / kVnniBlock;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 lim = _mm512_set1_ps(kX16), nlim = _mm512_set1_ps(-kX16);
+  const __m512i b128 = _mm512_set1_epi32(128), b255 = _mm512_set1_epi32(255);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t blk = 0; blk < blocks; ++blk) {
       int8_t* out = bytes + (m * blocks + blk) * 256;
       const float* xb = x + m * K + blk * kVnniBlock;
       for (int j = 0; j < 4; ++j) {
-        const float* xg = xb + 32 * j;
-        float amax = 0.0f;
-        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xg[k]));
+        const __m512 v0 = _mm512_loadu_ps(xb + 32 * j), v1 = _mm512_loadu_ps(xb + 32 * j + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float scale = amax > 0.0f ? amax / kX16 : 1.0f, inv = 1.0f / scale;
-        int32_t sum = 0;
-        for (int k = 0; k < 32; ++k) {
-          const int x16 = static_cast<int>(std::min(kX16, std::max(-kX16, std::nearbyint(xg[k] * inv))));
-          const int xl = ((x16 + 128) & 255) - 128, xh = (x16 - xl) / 256;
-          // element 32 j + k sits in byte (32 j + k) / 2 of the block: its low nibble if even
-          const int byte = 16 * j + k / 2, odd = k & 1;
-          out[128 * odd + byte] = static_cast<int8_t>(xh);
-          out[128 * odd + 64 + byte] = static_cast<int8_t>(xl);
-          sum += x16;
+        const __m512 vi = _mm512_set1_ps(inv);
+        // x16 = round(x / scale) within +-kX16; x16 = 256 xh + xl, xl and xh signed bytes
+        __m512i r[2], hi[2], lo[2];
+        r[0] = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_mul_ps(v0, vi))));
+        r[1] = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_mul_ps(v1, vi))));
+        for (int h = 0; h < 2; ++h) {
+          lo[h] = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r[h], b128), b255), b128);
+          hi[h] = _mm512_srai_epi32(_mm512_sub_epi32(r[h], lo[h]), 8);
         }
+        // element 32 j + k sits in byte 16 j + k / 2 of the block's even (k even) or odd vectors
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(hi[0], even, hi[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], even, lo[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 128 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(hi[0], odd, hi[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 192 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], odd, lo[1])));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r[0], r[1]));
+        sums[m * (K / 32) + blk * 4 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
         for (int l = 0; l < 4; ++l) {
           xsl[m * (K / 8) + blk * 16 + 4 * j + l] = scale;
           corr[m * (K / 8) + blk * 16 + 4 * j + l] = l == 0 ? 8 * sum : 0;
@@ -522,8 +538,8 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
   if (vnni) {
     // x's rows rounded and laid out on the threads when there are many (a prompt)
     threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
-      vnni_x(x + m0 * K, m1 - m0, K, xbytes.data() + m0 * 2 * K, xsl.data() + m0 * (K / 8), corr.data() + m0 * (K / 8));
-      group_sums(x + m0 * K, m1 - m0, K, group, xs.data() + m0 * groups);
+      vnni_x(x + m0 * K, m1 - m0, K, xbytes.data() + m0 * 2 * K, xsl.data() + m0 * (K / 8), corr.data() + m0 * (K / 8),
+             xs.data() + m0 * groups);
     });
     const VnniX vx{xbytes.data(), xsl.data(), corr.data(), xs.data()};
     // More than kGemvRows rows of x (a prompt) go through in fours over a tile of W's rows while
