@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlxtoy.io import gguf_file
 from mlxtoy.io.gguf_file import GGUFTensor, affine_blocks
 from mlxtoy.io.gguf_read import load_gguf
 from mlxtoy.io.gguf_write import write_gguf
@@ -44,8 +45,12 @@ def _packed(t: GGUFTensor) -> PackedMatrix:
 
 
 @pytest.mark.core
+@pytest.mark.parametrize("reader", ["default", "numpy"])
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
-def test_gguf_blocks_map_to_mlx_bit_exactly(qtype):
+def test_gguf_blocks_map_to_mlx_bit_exactly(qtype, reader, monkeypatch):
+    """Both readers of the blocks (the kernels' threaded one where they are on, numpy's)."""
+    if reader == "numpy":
+        monkeypatch.setattr(gguf_file, "mlxtoy_kernels", None)
     rng = np.random.default_rng(0)
     arr = (rng.standard_normal((48, 128)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
     t = _tensor(arr, qtype)

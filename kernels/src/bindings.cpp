@@ -61,6 +61,47 @@ NB_MODULE(_ext, m) {
   m.def("attention_grad", &mlxtoy::attention_grad, "q"_a, "k"_a, "v"_a, "bias"_a, "stats"_a, "d_out"_a, "scale"_a,
         nb::kw_only(), "stream"_a = nb::none(),
         "(dq, dk, dv) of attention for out's cotangent d_out, from its stats (the probabilities are computed again)");
+  m.def(
+      "affine_blocks",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, int type, int64_t rows,
+         int64_t d_in) {
+        const int bits = type == 8 ? 8 : 4;
+        const int64_t groups = d_in / 32, blocks = rows * groups;
+        auto* packed = new uint8_t[static_cast<size_t>(blocks * 4 * bits)];
+        auto* scales = new uint16_t[static_cast<size_t>(blocks)];
+        auto* biases = new float[static_cast<size_t>(blocks)];
+        auto* halves = new uint16_t[static_cast<size_t>(blocks)];
+        bool fits = true;
+        {
+          nb::gil_scoped_release unlocked;
+          try {
+            if (d_in % 32 || static_cast<int64_t>(data.shape(0)) != blocks * (type == 8 ? 34 : type == 3 ? 20 : 18))
+              throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: the bytes are not rows x d_in / 32 blocks");
+            mlxtoy::affine_blocks(data.data(), static_cast<int64_t>(data.shape(0)), type, packed, scales, biases);
+            for (int64_t b = 0; b < blocks && fits; ++b) fits = mlxtoy::half_bits(biases[b], halves[b]);
+          } catch (...) {
+            nb::gil_scoped_acquire locked;
+            delete[] packed, delete[] scales, delete[] biases, delete[] halves;
+            throw;
+          }
+        }
+        mx::Shape shape{static_cast<int>(rows), static_cast<int>(groups)};
+        mx::array w(packed, {static_cast<int>(rows), static_cast<int>(groups * bits)}, mx::uint32,
+                    [](void* p) { delete[] static_cast<uint8_t*>(p); });
+        mx::array s(scales, shape, mx::float16, [](void* p) { delete[] static_cast<uint16_t*>(p); });
+        if (fits) {  // the biases as float16, as the scales
+          delete[] biases;
+          mx::array b(halves, shape, mx::float16, [](void* p) { delete[] static_cast<uint16_t*>(p); });
+          return nb::make_tuple(w, s, b, bits);
+        }
+        delete[] halves;  // a bias beyond float16's range: both in float32
+        mx::array b(biases, shape, mx::float32, [](void* p) { delete[] static_cast<float*>(p); });
+        return nb::make_tuple(w, mx::astype(s, mx::float32), b, bits);
+      },
+      "data"_a, "type"_a, "rows"_a, "d_in"_a,
+      "Q4_0 / Q4_1 / Q8_0 blocks (GGMLQuantizationType 2, 3, 8) of a (rows, d_in) matrix -> (w, scales, biases, "
+      "bits), MLX's affine layout with group 32 as MLX arrays, threaded: GGML's values exactly; scales and biases "
+      "float16 where every bias is a float16 value, else float32");
   m.def("dequantizes", &mlxtoy::dequantizes, "type"_a, "whether dequantize reads this GGMLQuantizationType");
   m.def(
       "dequantize",

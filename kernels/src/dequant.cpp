@@ -150,9 +150,42 @@ Format format(int type) {
   }
 }
 
+// part(b0, b1) over [0, blocks) on threads of its own, not the kernels' team: this runs on the
+// caller's (Python's) thread, and an OpenMP team started from there as well as from MLX's stream
+// thread left libiomp's shutdown racing one of them at exit
+template <class Part>
+void over_blocks(int64_t blocks, const Part& part) {
+  int64_t parts = std::min<int64_t>(default_threads(), blocks / 1024 + 1);
+  std::vector<std::thread> others;
+  for (int64_t i = 1; i < parts; ++i) others.emplace_back(part, blocks * i / parts, blocks * (i + 1) / parts);
+  part(0, blocks / parts);
+  for (auto& t : others) t.join();
+}
+
 }  // namespace
 
 bool dequantizes(int type) { return format(type).fn != nullptr; }
+
+// f's float16 bits where f is a float16 value (a block's bias: a float16 scale times -8 or -128,
+// or a float16 offset); false where it is out of float16's range
+bool half_bits(float f, uint16_t& h) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  const int exp = static_cast<int>((bits >> 23) & 0xFF) - 127 + 15;
+  const uint32_t man = bits & 0x7FFFFF;
+  if ((bits & 0x7FFFFFFF) == 0) {
+    h = sign;
+    return true;
+  }
+  if (exp >= 31) return false;  // beyond 65504 (or inf, NaN)
+  if (exp <= 0) {               // a subnormal float16
+    h = static_cast<uint16_t>(sign | ((man | 0x800000) >> (14 - exp)));
+    return true;
+  }
+  h = static_cast<uint16_t>(sign | (exp << 10) | (man >> 13));
+  return true;
+}
 
 void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int64_t n_values) {
   Format f = format(type);
@@ -160,18 +193,38 @@ void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int6
   if (n_bytes % f.bytes != 0 || n_bytes / f.bytes * f.values != n_values)
     throw std::invalid_argument("[mlxtoy_kernels] dequantize: " + std::to_string(n_bytes) + " bytes are not " +
                                 std::to_string(n_values) + " values of type " + std::to_string(type));
-  int64_t blocks = n_bytes / f.bytes;
-  auto part = [&](int64_t b0, int64_t b1) {
+  over_blocks(n_bytes / f.bytes, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) f.fn(data + b * f.bytes, out + b * f.values);
-  };
-  // threads of its own, not the kernels' team: this runs on the caller's (Python's) thread, and
-  // an OpenMP team started from there as well as from MLX's stream thread left libiomp's
-  // shutdown racing one of them at exit
-  int64_t parts = std::min<int64_t>(default_threads(), blocks / 1024 + 1);
-  std::vector<std::thread> others;
-  for (int64_t i = 1; i < parts; ++i) others.emplace_back(part, blocks * i / parts, blocks * (i + 1) / parts);
-  part(0, blocks / parts);
-  for (auto& t : others) t.join();
+  });
+}
+
+void affine_blocks(const uint8_t* data, int64_t n_bytes, int type, uint8_t* packed, uint16_t* scales,
+                   float* biases) {
+  const int64_t size = type == 2 ? 18 : type == 3 ? 20 : type == 8 ? 34 : 0;
+  if (size == 0) throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: type " + std::to_string(type));
+  if (n_bytes % size != 0)
+    throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: " + std::to_string(n_bytes) +
+                                " bytes are not whole blocks of type " + std::to_string(type));
+  over_blocks(n_bytes / size, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = data + b * size;
+      scales[b] = static_cast<uint16_t>(blk[0] | (blk[1] << 8));
+      if (type == 8) {  // Q8_0: int8 q * d = d * (q + 128) - 128 d, q + 128 as an unsigned byte
+        biases[b] = half(blk) * -128.0f;
+        for (int j = 0; j < 32; ++j) packed[b * 32 + j] = blk[2 + j] ^ 0x80;
+        continue;
+      }
+      // Q4_0: (q - 8) d = d q - 8 d; Q4_1: d q + m. GGML holds element j in the low nibble of
+      // byte j and j + 16 in its high one; MLX byte i holds elements 2i and 2i + 1.
+      biases[b] = type == 3 ? half(blk + 2) : half(blk) * -8.0f;
+      const uint8_t* qs = blk + (type == 3 ? 4 : 2);
+      uint8_t* out = packed + b * 16;
+      for (int i = 0; i < 8; ++i) {
+        out[i] = static_cast<uint8_t>((qs[2 * i] & 0x0F) | (qs[2 * i + 1] << 4));
+        out[8 + i] = static_cast<uint8_t>((qs[2 * i] >> 4) | (qs[2 * i + 1] & 0xF0));
+      }
+    }
+  });
 }
 
 }  // namespace mlxtoy

@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxtoy import backend
@@ -242,7 +243,7 @@ def affine_bits(type_name: str) -> int | None:
     return kind[0] if kind else None
 
 
-def affine_blocks(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+def affine_blocks(tensor: GGUFTensor) -> tuple[mx.array, mx.array, mx.array, int] | None:
     """A Q4_0 / Q4_1 / Q8_0 tensor as MLX's affine quantized layout, group size 32, with no
     re-quantization: (packed uint32 (rows, d_in * bits / 32), scales (rows, d_in / 32),
     biases, bits); None for other types. Q4_0's (q - 8) * d is d * q + (-8 d), Q8_0's signed
@@ -255,6 +256,8 @@ def affine_blocks(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarra
     raw = np.ascontiguousarray(tensor.data).reshape(-1)
     d_in = tensor.shape[0]
     rows = raw.size // (d_in // 32 * size)
+    if mlxtoy_kernels is not None:  # the same values, threaded, straight into MLX arrays
+        return mlxtoy_kernels.affine_blocks(raw, int(tensor.tensor_type), rows, d_in)
     blocks = raw.reshape(rows, d_in // 32, size)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     if tensor.tensor_type.name == "Q8_0":
@@ -276,4 +279,4 @@ def affine_blocks(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarra
         biases = biases.astype(np.float16)
     else:
         scales = scales.astype(np.float32)
-    return packed, scales.reshape(rows, -1), biases.reshape(rows, -1), bits
+    return mx.array(packed), mx.array(scales.reshape(rows, -1)), mx.array(biases.reshape(rows, -1)), bits

@@ -121,7 +121,7 @@ def read_packed(tensor, params: list[str], shapes: dict[str, tuple[int, ...]], q
     blocks = affine_blocks(tensor)
     if blocks is not None:
         w, scales, biases, bits = blocks
-        whole = PackedMatrix(mx.array(w), mx.array(scales), mx.array(biases), 32, bits,
+        whole = PackedMatrix(w, scales, biases, 32, bits,
                              symmetric=tensor.tensor_type.name in SYMMETRIC_BLOCKS)
     else:
         whole, errors[tensor.name] = quantize_dense(mx.array(dequantize_tensor(tensor, path)), quant)
