@@ -1,0 +1,529 @@
+// The fused quantized GEMV of decoding (qgemv.h): each row of W's packed words read once and
+// multiplied in registers, nothing dequantized to memory.
+
+#include "qgemv.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "loops.h"
+#include "packed.h"
+
+namespace mlxtoy {
+
+namespace {
+
+// For a few rows of x (at most kGemvRows) the product is bound by reading W, so no slab is
+// dequantized to memory: each row of packed words is read once, widened to float32 in
+// registers and multiplied there, with the affine form split as
+//   y[m, n] = sum_g scale[n, g] * (x_g . q_g) + bias[n, g] * sum(x_g)
+// (x's sums over each group taken once per call). The scales and biases are read in their own
+// dtype (float16 for a GGUF's blocks): a cast to float32 per call would write 8 bytes a group
+// of every matrix on every token.
+
+// Each line of W is prefetched two passes (of R rows) before the loop reads it: out of cache the
+// loop's work per byte keeps too few misses in flight for the hardware's own prefetch (measured
+// on a Zen 4, one thread, 8192 x 4096: 12.1 -> 15.6 G weights/s; in L3 ~19)
+constexpr int64_t kAheadPasses = 2;
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (man << 13));  // inf, NaN
+  if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112) << 23) | (man << 13));
+  return std::bit_cast<float>(sign) + static_cast<float>(man) * 5.9604644775390625e-08f;  // subnormal: man 2^-24
+}
+
+#ifdef MLXTOY_AVX2
+__attribute__((target("avx2,f16c"))) inline int64_t f16_to_f32_f16c(const uint16_t* h, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  return i;
+}
+#endif
+
+// n scales (or biases) of type t at p as float32
+inline void scales_to_f32(const void* p, ScaleType t, float* out, int64_t n) {
+  if (t == ScaleType::F32) {
+    std::memcpy(out, p, n * sizeof(float));
+    return;
+  }
+  auto h = static_cast<const uint16_t*>(p);
+  int64_t i = 0;
+#ifdef MLXTOY_AVX2
+  static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (t == ScaleType::F16 && f16c) i = f16_to_f32_f16c(h, out, n);
+#endif
+  for (; i < n; ++i)
+    out[i] = t == ScaleType::BF16 ? std::bit_cast<float>(static_cast<uint32_t>(h[i]) << 16) : half_to_float(h[i]);
+}
+
+// x (M, K) as the loops read it: at 4 bits each chunk of 32 with its even elements first, then
+// its odd ones (the low and the high nibbles of the chunk's 16 bytes); at 8 bits as it is
+inline void order_x(const float* x, float* xo, int64_t M, int64_t K, int bits) {
+  if (bits == 8) {
+    std::memcpy(xo, x, M * K * sizeof(float));
+    return;
+  }
+  for (int64_t i = 0; i < M * K; i += kChunk)
+    for (int j = 0; j < kChunk / 2; ++j) {
+      xo[i + j] = x[i + 2 * j];
+      xo[i + kChunk / 2 + j] = x[i + 2 * j + 1];
+    }
+}
+
+// rows [n0, n1) of y (M, N) = x W^T for rows of W (words a row) with its scales and biases
+// already float32 (sc, bi: (n1 - n0, groups)); xo: order_x's x, xs: x's group sums (M, groups)
+template <int M, int B>
+void qgemv_rows_portable(const float* xo, const float* xs, const uint32_t* w, const float* sc, const float* bi,
+                         float* y, int64_t N, int64_t K, int64_t group, int64_t n0, int64_t n1) {
+  const int64_t words = K * B / 32, groups = K / group;
+  for (int64_t n = n0; n < n1; ++n) {
+    auto q = reinterpret_cast<const uint8_t*>(w + n * words);
+    const float* s = sc + (n - n0) * groups;
+    const float* b = bi + (n - n0) * groups;
+    for (int m = 0; m < M; ++m) {
+      const float* xm = xo + m * K;
+      float acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float dot = 0.0f;
+        for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+          if (B == 4) {
+            const uint8_t* qc = q + c / 2;
+#pragma omp simd reduction(+ : dot)
+            for (int j = 0; j < 16; ++j)
+              dot += xm[c + j] * static_cast<float>(qc[j] & 15) + xm[c + 16 + j] * static_cast<float>(qc[j] >> 4);
+          } else {
+#pragma omp simd reduction(+ : dot)
+            for (int j = 0; j < 32; ++j) dot += xm[c + j] * static_cast<float>(q[c + j]);
+          }
+        }
+        acc += s[g] * dot + b[g] * xs[m * groups + g];
+      }
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+#ifdef MLXTOY_AVX2
+// The same with AVX-512: a chunk's 32 weights as two vectors of 16 floats (4 bits: the low
+// nibbles, then the high ones), R rows of W a pass (independent chains and R streams of W in
+// flight), each widened once for every row of x; each group's x . q kept in 16 lanes and scaled
+// into the row's accumulator; the bias terms as one dot over the groups.
+template <int M, int B, int R>
+__attribute__((target("avx512f"))) inline void qgemv_pass_avx512(const float* xo, const float* xs,
+                                                                 const uint8_t* q, const float* s, const float* b,
+                                                                 float* y, int64_t N, int64_t K, int64_t group) {
+  const int64_t groups = K / group, row_bytes = K * B / 8;
+  const __m128i low4 = _mm_set1_epi8(15);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dot[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) dot[r][m] = _mm512_setzero_ps();
+    for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* qr = q + r * row_bytes;
+        if ((c * B / 8) % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(qr + c * B / 8 + kAheadPasses * R * row_bytes), _MM_HINT_T0);
+        __m512 lo, hi;
+        if (B == 4) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c / 2));
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4)));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+        } else {
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c))));
+          hi = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c + 16))));
+        }
+        for (int m = 0; m < M; ++m) {
+          dot[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xo + m * K + c), lo, dot[r][m]);
+          dot[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xo + m * K + c + 16), hi, dot[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sg = _mm512_set1_ps(s[r * groups + g]);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(sg, dot[r][m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      __m512 bacc = _mm512_setzero_ps();
+      const float* br = b + r * groups;
+      int64_t g = 0;
+      for (; g + 16 <= groups; g += 16)
+        bacc = _mm512_fmadd_ps(_mm512_loadu_ps(br + g), _mm512_loadu_ps(xs + m * groups + g), bacc);
+      if (g < groups) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (groups - g)) - 1);
+        bacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, br + g), _mm512_maskz_loadu_ps(tail, xs + m * groups + g),
+                               bacc);
+      }
+      y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]) + _mm512_reduce_add_ps(bacc);
+    }
+}
+
+template <int M, int B>
+__attribute__((target("avx512f"))) void qgemv_rows_avx512(const float* xo, const float* xs, const uint32_t* w,
+                                                          const float* sc, const float* bi, float* y, int64_t N,
+                                                          int64_t K, int64_t group, int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  const int64_t words = K * B / 32, groups = K / group;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    qgemv_pass_avx512<M, B, R>(xo, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + (n - n0) * groups,
+                               bi + (n - n0) * groups, y + n, N, K, group);
+  for (; n < n1; ++n)
+    qgemv_pass_avx512<M, B, 1>(xo, xs, reinterpret_cast<const uint8_t*>(w + n * words), sc + (n - n0) * groups,
+                               bi + (n - n0) * groups, y + n, N, K, group);
+}
+
+// 4 bits, groups of 32, with AVX-512 VNNI: unsigned-by-signed byte products, four to a 32-bit
+// lane (vpdpbusd), the nibbles as they are read. x is rounded to 16 bits per group of 32
+// (x ~ xscale_g * x16, xscale_g = max |x_g| / 32639: each input within 1 / 65278 of its group's
+// largest) and x16 split into two signed bytes, x16 = 256 xh + xl, so a group's q . x16 is
+// 256 (q . xh) + (q . xl), exact in int32 (|q . x16| <= 32 * 15 * 32639 < 2^24: its float is exact
+// too), and
+//   y = sum_g scale_g xscale_g (q . x16)_g + bias_g sum(x_g)   (sum(x_g) from x itself).
+// A block of 4 groups (64 bytes of a row) gives two vectors, the low nibbles (x's even elements)
+// and the high ones (the odd), and four byte products; lane l holds bytes 4l..4l+3, all of group
+// l / 4, so one multiply-add scales 4 groups. Where the biases are -8 scales (a Q4_0 block:
+// `symmetric`) they are not read: -8 sum(x16_g) goes into the integer sum, and a weight costs 4.5
+// bits of memory where it costs 5 with biases (float16).
+constexpr int64_t kVnniAheadPasses = 2;
+constexpr float kX16 = 32639.0f;  // the largest |x16| whose high byte stays within a signed byte
+
+// 4 (or 16) scales or biases of type T from p as float32 (T: float, or uint16_t holding float16
+// (F16 true) or bfloat16 bits)
+template <ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m128 load4(const void* p, int64_t i) {
+  if constexpr (T == ScaleType::F32) return _mm_loadu_ps(static_cast<const float*>(p) + i);
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  if constexpr (T == ScaleType::F16) return _mm_cvtph_ps(h);
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+template <ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const void* p, int64_t i, __mmask16 k) {
+  if constexpr (T == ScaleType::F32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + i);
+  if constexpr (T == ScaleType::F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x as vnni_x lays it out: per row of x and block, the 4 byte vectors (high bytes of the even
+// elements, low bytes of the even, then the odd), xscale on its group's 4 lanes, and (symmetric)
+// 8 sum(x16_g) on the group's first lane
+struct VnniX {
+  const int8_t* bytes;  // (M, K / 128, 4, 64)
+  const float* xsl;     // (M, K / 8)
+  const int32_t* corr;  // (M, K / 8)
+  const float* sums;    // (M, K / 32): sum(x_g)
+};
+
+// scales (and biases, unless symmetric) read in their own type T (no widened copy: prefetched
+// with the words)
+template <int M, int R, ScaleType T, bool Sym>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void qgemv4_pass_vnni(
+    const VnniX& x, const uint8_t* q, const char* s, const char* b, float* y, int64_t N, int64_t K) {
+  constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
+  // prefetched into L2 (into L1 they evicted the pass's own lines), two passes ahead
+  const int64_t groups = K / 32, row_bytes = K / 2, ahead = kVnniAheadPasses * R;
+  for (int r = 0; r < R; ++r)  // the rows' scales and biases
+    for (int64_t o = 0; o < groups * elem; o += 64) {
+      _mm_prefetch(s + (r + ahead) * groups * elem + o, _MM_HINT_T1);
+      if constexpr (!Sym) _mm_prefetch(b + (r + ahead) * groups * elem + o, _MM_HINT_T1);
+    }
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t blocks = K / kVnniBlock;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    // x's vectors of the block, read once for the pass's R rows
+    __m512i xv[M][4], xc[M];
+    __m512 xsl[M];
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xb = x.bytes + (m * blocks + blk) * 256;
+      for (int i = 0; i < 4; ++i) xv[m][i] = _mm512_loadu_si512(xb + 64 * i);
+      xsl[m] = _mm512_loadu_ps(x.xsl + m * (K / 8) + blk * 16);
+      if constexpr (Sym) xc[m] = _mm512_loadu_si512(x.corr + m * (K / 8) + blk * 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qb = q + r * row_bytes + blk * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(qb + ahead * row_bytes), _MM_HINT_T1);
+      const __m512i v = _mm512_loadu_si512(qb);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(load4<T>(s + r * groups * elem, 4 * blk)));
+      for (int m = 0; m < M; ++m) {
+        __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][0]);
+        __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][1]);
+        dh = _mm512_dpbusd_epi32(dh, hi, xv[m][2]);
+        dl = _mm512_dpbusd_epi32(dl, hi, xv[m][3]);
+        __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+        if constexpr (Sym) d = _mm512_sub_epi32(d, xc[m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xsl[m]), sv, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float total = _mm512_reduce_add_ps(acc[r][m]);
+      if constexpr (!Sym) {
+        __m512 bacc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g += 16) {
+          const __mmask16 k = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+          bacc = _mm512_fmadd_ps(load16<T>(b + r * groups * elem, g, k),
+                                 _mm512_maskz_loadu_ps(k, x.sums + m * groups + g), bacc);
+        }
+        total += _mm512_reduce_add_ps(bacc);
+      }
+      y[m * N + r] = total;
+    }
+}
+
+template <int M, ScaleType T, bool Sym>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void qgemv4_rows_vnni(
+    const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y, int64_t N, int64_t K,
+    int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 8 : M == 2 ? 4 : 2;
+  constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
+  const int64_t words = K / 8, row_sc = K / 32 * elem;
+  auto sc = static_cast<const char*>(scales), bi = static_cast<const char*>(biases);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    qgemv4_pass_vnni<M, R, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                                   bi + n * row_sc, y + n, N, K);
+  for (; n < n1; ++n)
+    qgemv4_pass_vnni<M, 1, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                                   bi + n * row_sc, y + n, N, K);
+}
+
+template <ScaleType T, bool Sym>
+void qgemv4_vnni(int64_t M, const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y,
+                 int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return qgemv4_rows_vnni<1, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 2: return qgemv4_rows_vnni<2, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 3: return qgemv4_rows_vnni<3, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    default: return qgemv4_rows_vnni<4, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+  }
+}
+
+template <ScaleType T>
+void qgemv4_vnni(bool symmetric, int64_t M, const VnniX& x, const uint32_t* w, const void* scales,
+                 const void* biases, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (symmetric) return qgemv4_vnni<T, true>(M, x, w, scales, biases, y, N, K, n0, n1);
+  qgemv4_vnni<T, false>(M, x, w, scales, biases, y, N, K, n0, n1);
+}
+
+
+// x (M, K) for qgemv4_rows_vnni (VnniX): rounded to 16 bits per group of 32 and split in bytes,
+// and each group's sum (sums (M, K / 32)). Vectors: per call this runs on one thread before the
+// rows are shared out, where a scalar loop took as long as a small matrix's whole product.
+__attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, int64_t M, int64_t K, int8_t* bytes,
+                                                              float* xsl, int32_t* corr, float* sums) {
+  const int64_t blocks = K / kVnniBlock;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 lim = _mm512_set1_ps(kX16), nlim = _mm512_set1_ps(-kX16);
+  const __m512i b128 = _mm512_set1_epi32(128), b255 = _mm512_set1_epi32(255);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      int8_t* out = bytes + (m * blocks + blk) * 256;
+      const float* xb = x + m * K + blk * kVnniBlock;
+      for (int j = 0; j < 4; ++j) {
+        const __m512 v0 = _mm512_loadu_ps(xb + 32 * j), v1 = _mm512_loadu_ps(xb + 32 * j + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float scale = amax > 0.0f ? amax / kX16 : 1.0f, inv = 1.0f / scale;
+        const __m512 vi = _mm512_set1_ps(inv);
+        // x16 = round(x / scale) within +-kX16; x16 = 256 xh + xl, xl and xh signed bytes
+        __m512i r[2], hi[2], lo[2];
+        r[0] = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_mul_ps(v0, vi))));
+        r[1] = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_mul_ps(v1, vi))));
+        for (int h = 0; h < 2; ++h) {
+          lo[h] = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r[h], b128), b255), b128);
+          hi[h] = _mm512_srai_epi32(_mm512_sub_epi32(r[h], lo[h]), 8);
+        }
+        // element 32 j + k sits in byte 16 j + k / 2 of the block's even (k even) or odd vectors
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(hi[0], even, hi[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], even, lo[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 128 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(hi[0], odd, hi[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 192 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], odd, lo[1])));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r[0], r[1]));
+        sums[m * (K / 32) + blk * 4 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        for (int l = 0; l < 4; ++l) {
+          xsl[m * (K / 8) + blk * 16 + 4 * j + l] = scale;
+          corr[m * (K / 8) + blk * 16 + 4 * j + l] = l == 0 ? 8 * sum : 0;
+        }
+      }
+    }
+}
+
+// The same with AVX2 and FMA: 8 floats a vector, four to a chunk.
+template <int M, int B>
+__attribute__((target("avx2,fma"))) void qgemv_rows_avx2(const float* xo, const float* xs, const uint32_t* w,
+                                                         const float* sc, const float* bi, float* y, int64_t N,
+                                                         int64_t K, int64_t group, int64_t n0, int64_t n1) {
+  const int64_t words = K * B / 32, groups = K / group;
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    auto q = reinterpret_cast<const uint8_t*>(w + n * words);
+    const float* s = sc + (n - n0) * groups;
+    const float* b = bi + (n - n0) * groups;
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_ps();
+      for (int64_t c = g * group; c < (g + 1) * group; c += kChunk) {
+        __m256 f[4];
+        if (B == 4) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c / 2));
+          const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+          f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+          f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+          f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+          f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        } else {
+          for (int v = 0; v < 4; ++v)
+            f[v] = _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c + 8 * v))));
+        }
+        for (int m = 0; m < M; ++m)
+          for (int v = 0; v < 4; ++v) dot[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xo + m * K + c + 8 * v), f[v], dot[m]);
+      }
+      const __m256 sg = _mm256_set1_ps(s[g]);
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(sg, dot[m], acc[m]);
+    }
+    for (int m = 0; m < M; ++m) {
+      float bsum = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) bsum += b[g] * xs[m * groups + g];
+      y[m * N + n] = hsum8(acc[m]) + bsum;
+    }
+  }
+}
+#endif
+
+template <int M, int B>
+void qgemv_rows(const float* xo, const float* xs, const uint32_t* w, const float* sc, const float* bi, float* y,
+                int64_t N, int64_t K, int64_t group, int64_t n0, int64_t n1) {
+#ifdef MLXTOY_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (cpu_avx512()) return qgemv_rows_avx512<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+  if (avx2) return qgemv_rows_avx2<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+#endif
+  qgemv_rows_portable<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+}
+
+template <int B>
+void qgemv_span(int64_t M, const float* xo, const float* xs, const uint32_t* w, const float* sc, const float* bi,
+                float* y, int64_t N, int64_t K, int64_t group, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return qgemv_rows<1, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+    case 2: return qgemv_rows<2, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+    case 3: return qgemv_rows<3, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+    default: return qgemv_rows<4, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+  }
+}
+
+// sums (M, K / group) of x (M, K) over each group
+inline void group_sums(const float* x, int64_t M, int64_t K, int64_t group, float* sums) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / group; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
+      sums[m * (K / group) + g] = sum;
+    }
+}
+
+}  // namespace
+
+bool cpu_vnni() {
+#ifdef MLXTOY_AVX2
+  // MLXTOY_KERNEL_VNNI=0: the float32 form instead (tests, comparisons)
+  static const bool ok = !(std::getenv("MLXTOY_KERNEL_VNNI") && std::string(std::getenv("MLXTOY_KERNEL_VNNI")) == "0") &&
+                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// y (M, N) = x (M, K) W^T, W's rows split over the kernels' threads first come, first served;
+// M <= kGemvRows, or any M in the VNNI form (`vnni_rows`)
+void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
+           bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
+  const int64_t groups = K / group;
+  const size_t elem = st == ScaleType::F32 ? 4 : 2;
+#ifdef MLXTOY_AVX2
+  const bool vnni = bits == 4 && group == 32 && K % kVnniBlock == 0 && cpu_vnni();
+#else
+  const bool vnni = false;
+#endif
+  std::vector<float> xo(vnni ? 0 : M * K), xs(M * groups), xsl(vnni ? M * K / 8 : 0);
+  std::vector<int8_t> xbytes(vnni ? 2 * M * K : 0);
+  std::vector<int32_t> corr(vnni ? M * K / 8 : 0);
+#ifdef MLXTOY_AVX2
+  if (vnni) {
+    // x's rows rounded and laid out on the threads when there are many (a prompt)
+    threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+      vnni_x(x + m0 * K, m1 - m0, K, xbytes.data() + m0 * 2 * K, xsl.data() + m0 * (K / 8), corr.data() + m0 * (K / 8),
+             xs.data() + m0 * groups);
+    });
+    const VnniX vx{xbytes.data(), xsl.data(), corr.data(), xs.data()};
+    // More than kGemvRows rows of x (a prompt) go through in fours over a tile of W's rows while
+    // it is in cache: W is still read from memory once.
+    constexpr int64_t kTileRows = 16;
+    threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
+      for (int64_t t0 = n0; t0 < n1; t0 += M <= kGemvRows ? n1 - n0 : kTileRows)
+        for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {
+          const int64_t t1 = std::min(n1, M <= kGemvRows ? n1 : t0 + kTileRows), rows = std::min(kGemvRows, M - m0);
+          const VnniX part{vx.bytes + m0 * 2 * K, vx.xsl + m0 * (K / 8), vx.corr + m0 * (K / 8), vx.sums + m0 * groups};
+          float* yp = y + m0 * N;
+          if (st == ScaleType::F16)
+            qgemv4_vnni<ScaleType::F16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+          else if (st == ScaleType::BF16)
+            qgemv4_vnni<ScaleType::BF16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+          else
+            qgemv4_vnni<ScaleType::F32>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+        }
+    });
+    return;
+  }
+#endif
+  order_x(x, xo.data(), M, K, bits);
+  group_sums(x, M, K, group, xs.data());
+  // a block of rows' scales and biases are widened to float32 into the thread's own buffers
+  // first (kept small: read again from L1/L2 by the block's rows)
+  constexpr int64_t kBlockRows = 32;
+  const int64_t chunk = std::max<int64_t>(kBlockRows, gemv_chunk(N, threads.threads()) / 4);
+  threads.run_dynamic(N, chunk, [&](int64_t c0, int64_t c1) {
+    thread_local std::vector<float> sc, bi;
+    const size_t need = static_cast<size_t>(kBlockRows * groups);
+    if (sc.size() < need) sc.resize(need), bi.resize(need);
+    for (int64_t n0 = c0; n0 < c1; n0 += kBlockRows) {
+      const int64_t n1 = std::min(c1, n0 + kBlockRows);
+      scales_to_f32(static_cast<const char*>(scales) + n0 * groups * elem, st, sc.data(), (n1 - n0) * groups);
+      scales_to_f32(static_cast<const char*>(biases) + n0 * groups * elem, st, bi.data(), (n1 - n0) * groups);
+      if (bits == 4) qgemv_span<4>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
+      else qgemv_span<8>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
+    }
+  });
+}
+
+
+}  // namespace mlxtoy

@@ -1,0 +1,37 @@
+// The fused quantized GEMV of decoding (qgemv.cpp): y = x W^T for a few rows of x and a W in
+// MLX's affine quantized layout, read as it is (kernels/README.md, "Quantized bases").
+
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/array.h"
+#include "pool.h"
+
+namespace mlxtoy {
+
+namespace mx = mlx::core;
+
+constexpr int64_t kGemvRows = 4;
+constexpr int64_t kChunk = 32;  // weights a step of the loops (16 bytes at 4 bits, 32 at 8)
+constexpr int64_t kVnniBlock = 128;  // weights of a row a block: 4 groups of 32
+// Up to this many rows of x (a prompt, at inference) the VNNI form, compute-bound past a few rows,
+// beats dequantizing slabs for the SGEMM (docs/performance.md, "Decoding from a quantized base")
+constexpr int64_t kVnniMaxRows = 256;
+
+enum class ScaleType { F32, F16, BF16 };
+
+inline ScaleType scale_type(const mx::array& a) {
+  return a.dtype() == mx::float16 ? ScaleType::F16 : a.dtype() == mx::bfloat16 ? ScaleType::BF16 : ScaleType::F32;
+}
+
+// whether the 4-bit GEMV (groups of 32) takes AVX-512 VNNI here; MLXTOY_KERNEL_VNNI=0: no
+bool cpu_vnni();
+
+// y (M, N) = x (M, K) W^T, W's rows split over `threads`; M <= kGemvRows, or any M in the VNNI form
+// (4 bits, groups of 32, K a multiple of kVnniBlock); symmetric: the biases are -2^(bits - 1)
+// scales and need not be read
+void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
+           bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads);
+
+}  // namespace mlxtoy
