@@ -3,7 +3,8 @@ the one decision whether the base stays quantized or is loaded dense.
 
 A QLoRA run's base stays quantized as it trained, its adapters unmerged on top (merging them
 would need the whole base dense: an 8B in float32 does not fit in memory); any other model
-follows the rule of `train --qlora auto`. `--quantized auto|on|off` (QUANTIZED_FLAG, declared
+follows the rule of `train --qlora auto`, and on a CPU with the kernels a 500M+ model whose file
+holds blocks that load as they are stays quantized (the same weights, fewer bytes a token). `--quantized auto|on|off` (QUANTIZED_FLAG, declared
 once here for every command that takes it) overrides that.
 """
 
@@ -15,7 +16,8 @@ from mlxtoy import backend
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.io.registry import DEFAULT_MODEL
-from mlxtoy.loading import load, run_quant_plan, source_size
+from mlxtoy.loading import kept_exactly, load, run_quant_plan, source_size
+from mlxtoy.models import fastmath
 from mlxtoy.models.quant import QuantPlan
 from mlxtoy.rundir import is_run_or_checkpoint, locate
 from mlxtoy.train import memory
@@ -28,7 +30,9 @@ QUANTIZED_FLAG: dict[str, Any] = {  # `add_argument("--quantized", **QUANTIZED_F
     "help": "keep the base's projections quantized, as QLoRA keeps them (a GGUF's Q4_0/Q4_1/Q8_0 "
             "blocks as they are, other weights 4-bit; a run's adapters then stay unmerged on top). "
             "auto (default): as a QLoRA run trained; else where `train --qlora auto` would (on "
-            "Metal/CUDA for a quantized file, on CPU when float32 would not fit in memory)",
+            "Metal/CUDA for a quantized file, on CPU when float32 would not fit in memory), and "
+            "on a CPU with the kernels for a model of 500M+ parameters whose blocks load as they "
+            "are (Q4_0/Q4_1/Q8_0, mlx-lm 4/8-bit): the same weights, decoded several times faster",
 }
 
 
@@ -52,12 +56,28 @@ def inference_quant(model: str | None, adapter: str | None, mode: str = "auto") 
         plan = memory.qlora_plan(TrainConfig(model=base, method="lora", qlora=mode))
         if plan is not None:
             return plan
+        if mode == "auto" and kept_exactly(base) and quantized_runs_faster(source_size(base)[0]):
+            return QuantPlan()  # the file's own blocks: the same weights, a fraction of the bytes a token
     available, what = memory.machine_memory()
     weights = source_size(base)[0] * backend.compute_dtype().size
     if available and weights > available:
         raise UserError(f"{base}: its weights take {weights / 1e9:.1f} GB dense, more than the {what} "
                         f"({available / 1e9:.1f} GB); --quantized on keeps the base quantized")
     return None
+
+
+# Parameters from which a quantized base decodes faster than the dense model on a CPU with the
+# kernels: there the products' bytes dominate a token (4.5 bits a weight against 6-32); below,
+# the dense model's one fused kernel call a block wins on the calls between products
+# (docs/performance.md, "Decoding from a quantized base").
+QUANTIZED_DECODE_PARAMS = 500_000_000
+
+
+def quantized_runs_faster(params: int) -> bool:
+    """Whether a model of `params` parameters decodes faster with its base quantized here: on a
+    CPU with the kernels from QUANTIZED_DECODE_PARAMS on; not on a CPU without them (slabs
+    dequantized per product). (On Metal / CUDA `train --qlora auto`'s rule has already kept it.)"""
+    return backend.INFO.device == "cpu" and fastmath.KERNELS and params >= QUANTIZED_DECODE_PARAMS
 
 
 def load_for_inference(model: str | None, adapter: str | None = None, mode: str = "auto"):

@@ -129,6 +129,19 @@ def source_size(model_arg: str) -> tuple[int, bool]:
     return hf_source_size(path)  # an mlx-lm quantized folder counts as quantized
 
 
+def kept_exactly(model_arg: str) -> bool:
+    """Whether MODEL's quantized matrices all load as they are stored (a GGUF's Q4_0 / Q4_1 /
+    Q8_0 blocks, an mlx-lm folder's packed matrices), the embedding and output tables aside
+    (kept as the file holds them), with at least one such matrix: keeping the base quantized
+    then changes no value. From the header alone."""
+    kind, path = resolve_model(model_arg)
+    if kind != "gguf":
+        return hf_source_size(path)[1]
+    blocks = [t for t in open_gguf(path).tensors if t.tensor_type.name.startswith(("Q", "IQ"))
+              and t.name not in ("token_embd.weight", "output.weight")]
+    return bool(blocks) and all(affine_bits(t.tensor_type.name) is not None for t in blocks)
+
+
 def planned_model(model_arg: str, dtype: mx.Dtype, quant: QuantPlan | None = None) -> LlamaModel:
     """The model `load_weights(model_arg, dtype, quant)` would give, built from the header alone
     with lazy placeholder arrays of the same shapes and dtypes (nothing is read or allocated):

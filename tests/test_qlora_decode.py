@@ -317,3 +317,31 @@ def test_a_dense_base_too_large_is_refused_before_loading(gguf_models, monkeypat
     monkeypatch.setenv(memory.MEMORY_ENV, "64")  # positive control: room enough, dense
     assert inference_quant(path, None, "auto") is None and inference_quant(path, None, "off") is None
     assert isinstance(inference_quant(path, None, "on"), QuantPlan)
+
+
+@pytest.mark.core
+def test_auto_keeps_a_file_s_own_blocks_quantized_where_that_decodes_faster(gguf_models, tmp_path, monkeypatch):
+    """`--quantized auto` with room enough for the dense model: a file whose blocks load as they
+    are (Q4_0, Q8_0) stays quantized on a CPU with the kernels once the model is large enough
+    (the threshold lowered to the tiny model's size here); below it, without the kernels, or for
+    a float file, the dense model."""
+    from mlxtoy import inference
+    from mlxtoy.loading import kept_exactly, source_size
+    from mlxtoy.train import memory
+
+    monkeypatch.setenv(memory.MEMORY_ENV, "64")
+    f32 = str(tmp_path / "tiny-f32.gguf")
+    model = export_model("llama_gqa", seed=5)
+    write_gguf(f32, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="f32")
+    assert kept_exactly(gguf_models["q4_0"]) and kept_exactly(gguf_models["q8_0"]) and not kept_exactly(f32)
+    params = source_size(gguf_models["q4_0"])[0]
+    monkeypatch.setattr(inference, "QUANTIZED_DECODE_PARAMS", params + 1)  # just too small: dense
+    assert inference_quant(gguf_models["q4_0"], None, "auto") is None
+    monkeypatch.setattr(inference, "QUANTIZED_DECODE_PARAMS", params)
+    for kind in ("q4_0", "q8_0"):
+        plan = inference_quant(gguf_models[kind], None, "auto")
+        assert isinstance(plan, QuantPlan) if fastmath.KERNELS else plan is None
+    assert inference_quant(f32, None, "auto") is None  # float weights: quantizing would change them
+    assert inference_quant(gguf_models["q4_0"], None, "off") is None
+    monkeypatch.setattr(fastmath, "KERNELS", False)  # MLX-only CPU: slabs per product, dense is faster
+    assert inference_quant(gguf_models["q4_0"], None, "auto") is None
