@@ -93,7 +93,9 @@ def kernels_status() -> str:
     if KERNELS:
         team = "MKL's OpenMP threads" if _K.openmp() else "their own pool"
         gemms = "the kernels' AVX-512 GEMM" if GEMM else "the BLAS"
-        return f"on ({_K.threads()} threads: {team}; float32 products of many rows: {gemms})"
+        quantized = "AVX-512 VNNI integer products" if quant_vnni() else "float32"
+        return (f"on ({_K.threads()} threads: {team}; float32 products of many rows: {gemms}; "
+                f"decoding from a 4-bit base: {quantized})")
     if not _ON_CPU:
         return f"off (device {backend.INFO.device}: the kernels are for the CPU)"
     why = backend.cpu_kernels()[1]
