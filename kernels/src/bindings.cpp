@@ -4,6 +4,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "kernels.h"
+#include "qgemv.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -40,7 +41,7 @@ NB_MODULE(_ext, m) {
         "into the BLAS's SGEMM; symmetric: the biases are -2^(bits - 1) scales (Q4_0 / Q8_0 blocks), which "
         "decoding's GEMV then need not read; inference: more rows than decoding's (a prompt) may take the "
         "GEMV's VNNI form too (x rounded to 16 bits a group; no gradient)");
-  m.def("quant_vnni_ok", &mlxtoy::quant_vnni_ok,
+  m.def("quant_vnni_ok", &mlxtoy::cpu_vnni,
         "whether quant_linear's 4-bit GEMV (groups of 32) takes AVX-512 VNNI here (MLXTOY_KERNEL_VNNI=0: no)");
   m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm and gemm_many run here (an x86-64 CPU with AVX-512)");
   m.def("gemm_many", &mlxtoy::gemm_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
@@ -75,9 +76,9 @@ NB_MODULE(_ext, m) {
         {
           nb::gil_scoped_release unlocked;
           try {
-            if (d_in % 32 || static_cast<int64_t>(data.shape(0)) != blocks * (type == 8 ? 34 : type == 3 ? 20 : 18))
-              throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: the bytes are not rows x d_in / 32 blocks");
-            mlxtoy::affine_blocks(data.data(), static_cast<int64_t>(data.shape(0)), type, packed, scales, biases);
+            if (d_in % 32) throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: d_in is not whole blocks");
+            mlxtoy::affine_blocks(data.data(), static_cast<int64_t>(data.shape(0)), type, blocks, packed, scales,
+                                  biases);
             for (int64_t b = 0; b < blocks && fits; ++b) fits = mlxtoy::half_bits(biases[b], halves[b]);
           } catch (...) {
             nb::gil_scoped_acquire locked;

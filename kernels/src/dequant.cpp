@@ -198,14 +198,15 @@ void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int6
   });
 }
 
-void affine_blocks(const uint8_t* data, int64_t n_bytes, int type, uint8_t* packed, uint16_t* scales,
-                   float* biases) {
-  const int64_t size = type == 2 ? 18 : type == 3 ? 20 : type == 8 ? 34 : 0;
-  if (size == 0) throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: type " + std::to_string(type));
-  if (n_bytes % size != 0)
-    throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: " + std::to_string(n_bytes) +
-                                " bytes are not whole blocks of type " + std::to_string(type));
-  over_blocks(n_bytes / size, [&](int64_t b0, int64_t b1) {
+void affine_blocks(const uint8_t* data, int64_t n_bytes, int type, int64_t blocks, uint8_t* packed,
+                   uint16_t* scales, float* biases) {
+  if (type != 2 && type != 3 && type != 8)
+    throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: type " + std::to_string(type));
+  const int64_t size = format(type).bytes;
+  if (n_bytes != blocks * size)
+    throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: " + std::to_string(n_bytes) + " bytes are not " +
+                                std::to_string(blocks) + " blocks of type " + std::to_string(type));
+  over_blocks(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* blk = data + b * size;
       scales[b] = static_cast<uint16_t>(blk[0] | (blk[1] << 8));

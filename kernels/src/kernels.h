@@ -64,16 +64,14 @@ mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& 
                        int group_size, int bits, bool grad, bool symmetric = false, bool inference = false,
                        mx::StreamOrDevice st = {});
 
-// whether quant_linear's 4-bit GEMV (groups of 32) takes AVX-512 VNNI here
-bool quant_vnni_ok();
 
 // GGUF blocks (GGMLQuantizationType `type`) to float32, as gguf-py computes them (dequant.cpp)
 bool dequantizes(int type);
 void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int64_t n_values);
-// Q4_0 / Q4_1 / Q8_0 blocks (`type` 2, 3, 8) as MLX's affine layout, group 32: the packed bytes
-// (16 or 32 a block), each block's scale (its float16 bits) and bias (float32), threaded
-void affine_blocks(const uint8_t* data, int64_t n_bytes, int type, uint8_t* packed, uint16_t* scales,
-                   float* biases);
+// `blocks` Q4_0 / Q4_1 / Q8_0 blocks (`type` 2, 3, 8) as MLX's affine layout, group 32: the
+// packed bytes (16 or 32 a block), each block's scale (its float16 bits) and bias (float32), threaded
+void affine_blocks(const uint8_t* data, int64_t n_bytes, int type, int64_t blocks, uint8_t* packed,
+                   uint16_t* scales, float* biases);
 // the float16 bits of f, a float16 value; false where f is beyond float16's range
 bool half_bits(float f, uint16_t& h);
 

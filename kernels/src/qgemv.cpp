@@ -463,17 +463,17 @@ bool cpu_vnni() {
 #endif
 }
 
+bool vnni_form(int64_t K, int64_t group, int bits) {
+  return bits == 4 && group == 32 && K % kVnniBlock == 0 && cpu_vnni();
+}
+
 // y (M, N) = x (M, K) W^T, W's rows split over the kernels' threads first come, first served;
-// M <= kGemvRows, or any M in the VNNI form (`vnni_rows`)
+// M <= kGemvRows, or any M in the VNNI form (`vnni_form`)
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
   const int64_t groups = K / group;
   const size_t elem = st == ScaleType::F32 ? 4 : 2;
-#ifdef MLXTOY_AVX2
-  const bool vnni = bits == 4 && group == 32 && K % kVnniBlock == 0 && cpu_vnni();
-#else
-  const bool vnni = false;
-#endif
+  const bool vnni = vnni_form(K, group, bits);
   std::vector<float> xo(vnni ? 0 : M * K), xs(M * groups), xsl(vnni ? M * K / 8 : 0);
   std::vector<int8_t> xbytes(vnni ? 2 * M * K : 0);
   std::vector<int32_t> corr(vnni ? M * K / 8 : 0);
@@ -490,11 +490,12 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
     // keep the pass's vectors in registers, where four spill them (20 against 17 ms for 32 rows
     // of x and a 14336 x 4096 W, a Zen 4).
     constexpr int64_t kTileRows = 16, kPromptRows = 2;
+    const bool few = M <= kGemvRows;  // decoding: all rows of x over all of the range at once
+    const int64_t tile = few ? N : kTileRows, step = few ? M : kPromptRows;
     threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
-      for (int64_t t0 = n0; t0 < n1; t0 += M <= kGemvRows ? n1 - n0 : kTileRows)
-        for (int64_t m0 = 0; m0 < M; m0 += M <= kGemvRows ? M : kPromptRows) {
-          const int64_t t1 = std::min(n1, M <= kGemvRows ? n1 : t0 + kTileRows);
-          const int64_t rows = M <= kGemvRows ? M : std::min(kPromptRows, M - m0);
+      for (int64_t t0 = n0; t0 < n1; t0 += tile)
+        for (int64_t m0 = 0; m0 < M; m0 += step) {
+          const int64_t t1 = std::min(n1, t0 + tile), rows = std::min(step, M - m0);
           const VnniX part{vx.bytes + m0 * 2 * K, vx.xsl + m0 * (K / 8), vx.corr + m0 * (K / 8), vx.sums + m0 * groups};
           float* yp = y + m0 * N;
           if (st == ScaleType::F16)
@@ -527,6 +528,5 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
     }
   });
 }
-
 
 }  // namespace mlxtoy

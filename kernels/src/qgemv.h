@@ -28,9 +28,12 @@ inline ScaleType scale_type(const mx::array& a) {
 // whether the 4-bit GEMV (groups of 32) takes AVX-512 VNNI here; MLXTOY_KERNEL_VNNI=0: no
 bool cpu_vnni();
 
+// whether qgemv takes the VNNI form for this W (4 bits, groups of 32, K whole blocks, and the CPU):
+// the form that takes any number of rows of x
+bool vnni_form(int64_t K, int64_t group, int bits);
+
 // y (M, N) = x (M, K) W^T, W's rows split over `threads`; M <= kGemvRows, or any M in the VNNI form
-// (4 bits, groups of 32, K a multiple of kVnniBlock); symmetric: the biases are -2^(bits - 1)
-// scales and need not be read
+// (`vnni_form`); symmetric: the biases are -2^(bits - 1) scales and need not be read
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads);
 
