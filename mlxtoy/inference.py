@@ -4,8 +4,9 @@ the one decision whether the base stays quantized or is loaded dense.
 A QLoRA run's base stays quantized as it trained, its adapters unmerged on top (merging them
 would need the whole base dense: an 8B in float32 does not fit in memory); any other model
 follows the rule of `train --qlora auto`, and on a CPU with the kernels a 500M+ model whose file
-holds blocks that load as they are stays quantized (the same weights, fewer bytes a token). `--quantized auto|on|off` (QUANTIZED_FLAG, declared
-once here for every command that takes it) overrides that.
+holds blocks that load as they are stays quantized (the same weights, fewer bytes a token).
+`--quantized auto|on|off` (QUANTIZED_FLAG, declared once here for every command that takes it)
+overrides that.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ def inference_quant(model: str | None, adapter: str | None, mode: str = "auto") 
         plan = memory.qlora_plan(TrainConfig(model=base, method="lora", qlora=mode))
         if plan is not None:
             return plan
-        if mode == "auto" and kept_exactly(base) and quantized_runs_faster(source_size(base)[0]):
-            return QuantPlan()  # the file's own blocks: the same weights, a fraction of the bytes a token
+    params = source_size(base)[0]
+    if mode == "auto" and quantized_runs_faster(params) and kept_exactly(base):
+        return QuantPlan()  # the file's own blocks: the same weights, a fraction of the bytes a token
     available, what = memory.machine_memory()
-    weights = source_size(base)[0] * backend.compute_dtype().size
+    weights = params * backend.compute_dtype().size
     if available and weights > available:
         raise UserError(f"{base}: its weights take {weights / 1e9:.1f} GB dense, more than the {what} "
                         f"({available / 1e9:.1f} GB); --quantized on keeps the base quantized")

@@ -125,7 +125,7 @@ def source_size(model_arg: str) -> tuple[int, bool]:
     if kind == "gguf":
         tensors = open_gguf(path).tensors
         n = sum(math.prod(t.shape) for t in tensors)
-        return n, any(t.tensor_type.name.startswith(("Q", "IQ")) for t in tensors)
+        return n, any(in_blocks(t.tensor_type.name) for t in tensors)
     return hf_source_size(path)  # an mlx-lm quantized folder counts as quantized
 
 
@@ -137,9 +137,14 @@ def kept_exactly(model_arg: str) -> bool:
     kind, path = resolve_model(model_arg)
     if kind != "gguf":
         return hf_source_size(path)[1]
-    blocks = [t for t in open_gguf(path).tensors if t.tensor_type.name.startswith(("Q", "IQ"))
+    blocks = [t for t in open_gguf(path).tensors if in_blocks(t.tensor_type.name)
               and t.name not in ("token_embd.weight", "output.weight")]
     return bool(blocks) and all(affine_bits(t.tensor_type.name) is not None for t in blocks)
+
+
+def in_blocks(type_name: str) -> bool:
+    """Whether a GGML tensor type stores its values quantized in blocks (Q*, IQ*)."""
+    return type_name.startswith(("Q", "IQ"))
 
 
 def planned_model(model_arg: str, dtype: mx.Dtype, quant: QuantPlan | None = None) -> LlamaModel:

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxtoy.config import LoadedMeta, ModelConfig
+from mlxtoy.io.gguf_write import write_gguf
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.models.llama import LlamaModel
 
@@ -117,6 +118,13 @@ def tiny_model(name: str, seed: int = 0) -> LlamaModel:
     model = randomize(LlamaModel(tiny_config(name)), seed)
     model.meta = LoadedMeta(source=f"tiny-{name}", format="gguf", metadata=tiny_tokenizer_metadata())
     return model
+
+
+def write_tiny_gguf(path: str, model: LlamaModel, dtype: str) -> str:
+    """`model` written to `path` as a GGUF of `dtype` with the tiny tokenizer's metadata (a file
+    llama.cpp loads); -> path."""
+    write_gguf(path, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype=dtype)
+    return path
 
 
 def tokens_128(seed: int = 1) -> list[int]:

@@ -27,7 +27,7 @@ from mlxtoy.models.lora import apply_lora, lora_parameters
 from mlxtoy.train.logprobs import output_layer, token_losses
 from mlxtoy.models.quant import (PackedMatrix, QuantizedHeadProjection, QuantizedLinear, QuantPlan,
                                  quantized_linear)
-from tests.helpers_export import tiny_model as export_model, tiny_tokenizer_metadata
+from tests.helpers_export import tiny_model as export_model, write_tiny_gguf
 from tests.helpers_train import byte_tokenizer, tiny_model
 
 Q = gguf.GGMLQuantizationType
@@ -99,9 +99,7 @@ def q8_model(tmp_path_factory):
     """A tiny llama (GQA, d_model 64) with a byte-level BPE vocabulary llama.cpp reads, as Q8_0."""
     root = tmp_path_factory.mktemp("qlora")
     model = export_model("llama_gqa", seed=3)
-    path = str(root / "tiny-q8_0.gguf")
-    write_gguf(path, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="q8_0")
-    return path
+    return write_tiny_gguf(str(root / "tiny-q8_0.gguf"), model, "q8_0")
 
 
 def _load(path, plan):
@@ -226,8 +224,7 @@ def test_tables_are_quantized_at_load_only_on_request(tmp_path, tables):
     either way the header's plan (the memory preflight's) has the loaded model's arrays, and
     the 8-bit model stays close to the float one."""
     src = export_model("llama_gqa", seed=5)
-    path = write_gguf(str(tmp_path / "tiny-f32.gguf"), src.config, dict(tree_flatten(src.parameters())),
-                      tiny_tokenizer_metadata(), dtype="f32")
+    path = write_tiny_gguf(str(tmp_path / "tiny-f32.gguf"), src, "f32")
     plan = QuantPlan(8, 32, tables)
     qmodel, _ = _load(path, plan)
     dmodel, _ = _load(path, None)

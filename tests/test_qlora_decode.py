@@ -9,18 +9,18 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
+from mlxtoy import inference
 from mlxtoy.generate import generate_tokens
 from mlxtoy.inference import inference_quant
 from mlxtoy.io.gguf_read import load_gguf
-from mlxtoy.io.gguf_write import write_gguf
 from mlxtoy.io.quantize import quantize_gguf
-from mlxtoy.loading import build_model, load
+from mlxtoy.loading import build_model, kept_exactly, load, source_size
 from mlxtoy.models import fastmath, quant
 from mlxtoy.models.lora import LORA_TYPES
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
-from tests.helpers_export import VOCAB, tiny_model as export_model, tiny_tokenizer_metadata
+from mlxtoy.train import memory
+from tests.helpers_export import VOCAB, tiny_model as export_model, write_tiny_gguf
 from tests.helpers_train import tiny_model
 
 needs_kernels = pytest.mark.skipif(not fastmath.KERNELS, reason=f"the CPU kernels are off here: "
@@ -211,18 +211,15 @@ def gguf_models(tmp_path_factory):
     """A tiny llama (GQA, d_model 64) as Q8_0 (our writer) and as Q4_0 (llama.cpp's quantizer)."""
     root = tmp_path_factory.mktemp("qdecode")
     model = export_model("llama_gqa", seed=5)
-    q8 = str(root / "tiny-q8_0.gguf")
-    write_gguf(q8, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="q8_0")
-    f32 = str(root / "tiny-f32.gguf")
-    write_gguf(f32, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="f32")
+    q8 = write_tiny_gguf(str(root / "tiny-q8_0.gguf"), model, "q8_0")
+    f32 = write_tiny_gguf(str(root / "tiny-f32.gguf"), model, "f32")
     q4 = quantize_gguf(f32, str(root / "tiny-q4_0.gguf"), "q4_0")
     # widths that are multiples of 128 (the 4-bit GEMV's VNNI blocks of 4 groups)
     wide = tiny_model(9, vocab_size=VOCAB, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                       d_head=32, d_ff=384)
-    wide_f32 = str(root / "wide-f32.gguf")
-    write_gguf(wide_f32, wide.config, dict(tree_flatten(wide.parameters())), tiny_tokenizer_metadata(), dtype="f32")
+    wide_f32 = write_tiny_gguf(str(root / "wide-f32.gguf"), wide, "f32")
     wide_q4 = quantize_gguf(wide_f32, str(root / "wide-q4_0.gguf"), "q4_0")
-    return {"q8_0": q8, "q4_0": q4, "wide-q4_0": wide_q4}
+    return {"q8_0": q8, "q4_0": q4, "f32": f32, "wide-q4_0": wide_q4}
 
 
 def _greedy(model, prompt, n=24):
@@ -306,7 +303,6 @@ def test_a_dense_base_too_large_is_refused_before_loading(gguf_models, monkeypat
     """`--quantized off` on a model whose float32 weights exceed the memory: one error line naming
     `--quantized on`, from the header alone; auto keeps it quantized instead."""
     from mlxtoy.errors import UserError
-    from mlxtoy.train import memory
 
     path = gguf_models["q4_0"]
     monkeypatch.setenv(memory.MEMORY_ENV, "0.0001")  # 100 kB
@@ -320,19 +316,13 @@ def test_a_dense_base_too_large_is_refused_before_loading(gguf_models, monkeypat
 
 
 @pytest.mark.core
-def test_auto_keeps_a_file_s_own_blocks_quantized_where_that_decodes_faster(gguf_models, tmp_path, monkeypatch):
+def test_auto_keeps_a_file_s_own_blocks_quantized_where_that_decodes_faster(gguf_models, monkeypatch):
     """`--quantized auto` with room enough for the dense model: a file whose blocks load as they
     are (Q4_0, Q8_0) stays quantized on a CPU with the kernels once the model is large enough
     (the threshold lowered to the tiny model's size here); below it, without the kernels, or for
     a float file, the dense model."""
-    from mlxtoy import inference
-    from mlxtoy.loading import kept_exactly, source_size
-    from mlxtoy.train import memory
-
     monkeypatch.setenv(memory.MEMORY_ENV, "64")
-    f32 = str(tmp_path / "tiny-f32.gguf")
-    model = export_model("llama_gqa", seed=5)
-    write_gguf(f32, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="f32")
+    f32 = gguf_models["f32"]
     assert kept_exactly(gguf_models["q4_0"]) and kept_exactly(gguf_models["q8_0"]) and not kept_exactly(f32)
     params = source_size(gguf_models["q4_0"])[0]
     monkeypatch.setattr(inference, "QUANTIZED_DECODE_PARAMS", params + 1)  # just too small: dense

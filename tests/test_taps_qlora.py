@@ -10,19 +10,17 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from mlxtoy.cli import main as cli_main
 from mlxtoy.commands import taps as taps_command
 from mlxtoy.config import TrainConfig
 from mlxtoy.inference import inference_quant, load_for_inference
-from mlxtoy.io.gguf_write import write_gguf
 from mlxtoy.io.quantize import quantize_gguf
 from mlxtoy.loading import load
 from mlxtoy.models.lora import LORA_TYPES
 from mlxtoy.models.quant import QUANTIZED_TYPES
 from mlxtoy.taps import capture, drift, load_taps
-from tests.helpers_export import tiny_model as export_model, tiny_tokenizer_metadata
+from tests.helpers_export import tiny_model as export_model, write_tiny_gguf
 from tests.helpers_train import qa_rows, run_training, write_jsonl
 
 # Relative L2 difference per (layer, site) allowed between the quantized base with unmerged
@@ -38,8 +36,7 @@ def qlora_run(tmp_path_factory):
     """A tiny llama as a Q4_0 GGUF (llama.cpp's quantizer) and a 3-step QLoRA run on it."""
     root = tmp_path_factory.mktemp("taps_qlora")
     model = export_model("llama_gqa", seed=5)
-    f32 = str(root / "tiny-f32.gguf")
-    write_gguf(f32, model.config, dict(tree_flatten(model.parameters())), tiny_tokenizer_metadata(), dtype="f32")
+    f32 = write_tiny_gguf(str(root / "tiny-f32.gguf"), model, "f32")
     q4 = quantize_gguf(f32, str(root / "tiny-q4_0.gguf"), "q4_0")
     run = str(root / "run")
     cfg = TrainConfig(model=q4, data=write_jsonl(str(root / "data.jsonl"), qa_rows(16)), out=run, method="lora",
