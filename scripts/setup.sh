@@ -18,6 +18,9 @@ MLX="mlx>=0.29"
 # kernels installed as their own package before they were built with mlxtoy
 .venv/bin/python -m pip uninstall -q -y mlxtoy-kernels 2>/dev/null || true
 if [ "${1:-}" = "test" ]; then
+  # llama-cpp-python comes as source: without build isolation its build backend must be here
+  # (a fresh machine has no cached wheel of it)
+  .venv/bin/python -m pip install -q "scikit-build-core[pyproject]>=0.9.2"
   # torch==2.13.0 is pinned on purpose: it is a CPU wheel (a test reference only).
   .venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"
   if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then  # the tests need the kernels there
