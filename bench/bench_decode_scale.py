@@ -13,7 +13,13 @@ the first / their time (greedy, EOS ignored), after a warm-up generation in the 
 peak RSS is the process's high-water mark (loading included); load is the seconds to a model
 that generates. Engines: `mlxtoy` = `load(MODEL, quant=QuantPlan())` (what `mlxtoy generate
 --quantized on` runs; at 8B `--quantized auto` picks it too), `mlxtoy-dense` = the float32 model
-(1B only: an 8B does not fit), `llama.cpp` = n_threads=--threads on the same file.
+(1B only: an 8B does not fit), `llama.cpp` = n_threads=--threads on the same file, `mlx-lm` =
+mlx-lm's `generate_step` (for a model folder mlx-lm loads: `--models` an mlx-lm 4-bit folder, which
+mlxtoy loads as it is too).
+
+    python bench/bench_decode_scale.py --models FOLDER_OR_GGUF,... --engines mlxtoy,mlx-lm
+        # named models instead of --size (bench/gpu_check.sh on a GPU). On a GPU the table's
+        # peak column is MLX's peak memory (the GPU's), not RSS.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINES = ("mlxtoy", "mlxtoy-dense", "llama.cpp")
+ENGINES = ("mlxtoy", "mlxtoy-dense", "llama.cpp", "mlx-lm")
 
 
 def peak_rss() -> tuple[float, float]:
@@ -74,6 +80,19 @@ def worker(args) -> dict:
             return (t for t, _ in generate_tokens(model, ids, max_tokens=n + 1))
 
         after = mx.synchronize
+    elif args.worker == "mlx-lm":
+        import mlxtoy  # noqa: F401  (the same fast BLAS)
+        import mlx.core as mx
+        from mlx_lm import load as lm_load
+        from mlx_lm.generate import generate_step
+
+        lm_model, _ = lm_load(args.model)
+        load_s = time.perf_counter() - t0
+
+        def run(n):
+            return (t for t, _ in generate_step(mx.array(ids), lm_model, max_tokens=n + 1))
+
+        after = mx.synchronize
     else:
         import llama_cpp
 
@@ -92,6 +111,8 @@ def worker(args) -> dict:
     first_s, decode_tps, tokens = timed(run(args.decode_tokens), args.decode_tokens)
     after()
     hwm, rss = peak_rss()
+    if args.worker != "llama.cpp" and mx.default_device() == mx.gpu:
+        hwm = mx.get_peak_memory() / 1e9  # the GPU's memory is what limits there
     return {"engine": args.worker, "load_s": load_s, "prompt_tps": len(ids) / first_s, "decode_tps": decode_tps,
             "peak_rss_gb": hwm, "rss_gb": rss, "tokens": tokens[:8]}
 
@@ -108,6 +129,7 @@ def prompt_ids(model: str, n: int) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="1b,8b", help="comma-separated: 1b, 8b")
+    ap.add_argument("--models", help="comma-separated model files or folders, instead of --size")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -129,11 +151,15 @@ def main() -> int:
     engines = [e for e in args.engines.split(",") if e]
     os.makedirs(args.work, exist_ok=True)
     table = []
-    for size in [s for s in args.size.split(",") if s]:
-        model = make_model(size, os.path.join(args.work, f"random-{size}-q4_0.gguf"))
+    named = [m for m in (args.models or "").split(",") if m]
+    for size in named or [s for s in args.size.split(",") if s]:
+        if named:
+            model, size = size, os.path.basename(os.path.normpath(size))[:24]
+        else:
+            model = make_model(size, os.path.join(args.work, f"random-{size}-q4_0.gguf"))
         ids = prompt_ids(model, args.prompt_tokens)
         runs: dict[str, list[dict]] = {}
-        print(f"{size}: {model} ({os.path.getsize(model) / 1e9:.2f} GB); {args.prompt_tokens} prompt tokens, "
+        print(f"{size}: {model}; {args.prompt_tokens} prompt tokens, "
               f"{args.decode_tokens} decoded, greedy; load average {os.getloadavg()[0]:.2f}", file=sys.stderr,
               flush=True)
         for r in range(args.rounds):
@@ -156,7 +182,7 @@ def main() -> int:
             table.append((size, engine, statistics.median(x["decode_tps"] for x in rs),
                           statistics.median(x["prompt_tps"] for x in rs), max(x["peak_rss_gb"] for x in rs),
                           statistics.median(x["load_s"] for x in rs), len(rs)))
-    print(f"{'size':5} {'engine':13} {'decode tok/s':>12} {'prompt tok/s':>12} {'peak RSS GB':>11} {'load s':>7} runs")
+    print(f"{'model':5} {'engine':13} {'decode tok/s':>12} {'prompt tok/s':>12} {'peak RSS GB':>11} {'load s':>7} runs")
     for size, engine, d, p, rss, load_s, n in table:
         print(f"{size:5} {engine:13} {d:12.2f} {p:12.1f} {rss:11.2f} {load_s:7.1f} {n:4d}")
     return 0

