@@ -242,3 +242,31 @@ def test_compiled_lora_step_on_the_gpu_branches(gpu_dispatch):
     assert here[1][0] != here[0][0]  # the first step changed the adapters
     for name, a in adapters_here.items():
         np.testing.assert_allclose(a, adapters_there[name], atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_decoding_on_the_gpu_branches_reads_the_cache_unmasked(gpu_dispatch, monkeypatch):
+    """Generation on a GPU builds each one-token step over the cache's exact length with no
+    mask (CUDA's one-query attention kernel takes no array mask), where the CPU runs a compiled
+    step over the cache's whole buffer with a mask: the same greedy tokens and logprobs."""
+    from mlxtoy.generate import generate_tokens
+
+    model = _tiny(None)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 97, 17)]
+    here = list(generate_tokens(model, prompt, max_tokens=12))
+    gpu_dispatch()
+    seen = []  # (query positions, key positions, mask) of each attention call
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def recording(q, k, v, *, scale, mask=None, **kwargs):
+        seen.append((q.shape[2], k.shape[2], mask))
+        return sdpa(q, k, v, scale=scale, mask=mask, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recording)
+    there = list(generate_tokens(model, prompt, max_tokens=12))
+    assert [t for t, _ in there] == [t for t, _ in here]
+    np.testing.assert_allclose([p for _, p in there], [p for _, p in here], atol=1e-4)
+    steps = [(keys, mask) for queries, keys, mask in seen if queries == 1]
+    assert all(mask is None for _, mask in steps), [type(m) for _, m in steps]
+    layers = len(model.layers)
+    assert sorted({keys for keys, _ in steps}) == list(range(len(prompt) + 1, len(prompt) + 12))
+    assert len(steps) == 11 * layers

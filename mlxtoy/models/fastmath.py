@@ -78,6 +78,16 @@ def silu(x: mx.array) -> mx.array:
 _ON_CPU = backend.INFO.device == "cpu"
 
 
+def compiled_decode_pays() -> bool:
+    """Whether generation runs each one-token step as one compiled graph over the cache's
+    fixed-size buffers (a traced position, and a mask hiding the slots past it). On the CPU it
+    pays: building a step's graph in Python takes the cores the matmuls need. On a GPU the next
+    step is built while the last one runs (`mx.async_eval`), and the mask would keep one-query
+    attention off MLX's vector kernel (CUDA's takes no array mask), so a step is built eagerly
+    over the cache's exact length with no mask, as mlx-lm does."""
+    return _ON_CPU
+
+
 def _load_kernels():
     """The kernels module on CPU when it is installed, wanted and built against this MLX
     (`backend.cpu_kernels`), else None."""
