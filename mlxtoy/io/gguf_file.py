@@ -15,6 +15,7 @@ import math
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,24 +260,45 @@ def affine_blocks(tensor: GGUFTensor) -> tuple[mx.array, mx.array, mx.array, int
     if mlxtoy_kernels is not None:  # the same values, threaded, straight into MLX arrays
         return mlxtoy_kernels.affine_blocks(raw, int(tensor.tensor_type), rows, d_in)
     blocks = raw.reshape(rows, d_in // 32, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if tensor.tensor_type.name == "Q8_0":
-        q = blocks[..., 2:] ^ np.uint8(0x80)  # int8 q + 128, as unsigned bytes
-        scales, biases = d, d.astype(np.float32) * -128.0
+    packed = np.empty((rows, d_in * bits // 32), np.uint32)
+    scales = np.empty((rows, d_in // 32), np.float16)
+    biases = np.empty((rows, d_in // 32), np.float32)
+    # numpy lets go of the GIL inside each operation: row ranges convert on all the cores
+    workers = min(os.cpu_count() or 1, max(1, rows // 256))
+    step = -(-rows // workers)
+
+    def convert(r0: int) -> None:
+        r = slice(r0, r0 + step)
+        _affine_rows(blocks[r], tensor.tensor_type.name, bits, packed[r], scales[r], biases[r])
+
+    if workers == 1:
+        convert(0)
     else:
-        qs = blocks[..., 4:] if tensor.tensor_type.name == "Q4_1" else blocks[..., 2:]
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(convert, range(0, rows, step)))
+    if np.all(np.isfinite(biases.astype(np.float16))):
+        return mx.array(packed), mx.array(scales), mx.array(biases.astype(np.float16)), bits
+    return mx.array(packed), mx.array(scales.astype(np.float32)), mx.array(biases), bits
+
+
+def _affine_rows(blocks: np.ndarray, type_name: str, bits: int, packed: np.ndarray, scales: np.ndarray,
+                 biases: np.ndarray) -> None:
+    """`affine_blocks` for rows of blocks (rows, d_in / 32, block bytes), into the given rows
+    of its outputs."""
+    rows = blocks.shape[0]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    scales[...] = d
+    if type_name == "Q8_0":
+        q = blocks[..., 2:] ^ np.uint8(0x80)  # int8 q + 128, as unsigned bytes
+        biases[...] = d.astype(np.float32) * -128.0
+    else:
+        qs = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element j low nibble, j + 16 high
-        if tensor.tensor_type.name == "Q4_1":
-            scales, biases = d, blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        if type_name == "Q4_1":
+            biases[...] = blocks[..., 2:4].copy().view(np.float16)[..., 0]
         else:
-            scales, biases = d, d.astype(np.float32) * -8.0
-    q = q.reshape(rows, d_in)
+            biases[...] = d.astype(np.float32) * -8.0
+    q = q.reshape(rows, -1)
     if bits == 4:  # MLX packs element k of a word at bits 4k: little-endian bytes of two nibbles
         q = q[:, 0::2] | (q[:, 1::2] << 4)
-    packed = np.ascontiguousarray(q).view("<u4")
-    biases = np.asarray(biases, np.float32)
-    if np.all(np.isfinite(biases.astype(np.float16))):
-        biases = biases.astype(np.float16)
-    else:
-        scales = scales.astype(np.float32)
-    return mx.array(packed), mx.array(scales.reshape(rows, -1)), mx.array(biases.reshape(rows, -1)), bits
+    packed[...] = np.ascontiguousarray(q).view("<u4")
