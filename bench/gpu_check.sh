@@ -107,10 +107,15 @@ kit)
   # the rest of the call's BUDGET seconds (from 2), else TEST_SECS
   secs=${TEST_SECS:-$((${BUDGET:-300} - SECONDS - 15))}
   step "the core tests on the GPU, ${secs} s at most (MLX-only path, float32 without TF32: the CPU's tolerances)"
-  # (test_dora / test_export import llama-cpp-python, which is not there; `real` needs the SmolLM2 wheel)
+  # llama-cpp-python is not there (test_dora / test_export import it; -k drops the tests that call it),
+  # `real` needs the SmolLM2 wheel; a test's first run compiles MLX's CUDA kernels (NVRTC), which
+  # can take minutes: pytest-timeout (there, not here) fails that test and goes on, so the
+  # summary is printed
+  TIMEOUT=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-60}")
   TAIL=12 run core-tests "$secs" env MLXTOY_KERNELS=0 MLXTOY_DEVICE=gpu MLXTOY_DTYPE=float32 MLX_ENABLE_TF32=0 \
-    $PY -m pytest -v -m "core and not real" --ignore tests/test_dora.py --ignore tests/test_export.py -p no:cacheprovider \
-    --tb=line -rfE --durations=5
+    $PY -m pytest -v -m "core and not real" --ignore tests/test_dora.py --ignore tests/test_export.py \
+    -k "not llama_cpp and not tensor_types" -p no:cacheprovider --continue-on-collection-errors $TIMEOUT \
+    --tb=short -rfE --durations=5
   grep -E "(FAILED|ERROR)( |$)" "$LOGS/core-tests.log" | grep "::" | head -40
   grep -cE " PASSED" "$LOGS/core-tests.log"
   ;;

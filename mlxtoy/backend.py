@@ -199,7 +199,14 @@ def _keep_freed_memory() -> bool:
 
 _MALLOC_TUNED = _keep_freed_memory()
 
-import mlx.core as mx  # noqa: E402  (must come after the BLAS is loaded)
+try:
+    import mlx.core as mx  # noqa: E402  (must come after the BLAS is loaded)
+except ImportError as e:
+    if "libmlx" not in str(e):
+        raise
+    raise ImportError("MLX is installed without a backend (no libmlx.so): on Linux install one of "
+                      "mlxtoy's extras: pip install -e '.[cpu]' (or '.[cuda]' / '.[cuda13]' for an NVIDIA "
+                      "GPU with CUDA 12 / 13), never two") from None
 
 
 @dataclass

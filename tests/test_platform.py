@@ -240,3 +240,19 @@ def test_device_reaches_the_processes_a_command_starts(monkeypatch):
         assert child.stdout.strip() == "cpu", child.stderr
     finally:
         backend.use_device("cpu" if before == "cpu" else "gpu")
+
+
+def test_mlx_without_a_backend_is_named_at_import(tmp_path):
+    """MLX installed with no backend wheel (Linux: `mlx` alone, no mlx-cpu / mlx-cuda) fails at
+    `import mlxtoy` with the extras that fix it; any other import error is left as it is."""
+    for message, expected in (("libmlx.so: cannot open shared object file", "pip install -e '.[cpu]'"),
+                              ("no module named numpy", "no module named numpy")):
+        fake = tmp_path / message.split(":")[0].replace(" ", "_") / "mlx"
+        fake.mkdir(parents=True)
+        (fake / "__init__.py").write_text("")
+        (fake / "core.py").write_text(f"raise ImportError({message!r})\n")
+        env = dict(os.environ, PYTHONPATH=f"{fake.parent}{os.pathsep}{REPO}")
+        p = subprocess.run([sys.executable, "-c", "import mlxtoy"], capture_output=True, text=True, env=env)
+        assert p.returncode != 0
+        assert p.stderr.strip().splitlines()[-1].startswith("ImportError: ")
+        assert expected in p.stderr.strip().splitlines()[-1], p.stderr[-500:]
