@@ -17,7 +17,8 @@ float32 products of many rows to the BLAS (MLXTOY_GEMM=0).
 
 Needs mlx-lm, torch, transformers and peft (`scripts/setup.sh test` installs them). Prints a
 table: median tokens/s over the steps after the first two (compilation), the ratio to
-torch + peft, the first step's time (compilation included), MLX peak memory and peak RSS.
+torch + peft, the first step's time (compilation included), MLX peak memory and peak RSS. A
+step's tokens/s is timed the same way for every tool (`StepClock`: report to report).
 """
 
 from __future__ import annotations
@@ -73,6 +74,21 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
+class StepClock:
+    """Tokens/s of each step by the same clock for every tool: the wall time from one step's
+    report to the next (batch building included, which mlx-lm's own figure leaves out; it shows
+    where a step is a few milliseconds, on a GPU). The first step keeps the tool's own figure."""
+
+    def __init__(self) -> None:
+        self.tokens_per_sec: list[float] = []
+        self.last: float | None = None
+
+    def step(self, own_figure: float) -> None:
+        now = time.perf_counter()
+        self.tokens_per_sec.append(own_figure if self.last is None else BATCH * SEQ / (now - self.last))
+        self.last = now
+
+
 def worker_mlxtoy(method: str, hf: str, data: str, steps: int) -> dict:
     import mlxtoy  # noqa: F401
     import mlx.core as mx
@@ -80,7 +96,7 @@ def worker_mlxtoy(method: str, hf: str, data: str, steps: int) -> dict:
     from mlxtoy.config import TrainConfig
     from mlxtoy.train.job import run_job
 
-    tps: list[float] = []
+    clock = StepClock()
     # the run's checkpoints (~2 GB for a full fine-tune) go with the directory
     with tempfile.TemporaryDirectory(prefix="bench-mlxtoy-") as out:
         cfg = TrainConfig(model=hf, data=data, out=os.path.join(out, "run"), method=method, steps=steps,
@@ -89,9 +105,9 @@ def worker_mlxtoy(method: str, hf: str, data: str, steps: int) -> dict:
                           schedule="constant", eval_batches=1, save_every=0, grad_clip=0, dtype=DTYPE)
         t0 = time.perf_counter()
         res = run_job(lambda: (cfg, False), handle_sigint=False,
-                      emit=lambda e: (tps.append(e.tokens_per_sec)) if e.event == "step" else None).result
+                      emit=lambda e: clock.step(e.tokens_per_sec) if e.event == "step" else None).result
         wall = time.perf_counter() - t0
-    return {"tokens_per_sec": tps, "loss": res.losses, "peak_gb": mx.get_peak_memory() / 1e9,
+    return {"tokens_per_sec": clock.tokens_per_sec, "loss": res.losses, "peak_gb": mx.get_peak_memory() / 1e9,
             "rss_gb": _rss_gb(), "wall": wall}
 
 
@@ -118,12 +134,12 @@ def worker_mlxlm(method: str, hf: str, data: str, steps: int) -> dict:
     valid = [json.loads(line) for line in open(os.path.join(data, "valid.jsonl"))]
     train_set = CacheDataset(TextDataset(rows, tok))
     valid_set = CacheDataset(TextDataset(valid, tok))
-    tps: list[float] = []
+    clock = StepClock()
     losses: list[float] = []
 
     class CB(TrainingCallback):
         def on_train_loss_report(self, info):
-            tps.append(info["tokens_per_second"])
+            clock.step(info["tokens_per_second"])
             losses.append(info["train_loss"])
 
     import io
@@ -140,7 +156,7 @@ def worker_mlxlm(method: str, hf: str, data: str, steps: int) -> dict:
             train(model=model, optimizer=opt, train_dataset=train_set, val_dataset=valid_set, args=args,
                   training_callback=CB())
         wall = time.perf_counter() - t0
-    return {"tokens_per_sec": tps, "loss": losses, "peak_gb": mx.get_peak_memory() / 1e9,
+    return {"tokens_per_sec": clock.tokens_per_sec, "loss": losses, "peak_gb": mx.get_peak_memory() / 1e9,
             "rss_gb": _rss_gb(), "wall": wall}
 
 
@@ -165,7 +181,7 @@ def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-5 if method == "full" else 1e-4, weight_decay=0.0)
     rows = [json.loads(line)["text"] for line in open(os.path.join(data, "train.jsonl"))]
     ids = [tok(r)["input_ids"][:SEQ + 1] for r in rows]
-    tps: list[float] = []
+    clock = StepClock()
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
@@ -177,9 +193,9 @@ def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(out.loss))  # (waits for the GPU)
-        tps.append(BATCH * SEQ / (time.perf_counter() - t))
+        clock.step(BATCH * SEQ / (time.perf_counter() - t))
     peak = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else float("nan")
-    return {"tokens_per_sec": tps, "loss": losses, "peak_gb": peak, "rss_gb": _rss_gb(),
+    return {"tokens_per_sec": clock.tokens_per_sec, "loss": losses, "peak_gb": peak, "rss_gb": _rss_gb(),
             "wall": time.perf_counter() - t0}
 
 
