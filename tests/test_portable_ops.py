@@ -270,3 +270,36 @@ def test_decoding_on_the_gpu_branches_reads_the_cache_unmasked(gpu_dispatch, mon
     layers = len(model.layers)
     assert sorted({keys for keys, _ in steps}) == list(range(len(prompt) + 1, len(prompt) + 12))
     assert len(steps) == 11 * layers
+
+
+def test_a_gguf_base_built_for_the_gpu_holds_its_scales_in_the_compute_dtype(tmp_path, monkeypatch, gpu_dispatch):
+    """Built for a GPU, a Q8_0 GGUF's quantized projections hold their float16 scales and biases
+    in the compute dtype, so no product casts them (the embedding's lookup keeps its own, as on
+    the CPU); the logits are those of the same file built on the CPU, whose products cast them
+    each time, bit for bit."""
+    from helpers_export import write_tiny_gguf
+
+    from mlxtoy.loading import load
+
+    path = write_tiny_gguf(str(tmp_path / "tiny-q8_0.gguf"), _tiny(None), "q8_0")
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
+    cpu_built, _ = load(path, quant=QuantPlan(), dtype=mx.bfloat16)
+    kept = [m for _, m in cpu_built.named_modules() if hasattr(m, "scales")]
+    assert kept and all(m.scales.dtype == mx.float16 for m in kept)
+    calls = gpu_dispatch()
+    want = cpu_built(tokens)
+    assert calls["quantized_matmul"]
+    gpu_built, _ = load(path, quant=QuantPlan(), dtype=mx.bfloat16)
+    held = [m for n, m in gpu_built.named_modules() if hasattr(m, "scales") and n != "tok_embeddings"]
+    assert len(held) == len(kept) - 1 and all(m.scales.dtype == m.biases.dtype == mx.bfloat16 for m in held)
+    scale_shapes = {m.scales.shape for m in held}
+    casts = []  # the projections' scales or biases cast in a forward (the embedding's lookup aside)
+    astype = mx.array.astype
+    monkeypatch.setattr(mx.array, "astype", lambda a, *args, **kw: (
+        casts.append(a.shape) if a.dtype == mx.float16 and a.shape in scale_shapes else None) or astype(a, *args, **kw))
+    cpu_built(tokens)
+    assert len(casts) == 2 * len(held), "the control: built on the CPU, each product casts both"
+    casts.clear()
+    got = gpu_built(tokens)
+    assert not casts, casts
+    assert got.dtype == mx.bfloat16 and mx.array_equal(got, want).item()

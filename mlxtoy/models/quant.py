@@ -302,13 +302,19 @@ def _child(model: nn.Module, path: str) -> tuple[nn.Module, str]:
 def quantized_module(dense: nn.Module, packed: PackedMatrix, bias: mx.array | None = None,
                      dtype: mx.Dtype = mx.float32) -> nn.Module:
     """The quantized stand-in for `dense` (a Linear, HeadProjection or Embedding of the model
-    being built) holding `packed`; an embedding gives rows in `dtype`."""
+    being built) holding `packed`; an embedding gives rows in `dtype`, which every product's
+    input then has. On a GPU a projection holds its scales and biases in `dtype` too:
+    `mx.quantized_matmul` takes them in its input's dtype, so a GGUF's float16 ones would be cast
+    in every product (`quantized_linear`), two more passes over them each time. The CPU, and an
+    embedding's lookup, keep them as stored."""
     w, scales, biases, group_size, bits, sym = (packed.weight, packed.scales, packed.biases,
                                                 packed.group_size, packed.bits, packed.symmetric)
-    if isinstance(dense, HeadProjection):
-        return QuantizedHeadProjection(w, scales, biases, dense.n_heads, dense.d_head, group_size, bits, bias, sym)
     if isinstance(dense, nn.Embedding):
         return QuantizedEmbedding.of(w, scales, biases, group_size, bits, dtype, sym)
+    if backend.INFO.device != "cpu" and scales.dtype != dtype:
+        scales, biases = scales.astype(dtype), biases.astype(dtype)
+    if isinstance(dense, HeadProjection):
+        return QuantizedHeadProjection(w, scales, biases, dense.n_heads, dense.d_head, group_size, bits, bias, sym)
     if isinstance(dense, nn.Linear):
         return QuantizedLinear.of(w, scales, biases, group_size, bits, bias, sym)
     raise TypeError(f"cannot quantize a {type(dense).__name__}")
