@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -78,6 +79,12 @@ def wandb_records(path: str) -> list:
 
 def wandb_history(run_dir: str) -> dict[int, dict]:
     [path] = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    # W&B's service process may still be flushing the file after run.finish() returns (a CI run
+    # once read a record cut short): read it once its size has held for a moment
+    size, deadline = -1, time.monotonic() + 20
+    while os.path.getsize(path) != size and time.monotonic() < deadline:
+        size = os.path.getsize(path)
+        time.sleep(0.5)
     rows: dict[int, dict] = {}
     for r in wandb_records(path):
         if r.WhichOneof("record_type") == "history":
