@@ -200,9 +200,11 @@ def worker_torch(method: str, hf: str, data: str, steps: int) -> dict:
 
 
 WORKERS = {"mlxtoy": worker_mlxtoy, "mlxtoy-mlx": worker_mlxtoy, "mlxtoy-blas": worker_mlxtoy,
-           "mlx-lm": worker_mlxlm, "torch": worker_torch}
-# read at import: set for the worker process (mlxtoy-blas: the kernels on, the BLAS's GEMM)
-ENV = {"mlxtoy-mlx": {"MLXTOY_KERNELS": "0"}, "mlxtoy-blas": {"MLXTOY_GEMM": "0"}}
+           "mlxtoy-slabs": worker_mlxtoy, "mlx-lm": worker_mlxlm, "torch": worker_torch}
+# read at import: set for the worker process (mlxtoy-blas: the kernels on, the BLAS's GEMM;
+# mlxtoy-slabs: on a GPU, a quantized base's products of many rows through dequantized slabs)
+ENV = {"mlxtoy-mlx": {"MLXTOY_KERNELS": "0"}, "mlxtoy-blas": {"MLXTOY_GEMM": "0"},
+       "mlxtoy-slabs": {"MLXTOY_GPU_SLAB_ROWS": "256"}}
 
 
 def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> None:

@@ -10,9 +10,10 @@
 #   bash bench/gpu_check.sh kit   # here, once
 #   bash bench/gpu_check.sh 1     # there: the models, torch + peft's rows          (carry .gpu/wheels .gpu/tok .gpu/mlxcuda.00)
 #   bash bench/gpu_check.sh 2     # there, next: MLX, doctor, a user's first run, mlxtoy against mlx-lm:
-#                                 # LoRA, QLoRA, 8B QLoRA, decoding (carry .gpu/mlxcuda.01); with BUDGET=seconds
-#                                 # it goes on to 3 with the time left
-#   bash bench/gpu_check.sh 3     # there, after 2: the core tests on the GPU
+#                                 # LoRA, QLoRA, decoding (carry .gpu/mlxcuda.01); with BUDGET=seconds it goes
+#                                 # on to 3 with the time left
+#   BUDGET=300 bash bench/gpu_check.sh 3   # there, after 2: the 8B QLoRA (MLX's quantized matmul, then
+#                                 # MLXTOY_GPU_SLAB_ROWS), then the core tests on the GPU in the time left
 #
 # Results: each step's tail in the output, every log in $OUT/logs-N.tgz (the logs stay in $WORK, so
 # phase 2 shows phase 1's torch rows). A dry run of the scripts on this machine's CPU, no installs:
@@ -88,12 +89,11 @@ kit)
   step "mlxtoy against mlx-lm (and torch + peft from phase 1), LoRA r8 q,v, bfloat16, batch 4 x 256"
   TAIL=2 run convert 200 $PY -m mlx_lm convert --hf-path "$WORK/random-$MID-hf" --mlx-path "$WORK/random-$MID-mlx4" -q
   for model in random-135m-hf random-$MID-hf random-$MID-mlx4; do
-    TAIL=4 run "train-$model" 300 $PY bench/bench_train.py --work "$WORK" --model "$WORK/$model" --tools mlxtoy,mlx-lm \
+    tools=mlxtoy,mlx-lm
+    [ "$model" = "random-$MID-mlx4" ] && tools=mlxtoy,mlxtoy-slabs,mlx-lm  # QLoRA: MLXTOY_GPU_SLAB_ROWS too
+    TAIL=5 run "train-$model" 300 $PY bench/bench_train.py --work "$WORK" --model "$WORK/$model" --tools $tools \
       --methods lora --dtype bfloat16 --rounds 1 --steps "$STEPS" --baseline mlx-lm
   done
-  step "8B QLoRA from the Q4_0 GGUF, batch 1 x 256, --grad-checkpoint"
-  TAIL=3 run qlora-8b 300 $PY bench/bench_scale.py --work "$WORK" --tokenizer "$KIT/tok" --size "$BIG" --modes qlora \
-    --batch 1 --seq 256 --grad-checkpoint --steps 4
   step "decoding: the 1B's mlx-lm 4-bit folder (mlxtoy, mlx-lm), the 8B Q4_0 GGUF (mlxtoy)"
   TAIL=3 run decode-1b 200 $PY bench/bench_decode_scale.py --models "$WORK/random-$MID-mlx4" --engines mlxtoy,mlx-lm --rounds 1 \
     --prompt-tokens 128 --decode-tokens 64
@@ -104,8 +104,14 @@ kit)
   [ -n "${BUDGET:-}" ] || exit 0
   ;&
 3)
-  # the rest of the call's BUDGET seconds (from 2), else TEST_SECS
+  step "8B QLoRA from the Q4_0 GGUF, batch 1 x 256, --grad-checkpoint"
+  TAIL=3 run qlora-8b 300 $PY bench/bench_scale.py --work "$WORK" --tokenizer "$KIT/tok" --size "$BIG" --modes qlora \
+    --batch 1 --seq 256 --grad-checkpoint --steps 4
+  TAIL=1 run qlora-8b-slabs 300 env MLXTOY_GPU_SLAB_ROWS=256 $PY bench/bench_scale.py --work "$WORK" --tokenizer "$KIT/tok" \
+    --size "$BIG" --modes qlora --batch 1 --seq 256 --grad-checkpoint --steps 4
+  # the rest of the call's BUDGET seconds, else TEST_SECS
   secs=${TEST_SECS:-$((${BUDGET:-300} - SECONDS - 15))}
+  [ "$secs" -ge 30 ] || { echo "== no time left for the core tests (${secs} s)"; exit 0; }
   step "the core tests on the GPU, ${secs} s at most (MLX-only path, float32 without TF32: the CPU's tolerances)"
   # llama-cpp-python is not there (test_dora / test_export import it; -k drops the tests that call it),
   # `real` needs the SmolLM2 wheel; a test's first run compiles MLX's CUDA kernels (NVRTC), which

@@ -98,10 +98,13 @@ KERNEL_DONE_SPINS = Switch("MLXTOY_KERNEL_DONE_SPINS", int, 400, "how long the k
 KERNEL_VNNI = Switch("MLXTOY_KERNEL_VNNI", bool, True, "0: decoding from a 4-bit base multiplies in "
                      "float32 instead of AVX-512 VNNI integer products (x rounded to 16 bits a group)",
                      audience=DEBUG, read_by="C++")
+GPU_SLAB_ROWS = Switch("MLXTOY_GPU_SLAB_ROWS", int, 0, "on a GPU, a quantized base's products of at "
+                       "least this many rows dequantize slabs into the dense matmul instead of "
+                       "mx.quantized_matmul (0: never; bench/gpu_check.sh times both)", audience=DEBUG)
 
 SWITCHES: tuple[Switch, ...] = (DEVICE, DTYPE, BLAS, KERNELS, MALLOC, CACHE, MEMORY_GB, KERNEL_THREADS,
                                 GEMM, BLOCK_ATTENTION, FUSED_DECODE, PACKED_DECODE, KERNEL_POOL,
-                                KERNEL_SPINS, KERNEL_DONE_SPINS, KERNEL_VNNI)
+                                KERNEL_SPINS, KERNEL_DONE_SPINS, KERNEL_VNNI, GPU_SLAB_ROWS)
 
 
 def markdown_table(switches: tuple[Switch, ...] = SWITCHES) -> str:

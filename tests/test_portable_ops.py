@@ -303,3 +303,26 @@ def test_a_gguf_base_built_for_the_gpu_holds_its_scales_in_the_compute_dtype(tmp
     got = gpu_built(tokens)
     assert not casts, casts
     assert got.dtype == mx.bfloat16 and mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("slab_rows,qmm_calls", [(0, True), (8, False), (64, True)])
+def test_gpu_slab_rows_sends_many_rows_through_dequantized_slabs(gpu_dispatch, monkeypatch, slab_rows, qmm_calls):
+    """MLXTOY_GPU_SLAB_ROWS (an experiment for GPUs): products of at least that many rows, and
+    their input gradients, dequantize slabs into the dense matmul instead of calling
+    mx.quantized_matmul, with the same values; fewer rows (15 here, against 64) keep it."""
+    from mlxtoy.models import quant
+
+    rng = np.random.default_rng(6)
+    w = mx.array(rng.standard_normal((48, 128)).astype(np.float32) / 8)
+    packed, _ = quantize_dense(w, QuantPlan(4, 32))
+    layer = QuantizedLinear.of(packed.weight, packed.scales, packed.biases, 32, 4)
+    x = mx.array(rng.standard_normal((3, 5, 128)).astype(np.float32))
+    cot = mx.array(rng.standard_normal((3, 5, 48)).astype(np.float32))
+    calls = gpu_dispatch()
+    monkeypatch.setattr(quant, "GPU_SLAB_ROWS", slab_rows)
+    y, dx = layer(x), mx.grad(lambda x: (layer(x) * cot).sum())(x)
+    mx.eval(y, dx)
+    assert bool(calls["quantized_matmul"]) == qmm_calls, calls
+    dense = np.array(packed.dense(), np.float64)
+    np.testing.assert_allclose(np.array(y), np.array(x, np.float64) @ dense.T, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.array(dx), np.array(cot, np.float64) @ dense, atol=2e-4, rtol=0)

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy import backend
+from mlxtoy import backend, settings
 from mlxtoy.errors import UserError
 from mlxtoy.models.fastmath import (dequantize_affine, gemm, quant_linear, quant_linear_input_grad,
                                     quant_linear_ok)
@@ -30,6 +30,15 @@ GROUP_SIZES = (32, 64)
 # Float32 bytes of one dequantized slab on CPU: big enough for the GEMM to run at full rate,
 # small enough that a 128k-row output layer never exists whole in float32.
 SLAB_BYTES = 64 << 20
+# On a GPU, products of at least this many rows take the dequantized slabs too (0: never): an
+# experiment against MLX's quantized matmul, which ran QLoRA at a third of LoRA's rate on an H200
+GPU_SLAB_ROWS = settings.GPU_SLAB_ROWS.value()
+
+
+def _gpu_slabs(rows: int) -> bool:
+    return 0 < GPU_SLAB_ROWS <= rows
+
+
 QUANT_LEAVES = ("weight", "scales", "biases")
 
 
@@ -104,6 +113,8 @@ def quantized_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.
         if quant_linear_ok(g):
             return quant_linear_input_grad(g, w, scales, biases, group_size, bits)
         return slab_input_grad(g, w, scales, biases, group_size, bits)
+    if _gpu_slabs(g.shape[0]):
+        return slab_input_grad(g, w, scales, biases, group_size, bits)
     if scales.dtype != g.dtype:
         scales, biases = scales.astype(g.dtype), biases.astype(g.dtype)
     return mx.quantized_matmul(g, w, scales, biases, transpose=False, group_size=group_size, bits=bits)
@@ -117,6 +128,8 @@ def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     if backend.INFO.device == "cpu":
         if quant_linear_ok(x):
             return quant_linear(x, w, scales, biases, group_size, bits, symmetric)
+        return slab_product(group_size, bits)(x, w, scales, biases)
+    if _gpu_slabs(x.size // x.shape[-1]):
         return slab_product(group_size, bits)(x, w, scales, biases)
     if scales.dtype != x.dtype:
         scales, biases = scales.astype(x.dtype), biases.astype(x.dtype)
