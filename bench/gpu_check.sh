@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks of MLX's CUDA backend, the GPU path Metal shares, on a lent NVIDIA machine: no network
 # there, Python 3.12 with torch, transformers and peft, but no MLX. What it needs travels from here
-# in .gpu/ (git-ignored), which `kit` builds: MLX's CUDA wheels (the CUDA one is over what one
+# in .gpu/ (in .gitignore: name its parts in the device run's `carry`), which `kit` builds: MLX's CUDA wheels (the CUDA one is over what one
 # transfer may carry, so it goes in two halves, one per phase, and phase 1 leaves its half on the
 # machine), the small wheels mlxtoy and mlx-lm need there, and SmolLM2's tokenizer (the SmolLM2
 # wheel is too large to carry: the models are random, of SmolLM2-135M's, Llama-3.2-1B's and
@@ -45,7 +45,6 @@ run() {  # run LOG SECONDS CMD...: its output to $LOGS/LOG.log, the tail here
 case "${1:-}" in
 kit)
   rm -rf "$KIT" && mkdir -p "$KIT/wheels" "$KIT/tok"
-  grep -qx "/$KIT/" .git/info/exclude 2>/dev/null || echo "/$KIT/" >>.git/info/exclude
   get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$1" "${@:2}"; }
   get "$KIT/wheels" "mlx==$MLX_VERSION" gguf textual textual-plotext "plotext<6" mdit-py-plugins platformdirs \
