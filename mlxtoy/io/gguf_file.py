@@ -276,8 +276,9 @@ def affine_blocks(tensor: GGUFTensor) -> tuple[mx.array, mx.array, mx.array, int
     else:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(convert, range(0, rows, step)))
-    if np.all(np.isfinite(biases.astype(np.float16))):
-        return mx.array(packed), mx.array(scales), mx.array(biases.astype(np.float16)), bits
+    half = biases.astype(np.float16)
+    if np.all(np.isfinite(half)):
+        return mx.array(packed), mx.array(scales), mx.array(half), bits
     return mx.array(packed), mx.array(scales.astype(np.float32)), mx.array(biases), bits
 
 
