@@ -51,7 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
-    print(f"{backend.INFO.describe()}; kernels' GEMM {'on' if fastmath.GEMM else 'off (no AVX-512, or MLXTOY_GEMM=0)'}; "
+    print(f"{backend.INFO.describe()}; kernels' GEMM {'on' if fastmath.gemm_on() else 'off (no AVX-512, or MLXTOY_GEMM=0)'}; "
           f"torch {torch.__version__} on {torch.get_num_threads()} threads")
     print(f"{'product':24s} {'M x S x N':>18s} {'kernel':>8s} {'BLAS':>8s} {'torch':>8s}  GFLOP/s")
     rng = np.random.default_rng(0)
@@ -65,7 +65,7 @@ def main() -> int:
         top_a, top_b = (ta.T if trans_a else ta), (tb.T if trans_b else tb)
         flops = 2 * M * S * N / 1e9
         kernel = (flops / timed(lambda: mx.eval(fastmath.gemm(ma, mb, trans_a, trans_b)), args.repeats)
-                  if fastmath.GEMM else float("nan"))
+                  if fastmath.gemm_on() else float("nan"))
         blas = flops / timed(lambda: mx.eval(op_a @ op_b), args.repeats)
         tch = flops / timed(lambda: top_a @ top_b, args.repeats)
         print(f"{name:24s} {f'{M} x {S} x {N}':>18s} {kernel:8.1f} {blas:8.1f} {tch:8.1f}", flush=True)

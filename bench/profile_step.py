@@ -16,7 +16,8 @@ from mlx.utils import tree_flatten
 from mlxtoy.config import TrainConfig
 from mlxtoy.loading import load
 from mlxtoy.models.lora import apply_lora
-from mlxtoy.models.fastmath import attention, linear, rms_norm, swiglu
+from mlxtoy.models.attention import attention
+from mlxtoy.models.fastmath import linear, rms_norm, swiglu
 from mlxtoy.train.logprobs import OutputWeights, output_cross_entropy
 from mlxtoy.train.objectives import sft_loss
 from mlxtoy.train.step import Stepper, make_optimizer

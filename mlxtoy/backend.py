@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -49,23 +50,25 @@ def cpu_features() -> tuple[str, set[str]]:
     return vendor, flags
 
 
-def cpu_family() -> int | None:
-    """/proc/cpuinfo's "cpu family" (AMD: 25 Zen 3 and Zen 4, 26 Zen 5); None where unknown."""
+def cpu_model() -> str:
+    """The CPU's model name, family, model and stepping, from /proc/cpuinfo (what a measurement made
+    on this machine is keyed by); platform.processor() where there is no /proc/cpuinfo."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "cpu family":
-                    return int(value)
-    except (OSError, ValueError):
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "stepping") and key not in fields:
+                    fields[key] = value.strip()
+                elif not line.strip() and fields:
+                    break
+    except OSError:
         pass
-    return None
-
-
-def split_avx512() -> bool:
-    """Whether AVX-512 runs as two 256-bit halves here (AMD Zen 4: family 25 with avx512f)."""
-    vendor, flags = cpu_features()
-    return vendor == "AuthenticAMD" and "avx512f" in flags and cpu_family() == 25
+    if not fields:
+        return platform.processor() or platform.machine()
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model "
+            f"{fields.get('model', '?')}, stepping {fields.get('stepping', '?')})")
 
 
 def _package_dir(name: str) -> str | None:
@@ -209,79 +212,6 @@ except ImportError as e:
                       "GPU with CUDA 12 / 13), never two") from None
 
 
-@dataclass
-class BackendInfo:
-    device: str  # "metal", "cuda" or "cpu"
-    blas: str | None
-    blas_path: str | None
-    compute_dtype: mx.Dtype
-    blas_core: str | None = None  # OpenBLAS's kernel family
-
-    def describe(self) -> str:
-        blas = self.blas or "reference BLAS only (slow: install `mkl` or `scipy-openblas32`)"
-        if self.blas_core:
-            blas += f" {self.blas_core}"
-        if self.blas_path:
-            blas += f" ({self.blas_path})"
-        dtype = str(self.compute_dtype).replace("mlx.core.", "")
-        return f"device={self.device} blas={blas} compute_dtype={dtype}"
-
-
-def gpu_name() -> str | None:
-    """The GPU backend this MLX can compute on ("metal" or "cuda"), None where there is none."""
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and getattr(cuda, "is_available", lambda: False)():
-        return "cuda"
-    return None
-
-
-def _pick_device(want: str) -> str:
-    """"cpu", "gpu" (an error where there is none) or "" (the GPU where there is one)."""
-    if want == "cpu":
-        return "cpu"
-    gpu = gpu_name()
-    if want == "gpu" and gpu is None:
-        raise UserError("no GPU here (this MLX finds neither Metal nor CUDA)")
-    return gpu or "cpu"
-
-
-def _setup(want: str) -> BackendInfo:
-    device = _pick_device(want)
-    mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
-    # bf16/fp16 and quantized matmuls are slow on MLX CPU: compute in float32 there.
-    compute = mx.float32 if device == "cpu" else mx.bfloat16
-    if settings.DTYPE.value():
-        compute = getattr(mx, settings.DTYPE.value())
-    return BackendInfo(device, _BLAS_NAME, _BLAS_PATH, compute, _BLAS_CORE)
-
-
-def _setup_from_environment() -> BackendInfo:
-    try:
-        return _setup(settings.DEVICE.value())
-    except UserError as e:  # at import there is no `error:` handling yet: fall back, say so
-        print(f"warning: {settings.DEVICE.name}=gpu: {e}; computing on the CPU", file=sys.stderr)
-        return _setup("cpu")
-
-
-INFO = _setup_from_environment()
-
-
-def use_device(want: str) -> BackendInfo:
-    """Compute on "cpu" or "gpu" from now on (`--device`), with that device's compute dtype;
-    a UserError where the GPU is asked for and there is none. Call it before any work: arrays
-    made earlier stay where they are, and the CPU-only maths of `fastmath` was chosen at import.
-    Processes this one starts (the TUI's trainer) inherit the choice through MLXTOY_DEVICE."""
-    try:
-        new = _setup(want)
-    except UserError as e:
-        raise UserError(f"--device {want}: {e}; use --device cpu") from None
-    INFO.device, INFO.compute_dtype = new.device, new.compute_dtype
-    os.environ[settings.DEVICE.name] = want
-    return INFO
-
-
 # What rebuilds the kernels against the MLX installed now (from a checkout of mlxtoy)
 KERNELS_FIX = "pip install --no-build-isolation --force-reinstall --no-deps <mlxtoy's source folder>"
 # Where mlxtoy's install builds them (setup.py)
@@ -328,6 +258,126 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
               f"with `{KERNELS_FIX}`", file=sys.stderr)
         return None, f"do not load ({type(e).__name__}): {KERNELS_FIX}"
     return mlxtoy_kernels, "on"
+
+
+@dataclass
+class BackendInfo:
+    """The device MLX computes on, and what the code computing there asks of it: the one object
+    (`INFO`) that fastmath, quant, memory, inference and generate read, at the time they build a
+    graph, so `use_device` (which changes it in place) reaches every module. No module compares
+    device names; each asks the capability it needs."""
+
+    device: str  # "metal", "cuda" or "cpu"
+    blas: str | None
+    blas_path: str | None
+    compute_dtype: mx.Dtype
+    blas_core: str | None = None  # OpenBLAS's kernel family
+    kernels: ModuleType | None = None  # the x86 CPU kernels, where on and MLX computes on the CPU
+
+    @property
+    def on_cpu(self) -> bool:
+        """MLX computes on the CPU: float32 maths, the polynomial exp, fastmath's CPU forms."""
+        return self.device == "cpu"
+
+    @property
+    def native_quantized_matmul(self) -> bool:
+        """mx.quantized_matmul runs at speed here (Metal, CUDA); MLX's CPU one runs at a few
+        GFLOP/s, so a quantized base is dequantized a slab at a time into the float32 GEMM."""
+        return self.device != "cpu"
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Whether a one-token decoding step pays as one compiled graph over the cache's whole
+        buffer with a mask (the CPU, where building the graph in Python takes the cores the
+        products need); on a GPU the next step is built while the last runs and one-query
+        attention takes MLX's vector kernel only without an array mask."""
+        return self.device == "cpu"
+
+    @property
+    def wired_memory(self) -> bool:
+        """Whether the model's memory can be wired (Metal's `mx.set_wired_limit`)."""
+        return self.device == "metal"
+
+    def describe(self) -> str:
+        blas = self.blas or "reference BLAS only (slow: install `mkl` or `scipy-openblas32`)"
+        if self.blas_core:
+            blas += f" {self.blas_core}"
+        if self.blas_path:
+            blas += f" ({self.blas_path})"
+        dtype = str(self.compute_dtype).replace("mlx.core.", "")
+        return f"device={self.device} blas={blas} compute_dtype={dtype}"
+
+
+def gpu_name() -> str | None:
+    """The GPU backend this MLX can compute on ("metal" or "cuda"), None where there is none."""
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and getattr(cuda, "is_available", lambda: False)():
+        return "cuda"
+    return None
+
+
+def _pick_device(want: str) -> str:
+    """"cpu", "gpu" (an error where there is none) or "" (the GPU where there is one)."""
+    if want == "cpu":
+        return "cpu"
+    gpu = gpu_name()
+    if want == "gpu" and gpu is None:
+        raise UserError("no GPU here (this MLX finds neither Metal nor CUDA)")
+    return gpu or "cpu"
+
+
+def _setup(want: str) -> BackendInfo:
+    device = _pick_device(want)
+    mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
+    # bf16/fp16 and quantized matmuls are slow on MLX CPU: compute in float32 there.
+    compute = mx.float32 if device == "cpu" else mx.bfloat16
+    if settings.DTYPE.value():
+        compute = getattr(mx, settings.DTYPE.value())
+    kernels = cpu_kernels()[0] if device == "cpu" else None
+    return BackendInfo(device, _BLAS_NAME, _BLAS_PATH, compute, _BLAS_CORE, kernels)
+
+
+def _setup_from_environment() -> BackendInfo:
+    try:
+        return _setup(settings.DEVICE.value())
+    except UserError as e:  # at import there is no `error:` handling yet: fall back, say so
+        print(f"warning: {settings.DEVICE.name}=gpu: {e}; computing on the CPU", file=sys.stderr)
+        return _setup("cpu")
+
+
+INFO = _setup_from_environment()
+
+
+def use_device(want: str) -> BackendInfo:
+    """Compute on "cpu" or "gpu" from now on (`--device`), with that device's compute dtype and
+    capabilities; a UserError where the GPU is asked for and there is none. `INFO` changes in
+    place, so every module follows from its next graph on; arrays made earlier stay where they
+    are. Processes this one starts (the TUI's trainer) inherit the choice through MLXTOY_DEVICE."""
+    try:
+        new = _setup(want)
+    except UserError as e:
+        raise UserError(f"--device {want}: {e}; use --device cpu") from None
+    INFO.device, INFO.compute_dtype, INFO.kernels = new.device, new.compute_dtype, new.kernels
+    os.environ[settings.DEVICE.name] = want
+    return INFO
+
+
+def route_fingerprint() -> dict[str, str]:
+    """What a measured choice of route (`mlxtoy.routes`) depends on: the CPU, the cores this
+    process may use, mlxtoy, MLX, the BLAS and the kernels' build. A choice kept under another
+    fingerprint is measured again."""
+    try:
+        version = importlib.metadata.version("mlxtoy")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        version = "unknown"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = os.environ.get("MKL_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or ""
+    return {"cpu": cpu_model(), "cores": f"{cores} (BLAS threads {threads or 'default'})",
+            "mlxtoy": version, "mlx": mx.__version__,
+            "blas": f"{_BLAS_NAME} {_BLAS_CORE or ''} {_BLAS_PATH or ''}".strip(),
+            "kernels": kernels_stamp() or "none"}
 
 
 def compute_dtype() -> mx.Dtype:

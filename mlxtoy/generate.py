@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxtoy import backend
 from mlxtoy.errors import UserError
 from mlxtoy.models import fastmath
 from mlxtoy.models.cache import KVCache, SlotCache, cache_offset, make_cache, trim_cache
@@ -177,7 +178,7 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
     Before a token is yielded its own decode step is already queued (pipelining), so once the
     caller stops the cache may also hold the last yielded token: use `cache_offset(cache)`.
     compile_decode: run the one-token steps through `_compiled_decode` (models with
-    `hidden`/`logits` and KVCache caches, where `fastmath.compiled_decode_pays`); False builds
+    `hidden`/`logits` and KVCache caches, where `backend.INFO.compiled_decode`); False builds
     each step eagerly.
     """
     sampling = (sampling or SamplingParams()).validate()
@@ -196,7 +197,7 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
     window = sampling.repetition_window if sampling.repetition_penalty != 1.0 else 0
     recent = mx.array(list(prompt_tokens[-window:]) if window else [], dtype=mx.uint32)
 
-    compiled = compile_decode and fastmath.compiled_decode_pays() and hasattr(model, "hidden") \
+    compiled = compile_decode and backend.INFO.compiled_decode and hasattr(model, "hidden") \
         and all(isinstance(c, KVCache) for c in cache) \
         and not getattr(model, "sliding_window", False)  # models.tiny slides in Python
     decode = None  # fetched after the first token, so its structure check is not in that token's latency

@@ -79,7 +79,7 @@ def quantized_runs_faster(params: int) -> bool:
     """Whether a model of `params` parameters decodes faster with its base quantized here: on a
     CPU with the kernels from QUANTIZED_DECODE_PARAMS on; not on a CPU without them (slabs
     dequantized per product). (On Metal / CUDA `train --qlora auto`'s rule has already kept it.)"""
-    return backend.INFO.device == "cpu" and fastmath.KERNELS and params >= QUANTIZED_DECODE_PARAMS
+    return fastmath.kernels_on() and params >= QUANTIZED_DECODE_PARAMS
 
 
 def load_for_inference(model: str | None, adapter: str | None = None, mode: str = "auto"):

@@ -79,10 +79,12 @@ KERNEL_THREADS = Switch("MLXTOY_KERNEL_THREADS", int, None, "threads of the CPU 
                         "the CPU count, or MKL's OpenMP threads)", read_by="C++")
 
 # --- for tests, benchmarks and comparisons ----------------------------------------------------
-GEMM = Switch("MLXTOY_GEMM", bool, True, "0: float32 products of many rows go to the BLAS instead of "
-              "the kernels' AVX-512 GEMM", audience=DEBUG)
-BLOCK_ATTENTION = Switch("MLXTOY_BLOCK_ATTENTION", bool, True, "0: training attention through MLX's "
-                         "GEMMs instead of the kernels' block attention", audience=DEBUG)
+GEMM = Switch("MLXTOY_GEMM", bool, None, "float32 products of many rows: 1 the kernels' AVX-512 GEMM, "
+              "0 the BLAS; unset: whichever measures faster here, per shape (`doctor --calibrate`)",
+              audience=DEBUG)
+BLOCK_ATTENTION = Switch("MLXTOY_BLOCK_ATTENTION", bool, None, "attention over many positions: 1 the "
+                         "kernels' block attention, 0 never it; unset: whichever of it, MLX's GEMMs around "
+                         "the softmax and mx.fast's measures faster here, per shape", audience=DEBUG)
 FUSED_DECODE = Switch("MLXTOY_FUSED_DECODE", bool, True, "0: decode op by op instead of one kernel "
                       "call per block", audience=DEBUG)
 PACKED_DECODE = Switch("MLXTOY_PACKED_DECODE", bool, True, "0: decode reads float32 weights instead "

@@ -24,7 +24,7 @@ import numpy as np
 import mlxtoy
 import mlx.core as mx
 from mlxtoy import backend
-from mlxtoy.models import fastmath
+from mlxtoy.models import attention, fastmath
 
 r = np.random.default_rng(3)
 a, b = r.standard_normal((200, 300)), r.standard_normal((300, 150))
@@ -35,14 +35,14 @@ k, v = (mx.array(r.standard_normal((2, 2, 90, 16)), mx.float32) for _ in range(2
 g = mx.array(r.standard_normal((2, 6, 90, 16)), mx.float32)
 forwarder = getattr(ctypes.CDLL(None), "mlxtoy_blas_threads", None)
 before = forwarder() if forwarder else None
-loss = lambda q, k, v: (fastmath.attention(q, k, v, 0.25, "causal") * g).sum()
+loss = lambda q, k, v: (attention.attention(q, k, v, 0.25, "causal") * g).sum()
 ref = lambda q, k, v: (mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal") * g).sum()
 ours, theirs = mx.grad(loss, argnums=(0, 1, 2))(q, k, v), mx.grad(ref, argnums=(0, 1, 2))(q, k, v)
 attention_err = max(float(mx.abs(x - y).max()) for x, y in zip(ours, theirs))
 maps = open("/proc/self/maps").read()
 print(json.dumps({"blas": backend.INFO.blas, "path": backend.INFO.blas_path, "core": backend.INFO.blas_core,
                   "mapped": [name for name in ("libscipy_openblas.so", "libmkl_rt", "libmlxtoy_blas") if name in maps],
-                  "gemm_err": gemm_err, "attention_err": attention_err, "block_attention": fastmath.BLOCK_ATTENTION,
+                  "gemm_err": gemm_err, "attention_err": attention_err, "block_attention": attention.block_attention_on(),
                   "threads_before": before, "threads_after": forwarder() if forwarder else None}))
 """
 

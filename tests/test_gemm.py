@@ -129,24 +129,6 @@ def test_fastmath_linear_through_the_gemm_and_its_gradient():
 
 
 @needs_avx512
-@pytest.mark.parametrize("split", [False, True])
-def test_large_matrices_go_to_the_blas_where_avx512_is_split(monkeypatch, split):
-    """On Zen 4 (AVX-512 as two 256-bit halves) a product with a 1B-class matrix (both sides
-    >= 2048) takes MLX's matmul (the BLAS), smaller ones the kernels' GEMM; elsewhere every
-    one takes the kernels'. The graph says which ran; both give numpy's values."""
-    monkeypatch.setattr(fastmath, "LARGE_TO_BLAS", split)
-    r = np.random.default_rng(6)
-    x = mx.array(r.standard_normal((8, 2048)).astype(np.float32))
-    for rows, kernel in [(2048, not split), (512, True)]:
-        w = mx.array((r.standard_normal((rows, 2048)) / 45).astype(np.float32))
-        y = fastmath.linear(x, w)
-        assert ("MlxtoyKernel" in graph(y)) == kernel, (rows, split)
-        np.testing.assert_allclose(np.array(y), ref(np.array(x), np.array(w)), rtol=0, atol=1e-4)
-    heads = mx.zeros((32, 64, 2048))  # a per-head projection counts as its flat (2048, 2048) matrix
-    assert fastmath._takes_gemm(x, heads) == (not split)
-
-
-@needs_avx512
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
 def test_prefill_through_the_gemm_matches_mlx_matmul(monkeypatch, kind):
     model = tiny_model(kind, seed=2)
@@ -161,7 +143,7 @@ def test_prefill_through_the_gemm_matches_mlx_matmul(monkeypatch, kind):
     monkeypatch.setattr(K, "gemm_many", lambda x, ws: calls.append(x.shape) or gemm_many(x, ws))
     tokens, logprobs = run()
     assert calls and all(s[-2] == 70 for s in calls)  # positive control: the prompt's products took it
-    monkeypatch.setattr(fastmath, "GEMM", False)
+    monkeypatch.setenv("MLXTOY_GEMM", "0")
     calls.clear()
     ref_tokens, ref_logprobs = run()
     assert not calls

@@ -19,7 +19,7 @@ import mlxtoy_kernels as K
 from mlx.utils import tree_flatten
 
 from mlxtoy import backend
-from mlxtoy.models import fastmath
+from mlxtoy.models import attention, fastmath
 
 pytestmark = pytest.mark.kernels  # the kernels themselves: skipped under MLXTOY_KERNELS=0 (conftest)
 
@@ -259,7 +259,7 @@ def test_rms_norm_vs_mlx_fast():
     np.testing.assert_allclose(np_(dw), np_(dw_ref), rtol=1e-5, atol=1e-4)
     # fastmath.rms_norm: the kernel (positive control) with the MLX gradient
     loss = lambda x, w: (fastmath.rms_norm(x, w, EPS) * ga).sum()
-    assert fastmath.KERNELS and uses_kernel(fastmath.rms_norm(xa, wa, EPS))
+    assert fastmath.kernels_on() and uses_kernel(fastmath.rms_norm(xa, wa, EPS))
     fdx, fdw = mx.grad(loss, argnums=(0, 1))(xa, wa)
     np.testing.assert_allclose(np_(fdx), np_(dx_ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np_(fdw), np_(dw_ref), rtol=1e-5, atol=1e-4)
@@ -335,7 +335,7 @@ def test_fastmath_linear_gradient():
     x, w, g = arr(r.standard_normal((1, 1, 96))), arr(r.standard_normal((200, 96)) / 10), arr(r.standard_normal((1, 1, 200)))
     assert uses_kernel(fastmath.linear(x, w))  # one row: the GEMV kernel
     # 5 rows: a GEMM, the kernels' on AVX-512 CPUs (test_gemm.py), else MLX's
-    assert uses_kernel(fastmath.linear(arr(r.standard_normal((5, 96))), w)) == fastmath.GEMM
+    assert uses_kernel(fastmath.linear(arr(r.standard_normal((5, 96))), w)) == fastmath.gemm_on()
     ours = mx.grad(lambda x, w: (fastmath.linear(x, w) * g).sum(), argnums=(0, 1))(x, w)
     ref = mx.grad(lambda x, w: ((x @ w.T) * g).sum(), argnums=(0, 1))(x, w)
     for o, rf in zip(ours, ref):
@@ -359,7 +359,7 @@ def test_gemv_many_vs_numpy_and_gradient():
     # through fastmath: one row takes the kernel (one primitive for all three), five rows GEMMs
     x1, mw = arr(r.standard_normal((1, 1, K_))), [arr(w) for w in ws]
     assert uses_kernel(*fastmath.linear_many(x1, mw))
-    assert uses_kernel(*fastmath.linear_many(arr(r.standard_normal((5, K_))), mw)) == fastmath.GEMM
+    assert uses_kernel(*fastmath.linear_many(arr(r.standard_normal((5, K_))), mw)) == fastmath.gemm_on()
     gs = [arr(r.standard_normal((1, 1, w.shape[0]))) for w in ws]
     loss = lambda f: lambda x, a, b, c: sum((y * g).sum() for y, g in zip(f(x, [a, b, c]), gs))
     ours = mx.grad(loss(fastmath.linear_many), argnums=(0, 1, 2, 3))(x1, *mw)
@@ -439,12 +439,12 @@ def test_fastmath_attention_one_query_uses_kernel_and_matches_mlx():
     r = rng(22)
     q, k, v = arr(r.standard_normal((1, 4, 1, 16))), arr(r.standard_normal((1, 2, 40, 16))), arr(r.standard_normal((1, 2, 40, 16)))
     mask = mx.arange(40)[None, None, None, :] <= 25  # the compiled decoder's mask: a cache filled to 26
-    out = fastmath.attention(q, k, v, 0.25, mask)
+    out = attention.attention(q, k, v, 0.25, mask)
     assert uses_kernel(out)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     np.testing.assert_allclose(np_(out), np_(ref), rtol=0, atol=2e-6)
     g = arr(r.standard_normal((1, 4, 1, 16)))
-    ours = mx.grad(lambda q, k, v: (fastmath.attention(q, k, v, 0.25, mask) * g).sum(), argnums=(0, 1, 2))(q, k, v)
+    ours = mx.grad(lambda q, k, v: (attention.attention(q, k, v, 0.25, mask) * g).sum(), argnums=(0, 1, 2))(q, k, v)
     theirs = mx.grad(lambda q, k, v: (mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask) * g).sum(),
                      argnums=(0, 1, 2))(q, k, v)
     for o, t in zip(ours, theirs):
@@ -555,19 +555,19 @@ def test_block_attention_skips_closed_keys_and_is_the_same_on_one_thread():
 def test_fastmath_attention_many_queries_uses_block_kernel_and_matches_mlx():
     """Training's attention (T > 1) is the kernels' block attention, forward and gradient, and
     agrees with mx.fast's (a different implementation) under a causal and a boolean mask."""
-    assert fastmath.BLOCK_ATTENTION  # CI installs the kernels and MKL or OpenBLAS: the path under test
+    assert attention.block_attention_on()  # CI installs the kernels and MKL or OpenBLAS: the path under test
     r = rng(46)
     q, k, v = arr(r.standard_normal((2, 6, 90, 16))), arr(r.standard_normal((2, 2, 90, 16))), arr(r.standard_normal((2, 2, 90, 16)))
     g = arr(r.standard_normal((2, 6, 90, 16)))
     seg = mx.array(np.stack([np.repeat([0, 1], [50, 40]), np.zeros(90, int)]))  # two documents, one
     for mask in ("causal", (seg[:, None, :, None] == seg[:, None, None, :]) & (mx.arange(90)[:, None] >= mx.arange(90)[None, :])):
-        out = fastmath.attention(q, k, v, 0.25, mask)
+        out = attention.attention(q, k, v, 0.25, mask)
         f = io.StringIO()
         mx.export_to_dot(f, out)
         assert "MlxtoyBlockAttention" in f.getvalue()
         ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
         np.testing.assert_allclose(np_(out), np_(ref), rtol=0, atol=5e-6)
-        ours = mx.grad(lambda q, k, v: (fastmath.attention(q, k, v, 0.25, mask) * g).sum(), argnums=(0, 1, 2))(q, k, v)
+        ours = mx.grad(lambda q, k, v: (attention.attention(q, k, v, 0.25, mask) * g).sum(), argnums=(0, 1, 2))(q, k, v)
         theirs = mx.grad(lambda q, k, v: (mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask) * g).sum(),
                          argnums=(0, 1, 2))(q, k, v)
         for o, t in zip(ours, theirs):
@@ -614,7 +614,7 @@ def test_inference_mode_calls_kernels_bare_with_the_same_values():
     wq = arr(r.standard_normal((48, 64)))
     q, k, v = arr(r.standard_normal((1, 4, 1, 16))), arr(r.standard_normal((1, 2, 9, 16))), arr(r.standard_normal((1, 2, 9, 16)))
     calls = [lambda: fastmath.rms_norm(x, w, EPS), lambda: fastmath.swiglu(x, x), lambda: fastmath.linear(x, wq),
-             lambda: fastmath.linear_many(x, [wq, wq])[1], lambda: fastmath.attention(q, k, v, 0.25, None)]
+             lambda: fastmath.linear_many(x, [wq, wq])[1], lambda: attention.attention(q, k, v, 0.25, None)]
 
     def graph(out: mx.array) -> str:
         f = io.StringIO()
@@ -943,7 +943,7 @@ def model_outputs(weights_path, batch_path) -> dict:
     toks = [t for t, _ in generate_tokens(model, PROMPT, max_tokens=8, sampling=SamplingParams(temp=0.0, seed=0))]
     out = {"g/" + k: np.array(v) for k, v in tree_flatten(grads)}
     return out | {"loss": np.array(loss), "plain": np.array(plain), "tokens": np.array(toks),
-                  "kernels": fastmath.KERNELS}
+                  "kernels": fastmath.kernels_on()}
 
 
 MODEL_SCRIPT = """

@@ -64,10 +64,10 @@ def test_markdown_table_has_a_row_per_switch():
 
 def test_switch_values_are_typed(monkeypatch, capsys):
     for raw, want in [("0", False), ("off", False), ("1", True), ("TRUE", True), ("", True)]:
-        monkeypatch.setenv("MLXTOY_GEMM", raw)
-        assert settings.GEMM.value() is want
-    monkeypatch.setenv("MLXTOY_GEMM", "maybe")
-    assert settings.GEMM.value() is True and "MLXTOY_GEMM='maybe'" in capsys.readouterr().err
+        monkeypatch.setenv("MLXTOY_KERNELS", raw)
+        assert settings.KERNELS.value() is want
+    monkeypatch.setenv("MLXTOY_KERNELS", "maybe")
+    assert settings.KERNELS.value() is True and "MLXTOY_KERNELS='maybe'" in capsys.readouterr().err
     monkeypatch.setenv("MLXTOY_MEMORY_GB", "1.5")
     assert settings.MEMORY_GB.value() == 1.5
     monkeypatch.setenv("MLXTOY_MEMORY_GB", "lots")
@@ -91,7 +91,7 @@ from mlxtoy.models import fastmath
 x, w = mx.random.normal((3, 64), key=mx.random.key(0)), mx.random.normal((64,), key=mx.random.key(1))
 got = fastmath.rms_norm(x, w, 1e-5)
 want = mx.fast.rms_norm(x, w, 1e-5)
-print(json.dumps({"kernels": fastmath.KERNELS, "dequantize_kernels": gguf_file.mlxtoy_kernels is not None,
+print(json.dumps({"kernels": fastmath.kernels_on(), "dequantize_kernels": gguf_file.mlxtoy_kernels is not None,
                   "status": fastmath.kernels_status(), "from": getattr(backend.cpu_kernels()[0], "__file__", None),
                   "extension_loaded": "mlxtoy_kernels._ext" in sys.modules,
                   "err": float(mx.abs(got - want).max())}))

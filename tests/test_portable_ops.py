@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from mlxtoy import backend
 from mlxtoy.config import ModelConfig, TrainConfig
-from mlxtoy.models import fastmath
+from mlxtoy.models import attention, fastmath
 from mlxtoy.models.llama import LlamaModel, block_causal_mask, window_mask
 from mlxtoy.models.quant import QuantizedLinear, QuantPlan, quantize_dense, quantized_module
 
@@ -39,15 +39,10 @@ B, H, KV, D = 2, 4, 2, 16
 def gpu_dispatch(monkeypatch):
     """Returns a function that switches this process to the branches a GPU takes (for the rest
     of the test): no CPU kernels, MLX's own exp/SiLU, mx.fast attention, mx.quantized_matmul."""
-    from mlxtoy.train import logprobs
-
     def switch() -> dict[str, int]:
         """-> calls of each GPU op from now on (the branches did switch)."""
-        for name, value in (("_ON_CPU", False), ("_K", None), ("KERNELS", False), ("GEMM", False),
-                            ("BLOCK_ATTENTION", False), ("LOGITS_BY_COLUMNS", False)):
-            monkeypatch.setattr(fastmath, name, value)
-        monkeypatch.setattr(logprobs, "LOGITS_BY_COLUMNS", False)
-        monkeypatch.setattr(backend.INFO, "device", "gpu")
+        monkeypatch.setattr(backend.INFO, "device", "cuda")  # every module asks this one object
+        monkeypatch.setattr(backend.INFO, "kernels", None)
         calls = dict.fromkeys(GPU_OPS, 0)
         for name in GPU_OPS:
             owner = mx if name == "quantized_matmul" else mx.fast
@@ -106,12 +101,12 @@ def test_attention_equals_mx_fast_sdpa(name):
     cot = mx.array(np.random.default_rng(1).standard_normal((B, H, T, D)).astype(np.float32))
 
     def ours(q, k, v):
-        return (fastmath.attention(q, k, v, scale, mask) * cot).sum()
+        return (attention.attention(q, k, v, scale, mask) * cot).sum()
 
     def theirs(q, k, v):
         return (mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) * cot).sum()
 
-    a_out = fastmath.attention(q, k, v, scale, mask)
+    a_out = attention.attention(q, k, v, scale, mask)
     b_out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     np.testing.assert_allclose(np.array(a_out), np.array(b_out), atol=2e-5, rtol=0)
     ga = mx.grad(ours, argnums=(0, 1, 2))(q, k, v)

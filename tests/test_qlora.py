@@ -76,7 +76,7 @@ def test_cpu_product_and_input_gradient_match_numpy(monkeypatch, path, bits, gro
     and MLX's ops (`slab_product`), there with several slabs too (a big output layer's case)."""
     rng = np.random.default_rng(1)
     w = rng.standard_normal((96, 128)).astype(np.float32)
-    if path == "kernels" and not fastmath.KERNELS:
+    if path == "kernels" and not fastmath.kernels_on():
         pytest.skip(f"the CPU kernels are off here: {fastmath.kernels_status()}")
     if path == "mlx-slabs":  # the last slab short
         monkeypatch.setattr(quant, "SLAB_BYTES", 26 * 128 * 4)
@@ -392,7 +392,7 @@ def test_qlora_run_resumes_exactly_and_exports_what_llama_cpp_runs(q8_model, tex
 
 @pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 64)])
 def test_kernel_dequantize_equals_mlx(bits, group):
-    if not fastmath.KERNELS:
+    if not fastmath.kernels_on():
         pytest.skip(f"the CPU kernels are off here: {fastmath.kernels_status()}")
     w = mx.random.normal((40, 256), key=mx.random.key(bits + group))
     q, scales, biases = mx.quantize(w, group, bits)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxtoy import inference
+from mlxtoy import backend, inference
 from mlxtoy.generate import generate_tokens
 from mlxtoy.inference import inference_quant
 from mlxtoy.io.gguf_read import load_gguf
@@ -23,7 +23,7 @@ from mlxtoy.train import memory
 from tests.helpers_export import VOCAB, tiny_model as export_model, write_tiny_gguf
 from tests.helpers_train import tiny_model
 
-needs_kernels = pytest.mark.skipif(not fastmath.KERNELS, reason=f"the CPU kernels are off here: "
+needs_kernels = pytest.mark.skipif(not fastmath.kernels_on(), reason=f"the CPU kernels are off here: "
                                                                 f"{fastmath.kernels_status()}")
 
 
@@ -330,8 +330,8 @@ def test_auto_keeps_a_file_s_own_blocks_quantized_where_that_decodes_faster(gguf
     monkeypatch.setattr(inference, "QUANTIZED_DECODE_PARAMS", params)
     for kind in ("q4_0", "q8_0"):
         plan = inference_quant(gguf_models[kind], None, "auto")
-        assert isinstance(plan, QuantPlan) if fastmath.KERNELS else plan is None
+        assert isinstance(plan, QuantPlan) if fastmath.kernels_on() else plan is None
     assert inference_quant(f32, None, "auto") is None  # float weights: quantizing would change them
     assert inference_quant(gguf_models["q4_0"], None, "off") is None
-    monkeypatch.setattr(fastmath, "KERNELS", False)  # MLX-only CPU: slabs per product, dense is faster
+    monkeypatch.setattr(backend.INFO, "kernels", None)  # MLX-only CPU: slabs per product, dense is faster
     assert inference_quant(gguf_models["q4_0"], None, "auto") is None

@@ -6,12 +6,13 @@ import argparse
 import json
 import platform
 import sys
+import time
 
 import mlx.core as mx
 
 import mlxtoy
 from mlxtoy import backend
-from mlxtoy.models import fastmath
+from mlxtoy.models import calibrate, fastmath
 from mlxtoy.train import memory
 
 
@@ -19,6 +20,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="versions, device, GPU backends, memory, BLAS, kernels, dtype: "
                                       "for a bug report")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure which route (the kernels' GEMM or the BLAS, the attention forms) runs each "
+                        "shape class of the built-in model's and a 1B model's training and prompt steps "
+                        "fastest here, keep the choices, and show them with each route's GFLOP/s")
     return p
 
 
@@ -48,20 +53,47 @@ def report() -> dict[str, str]:
         "cuda": _gpu_backend("cuda"),
         "memory": f"{figure / 1e9:.1f} GB ({what})" if figure else f"unknown ({what})",
         "blas": blas,
-        "kernels": "on" if fastmath.KERNELS else fastmath.kernels_status(),
+        "kernels": "on" if fastmath.kernels_on() else fastmath.kernels_status(),
     }
-    if fastmath.KERNELS:
+    if fastmath.kernels_on():
         facts["kernels detail"] = fastmath.kernels_status().removeprefix("on (").removesuffix(")")
         facts["kernels built for"] = f"MLX {backend.kernels_stamp()}"
     facts["compute dtype"] = str(info.compute_dtype).replace("mlx.core.", "")
     return facts
 
 
+def routes_summary() -> str:
+    """How many shape classes this machine has measured routes for, and where they are kept."""
+    if not backend.INFO.on_cpu:
+        return f"not measured (device {backend.INFO.device}: MLX's own ops)"
+    rows = calibrate.measured()
+    kernels = sum(row["route"] in ("kernels", "block") for row in rows)
+    where = fastmath.route_table().path
+    if not rows:
+        return f"none measured yet ({where}; `mlxtoy doctor --calibrate` measures them)"
+    return f"{len(rows)} shape classes measured, {kernels} of them to the kernels ({where})"
+
+
+def _route_line(row: dict) -> str:
+    rates = ", ".join(f"{name} {'wrong values' if rate is None else rate}" for name, rate in row["gflops"].items())
+    return f"  {row['work']}: {row['route']} (GFLOP/s: {rates}; measured in {row['seconds']} s)"
+
+
 def run(args) -> int:
+    if args.calibrate and backend.INFO.on_cpu:
+        start = time.perf_counter()
+        for shapes in calibrate.REFERENCE_SHAPES:
+            calibrate.calibrate(shapes, batch=4, seq_len=256, training=True)  # a training step
+            calibrate.calibrate(shapes, batch=1, seq_len=256, training=False)  # a prompt
+        print(f"calibrated in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     facts = report()
+    facts["routes"] = routes_summary()
     if args.json:
-        print(json.dumps(facts, indent=2))
+        print(json.dumps(facts | ({"routes measured": calibrate.measured()} if args.calibrate else {}), indent=2))
     else:
         for key, value in facts.items():
             print(f"{key}: {value}")
+        if args.calibrate:
+            for row in calibrate.measured():
+                print(_route_line(row))
     return 0

@@ -31,7 +31,7 @@ def env_report() -> dict:
         "compute_dtype": str(info.compute_dtype).replace("mlx.core.", ""),
         "gemm_f32_gflops": round(backend.gemm_gflops(), 1),
         "cpu_kernels": fastmath.kernels_status(),
-    } | ({"kernel_gemm_f32_gflops": round(backend.gemm_gflops(matmul=fastmath.gemm), 1)} if fastmath.GEMM else {})
+    } | ({"kernel_gemm_f32_gflops": round(backend.gemm_gflops(matmul=info.kernels.gemm), 1)} if fastmath.gemm_on() else {})
 
 
 def run(args) -> int:

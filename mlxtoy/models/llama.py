@@ -28,7 +28,8 @@ import numpy as np
 from mlxtoy.config import ModelConfig
 from mlxtoy.models import fastmath
 from mlxtoy.models.cache import SlotCache
-from mlxtoy.models.fastmath import Linear, RMSNorm, attention, linear, linear_many, silu, swiglu
+from mlxtoy.models.attention import attention
+from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
 

@@ -109,7 +109,7 @@ def quantized_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.
                          group_size: int, bits: int) -> mx.array:
     """g (N, rows) @ W for the quantized W (rows, d_in), with no gradient of its own: the input
     gradient of `quantized_linear`, for a loss that computes it itself (the fused output loss)."""
-    if backend.INFO.device == "cpu":
+    if not backend.INFO.native_quantized_matmul:
         if quant_linear_ok(g):
             return quant_linear_input_grad(g, w, scales, biases, group_size, bits)
         return slab_input_grad(g, w, scales, biases, group_size, bits)
@@ -125,7 +125,7 @@ def quantized_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     """x @ W.T for the quantized W (rows, d_in): dequantized slabs and the float32 GEMM on CPU,
     `mx.quantized_matmul` elsewhere. `symmetric`: the biases are -2^(bits - 1) scales (Q4_0 /
     Q8_0 blocks), so the kernels' decoding GEMV need not read them."""
-    if backend.INFO.device == "cpu":
+    if not backend.INFO.native_quantized_matmul:
         if quant_linear_ok(x):
             return quant_linear(x, w, scales, biases, group_size, bits, symmetric)
         return slab_product(group_size, bits)(x, w, scales, biases)
@@ -324,7 +324,7 @@ def quantized_module(dense: nn.Module, packed: PackedMatrix, bias: mx.array | No
                                                 packed.group_size, packed.bits, packed.symmetric)
     if isinstance(dense, nn.Embedding):
         return QuantizedEmbedding.of(w, scales, biases, group_size, bits, dtype, sym)
-    if backend.INFO.device != "cpu" and scales.dtype != dtype:
+    if backend.INFO.native_quantized_matmul and scales.dtype != dtype:
         scales, biases = scales.astype(dtype), biases.astype(dtype)
     if isinstance(dense, HeadProjection):
         return QuantizedHeadProjection(w, scales, biases, dense.n_heads, dense.d_head, group_size, bits, bias, sym)

@@ -11,7 +11,7 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy.models.fastmath import (LOGITS_BY_COLUMNS, Linear, gemm, softmax_cross_entropy,
+from mlxtoy.models.fastmath import (Linear, gemm, logits_by_columns, softmax_cross_entropy,
                                     softmax_cross_entropy_columns)
 from mlxtoy.models.llama import LlamaModel, block_causal_mask
 from mlxtoy.models.quant import QUANTIZED_TYPES, quantized_input_grad, quantized_linear
@@ -30,7 +30,7 @@ def _chunk_spans(n_tokens: int, vocab: int, logits_per_chunk: int) -> list[tuple
     return [(i, min(size, n_tokens - i)) for i in range(0, n_tokens, size)]
 
 
-def _logits_per_chunk(by_columns: bool = LOGITS_BY_COLUMNS) -> int:
+def _logits_per_chunk(by_columns: bool) -> int:
     # ~12M logits per chunk by columns (48 MB in float32), ~4M by rows
     return 12 << 20 if by_columns else 1 << 22
 
@@ -40,7 +40,7 @@ def loss_logits_alive(n_tokens: int, vocab: int, weight_grad: bool, quantized: b
     their gradient, and with `weight_grad` every token's gradient (kept for the output
     weight's). `quantized`: the output layer is (its logits come by rows). For the memory
     estimate."""
-    spans = _chunk_spans(n_tokens, vocab, _logits_per_chunk(LOGITS_BY_COLUMNS and not quantized))
+    spans = _chunk_spans(n_tokens, vocab, _logits_per_chunk(logits_by_columns() and not quantized))
     chunk = spans[0][1] if spans else 0
     return 2 * chunk * vocab + (n_tokens * vocab if weight_grad else 0)
 
@@ -73,7 +73,7 @@ def _chunked_ce(h: mx.array, ws: tuple[mx.array, ...], quant: tuple[int, int] | 
     dhs: list[mx.array] = []
     dlogits: list[mx.array] = []
     grad = grads or keep_dlogits
-    by_columns = LOGITS_BY_COLUMNS and quant is None
+    by_columns = logits_by_columns() and quant is None
     w = ws[0]
     for i, n in _chunk_spans(h.shape[0], w.shape[0], _logits_per_chunk(by_columns)):
         previous = ces[-1:] + dhs[-1:]
@@ -107,7 +107,7 @@ def _output_ce(weight_grad: bool, quant: tuple[int, int] | None):
         ces, dhs, dlogits = _chunked_ce(h, ws, quant, targets, grads=True, keep_dlogits=weight_grad)
         out = [mx.concatenate(ces), mx.concatenate(dhs).astype(h.dtype)]
         if weight_grad:
-            out.append(mx.concatenate(dlogits, axis=1 if LOGITS_BY_COLUMNS else 0))
+            out.append(mx.concatenate(dlogits, axis=1 if logits_by_columns() else 0))
         return tuple(out)
 
     @output_ce.vjp
@@ -115,7 +115,7 @@ def _output_ce(weight_grad: bool, quant: tuple[int, int] | None):
         h, targets, *ws = primals
         c = cotangents[0][:, None]
         if weight_grad:
-            d = outputs[2] if LOGITS_BY_COLUMNS else outputs[2].T  # (V, N)
+            d = outputs[2] if logits_by_columns() else outputs[2].T  # (V, N)
             dws = [gemm(d, (h * c).astype(ws[0].dtype))]
         else:
             dws = [mx.zeros_like(w) for w in ws]
@@ -208,7 +208,7 @@ def completion_logps(model: nn.Module, inputs: mx.array, positions: mx.array, ta
         return logp.reshape(B, C), None
     hs, ws = mx.stop_gradient(flat_h), [mx.stop_gradient(w) for w in weights.arrays]
     parts: list[mx.array] = []
-    for i, n in _chunk_spans(B * C, weights.vocab, _logits_per_chunk(LOGITS_BY_COLUMNS and not weights.quant)):
+    for i, n in _chunk_spans(B * C, weights.vocab, _logits_per_chunk(logits_by_columns() and not weights.quant)):
         hc = mx.depends(hs[i:i + n], parts[-1:]) if parts else hs[i:i + n]  # one chunk's logits at a time
         logits = quantized_linear(hc, *ws, *weights.quant) if weights.quant else gemm(hc, ws[0], trans_b=True)
         parts.append(_entropy(logits))

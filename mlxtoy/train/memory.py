@@ -40,7 +40,8 @@ from mlxtoy import backend, settings
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.loading import planned_model, source_size
-from mlxtoy.models.fastmath import BLOCK_ATTENTION, KERNELS
+from mlxtoy.models.attention import attention_route
+from mlxtoy.models.fastmath import kernels_on
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
 from mlxtoy.train.build import load_dtype, make_trainable, train_dtype
 from mlxtoy.train.objectives import loss_logits_alive, make_objective, output_layer
@@ -48,14 +49,10 @@ from mlxtoy.train.step import block_matrix
 
 GB = 1e9
 # calibration, measured on the compiled step (CPU, float32; see the module docstring)
-# (B, H, T, T) arrays a block keeps: none with the kernels' block attention (it keeps two
-# floats a row and computes the probabilities again), else the softmax, and without the CPU
-# kernels the masked scores too
-ATTN_COPIES = 0 if BLOCK_ATTENTION else 1 if KERNELS else 2
 BLOCKS_TRANSIENT = 1.5  # beyond the kept activations: the block being differentiated
 # a recomputed block, its backward and its temporaries (fitted to measured peaks, with and
 # without the CPU kernels: their blocks keep less, so one block is a smaller unit)
-BLOCKS_TRANSIENT_CHECKPOINTED = 4.2 if KERNELS else 2.75
+BLOCKS_TRANSIENT_CHECKPOINTED = {True: 4.2, False: 2.75}  # by whether the kernels are on
 UPDATE_STATE_SHARE = 0.075  # the optimizer update's temporaries, as a share of its state
 CPU_QLORA_SHARE = 0.6  # --qlora auto on CPU: quantize when float32 weights would take more
 REFUSE_FACTOR = 2.0  # beyond this many times the machine's memory a run is refused outright
@@ -147,14 +144,30 @@ def _dense_trains(module: nn.Module | None) -> bool:
     return module is not None and "weight" in module.trainable_parameters()
 
 
-def block_elements(layer: nn.Module, cfg_model, T: int) -> int:
-    """Elements one block keeps per token for the backward pass (T: the row length)."""
+def block_attention(rows: int, cfg_model, T: int) -> bool:
+    """Whether a step's attention takes the kernels' block form (`attention.attention_route`)."""
+    m = cfg_model
+    return attention_route(rows, m.n_heads, m.n_kv_heads, T, T, m.d_head, training=True) == "block"
+
+
+def attention_copies(rows: int, cfg_model, T: int) -> int:
+    """(B, H, T, T) arrays a block keeps: none with the kernels' block attention (it keeps two
+    floats a row and computes the probabilities again), else the softmax, and without the CPU
+    kernels the masked scores too."""
+    return 0 if block_attention(rows, cfg_model, T) else 1 if kernels_on() else 2
+
+
+def block_elements(layer: nn.Module, cfg_model, T: int, rows: int = 1) -> int:
+    """Elements one block keeps per token for the backward pass (T: the row length, `rows`
+    of them a micro-batch)."""
     m = cfg_model
     d, q_w, kv_w = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head
     ffn = _child(layer, "ffn")
     gated = ffn is not None and "gate" in ffn
     # a gated FFN keeps gate and up outputs, and without the fused SwiGLU kernel act(gate) too
-    n = 2 * d + q_w + 2 * kv_w + ATTN_COPIES * m.n_heads * T + (3 if gated and not KERNELS else 2) * m.d_ff
+    kernels = kernels_on()
+    n = (2 * d + q_w + 2 * kv_w + attention_copies(rows, m, T) * m.n_heads * T
+         + (3 if gated and not kernels else 2) * m.d_ff)
     if any(_trains(_child(layer, f"attn.{p}")) for p in ("q", "k", "v")):
         n += d  # the normed input, for the q/k/v weights' (or adapters') gradients
     if _trains(_child(layer, "attn.o")):
@@ -174,7 +187,7 @@ def checkpointed_elements(layer: nn.Module, cfg_model) -> int:
     them; with the kernels the measured peaks show no such wait)."""
     m = cfg_model
     d, q_w, kv_w = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head
-    if KERNELS:
+    if kernels_on():
         return 2 * d
     widths = {"attn.q": (d, q_w), "attn.k": (d, kv_w), "attn.v": (d, kv_w), "attn.o": (q_w, d),
               "ffn.gate": (d, m.d_ff), "ffn.up": (d, m.d_ff), "ffn.down": (m.d_ff, d)}
@@ -224,14 +237,14 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
     rows, T = objective.memory_rows(cfg.batch_size, cfg.seq_len)
     tokens = rows * T
     first = first_trained_block(model)
-    per_block = [block_elements(layer, m, T) * tokens * item for layer in model.layers[first:]]
+    per_block = [block_elements(layer, m, T, rows) * tokens * item for layer in model.layers[first:]]
     widest = max(per_block, default=0)
     if cfg.grad_checkpoint:
         kept = sum(checkpointed_elements(layer, m) for layer in model.layers[first:]) * tokens * item
-        acts = kept + int(BLOCKS_TRANSIENT_CHECKPOINTED * widest)
+        acts = kept + int(BLOCKS_TRANSIENT_CHECKPOINTED[kernels_on()] * widest)
     else:
         acts = sum(per_block) + int(BLOCKS_TRANSIENT * widest)
-    if BLOCK_ATTENTION and per_block:  # the block attention's backward: p and ds of one layer, float32
+    if per_block and block_attention(rows, m, T):  # the block attention's backward: p and ds of one layer, float32
         acts += 2 * rows * m.n_heads * T * T * 4
     # the loss: with the CPU kernels fused with the output projection (a chunk of tokens'
     # logits and float32 gradient at a time, every token's gradient when the output weight
@@ -239,7 +252,7 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
     # and exponentials, then their gradient; a reference forward inside the loss (DPO with
     # adapters) adds its logits
     output = output_layer(model)
-    if output is not None and KERNELS:
+    if output is not None and kernels_on():
         trained = "weight" in output.trainable_parameters()
         logits = loss_logits_alive(tokens, m.vocab_size, trained, isinstance(output, QUANTIZED_TYPES)) * 4
     else:
@@ -315,7 +328,7 @@ def qlora_plan(cfg: TrainConfig) -> QuantPlan | None:
     if cfg.qlora == "on":
         return plan
     params, quantized = source_size(cfg.model)
-    if backend.INFO.device != "cpu":
+    if backend.INFO.native_quantized_matmul:
         return plan if quantized else None
     available, _ = machine_memory()
     return plan if available and params * 4 > CPU_QLORA_SHARE * available else None
@@ -393,7 +406,7 @@ def set_memory_limits(check: MemoryCheck) -> str | None:
     """On Metal: wire the recommended working set (the weights stay resident) and let MLX's
     buffer cache hold what the step leaves free of it. Elsewhere nothing is changed. Returns
     what was set, for the log."""
-    if backend.INFO.device != "metal" or not check.available:
+    if not backend.INFO.wired_memory or not check.available:
         return None
     info = _device_info()
     wired = int(info.get("max_recommended_working_set_size") or check.available)

@@ -1,0 +1,173 @@
+"""Which implementation runs each kind of CPU work on this machine, chosen by timing them here.
+
+A float32 product of many rows can run on the kernels' AVX-512 GEMM or on the loaded BLAS (MKL,
+OpenBLAS: MLX's matmul); attention over many positions on the kernels' block attention or on
+MLX's GEMMs around the kernels' softmax. Which is faster depends on the CPU (full-width AVX-512,
+AVX-512 run as two halves, Intel's cores with MKL), the BLAS, the shapes and the cores: no rule
+about a CPU family predicts it. So the first time a shape class is met (or in `mlxtoy doctor
+--calibrate`) each candidate route runs on it here: the routes whose values disagree with the
+reference route's are set aside, the others are timed, and the fastest is used from then on.
+The choice is kept in the cache, keyed by what it depends on (CPU model, cores, mlxtoy, MLX,
+the BLAS and the kernels' build); a cache made under another key, or unreadable, is ignored.
+
+No MLX import: the candidates are callables handed in by the code that owns them (fastmath).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from mlxtoy import fsutil
+
+ROUTES_FILE = "routes.json"  # in the cache folder (registry.cache_dir)
+# A route must beat the reference route by this much to be taken over it: timings on a busy
+# machine swing by a few percent, and the reference (the BLAS, MLX's own op) is the safe choice.
+MARGIN = 0.03
+# What a candidate's values may differ from the reference route's, relative to their largest
+# magnitude: float32 sums in another order differ by ~1e-6 relative; a wrong result by far more.
+PARITY_RTOL = 1e-4
+
+Outputs = Sequence[np.ndarray]
+Candidate = Callable[[], Outputs]  # runs the work once (evaluated), returns its values
+
+
+@dataclass
+class Choice:
+    """What was measured for one shape class: the route taken, each candidate's rate in GFLOP/s
+    (None where its values disagreed with the reference's), and what measuring cost."""
+
+    route: str
+    gflops: dict[str, float | None]
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {"route": self.route, "gflops": self.gflops, "seconds": round(self.seconds, 4)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Choice":
+        gflops = {str(k): (None if v is None else float(v)) for k, v in d["gflops"].items()}
+        route = str(d["route"])
+        if route not in gflops or gflops[route] is None:
+            raise ValueError(f"route {route!r} has no measured rate")
+        return Choice(route, gflops, float(d["seconds"]))
+
+
+def timed(run: Callable[[], Outputs]) -> tuple[Outputs, float]:
+    start = time.perf_counter()
+    values = run()
+    return values, time.perf_counter() - start
+
+
+def second_look(name: str, run: Callable[[], Outputs], first: float, best: float) -> float:
+    """A route's time: the faster of its first run (which also gave its values) and a second
+    one. The first alone is no measure: it pays for its buffers' first page faults and for
+    waking the threads, several times a run's own time on a large problem."""
+    return min(first, timed(run)[1])
+
+
+def agrees(values: Outputs, reference: Outputs, rtol: float = PARITY_RTOL) -> bool:
+    """Whether every output matches the reference's within rtol of the reference's largest
+    magnitude (and has its shape, and no NaN where the reference has none)."""
+    if len(values) != len(reference):
+        return False
+    for v, r in zip(values, reference):
+        v, r = np.asarray(v, dtype=np.float64), np.asarray(r, dtype=np.float64)
+        if v.shape != r.shape:
+            return False
+        scale = max(float(np.max(np.abs(r))) if r.size else 0.0, 1e-30)
+        if not np.all(np.isfinite(v) == np.isfinite(r)):
+            return False
+        finite = np.isfinite(r)
+        if np.any(np.abs(v[finite] - r[finite]) > rtol * scale):
+            return False
+    return True
+
+
+@dataclass
+class RouteTable:
+    """The measured choices of this machine, by kind of work and shape class, and where they
+    are kept. `time_route(name, run, first, best)` times one candidate, given its first run's
+    time and the best so far (tests inject timings through it);
+    `log` hears one line per measurement (its cost included)."""
+
+    path: str | None
+    fingerprint: dict[str, str]
+    time_route: Callable[[str, Callable[[], Outputs], float, float], float] = second_look
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
+    choices: dict[str, Choice] = field(default_factory=dict)
+    measuring_seconds: float = 0.0  # what this process spent measuring
+
+    @staticmethod
+    def key(kind: str, shape: Sequence[int | str]) -> str:
+        return kind + ":" + "x".join(str(s) for s in shape)
+
+    def load(self) -> str | None:
+        """Read the kept choices; None where they were read, else why none were (no file, another
+        machine or version: a stale key, an unreadable file). Never raises."""
+        if not self.path or not os.path.exists(self.path):
+            return "no measurements kept yet"
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+            if data.get("fingerprint") != self.fingerprint:
+                return "measured under another CPU, thread count or version: measuring again"
+            self.choices = {k: Choice.from_dict(v) for k, v in data["choices"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            self.choices = {}
+            return f"{self.path} is unreadable ({type(e).__name__}): measuring again"
+        return None
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        data = {"fingerprint": self.fingerprint, "choices": {k: c.to_dict() for k, c in sorted(self.choices.items())}}
+        try:
+            fsutil.write_text_atomic(self.path, json.dumps(data, indent=1) + "\n")
+        except OSError as e:  # a read-only cache costs a measurement per process, nothing more
+            self.log(f"warning: could not keep the measured routes in {self.path} ({e})")
+
+    def chosen(self, kind: str, shape: Sequence[int | str]) -> Choice | None:
+        return self.choices.get(self.key(kind, shape))
+
+    def choose(self, kind: str, shape: Sequence[int | str], candidates: dict[str, Candidate], flops: float,
+               what: str) -> str:
+        """The route for this shape class: the kept choice, else measured now. The first
+        candidate is the reference: the others must give its values (`agrees`) to be timed,
+        and beat it by MARGIN to be taken."""
+        kept = self.chosen(kind, shape)
+        if kept is not None and kept.route in candidates:
+            return kept.route
+        names = list(candidates)
+        start = time.perf_counter()
+        rates: dict[str, float | None] = {}
+        reference: Outputs = []
+        best = float("inf")
+        for name in names:
+            values, first = timed(candidates[name])
+            if name == names[0]:
+                reference = values
+            elif not agrees(values, reference):
+                rates[name] = None
+                continue
+            seconds = max(self.time_route(name, candidates[name], first, best), 1e-12)
+            best = min(best, seconds)
+            rates[name] = flops / seconds / 1e9
+        best = names[0]
+        for name in names[1:]:
+            if rates[name] is not None and rates[name] > rates[best] * (1 + MARGIN):
+                best = name
+        spent = time.perf_counter() - start
+        self.measuring_seconds += spent
+        choice = Choice(best, rates, spent)
+        self.choices[self.key(kind, shape)] = choice
+        self.save()
+        shown = ", ".join(f"{n} {'wrong values' if r is None else f'{r:.0f}'}" for n, r in rates.items())
+        self.log(f"routes: {what}: {best} (GFLOP/s: {shown}; measured in {spent:.2f} s)")
+        return best

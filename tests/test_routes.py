@@ -1,0 +1,282 @@
+"""Which route runs each product and attention on this machine (mlxtoy.routes): chosen by
+measuring, tested here with timings injected so that no test depends on this machine's speed.
+
+- the table takes the faster route, and the reference route unless another beats it by MARGIN;
+- it measures again when the kept choices are corrupt or were made on another CPU / MLX;
+- a route whose values disagree with the reference's is never taken, however fast;
+- each route of the attention and of a product gives numpy float64's values, forward and
+  gradients; MLXTOY_GEMM / MLXTOY_BLOCK_ATTENTION override the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+import mlx.core as mx
+
+from mlxtoy import backend, routes
+from mlxtoy.models import attention, calibrate, fastmath
+
+pytestmark = pytest.mark.core
+
+FINGERPRINT = {"cpu": "a test CPU", "mlx": "0.0"}
+
+
+def fake_timer(seconds: dict[str, float], calls: list[str] | None = None):
+    def time_route(name: str, run, first: float, best: float) -> float:
+        if calls is not None:
+            calls.append(name)
+        return seconds[name]
+    return time_route
+
+
+def constant(value: float, shape=(3, 4)):
+    """A candidate returning this value (evaluated), and counting its runs."""
+    def run():
+        run.runs += 1
+        return [mx.full(shape, value)]
+    run.runs = 0
+    return run
+
+
+def table(tmp_path, seconds: dict[str, float], lines: list[str] | None = None, fingerprint=FINGERPRINT) -> routes.RouteTable:
+    t = routes.RouteTable(str(tmp_path / "routes.json"), dict(fingerprint), fake_timer(seconds),
+                          log=(lines.append if lines is not None else lambda line: None))
+    t.load()
+    return t
+
+
+def test_the_faster_route_is_taken_and_kept(tmp_path):
+    lines: list[str] = []
+    t = table(tmp_path, {"blas": 2.0, "kernels": 1.0}, lines)
+    cands = {"blas": constant(1.0), "kernels": constant(1.0)}
+    assert t.choose("gemm", ("nt", 256, 64, 64), cands, 1e9, "a product") == "kernels"
+    assert t.chosen("gemm", ("nt", 256, 64, 64)).gflops == {"blas": 0.5, "kernels": 1.0}
+    assert len(lines) == 1 and "kernels" in lines[0] and "measured in" in lines[0]  # its cost, logged
+    # the other way round: the reference route
+    t2 = table(tmp_path / "b", {"blas": 1.0, "kernels": 2.0})
+    assert t2.choose("gemm", ("nt", 256, 64, 64), {"blas": constant(1.0), "kernels": constant(1.0)}, 1e9, "") == "blas"
+    # kept: a new table on the same file does not measure again
+    runs = {"blas": constant(1.0), "kernels": constant(1.0)}
+    t3 = table(tmp_path, {"blas": 0.1, "kernels": 9.0})
+    assert t3.choose("gemm", ("nt", 256, 64, 64), runs, 1e9, "") == "kernels"
+    assert runs["blas"].runs == runs["kernels"].runs == 0
+
+
+def test_the_reference_keeps_its_place_within_the_margin(tmp_path):
+    near = 1.0 / (1 + routes.MARGIN / 2)  # faster, but by less than the margin
+    t = table(tmp_path, {"blas": 1.0, "kernels": near})
+    assert t.choose("gemm", ("nt", 64, 8, 8), {"blas": constant(1.0), "kernels": constant(1.0)}, 1e9, "") == "blas"
+    t = table(tmp_path / "b", {"blas": 1.0, "kernels": 0.5})  # control: well past it
+    assert t.choose("gemm", ("nt", 64, 8, 8), {"blas": constant(1.0), "kernels": constant(1.0)}, 1e9, "") == "kernels"
+
+
+def test_a_route_with_wrong_values_is_never_taken(tmp_path):
+    lines: list[str] = []
+    t = table(tmp_path, {"blas": 1.0, "kernels": 0.01}, lines)
+    choice = t.choose("gemm", ("nt", 64, 8, 8), {"blas": constant(1.0), "kernels": constant(1.001)}, 1e9, "")
+    assert choice == "blas" and t.chosen("gemm", ("nt", 64, 8, 8)).gflops["kernels"] is None
+    assert "wrong values" in lines[0]
+    # positive control: the same timings with the right values take it
+    t = table(tmp_path / "b", {"blas": 1.0, "kernels": 0.01})
+    assert t.choose("gemm", ("nt", 64, 8, 8), {"blas": constant(1.0), "kernels": constant(1.0 + 1e-7)}, 1e9, "") == "kernels"
+    # NaN where the reference has a number, or another shape, disagree too
+    assert not routes.agrees([np.array([1.0, np.nan])], [np.array([1.0, 2.0])])
+    assert not routes.agrees([np.ones((2, 3))], [np.ones((3, 2))])
+
+
+@pytest.mark.parametrize("damage", ["garbage", "another CPU", "another MLX", "a route without a rate"])
+def test_corrupt_or_stale_choices_are_measured_again(tmp_path, damage):
+    t = table(tmp_path, {"blas": 2.0, "kernels": 1.0})
+    t.choose("gemm", ("nt", 64, 8, 8), {"blas": constant(1.0), "kernels": constant(1.0)}, 1e9, "")
+    path = tmp_path / "routes.json"
+    data = json.loads(path.read_text())
+    fingerprint = dict(FINGERPRINT)
+    if damage == "garbage":
+        path.write_text("{not json")
+    elif damage == "another CPU":
+        data["fingerprint"]["cpu"] = "another CPU"
+        path.write_text(json.dumps(data))
+    elif damage == "another MLX":
+        fingerprint["mlx"] = "9.9"
+    else:
+        data["choices"]["gemm:ntx64x8x8"]["gflops"]["kernels"] = None
+        path.write_text(json.dumps(data))
+    fresh = routes.RouteTable(str(path), fingerprint, fake_timer({"blas": 1.0, "kernels": 2.0}), log=lambda line: None)
+    why = fresh.load()
+    assert why is not None and fresh.chosen("gemm", ("nt", 64, 8, 8)) is None
+    cands = {"blas": constant(1.0), "kernels": constant(1.0)}
+    assert fresh.choose("gemm", ("nt", 64, 8, 8), cands, 1e9, "") == "blas"  # measured again
+    assert cands["kernels"].runs > 0
+    # and the file is whole again, under this fingerprint
+    assert json.loads(path.read_text())["fingerprint"] == fingerprint
+
+
+def test_an_unwritable_cache_costs_a_measurement_not_the_run(tmp_path):
+    lines: list[str] = []
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    t = routes.RouteTable(str(blocker / "routes.json"), FINGERPRINT, fake_timer({"blas": 1.0}), log=lines.append)
+    assert t.load() is not None
+    assert t.choose("gemm", ("nt", 64, 8, 8), {"blas": constant(1.0)}, 1e9, "") == "blas"
+    assert any("could not keep" in line for line in lines)
+
+
+@pytest.fixture
+def routed(tmp_path, monkeypatch):
+    """A fresh route table with the given timings (per route name) for the rest of the test."""
+    def use(seconds: dict[str, float], calls: list[str] | None = None) -> routes.RouteTable:
+        t = routes.RouteTable(str(tmp_path / "routes.json"), FINGERPRINT, fake_timer(seconds, calls), log=lambda line: None)
+        before = fastmath.use_route_table(t)
+        monkeypatch.setattr(fastmath, "ROUTED_MACS", 1)  # measure even these small shapes
+        monkeypatch.setattr(attention, "ROUTED_WORK", 1)
+        return before
+    yield use
+    fastmath.use_route_table(None)
+
+
+def _attention_problem(B=2, H=4, KV=2, T=24, D=16, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (rng.standard_normal(s) for s in ((B, H, T, D), (B, KV, T, D), (B, KV, T, D), (B, H, T, D)))
+    return q, k, v, g
+
+
+def _attention_reference(q, k, v, g, scale):
+    """Causal attention and its gradients in float64 numpy (grouped heads share their KV head)."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    kk, vv = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = scale * q @ kk.swapaxes(-1, -2)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = p @ vv
+    dp = g @ vv.swapaxes(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    dq = scale * ds @ kk
+    dk = (scale * ds.swapaxes(-1, -2) @ q).reshape(B, k.shape[1], G, T, D).sum(2)
+    dv = (p.swapaxes(-1, -2) @ g).reshape(B, k.shape[1], G, T, D).sum(2)
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize("route", ["fast", "grouped", "block"])
+def test_every_attention_route_gives_float64_values_and_gradients(routed, route):
+    if route == "block" and not attention.block_attention_on():
+        pytest.skip("the kernels' block attention does not run here")
+    others = {"fast": 1.0, "grouped": 1.0, "block": 1.0}
+    routed(others | {route: 0.1})  # this route measures fastest
+    q, k, v, g = _attention_problem()
+    scale = 0.25
+    arrays = [mx.array(a.astype(np.float32)) for a in (q, k, v, g)]
+    assert attention.attention_route(2, 4, 2, 24, 24, 16, training=True) == route  # positive control
+    out = attention.attention(*arrays[:3], scale, "causal")
+    grads = mx.grad(lambda q, k, v: (attention.attention(q, k, v, scale, "causal") * arrays[3]).sum(),
+                    argnums=(0, 1, 2))(*arrays[:3])
+    want = _attention_reference(q, k, v, g, scale)
+    for got, ref in zip([out, *grads], want):
+        np.testing.assert_allclose(np.array(got), ref, rtol=0, atol=2e-5)
+
+
+def test_the_attention_switch_overrides_the_measurement(routed, monkeypatch):
+    if not attention.block_attention_on():
+        pytest.skip("the kernels' block attention does not run here")
+    routed({"fast": 1.0, "grouped": 0.1, "block": 1.0})
+    assert attention.attention_route(2, 4, 2, 24, 24, 16, training=True) == "grouped"  # measured
+    monkeypatch.setenv("MLXTOY_BLOCK_ATTENTION", "1")
+    assert attention.attention_route(2, 4, 2, 24, 24, 16, training=True) == "block"
+    monkeypatch.setenv("MLXTOY_BLOCK_ATTENTION", "0")
+    assert not attention.block_attention_on()
+    assert attention.attention_route(2, 4, 2, 24, 24, 16, training=False) in ("fast", "grouped")
+
+
+needs_gemm = pytest.mark.skipif(not fastmath.gemm_on(), reason="the kernels' AVX-512 GEMM does not run here")
+
+
+def _graph(y: mx.array) -> str:
+    import io
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, y)
+    return buf.getvalue()
+
+
+@needs_gemm
+@pytest.mark.parametrize("faster", ["blas", "kernels"])
+def test_every_product_route_gives_float64_values_and_input_gradient(routed, faster):
+    routed({"blas": 1.0, "kernels": 1.0} | {faster: 0.1})
+    r = np.random.default_rng(5)
+    x = r.standard_normal((2, 40, 64))
+    w = r.standard_normal((96, 64)) / 8
+    g = r.standard_normal((2, 40, 96))
+    xa, wa, ga = (mx.array(a.astype(np.float32)) for a in (x, w, g))
+    y = fastmath.linear(xa, wa)
+    assert ("MlxtoyKernel" in _graph(y)) == (faster == "kernels")  # positive control: the route ran
+    np.testing.assert_allclose(np.array(y), x @ w.T, rtol=0, atol=2e-5)
+    dx, dw = mx.grad(lambda x, w: (fastmath.linear(x, w) * ga).sum(), argnums=(0, 1))(xa, wa)
+    np.testing.assert_allclose(np.array(dx), g @ w, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.array(dw), g.reshape(-1, 96).T @ x.reshape(-1, 64), rtol=0, atol=1e-4)
+
+
+@needs_gemm
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_the_gemm_switch_ignores_the_measurement(routed, monkeypatch, switch):
+    calls: list[str] = []
+    routed({"blas": 0.1, "kernels": 1.0} if switch == "1" else {"blas": 1.0, "kernels": 0.1}, calls)
+    monkeypatch.setenv("MLXTOY_GEMM", switch)
+    x = mx.ones((40, 64))
+    w = mx.ones((96, 64))
+    assert ("MlxtoyKernel" in _graph(fastmath.linear(x, w))) == (switch == "1")
+    assert calls == []  # nothing was measured
+
+
+def test_calibration_measures_a_models_shapes_and_doctor_shows_them(routed, capsys):
+    routed({"blas": 1.0, "kernels": 1.0, "fast": 1.0, "grouped": 0.5, "block": 1.0})
+    shapes = calibrate.BlockShapes("tiny", 64, 128, 4, 2, 16)
+    calibrate.calibrate(shapes, batch=2, seq_len=24, training=True)
+    rows = calibrate.measured()
+    products = [row for row in rows if row["work"].startswith("gemm:")]
+    assert len(products) == (10 if fastmath.gemm_on() else 0)  # five matrices, forward and input gradient
+    att = [row for row in rows if row["work"].startswith("attention:")]
+    assert len(att) == 1 and att[0]["route"] == "grouped"
+    assert all(row["seconds"] >= 0 for row in rows)
+
+
+def test_a_device_flip_after_import_reaches_every_module(monkeypatch):
+    """--device picks the GPU after import (here a GPU MLX says it has, while MLX computes on
+    the CPU), then the CPU again: fastmath, attention, quant and memory follow the one object."""
+    from mlxtoy.models.quant import QuantPlan, quantize_dense, quantized_module
+    from mlxtoy.train import memory
+
+    monkeypatch.setattr(backend, "gpu_name", lambda: "cuda")
+    monkeypatch.setattr(mx, "set_default_device", lambda device: None)
+    monkeypatch.setattr(memory, "source_size", lambda model: (1000, True))
+    qmm = []
+    real_qmm = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **kw: qmm.append(1) or real_qmm(*a, **kw))
+    from mlxtoy.config import TrainConfig
+
+    cfg = TrainConfig(model="x.gguf", method="lora", qlora="auto")
+    packed, _ = quantize_dense(mx.array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)), QuantPlan())
+    layer = quantized_module(fastmath.Linear(64, 64, bias=False), packed)
+    x = mx.ones((1, 8, 64))
+    kernels_before = fastmath.kernels_on()
+    try:
+        backend.use_device("gpu")
+        assert backend.INFO.device == "cuda" and not fastmath.kernels_on()
+        assert attention.attention_route(1, 4, 2, 64, 64, 16, training=True) == "fast"
+        assert memory.qlora_plan(cfg) is not None  # a quantized file stays quantized on a GPU
+        assert not backend.INFO.compiled_decode
+        mx.eval(layer(x))
+        assert qmm, "on the GPU a quantized base multiplies through mx.quantized_matmul"
+        backend.use_device("cpu")
+        qmm.clear()
+        assert backend.INFO.device == "cpu" and fastmath.kernels_on() == kernels_before
+        assert backend.INFO.compiled_decode and backend.INFO.compute_dtype == mx.float32
+        mx.eval(layer(x))
+        assert not qmm  # control: the CPU dequantizes slabs into the float32 GEMM
+    finally:
+        backend.use_device("cpu")
