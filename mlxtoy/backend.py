@@ -13,6 +13,7 @@ import functools
 import glob
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import sys
@@ -22,6 +23,7 @@ from types import ModuleType
 
 from mlxtoy import settings
 from mlxtoy.errors import UserError
+from mlxtoy.io.registry import cache_dir
 
 _BLAS_NAME: str | None = None
 _BLAS_PATH: str | None = None
@@ -79,15 +81,9 @@ def _package_dir(name: str) -> str | None:
     return list(spec.submodule_search_locations)[0]
 
 
-def blas_candidates(vendor: str, flags: set[str]) -> list[tuple[str, str]]:
-    """Optimized BLAS libraries we know how to load, best first for a CPU of this vendor and
-    these flags (`cpu_features()`), as (name, path); name "openblas+prefix" is PyPI's OpenBLAS,
-    reached through libmlxtoy_blas. MLXTOY_BLAS=mkl|openblas|none|<path> chooses instead."""
-    override = settings.BLAS.value()
-    if override.lower() in ("none", "off", "0"):
-        return []
-    if override and override.lower() not in ("mkl", "openblas"):
-        return [("custom", override)]
+def blas_libraries() -> dict[str, list[tuple[str, str]]]:
+    """The optimized BLAS libraries found here, by kind ("mkl", "openblas", "blis"), as (name,
+    path); name "openblas+prefix" is PyPI's OpenBLAS, reached through libmlxtoy_blas."""
     mkl: list[tuple[str, str]] = []
     for prefix in {sys.prefix, sys.base_prefix, os.path.join(os.path.expanduser("~"), ".local")}:
         # PyPI `mkl` drops libmkl_rt into <prefix>/lib.
@@ -96,19 +92,62 @@ def blas_candidates(vendor: str, flags: set[str]) -> list[tuple[str, str]]:
     pypi = _package_dir("scipy_openblas32")
     if pypi:
         openblas += [("openblas+prefix", path) for path in sorted(glob.glob(os.path.join(pypi, "lib", "libscipy_openblas*.so")))]
-    others: list[tuple[str, str]] = []
+    blis: list[tuple[str, str]] = []
     for d in ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"]:
         for pattern in ("openblas-pthread/libopenblas.so.0", "libopenblas.so.0", "libopenblasp*.so*"):
             openblas += [("openblas", path) for path in sorted(glob.glob(os.path.join(d, pattern)))]
-        others += [("blis", path) for path in sorted(glob.glob(os.path.join(d, "libblis.so.4")))]
+        blis += [("blis", path) for path in sorted(glob.glob(os.path.join(d, "libblis.so.4")))]
+    return {"mkl": mkl, "openblas": openblas, "blis": blis}
+
+
+def blas_paths() -> dict[str, str]:
+    """The first library found of each optimized BLAS kind (what `doctor --calibrate` times)."""
+    return {kind: found[0][1] for kind, found in blas_libraries().items() if found and kind != "blis"}
+
+
+def blas_candidates(vendor: str, flags: set[str]) -> list[tuple[str, str]]:
+    """Optimized BLAS libraries we know how to load, best first for this machine: the one
+    `doctor --calibrate` measured fastest here, else a guess from the CPU's vendor and flags
+    (`cpu_features()`). MLXTOY_BLAS=mkl|openblas|none|<path> chooses instead."""
+    override = settings.BLAS.value()
+    if override.lower() in ("none", "off", "0"):
+        return []
+    if override and override.lower() not in ("mkl", "openblas"):
+        return [("custom", override)]
+    found = blas_libraries()
     if override:
-        return mkl if override.lower() == "mkl" else openblas
-    # MKL runs its generic AVX2 code on CPUs that are not Intel's: on an AVX-512 AMD core (Zen 4/5)
-    # OpenBLAS's GEMM is faster (README, Benchmarks). Elsewhere MKL first: the kernels then share
-    # its OpenMP threads.
+        return found[override.lower()]
+    measured = measured_blas(blas_paths())
+    if measured:  # `doctor --calibrate` timed each here
+        return found[measured] + [c for kind, paths in found.items() if kind != measured for c in paths]
+    # Unmeasured: MKL runs its generic AVX2 code on CPUs that are not Intel's, and on an AVX-512
+    # AMD core (Zen 4/5) OpenBLAS's GEMM was faster; elsewhere MKL first (the kernels then share
+    # its OpenMP threads). `doctor --calibrate` replaces this guess with a measurement.
     if vendor == "AuthenticAMD" and "avx512f" in flags:
-        return openblas + mkl + others
-    return mkl + openblas + others
+        return found["openblas"] + found["mkl"] + found["blis"]
+    return found["mkl"] + found["openblas"] + found["blis"]
+
+
+BLAS_FILE = "blas.json"  # in the cache folder: the BLAS `doctor --calibrate` measured fastest here
+
+
+def blas_fingerprint(libraries: dict[str, str]) -> dict:
+    """What a measured BLAS choice depends on: the CPU, the cores, and the libraries timed."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu_model(), "cores": cores, "libraries": dict(sorted(libraries.items()))}
+
+
+def measured_blas(libraries: dict[str, str]) -> str | None:
+    """The BLAS (mkl, openblas) `doctor --calibrate` measured fastest on this machine among these
+    same libraries; None where it has not (or the file is unreadable: never an error)."""
+    try:
+        with open(cache_dir() / BLAS_FILE, encoding="utf-8") as f:
+            data = json.load(f)
+        if data["fingerprint"] == blas_fingerprint(libraries) and data["fastest"] in libraries:
+            return str(data["fastest"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def _load_prefixed(path: str) -> bool:

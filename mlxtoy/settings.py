@@ -71,8 +71,8 @@ KERNELS = Switch("MLXTOY_KERNELS", bool, True, "0: the MLX-only path (the one Me
 MALLOC = Switch("MLXTOY_MALLOC", str, "", "Linux: `system` keeps glibc's malloc defaults (by default "
                 "freed memory is kept for the next step, so a process holds its peak)",
                 choices=("system",))
-CACHE = Switch("MLXTOY_CACHE", str, "", "where built-in models are unpacked (default: "
-               "$XDG_CACHE_HOME/mlxtoy or ~/.cache/mlxtoy)")
+CACHE = Switch("MLXTOY_CACHE", str, "", "where built-in models are unpacked and this machine's "
+               "measured routes are kept (default: $XDG_CACHE_HOME/mlxtoy or ~/.cache/mlxtoy)")
 MEMORY_GB = Switch("MLXTOY_MEMORY_GB", float, None, "the memory a training step may use, in GB, for "
                    "the memory check (default: Metal's working set, the GPU's memory, or the RAM)")
 KERNEL_THREADS = Switch("MLXTOY_KERNEL_THREADS", int, None, "threads of the CPU kernels (default: "

@@ -280,3 +280,38 @@ def test_a_device_flip_after_import_reaches_every_module(monkeypatch):
         assert not qmm  # control: the CPU dequantizes slabs into the float32 GEMM
     finally:
         backend.use_device("cpu")
+
+
+def test_the_blas_measured_fastest_loads_first_and_a_stale_or_broken_measurement_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXTOY_CACHE", str(tmp_path))
+    monkeypatch.delenv("MLXTOY_BLAS", raising=False)
+    libraries = {"mkl": "/lib/libmkl_rt.so.2", "openblas": "/lib/libopenblas.so.0"}
+    monkeypatch.setattr(backend, "blas_libraries", lambda: {"mkl": [("mkl", libraries["mkl"])],
+                                                            "openblas": [("openblas", libraries["openblas"])], "blis": []})
+    intel, zen5 = ("GenuineIntel", {"avx512f"}), ("AuthenticAMD", {"avx512f"})
+    first = lambda cpu: backend.blas_candidates(*cpu)[0][0]
+    assert (first(intel), first(zen5)) == ("mkl", "openblas")  # unmeasured: the guess (the control)
+    path = tmp_path / backend.BLAS_FILE
+    for fastest in ("openblas", "mkl"):
+        path.write_text(json.dumps({"fingerprint": backend.blas_fingerprint(libraries), "fastest": fastest}))
+        assert first(intel) == first(zen5) == fastest
+    stale = dict(backend.blas_fingerprint(libraries), cpu="another CPU")
+    for text in ("{broken", json.dumps({"fingerprint": stale, "fastest": "openblas"}),
+                 json.dumps({"fingerprint": backend.blas_fingerprint(libraries), "fastest": "blis"})):
+        path.write_text(text)
+        assert backend.measured_blas(libraries) is None and first(intel) == "mkl"
+    monkeypatch.setenv("MLXTOY_BLAS", "mkl")  # the switch wins over the measurement
+    path.write_text(json.dumps({"fingerprint": backend.blas_fingerprint(libraries), "fastest": "openblas"}))
+    assert first(zen5) == "mkl"
+
+
+def test_calibrating_the_blas_times_each_library_in_its_own_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXTOY_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "BLAS_SHAPES", ((64, 64, 64),))
+    found = backend.blas_paths()
+    rates = calibrate.calibrate_blas()
+    assert set(rates) == set(found) and all(rate and rate > 0 for rate in rates.values())
+    if len(found) > 1:
+        kept = json.loads((tmp_path / backend.BLAS_FILE).read_text())
+        assert kept["fastest"] == max(rates, key=rates.get)
+        assert backend.measured_blas(found) == kept["fastest"]

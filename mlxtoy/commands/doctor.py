@@ -11,7 +11,7 @@ import time
 import mlx.core as mx
 
 import mlxtoy
-from mlxtoy import backend
+from mlxtoy import backend, settings
 from mlxtoy.models import calibrate, fastmath
 from mlxtoy.train import memory
 
@@ -42,6 +42,11 @@ def report() -> dict[str, str]:
         blas += f" {info.blas_core}"
     if info.blas_path:
         blas += f" ({info.blas_path})"
+    if info.blas and platform.system() == "Linux":
+        measured = backend.measured_blas(backend.blas_paths())
+        blas += ("; measured fastest here" if measured == info.blas else
+                 "; not measured here (`mlxtoy doctor --calibrate`)" if measured is None else
+                 f"; {measured} measured fastest here, {settings.BLAS.name} chose this")
     figure, what = memory.machine_memory()
     facts = {
         "mlxtoy": mlxtoy.__version__,
@@ -80,14 +85,19 @@ def _route_line(row: dict) -> str:
 
 
 def run(args) -> int:
+    blas_rates = None
     if args.calibrate and backend.INFO.on_cpu:
         start = time.perf_counter()
+        blas_rates = calibrate.calibrate_blas()
         for shapes in calibrate.REFERENCE_SHAPES:
             calibrate.calibrate(shapes, batch=4, seq_len=256, training=True)  # a training step
             calibrate.calibrate(shapes, batch=1, seq_len=256, training=False)  # a prompt
         print(f"calibrated in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     facts = report()
     facts["routes"] = routes_summary()
+    if blas_rates:
+        shown = ", ".join(f"{kind} {'did not load' if rate is None else f'{rate:.0f}'}" for kind, rate in blas_rates.items())
+        facts["blas measured"] = f"GFLOP/s {shown} (the fastest loads from the next command on)"
     if args.json:
         print(json.dumps(facts | ({"routes measured": calibrate.measured()} if args.calibrate else {}), indent=2))
     else:

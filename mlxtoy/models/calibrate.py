@@ -4,9 +4,15 @@ instead of when a training step or a prompt first meets each shape (`fastmath.ge
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
+from mlxtoy import backend, fsutil, settings
 from mlxtoy.config import ModelConfig
+from mlxtoy.io.registry import cache_dir
 from mlxtoy.models.attention import attention_route
 from mlxtoy.models.fastmath import gemm_on, gemm_route, route_table
 
@@ -48,6 +54,52 @@ def calibrate(shapes: BlockShapes, batch: int, seq_len: int, training: bool) -> 
             if training:
                 gemm_route("nn", rows, k_in, n_out)
     attention_route(batch, shapes.n_heads, shapes.n_kv_heads, seq_len, seq_len, shapes.d_head, training)
+
+
+# float32 products the BLAS is timed on: (rows, inputs, outputs) of SmolLM2's and a 1B model's FFN
+BLAS_SHAPES = ((1024, 576, 1536), (512, 2048, 8192))
+# run in a process of its own per BLAS (a library loaded for MLX cannot be unloaded)
+_BLAS_PROBE = """
+import json, sys, time
+import mlxtoy
+import mlx.core as mx
+from mlxtoy import backend
+
+flops = seconds = 0.0
+for m, k, n in json.loads(sys.argv[1]):
+    x, w = mx.random.normal((m, k)), mx.random.normal((n, k))
+    mx.eval(x @ w.T)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        mx.eval(x @ w.T)
+        best = min(best, time.perf_counter() - start)
+    flops, seconds = flops + 2.0 * m * k * n, seconds + best
+print(json.dumps({"blas": backend.INFO.blas, "gflops": flops / seconds / 1e9}))
+"""
+
+
+def calibrate_blas() -> dict[str, float | None]:
+    """Time MLX's float32 products under each optimized BLAS found here (MKL, OpenBLAS), each in a
+    process of its own, and keep the fastest for the next processes (`backend.measured_blas`);
+    -> GFLOP/s by BLAS (None where it would not load)."""
+    libraries = backend.blas_paths()
+    rates: dict[str, float | None] = {}
+    for kind in libraries:
+        env = dict(os.environ, **{settings.BLAS.name: kind, settings.KERNELS.name: "0"})
+        r = subprocess.run([sys.executable, "-c", _BLAS_PROBE, json.dumps(BLAS_SHAPES)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        try:
+            out = json.loads(r.stdout.strip().splitlines()[-1])
+            rates[kind] = float(out["gflops"]) if out["blas"] == kind else None
+        except (ValueError, IndexError, KeyError):
+            rates[kind] = None
+    timed = {kind: rate for kind, rate in rates.items() if rate is not None}
+    if len(timed) > 1:
+        data = {"fingerprint": backend.blas_fingerprint(libraries), "fastest": max(timed, key=timed.get),
+                "gflops": {kind: round(rate, 1) for kind, rate in timed.items()}}
+        fsutil.write_text_atomic(str(cache_dir() / backend.BLAS_FILE), json.dumps(data, indent=1) + "\n")
+    return rates
 
 
 def measured() -> list[dict]:
