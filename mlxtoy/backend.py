@@ -8,18 +8,21 @@ therefore be imported before anything touches `mlx.core`; `mlxtoy/__init__.py` d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import sys
 import time
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any, Callable, Iterator
 
 from mlxtoy import settings
 from mlxtoy.errors import UserError
@@ -249,6 +252,19 @@ except ImportError as e:
     raise ImportError("MLX is installed without a backend (no libmlx.so): on Linux install one of "
                       "mlxtoy's extras: pip install -e '.[cpu]' (or '.[cuda]' / '.[cuda13]' for an NVIDIA "
                       "GPU with CUDA 12 / 13), never two") from None
+from mlx.utils import tree_reduce  # noqa: E402
+
+GB = 1e9
+# mlx-lm's rule: a model above this share of Metal's recommended working set still runs, but
+# pages in and out of the wired set (slowly); say so before it starts
+WIRED_WARN_SHARE = 0.9
+# Apple GPUs that run bfloat16 emulated (M1: applegpu_g13*, M2: applegpu_g14*), where float16
+# runs at full rate; later families (M3: g15, M4: g16) run bfloat16 natively
+EMULATED_BF16_ARCHS = ("applegpu_g13", "applegpu_g14")
+# what MLX's backends say when memory runs out: Metal's command buffer, CUDA's allocator and
+# runtime, MLX's own allocator
+OUT_OF_MEMORY_MARKERS = ("Insufficient Memory", "out of memory", "[malloc] Unable to allocate",
+                         "cudaErrorMemoryAllocation")
 
 
 # What rebuilds the kernels against the MLX installed now (from a checkout of mlxtoy)
@@ -312,6 +328,7 @@ class BackendInfo:
     compute_dtype: mx.Dtype
     blas_core: str | None = None  # OpenBLAS's kernel family
     kernels: ModuleType | None = None  # the x86 CPU kernels, where on and MLX computes on the CPU
+    dtype_why: str = ""  # why compute_dtype (doctor shows it)
 
     @property
     def on_cpu(self) -> bool:
@@ -336,6 +353,23 @@ class BackendInfo:
     def wired_memory(self) -> bool:
         """Whether the model's memory can be wired (Metal's `mx.set_wired_limit`)."""
         return self.device == "metal"
+
+    def memory_budget(self) -> tuple[int | None, str]:
+        """(bytes a model and its work may use here, what that figure is): on Metal the recommended
+        working set, on CUDA the GPU's memory, else the physical memory; MLXTOY_MEMORY_GB overrides
+        it. The one figure training's memory check, `--qlora auto` and inference's fit check ask."""
+        value = settings.MEMORY_GB.value()
+        if value is not None:
+            if not (math.isfinite(value) and value > 0):
+                raise UserError(f"{settings.MEMORY_GB.name}={settings.MEMORY_GB.raw()!r}: expected a "
+                                f"number of GB > 0")
+            return int(value * GB), settings.MEMORY_GB.name
+        info = device_info() if self.device in ("metal", "cuda") else {}
+        if self.device == "metal" and info.get("max_recommended_working_set_size"):
+            return int(info["max_recommended_working_set_size"]), "Metal's recommended working set"
+        if self.device == "cuda" and info.get("total_memory"):
+            return int(info["total_memory"]), "GPU memory"
+        return physical_memory(), "physical memory"
 
     def describe(self) -> str:
         blas = self.blas or "reference BLAS only (slow: install `mkl` or `scipy-openblas32`)"
@@ -367,15 +401,43 @@ def _pick_device(want: str) -> str:
     return gpu or "cpu"
 
 
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_info() -> dict[str, Any]:
+    """MLX's facts about the default device (Metal: architecture, max_recommended_working_set_size,
+    memory_size; CUDA: total_memory, ...); {} where MLX gives none."""
+    try:
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    except (RuntimeError, AttributeError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def default_dtype(device: str, info: dict[str, Any]) -> tuple[mx.Dtype, str]:
+    """(the compute dtype for `device`, why): float32 on the CPU (MLX's bf16/fp16 and quantized
+    matmuls run at a few GFLOP/s there); float16 on an Apple GPU that emulates bfloat16 (M1, M2:
+    `info`'s architecture); bfloat16 on other GPUs."""
+    if device == "cpu":
+        return mx.float32, "the CPU: MLX's half-precision matmuls are slow there"
+    arch = str(info.get("architecture", ""))
+    if device == "metal" and arch.startswith(EMULATED_BF16_ARCHS):
+        return mx.float16, f"{arch} emulates bfloat16; float16 runs at full rate"
+    return mx.bfloat16, f"{device}" + (f" ({arch})" if arch else "") + " runs bfloat16 natively"
+
+
 def _setup(want: str) -> BackendInfo:
     device = _pick_device(want)
     mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
-    # bf16/fp16 and quantized matmuls are slow on MLX CPU: compute in float32 there.
-    compute = mx.float32 if device == "cpu" else mx.bfloat16
+    compute, why = default_dtype(device, device_info() if device == "metal" else {})
     if settings.DTYPE.value():
-        compute = getattr(mx, settings.DTYPE.value())
+        compute, why = getattr(mx, settings.DTYPE.value()), f"set by {settings.DTYPE.name}"
     kernels = cpu_kernels()[0] if device == "cpu" else None
-    return BackendInfo(device, _BLAS_NAME, _BLAS_PATH, compute, _BLAS_CORE, kernels)
+    return BackendInfo(device, _BLAS_NAME, _BLAS_PATH, compute, _BLAS_CORE, kernels, why)
 
 
 def _setup_from_environment() -> BackendInfo:
@@ -399,6 +461,7 @@ def use_device(want: str) -> BackendInfo:
     except UserError as e:
         raise UserError(f"--device {want}: {e}; use --device cpu") from None
     INFO.device, INFO.compute_dtype, INFO.kernels = new.device, new.compute_dtype, new.kernels
+    INFO.dtype_why = new.dtype_why
     os.environ[settings.DEVICE.name] = want
     return INFO
 
@@ -421,6 +484,98 @@ def route_fingerprint() -> dict[str, str]:
 
 def compute_dtype() -> mx.Dtype:
     return INFO.compute_dtype
+
+
+def tree_bytes(tree: Any) -> int:
+    """The bytes of every array in a model or a tree of arrays (mlx-lm's measure of a model)."""
+    return tree_reduce(lambda total, x: total + x.nbytes if isinstance(x, mx.array) else total, tree, 0)
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def wired_limit(model: Any = None, warn: Callable[[str], None] | None = _warn) -> Iterator[str | None]:
+    """Wire the model's memory while it runs, as mlx-lm does for generating, serving and training:
+    on Metal the wired limit goes up to the recommended working set (at most the memory budget,
+    MLXTOY_MEMORY_GB) and back to what it was on leaving, after the device's queued work is done
+    (the limit must not change under a running graph). `model` (a module or a tree of arrays) larger
+    than WIRED_WARN_SHARE of that set gets one `warn` line. Elsewhere nothing changes. Yields what
+    was set, for a log line (None: nothing)."""
+    if not INFO.wired_memory:
+        yield None
+        return
+    recommended = int(device_info().get("max_recommended_working_set_size") or 0)
+    budget = INFO.memory_budget()[0]
+    limit = min(recommended, budget) if recommended and budget else recommended or budget
+    if not limit:
+        yield None
+        return
+    size = tree_bytes(model) if model is not None else 0
+    if warn is not None and recommended and size > WIRED_WARN_SHARE * recommended:
+        warn(f"the model takes {size / GB:.1f} GB, close to Metal's recommended working set "
+             f"({recommended / GB:.1f} GB): it will run, slowly; a quantized base (--quantized on, "
+             f"--qlora on) takes less")
+    old = mx.set_wired_limit(limit)
+    try:
+        yield f"Metal wired limit {limit / GB:.1f} GB"
+    finally:
+        mx.synchronize()
+        mx.set_wired_limit(old)
+
+
+@contextlib.contextmanager
+def model_memory(model: Any, doing: str, fixes: list[str],
+                 warn: Callable[[str], None] | None = _warn) -> Iterator[str | None]:
+    """Run a model: its memory wired while the block runs (`wired_limit`), and MLX running out of
+    memory in it turned into the one-line error `out_of_memory_error` names (`doing`, `fixes`)."""
+    with wired_limit(model, warn) as wired:
+        try:
+            yield wired
+        except RuntimeError as e:
+            error = out_of_memory_error(e, doing, fixes)
+            if error is None:
+                raise
+            raise error from None
+
+
+@functools.cache
+def _thread_local_stream(device: str) -> Any:
+    return mx.new_thread_local_stream(mx.cpu if device == "cpu" else mx.gpu)
+
+
+def thread_stream() -> Any:
+    """The stream MLX work runs on off the main thread (the TUI's model thread, the server's
+    engine): since MLX 0.31.2 a stream belongs to the thread that made it, and using one from
+    another thread fails ("There is no Stream(gpu, 0) in current thread"); MLX's thread-local
+    stream (`mx.new_thread_local_stream`, as mlx-lm's generation stream) is each thread's own.
+    One per device, so `use_device` is followed. Use as `with mx.stream(backend.thread_stream()):`."""
+    return _thread_local_stream(INFO.device)
+
+
+def with_thread_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` for another thread (a Thread's target, an executor's job): it runs on that thread's
+    own stream (`thread_stream`), so MLX work built and evaluated there stays on it."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kw: Any) -> Any:
+        with mx.stream(thread_stream()):
+            return fn(*args, **kw)
+
+    return run
+
+
+def out_of_memory_error(error: BaseException, doing: str, fixes: list[str]) -> UserError | None:
+    """For MLX running out of memory (`error` a RuntimeError carrying one of OUT_OF_MEMORY_MARKERS;
+    Metal's failed command buffer is raised on the thread that waits for it since
+    ml-explore/mlx#3523, where MLX before it aborted the process), the one-line error the CLI
+    prints (exit 2, as for a run the memory check refuses): what ran out `doing` what, MLX's
+    words, and `fixes`, settings that take less. None for any other error."""
+    text = str(error).strip()
+    if not isinstance(error, RuntimeError) or not any(m in text for m in OUT_OF_MEMORY_MARKERS):
+        return None
+    said = text.splitlines()[0] if text else ""
+    return UserError(f"out of memory while {doing} ({said}); try " + (", or ".join(fixes) or "a smaller model"))
 
 
 def gemm_gflops(n: int = 1024, repeats: int = 10, matmul=mx.matmul) -> float:

@@ -30,12 +30,24 @@ from mlxtoy.io.gguf_read import dequantize_tensor, gguf_model_config, load_gguf,
 from mlxtoy.io.hf import hf_model_config, hf_source_size, load_hf, planned_quantized
 from mlxtoy.io.registry import resolve_model
 from mlxtoy.io.tokenizer import Tokenizer
+from mlxtoy.models.fastmath import kernels_on
 from mlxtoy.models.lens import apply_lens, fold_lens
 from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import apply_lora, merge_lora
 from mlxtoy.models.quant import PackedMatrix, QuantPlan, install_quantized
 from mlxtoy.rundir import (ADAPTER_CONFIG, ADAPTERS, CKPT_STATE, CKPT_TRAINABLE, MODEL_WEIGHTS, RunDir,
                            is_run_or_checkpoint, locate)
+
+QUANT_MODES = ("auto", "on", "off")  # train's --qlora and the front ends' --quantized
+# --qlora / --quantized auto on a CPU: keep the base quantized when its float32 weights would
+# take more than this share of the memory budget (below, a float32 base keeps the kernels' paths
+# that take dense weights: the fused loss, packed decoding)
+CPU_QLORA_SHARE = 0.6
+# Parameters from which a quantized base decodes faster than the dense model on a CPU with the
+# kernels: there the products' bytes dominate a token (4.5 bits a weight against 6-32); below,
+# the dense model's one fused kernel call a block wins on the calls between products
+# (docs/performance.md, "Decoding from a quantized base").
+QUANTIZED_DECODE_PARAMS = 500_000_000
 
 
 def model_class(arch: str):
@@ -69,19 +81,19 @@ def load_weights(model_arg: str, dtype: mx.Dtype | None = None, quant: QuantPlan
 
 
 def load(model: str, adapter: str | None = None, dtype: mx.Dtype | None = None,
-         quant: QuantPlan | str | None = None):
+         quant: QuantPlan | None = None):
     """MODEL (.gguf, HF folder, Hugging Face id or built-in name) -> (model, tokenizer).
 
     `adapter`: a run directory; its adapters (LoRA) or weights (full / scratch) are applied.
     `quant`: None, every weight dense (adapters merged in); a QuantPlan, the base's projections
     kept quantized as QLoRA keeps them (never whole in float32; a LoRA run's adapters stay
-    unmerged on top); "run", a run's base as that run trained it (`run_quant_plan`).
+    unmerged on top (`quant_plan` decides which).
     """
     if adapter is not None:
         return load_run_model(adapter, base=model, dtype=dtype, quant=quant)
     if is_run_or_checkpoint(model):  # a training run (or one of its checkpoints, RUN/best) as MODEL
         return load_run_model(model, dtype=dtype, quant=quant)
-    cfg, weights, meta, tokenizer = load_weights(model, dtype, quant=quant if isinstance(quant, QuantPlan) else None)
+    cfg, weights, meta, tokenizer = load_weights(model, dtype, quant=quant)
     m = build_model(cfg, weights)
     del weights
     m.meta = meta
@@ -239,23 +251,68 @@ def run_quant_plan(run_dir: str) -> QuantPlan | None:
     return QuantPlan.of(cfg)
 
 
+def quant_plan(base: str, mode: str = "auto", *, plan: QuantPlan | None = None, run: str | None = None,
+               inference: bool = False) -> QuantPlan | None:
+    """How `base`'s projections are kept when it is loaded: None dense (a run's adapters merged
+    in), a QuantPlan quantized as QLoRA keeps them (adapters unmerged on top). The one policy
+    that training (`--qlora`), generate, chat, serve, taps and the TUI (`--quantized`) ask; read
+    from the file's header and the run's config, nothing loaded.
+
+    `run`: a run applied to the base (its own, or `base` standing in for it); a full / scratch
+    run holds dense weights of its own (None). `plan`: the bits and group size to quantize with
+    (default 4-bit, group 32; a run that trained quantized keeps its own). `mode`:
+    - off: dense;
+    - on: quantized;
+    - auto: as a QLoRA `run` trained; else on Metal / CUDA (a native quantized matmul) when the
+      file is quantized; on a CPU when the float32 base would take more than CPU_QLORA_SHARE of
+      the memory budget; and, for `inference`, on a CPU with the kernels for a base of
+      QUANTIZED_DECODE_PARAMS+ whose blocks load as they are (its own blocks, `QuantPlan()`: the
+      same weights, a fraction of the bytes a token).
+    `inference`: a dense base whose weights alone exceed the memory budget is refused
+    (UserError) here, before anything is read (training's own memory check covers training)."""
+    if mode not in QUANT_MODES:
+        raise UserError(f"--quantized {mode}: choose from {', '.join(QUANT_MODES)}")
+    if run is not None and not locate(run)[0].read_config()[0].adapters:
+        return None  # full / scratch runs hold dense weights of their own
+    trained = run_quant_plan(run) if run is not None else None
+    plan = trained or plan or QuantPlan()
+    if mode == "on" or mode == "auto" and trained is not None:
+        return plan
+    params, quantized = source_size(base)
+    if mode == "auto":
+        if backend.INFO.native_quantized_matmul:
+            keep = quantized  # MLX multiplies the file's blocks as they are
+        else:
+            available = backend.INFO.memory_budget()[0]
+            keep = bool(available) and params * 4 > CPU_QLORA_SHARE * available
+        if keep:
+            return plan
+        if inference and kernels_on() and params >= QUANTIZED_DECODE_PARAMS and kept_exactly(base):
+            return QuantPlan()
+    if inference:
+        available, what = backend.INFO.memory_budget()
+        weights = params * backend.compute_dtype().size
+        if available and weights > available:
+            raise UserError(f"{base}: its weights take {weights / 1e9:.1f} GB dense, more than the {what} "
+                            f"({available / 1e9:.1f} GB); --quantized on keeps the base quantized")
+    return None
+
+
 def load_run_model(run_dir: str, base: str | None = None, dtype: mx.Dtype | None = None,
-                   merge: bool = True, quant: QuantPlan | str | None = None):
+                   merge: bool = True, quant: QuantPlan | None = None):
     """A run's model -> (model, tokenizer), in eval mode.
 
     lora / dora: the base (`base`, else the run's model) with the adapters (merged by default).
     full: the run's full weights (the base supplies the tokenizer). scratch: the run's model.
-    quant (lora / dora only): a QuantPlan keeps the base's projections quantized, "run" as the
-    run trained them (`run_quant_plan`; dense for a run that had a dense base); the adapters then
-    stay unmerged on top (merging would need the dense base). None: a dense base.
+    quant (lora / dora only): a QuantPlan keeps the base's projections quantized (`quant_plan`
+    decides; a QLoRA run's own is `run_quant_plan`); the adapters then stay unmerged on top
+    (merging would need the dense base). None: a dense base.
     """
     run, ckpt = locate(run_dir)
     cfg, facts = run.read_config()
     weights, source = run_weights(run, cfg, ckpt)
     dtype = dtype or backend.compute_dtype()
-    if quant == "run":
-        quant = run_quant_plan(run_dir)
-    plan = quant if isinstance(quant, QuantPlan) and cfg.adapters else None
+    plan = quant if cfg.adapters else None
     if cfg.method == "scratch":
         if not facts.model_config:
             raise UserError(f"{run.path}: config.yaml records no model_config")

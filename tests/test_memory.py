@@ -15,6 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from helpers_train import REPO, run_cli, write_jsonl, write_tiny_model_folder, qa_rows
+from mlxtoy import backend
 from mlxtoy.config import TrainConfig
 from mlxtoy.events import MetricsSink, fan_out
 from mlxtoy.train import memory
@@ -149,7 +150,7 @@ def test_a_run_that_does_not_fit_warns_with_settings_that_fit(work, tmp_path, mo
     need = memory.estimate(cfg, model).peak
     have = memory.estimate(replace(cfg, batch_size=24), model).peak + 1  # batch 24 fits, 25 does not
     assert have < need < memory.REFUSE_FACTOR * have  # over, but only a warning
-    monkeypatch.setattr(memory, "machine_memory", lambda: (have, "physical memory"))
+    monkeypatch.setattr(backend.INFO, "memory_budget", lambda: (have, "physical memory"))
     err, out = io.StringIO(), io.StringIO()
     with redirect_stderr(err), redirect_stdout(out):
         code = main(["train", "--model", work["model"], "--data", work["data"], "--out", str(tmp_path / "run"),

@@ -10,12 +10,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxtoy import backend, inference
+from mlxtoy import backend, loading
 from mlxtoy.generate import generate_tokens
 from mlxtoy.inference import inference_quant
 from mlxtoy.io.gguf_read import load_gguf
 from mlxtoy.io.quantize import quantize_gguf
-from mlxtoy.loading import build_model, kept_exactly, load, source_size
+from mlxtoy.loading import build_model, kept_exactly, load, run_quant_plan, source_size
 from mlxtoy.models import fastmath, quant
 from mlxtoy.models.lora import LORA_TYPES
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
@@ -270,7 +270,7 @@ def test_llama_cpp_top_token_agrees_on_a_q4_0_gguf(gguf_models, kind):
 
 @pytest.mark.core
 def test_generate_from_a_qlora_run_keeps_the_base_quantized(gguf_models, tmp_path):
-    """`load(..., quant="run")` (what `generate --adapter RUN` takes by default for a QLoRA run):
+    """`load(..., quant=<the run's plan>)` (what `generate --adapter RUN` takes by default for a QLoRA run):
     the base quantized as the run trained it, the adapters unmerged on top, the same logits as
     the dense merged model; `--quantized off` gives that dense model; the CLI runs both."""
     from mlxtoy.config import TrainConfig
@@ -282,9 +282,10 @@ def test_generate_from_a_qlora_run_keeps_the_base_quantized(gguf_models, tmp_pat
                       seq_len=32, lr=1e-2, warmup=1, eval_every=0, save_every=0, qlora="on", seed=0,
                       lora_targets=["q", "v", "down"])
     assert run_training(cfg, handle_sigint=False).reason == "finished"
-    assert inference_quant(None, run) == "run"
+    plan = run_quant_plan(run)  # the run's bits and group size (the file's Q8_0 blocks keep their own)
+    assert plan is not None and inference_quant(None, run) == plan
     assert inference_quant(None, run, "off") is None
-    qmodel, _ = load(gguf_models["q8_0"], adapter=run, quant="run")
+    qmodel, _ = load(gguf_models["q8_0"], adapter=run, quant=plan)
     dense, _ = load(gguf_models["q8_0"], adapter=run)
     adapters = [m for _, m in qmodel.named_modules() if isinstance(m, LORA_TYPES)]
     assert len(adapters) == 3 * qmodel.config.n_layers
@@ -325,9 +326,9 @@ def test_auto_keeps_a_file_s_own_blocks_quantized_where_that_decodes_faster(gguf
     f32 = gguf_models["f32"]
     assert kept_exactly(gguf_models["q4_0"]) and kept_exactly(gguf_models["q8_0"]) and not kept_exactly(f32)
     params = source_size(gguf_models["q4_0"])[0]
-    monkeypatch.setattr(inference, "QUANTIZED_DECODE_PARAMS", params + 1)  # just too small: dense
+    monkeypatch.setattr(loading, "QUANTIZED_DECODE_PARAMS", params + 1)  # just too small: dense
     assert inference_quant(gguf_models["q4_0"], None, "auto") is None
-    monkeypatch.setattr(inference, "QUANTIZED_DECODE_PARAMS", params)
+    monkeypatch.setattr(loading, "QUANTIZED_DECODE_PARAMS", params)
     for kind in ("q4_0", "q8_0"):
         plan = inference_quant(gguf_models[kind], None, "auto")
         assert isinstance(plan, QuantPlan) if fastmath.kernels_on() else plan is None

@@ -18,7 +18,7 @@ import pytest
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 
-from mlxtoy import backend, routes
+from mlxtoy import backend, loading, routes
 from mlxtoy.models import attention, calibrate, fastmath
 
 pytestmark = pytest.mark.core
@@ -253,13 +253,10 @@ def test_a_device_flip_after_import_reaches_every_module(monkeypatch):
 
     monkeypatch.setattr(backend, "gpu_name", lambda: "cuda")
     monkeypatch.setattr(mx, "set_default_device", lambda device: None)
-    monkeypatch.setattr(memory, "source_size", lambda model: (1000, True))
+    monkeypatch.setattr(loading, "source_size", lambda model: (1000, True))
     qmm = []
     real_qmm = mx.quantized_matmul
     monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **kw: qmm.append(1) or real_qmm(*a, **kw))
-    from mlxtoy.config import TrainConfig
-
-    cfg = TrainConfig(model="x.gguf", method="lora", qlora="auto")
     packed, _ = quantize_dense(mx.array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)), QuantPlan())
     layer = quantized_module(fastmath.Linear(64, 64, bias=False), packed)
     x = mx.ones((1, 8, 64))
@@ -268,7 +265,7 @@ def test_a_device_flip_after_import_reaches_every_module(monkeypatch):
         backend.use_device("gpu")
         assert backend.INFO.device == "cuda" and not fastmath.kernels_on()
         assert attention.attention_route(1, 4, 2, 64, 64, 16, training=True) == "fast"
-        assert memory.qlora_plan(cfg) is not None  # a quantized file stays quantized on a GPU
+        assert loading.quant_plan("x.gguf", "auto") is not None  # a quantized file stays quantized on a GPU
         assert not backend.INFO.compiled_decode
         mx.eval(layer(x))
         assert qmm, "on the GPU a quantized base multiplies through mx.quantized_matmul"

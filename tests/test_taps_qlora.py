@@ -16,7 +16,7 @@ from mlxtoy.commands import taps as taps_command
 from mlxtoy.config import TrainConfig
 from mlxtoy.inference import inference_quant, load_for_inference
 from mlxtoy.io.quantize import quantize_gguf
-from mlxtoy.loading import load
+from mlxtoy.loading import load, run_quant_plan
 from mlxtoy.models.lora import LORA_TYPES
 from mlxtoy.models.quant import QUANTIZED_TYPES
 from mlxtoy.taps import capture, drift, load_taps
@@ -61,7 +61,8 @@ def _worst(a: dict, b: dict) -> float:
 @pytest.mark.core
 def test_taps_of_a_qlora_run_equal_the_dense_merged_model(qlora_run):
     q4, run = qlora_run
-    assert inference_quant(q4, run) == "run" and inference_quant(q4, run, "off") is None
+    assert inference_quant(q4, run) == run_quant_plan(run) and inference_quant(q4, run, "off") is None
+    assert run_quant_plan(run) is not None
     qmodel, tokenizer = load_for_inference(q4, run)
     on_base, adapters, _ = _kinds(qmodel)
     assert adapters == len(TARGETS) * qmodel.config.n_layers and on_base == adapters

@@ -15,6 +15,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, ProgressBar, Select, Static
 
+from mlxtoy import backend
 from mlxtoy.errors import UserError
 from mlxtoy.export import FILE_FORMATS, FORMAT_HELP, check_format, check_output, dtypes_for, export_source, load_source
 
@@ -148,7 +149,8 @@ class ExportScreen(ModalScreen):
         def run() -> str:
             src = load_source(self.run_dir, fmt=fmt)
             app.call_from_thread(self._status, f"writing {escape(out)} ...")
-            return export_source(src, out, fmt, dtype, progress)
+            with backend.wired_limit(src.weights, warn=None):  # as `mlxtoy export`
+                return export_source(src, out, fmt, dtype, progress)
 
         try:
             path = await app.mlx.run(run)  # type: ignore[attr-defined]

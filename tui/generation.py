@@ -1,9 +1,10 @@
 """Generation in the UI process: one thread owns every MLX call.
 
-MLX streams are thread-local (since 0.31): a stream made in one thread cannot run work queued
-from another. So model loading and token generation all run on a single executor thread that
-creates its own stream once and wraps every job in `with mx.stream(...)`. The event loop only
-awaits futures and receives text through `loop.call_soon_threadsafe`, so it never blocks.
+MLX streams belong to a thread (since 0.31.2): a stream made in one thread cannot run work
+queued from another. So model loading, token generation and exports all run on a single
+executor thread, every job on that thread's own stream (`backend.with_thread_stream`, the one
+helper every thread that runs MLX work uses). The event loop only awaits futures and receives
+text through `loop.call_soon_threadsafe`, so it never blocks.
 """
 
 from __future__ import annotations
@@ -15,29 +16,20 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
-import mlx.core as mx
 
+from mlxtoy import backend
 from mlxtoy.generate import ChatSession, stream_generate
-from mlxtoy.inference import load_for_inference
+from mlxtoy.inference import GENERATE_FIXES, load_for_inference
 from mlxtoy.models.quant import describe_quantized
 from mlxtoy.sampling import SamplingParams
 
 
 class MLXThread:
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx",
-                                        initializer=self._init)
-        self._stream = None
-
-    def _init(self) -> None:
-        self._stream = mx.new_stream(mx.default_device())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
 
     def submit(self, fn: Callable[..., Any], *args, **kw) -> Future:
-        def job():
-            with mx.stream(self._stream):
-                return fn(*args, **kw)
-
-        return self._pool.submit(job)
+        return self._pool.submit(backend.with_thread_stream(fn), *args, **kw)
 
     async def run(self, fn: Callable[..., Any], *args, **kw) -> Any:
         return await asyncio.wrap_future(self.submit(fn, *args, **kw))
@@ -100,20 +92,22 @@ class Generator:
             chunks = stream_generate(self.model, self.tokenizer, self.tokenizer.encode(prompt),
                                      max_tokens=max_tokens, sampling=sampling)
         stats = ""
+        warnings: list[str] = []  # the wired limit's, shown with the stats (stderr is the screen)
         try:
-            for chunk in chunks:
-                if chunk.text:
-                    on_text(chunk.text)
-                if chunk.stats is not None:
-                    stats = chunk.stats.describe() + f" ({chunk.finish_reason})"
-                if cancel.is_set():
-                    stats = stats or "stopped"
-                    break
+            with backend.model_memory(self.model, "generating", GENERATE_FIXES, warn=warnings.append):
+                for chunk in chunks:
+                    if chunk.text:
+                        on_text(chunk.text)
+                    if chunk.stats is not None:
+                        stats = chunk.stats.describe() + f" ({chunk.finish_reason})"
+                    if cancel.is_set():
+                        stats = stats or "stopped"
+                        break
         finally:
             close = getattr(chunks, "close", None)
             if close:
                 close()  # ends the generator so ChatSession records the partial reply
-        return stats
+        return "; ".join(warnings + [stats]) if warnings else stats
 
 
 def describe(source: Source, model) -> str:

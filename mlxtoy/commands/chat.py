@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mlxtoy import backend
 from mlxtoy.commands.generate import add_sampling_args, sampling_from_args
 from mlxtoy.errors import UserError
 from mlxtoy.generate import ChatSession
-from mlxtoy.inference import load_for_inference
+from mlxtoy.inference import GENERATE_FIXES, load_for_inference
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -78,10 +79,11 @@ def run(args) -> int:
                   file=sys.stderr)
             refused += 1
             continue
-        for chunk in session.send(message, max_tokens=max_tokens):
-            if chunk.text:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+        with backend.model_memory(model, "generating", GENERATE_FIXES):
+            for chunk in session.send(message, max_tokens=max_tokens):
+                if chunk.text:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
         if not args.quiet and session.last_stats is not None:

@@ -13,7 +13,6 @@ import mlx.core as mx
 import mlxtoy
 from mlxtoy import backend, settings
 from mlxtoy.models import calibrate, fastmath
-from mlxtoy.train import memory
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -47,7 +46,7 @@ def report() -> dict[str, str]:
         blas += ("; measured fastest here" if measured == info.blas else
                  "; not measured here (`mlxtoy doctor --calibrate`)" if measured is None else
                  f"; {measured} measured fastest here, {settings.BLAS.name} chose this")
-    figure, what = memory.machine_memory()
+    figure, what = info.memory_budget()
     facts = {
         "mlxtoy": mlxtoy.__version__,
         "mlx": mx.__version__,
@@ -64,6 +63,7 @@ def report() -> dict[str, str]:
         facts["kernels detail"] = fastmath.kernels_status().removeprefix("on (").removesuffix(")")
         facts["kernels built for"] = f"MLX {backend.kernels_stamp()}"
     facts["compute dtype"] = str(info.compute_dtype).replace("mlx.core.", "")
+    facts["compute dtype why"] = info.dtype_why
     return facts
 
 

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from mlxtoy import backend
 from mlxtoy.export import DTYPES, FORMAT_HELP, check_format, check_output, export_source, load_source
 
 
@@ -35,7 +36,8 @@ def run(args) -> int:
         if sys.stderr.isatty():
             print(f"\rexport: tensor {n}/{total}", end="" if n < total else "\n", file=sys.stderr, flush=True)
 
-    path = export_source(src, args.out, fmt, dtype, progress)
+    with backend.wired_limit(src.weights):  # the weights stay resident while they are written
+        path = export_source(src, args.out, fmt, dtype, progress)
     size = _size(path)
     print(f"export: wrote {path} ({fmt}, {dtype}, {size / 1e6:.1f} MB)", file=sys.stderr)
     print(path)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mlxtoy import backend
 from mlxtoy.errors import UserError
 from mlxtoy.generate import encode_chat, stream_generate
-from mlxtoy.inference import QUANTIZED_FLAG, load_for_inference
+from mlxtoy.inference import GENERATE_FIXES, QUANTIZED_FLAG, load_for_inference
 from mlxtoy.io.registry import DEFAULT_MODEL
 from mlxtoy.sampling import SamplingParams
 
@@ -95,13 +96,14 @@ def run(args) -> int:
     out = sys.stdout
     last = None
     text = ""
-    for chunk in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens,
-                                 sampling=sampling, stop=args.stop):
-        if chunk.text:
-            out.write(chunk.text)
-            out.flush()
-            text = chunk.text
-        last = chunk
+    with backend.model_memory(model, "generating", GENERATE_FIXES):
+        for chunk in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens,
+                                     sampling=sampling, stop=args.stop):
+            if chunk.text:
+                out.write(chunk.text)
+                out.flush()
+                text = chunk.text
+            last = chunk
     if out.isatty() and not text.endswith("\n"):
         out.write("\n")
     out.flush()

@@ -17,10 +17,13 @@ from typing import Any, Callable, Protocol
 
 import mlx.nn as nn
 
+from mlxtoy import backend
 from mlxtoy.config import TrainConfig
 from mlxtoy.dashboards import check_dashboards, close_all, open_dashboards
 from mlxtoy.errors import UserError
 from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
+from mlxtoy.loading import quant_plan
+from mlxtoy.models.quant import QuantPlan
 from mlxtoy.rundir import ACCURACY, CheckpointState, RunDir, RunFacts
 from mlxtoy.taps import PROBE_TEXT, TapsProbe
 from mlxtoy.train.build import build_model
@@ -31,7 +34,7 @@ from mlxtoy.train.objectives import make_objective
 from mlxtoy.train.records import DataOptions, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
-from mlxtoy.train.memory import MemoryCheck, check_memory, preflight, qlora_plan, set_memory_limits
+from mlxtoy.train.memory import MemoryCheck, check_memory, preflight, set_cache_limit, smaller_settings
 
 # fields that change the shape of what a checkpoint holds; a resume may not change them
 STRUCTURAL = ("method", "objective", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
@@ -82,7 +85,7 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
     objective = make_objective(cfg)  # its settings checked (a reward file loaded) before any data
     raw = read_data(cfg.data, DataOptions.of(cfg))
     objective.check_records(raw)
-    quant = qlora_plan(cfg)
+    quant = quant_plan(cfg.model, cfg.qlora if cfg.adapters else "off", plan=QuantPlan.of(cfg))
     preflight(cfg, quant, check_shapes)
     model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None, quant=quant)
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
@@ -193,13 +196,22 @@ def _run_prepared(p: Prepared, emit, control, parallel, on_accuracy, handle_sigi
     resumed_at = CheckpointState.read(p.resume_from).step if p.resume_from else 0
     dashboards = [] if run.read_only else open_dashboards(cfg, run, resumed_at)
     try:
-        return _run_with(p, fan_out(None if run.read_only else MetricsSink(run), *dashboards, emit),
-                         control, parallel, on_accuracy, handle_sigint)
+        # the weights stay resident while they train (Metal's wired memory; the memory check
+        # has already said whether the step fits)
+        with backend.wired_limit(p.model, warn=None) as wired:
+            return _run_with(p, fan_out(None if run.read_only else MetricsSink(run), *dashboards, emit),
+                             control, parallel, on_accuracy, handle_sigint, wired)
+    except RuntimeError as e:  # MLX ran out of memory: one line naming what takes less
+        error = backend.out_of_memory_error(e, "training", smaller_settings(cfg, p.facts.qlora))
+        if error is None:
+            raise
+        raise error from None
     finally:
         close_all(dashboards)
 
 
-def _run_with(p: Prepared, send, control, parallel, on_accuracy, handle_sigint) -> JobResult:
+def _run_with(p: Prepared, send, control, parallel, on_accuracy, handle_sigint, wired: str | None = None
+              ) -> JobResult:
     cfg, run = p.cfg, p.run
     for note in p.notes:
         send(LogEvent(message=note, level="warning"))
@@ -211,7 +223,7 @@ def _run_with(p: Prepared, send, control, parallel, on_accuracy, handle_sigint) 
         send(LogEvent(message=p.memory.line()))
         if not p.memory.fits:
             send(LogEvent(message=p.memory.warning(), level="warning"))
-        limits = set_memory_limits(p.memory)
+        limits = ", ".join(filter(None, (wired, set_cache_limit(p.memory))))
         if limits:
             send(LogEvent(message=limits))
     if parallel is not None:

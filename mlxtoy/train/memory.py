@@ -28,7 +28,6 @@ The per-block and per-moment factors were measured on the compiled step (`Steppe
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -39,7 +38,7 @@ from mlx.utils import tree_flatten
 from mlxtoy import backend, settings
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.loading import planned_model, source_size
+from mlxtoy.loading import planned_model
 from mlxtoy.models.attention import attention_route
 from mlxtoy.models.fastmath import kernels_on
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
@@ -47,14 +46,13 @@ from mlxtoy.train.build import load_dtype, make_trainable, train_dtype
 from mlxtoy.train.objectives import loss_logits_alive, make_objective, output_layer
 from mlxtoy.train.step import block_matrix
 
-GB = 1e9
+GB = backend.GB
 # calibration, measured on the compiled step (CPU, float32; see the module docstring)
 BLOCKS_TRANSIENT = 1.5  # beyond the kept activations: the block being differentiated
 # a recomputed block, its backward and its temporaries (fitted to measured peaks, with and
 # without the CPU kernels: their blocks keep less, so one block is a smaller unit)
 BLOCKS_TRANSIENT_CHECKPOINTED = {True: 4.2, False: 2.75}  # by whether the kernels are on
 UPDATE_STATE_SHARE = 0.075  # the optimizer update's temporaries, as a share of its state
-CPU_QLORA_SHARE = 0.6  # --qlora auto on CPU: quantize when float32 weights would take more
 REFUSE_FACTOR = 2.0  # beyond this many times the machine's memory a run is refused outright
 MEMORY_ENV = settings.MEMORY_GB.name  # overrides the machine's memory figure (leave room, tests)
 
@@ -265,38 +263,6 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
                           logits=logits, update=update, peak=max(backward, update))
 
 
-def physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _device_info() -> dict:
-    try:
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-    except (RuntimeError, AttributeError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def machine_memory() -> tuple[int | None, str]:
-    """(bytes a training step may use, what that figure is): on Metal the recommended working
-    set, on CUDA the GPU's memory, else the physical memory. MLXTOY_MEMORY_GB overrides it."""
-    value = settings.MEMORY_GB.value()
-    if value is not None:
-        if not (math.isfinite(value) and value > 0):
-            raise UserError(f"{MEMORY_ENV}={settings.MEMORY_GB.raw()!r}: expected a number of GB > 0")
-        return int(value * GB), MEMORY_ENV
-    device = backend.INFO.device
-    info = _device_info() if device in ("metal", "cuda") else {}
-    if device == "metal" and info.get("max_recommended_working_set_size"):
-        return int(info["max_recommended_working_set_size"]), "Metal's recommended working set"
-    if device == "cuda" and info.get("total_memory"):
-        return int(info["total_memory"]), "GPU memory"
-    return physical_memory(), "physical memory"
-
-
 def preflight(cfg: TrainConfig, quant: QuantPlan | None,
               check_shapes: Callable[[TrainConfig, nn.Module], None] | None = None) -> None:
     """The memory check from the model file's header, before anything is loaded: a run whose
@@ -314,24 +280,6 @@ def preflight(cfg: TrainConfig, quant: QuantPlan | None,
     if not check.fits and check.available and check.estimate.weights > check.available:
         raise UserError(check.warning().replace("this run may not fit", "this run does not fit")
                         + " (the model's weights alone exceed it)")
-
-
-def qlora_plan(cfg: TrainConfig) -> QuantPlan | None:
-    """How to load the base for QLoRA, or None for a dense base. `--qlora auto`: on Metal/CUDA
-    for a quantized file (MLX multiplies it as it is); on CPU when the float32 model would take
-    more than CPU_QLORA_SHARE of the memory (below that a float32 base keeps the kernels' paths
-    that take dense weights: the fused loss, packed decoding). Read from the file's header:
-    nothing is loaded."""
-    if not cfg.adapters or cfg.qlora == "off" or cfg.method == "scratch":
-        return None
-    plan = QuantPlan.of(cfg)
-    if cfg.qlora == "on":
-        return plan
-    params, quantized = source_size(cfg.model)
-    if backend.INFO.native_quantized_matmul:
-        return plan if quantized else None
-    available, _ = machine_memory()
-    return plan if available and params * 4 > CPU_QLORA_SHARE * available else None
 
 
 def largest_batch(cfg: TrainConfig, model: nn.Module, available: int, **kw) -> int:
@@ -391,7 +339,7 @@ def check_memory(cfg: TrainConfig, model: nn.Module) -> MemoryCheck:
     """The estimate against the machine's memory; refuse (UserError) a run that will not fit
     with --strict-memory, or one beyond REFUSE_FACTOR times the machine's memory."""
     est = estimate(cfg, model)
-    available, source = machine_memory()
+    available, source = backend.INFO.memory_budget()
     check = MemoryCheck(est, available, source, [])
     if check.fits:
         return check
@@ -402,18 +350,35 @@ def check_memory(cfg: TrainConfig, model: nn.Module) -> MemoryCheck:
     return check
 
 
-def set_memory_limits(check: MemoryCheck) -> str | None:
-    """On Metal: wire the recommended working set (the weights stay resident) and let MLX's
-    buffer cache hold what the step leaves free of it. Elsewhere nothing is changed. Returns
-    what was set, for the log."""
+def smaller_settings(cfg: TrainConfig, quantized: bool) -> list[str]:
+    """What to try when a step ran out of memory (`backend.out_of_memory_error`), each taking less
+    than `cfg` does: half the batch (with twice the --grad-accum: the same effective batch),
+    gradient checkpointing, a quantized base (`quantized`: the base is already), else a shorter
+    sequence."""
+    fixes = []
+    if cfg.batch_size > 1:
+        half = cfg.batch_size // 2
+        same = (f" --grad-accum {cfg.grad_accum * 2} (the same effective batch)"
+                if half * 2 == cfg.batch_size else "")
+        fixes.append(f"--batch-size {half}{same}")
+    if not cfg.grad_checkpoint:
+        fixes.append("--grad-checkpoint")
+    if cfg.adapters and not quantized:
+        fixes.append("--qlora on")
+    if not fixes:
+        fixes.append(f"a shorter --seq-len than {cfg.seq_len}")
+    return fixes
+
+
+def set_cache_limit(check: MemoryCheck) -> str | None:
+    """Where the model's memory is wired (Metal; the job wires it, `backend.wired_limit`): let
+    MLX's buffer cache hold what the step leaves free of the memory budget. Elsewhere nothing is
+    changed. Returns what was set, for the log."""
     if not backend.INFO.wired_memory or not check.available:
         return None
-    info = _device_info()
-    wired = int(info.get("max_recommended_working_set_size") or check.available)
     cache = max(1 << 30, check.available - check.estimate.peak)
     try:
-        mx.set_wired_limit(min(wired, check.available))
         mx.set_cache_limit(cache)
     except (RuntimeError, ValueError, AttributeError):
         return None
-    return f"Metal wired limit {min(wired, check.available) / GB:.1f} GB, cache limit {cache / GB:.1f} GB"
+    return f"cache limit {cache / GB:.1f} GB"
