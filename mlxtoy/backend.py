@@ -540,9 +540,7 @@ def model_memory(model: Any, doing: str, fixes: list[str],
             raise error from None
 
 
-@functools.cache
-def _thread_local_stream(device: str) -> Any:
-    return mx.new_thread_local_stream(mx.cpu if device == "cpu" else mx.gpu)
+THREAD_STREAMS: dict[str, Any] = {}  # device name -> its mx.ThreadLocalStream, made once
 
 
 def thread_stream() -> Any:
@@ -551,7 +549,10 @@ def thread_stream() -> Any:
     another thread fails ("There is no Stream(gpu, 0) in current thread"); MLX's thread-local
     stream (`mx.new_thread_local_stream`, as mlx-lm's generation stream) is each thread's own.
     One per device, so `use_device` is followed. Use as `with mx.stream(backend.thread_stream()):`."""
-    return _thread_local_stream(INFO.device)
+    if INFO.device not in THREAD_STREAMS:
+        stream = mx.new_thread_local_stream(mx.cpu if INFO.device == "cpu" else mx.gpu)
+        THREAD_STREAMS.setdefault(INFO.device, stream)  # (two threads at once: the first one made wins)
+    return THREAD_STREAMS[INFO.device]
 
 
 def with_thread_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
