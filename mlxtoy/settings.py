@@ -63,7 +63,8 @@ DEVICE = Switch("MLXTOY_DEVICE", str, "", "the device MLX computes on: cpu or gp
                 "unset: the GPU where there is one. `--device` sets it for one command",
                 choices=("cpu", "gpu"))
 DTYPE = Switch("MLXTOY_DTYPE", str, "", "the compute dtype (float32, bfloat16, float16); unset: "
-               "float32 on CPU, bfloat16 on a GPU", choices=("float32", "bfloat16", "float16"))
+               "float32 on CPU, bfloat16 on a GPU (float16 on an M1/M2, which emulate bfloat16)",
+               choices=("float32", "bfloat16", "float16"))
 BLAS = Switch("MLXTOY_BLAS", str, "", "Linux: the BLAS loaded for MLX: mkl, openblas, a library's "
               "path, or none; unset: the fastest found (OpenBLAS first on AVX-512 AMD, else MKL)")
 KERNELS = Switch("MLXTOY_KERNELS", bool, True, "0: the MLX-only path (the one Metal and CUDA run) "

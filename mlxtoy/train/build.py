@@ -98,7 +98,7 @@ def build_model(cfg: TrainConfig, char_tokenizer: dict[str, Any] | None = None,
                 quant: QuantPlan | None = None) -> tuple[nn.Module, Any, RunFacts]:
     """-> (model ready to train, tokenizer, resolved facts for config.yaml).
 
-    quant: load the base's projections quantized (QLoRA; `memory.qlora_plan` decides).
+    quant: load the base's projections quantized (QLoRA; `loading.quant_plan` decides).
 
     char_tokenizer: a resumed scratch run's character vocabulary (rebuilding it from data
     that changed would shift every id past the embedding table)."""
