@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten
 from mlxtoy import backend
 from mlxtoy.errors import UserError
 from mlxtoy.models import fastmath
+from mlxtoy.models.adapters import adapter_rows_set
 from mlxtoy.models.cache import KVCache, SlotCache, cache_offset, make_cache, trim_cache
 from mlxtoy.sampling import SamplingParams, make_sampler
 
@@ -40,17 +41,17 @@ PREFILL_STEP = 512  # prompt tokens per forward pass; bounds the attention score
 # --------------------------------------------------------------------------- decoding
 
 
-def _has_dropout(model) -> bool:
+def has_dropout(model) -> bool:
     if not isinstance(model, nn.Module):
         return False
     return any(isinstance(m, nn.Dropout) for _, m in model.named_modules())
 
 
 @contextmanager
-def _no_dropout(model, has_dropout: bool):
+def no_dropout(model, dropout: bool):
     """Eval mode while a step's graph is built (MLX draws dropout masks then), restored right
     after: sampling mid-training never sees dropout and never leaves the trainer in eval mode."""
-    switch = has_dropout and model.training
+    switch = dropout and model.training
     if switch:
         model.eval()
     try:
@@ -71,11 +72,13 @@ def _forward_last(model, tokens: mx.array, cache: list) -> mx.array:
 
 
 def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], mx.array]:
-    """-> step(tokens (B, 1), cache, packs, head, start (B,)) -> logits (B, V): the one-token
-    forward as one compiled graph, with the position a traced input so the graph is reused
-    token after token; packs: per layer, the packed matrices its fused block reads; head: []
-    or [the packed output matrix] (inputs, like the weights); start: each row's first cached
-    position that it may see (left-padded rows of a batch, `generate_batch`; zeros otherwise).
+    """-> step(tokens (B, 1), cache, packs, head, start (B,), rows) -> logits (B, V): the
+    one-token forward as one compiled graph, with the position a traced input so the graph is
+    reused token after token; packs: per layer, the packed matrices its fused block reads;
+    head: [] or [the packed output matrix] (inputs, like the weights); start: each row's first
+    cached column that it may see (left-padded rows of a batch, `mlxtoy.engine`; zeros
+    otherwise), its own positions counted from there; rows: [] or [each row's adapter slot]
+    for a model serving several adapters at once (`mlxtoy.models.adapters`).
 
     The graph's shapes depend only on the cache buffers' capacity, which grows every
     `KVCache.step` tokens (a new trace then, ~50 ms). Building the eager graph costs ~6 ms of
@@ -85,25 +88,27 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], 
     function when the model's structure changes, so it is never served a stale trace.
     """
 
-    def forward(tokens, offset, keys, values, packs, head, start):
-        slots = [SlotCache(k, v, offset, p) for k, v, p in zip(keys, values, packs)]
+    def forward(tokens, offset, keys, values, packs, head, start, rows):
+        slots = [SlotCache(k, v, offset, p, start) for k, v, p in zip(keys, values, packs)]
         positions = mx.arange(keys[0].shape[2])
         mask = ((positions <= offset)[None, :] & (positions[None, :] >= start[:, None]))[:, None, None, :]
-        h = model.hidden(tokens, mask=mask, cache=slots)[:, -1, :]
-        logits = fastmath.linear_packed(h, head[0]) if head else model.logits(h)
+        with adapter_rows_set(model, rows[0] if rows else None):
+            h = model.hidden(tokens, mask=mask, cache=slots)[:, -1, :]
+            logits = fastmath.linear_packed(h, head[0]) if head else model.logits(h)
         return logits, [s.keys for s in slots], [s.values for s in slots]
 
     compiled = mx.compile(forward, inputs=model.state)
 
     traced: set[int] = set()  # the cache capacities traced for
 
-    def step(tokens: mx.array, cache: list, packs: list[dict], head: list, start: mx.array) -> mx.array:
+    def step(tokens: mx.array, cache: list, packs: list[dict], head: list, start: mx.array,
+             rows: list) -> mx.array:
         for c in cache:
             c.reserve(1)
         offset = mx.array([cache[0].offset], dtype=mx.int32)
         with fastmath.inference():  # (traced here, on the first call and when shapes change)
             logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
-                                            [c.values for c in cache], packs, head, start)
+                                            [c.values for c in cache], packs, head, start, rows)
         if cache[0].capacity not in traced:  # a trace: the model holds new objects for its weights
             traced.add(cache[0].capacity)
             if hasattr(model, "repin_packs"):
@@ -143,11 +148,20 @@ def decoder_for(model) -> Callable[..., mx.array]:
 
     first = mx.zeros((1,), dtype=mx.int32)
 
-    def decode(tokens: mx.array, cache: list, start: mx.array | None = None) -> mx.array:
-        return step(tokens, cache, packs, head, first if start is None else start)
+    def decode(tokens: mx.array, cache: list, start: mx.array | None = None,
+               adapter_rows: mx.array | None = None) -> mx.array:
+        return step(tokens, cache, packs, head, first if start is None else start,
+                    [] if adapter_rows is None else [adapter_rows])
 
     object.__setattr__(model, "mlxtoy_decoder", (structure, step, packs, head, decode))
     return decode
+
+
+def forget_decoder(model) -> None:
+    """Drop the compiled decode kept on `model` (`decoder_for`), with the arrays its traces hold:
+    what a thread that decoded must do before it ends, while its stream is still there."""
+    if "mlxtoy_decoder" in vars(model):
+        object.__setattr__(model, "mlxtoy_decoder", None)
 
 
 def _prefill_only(model, tokens: mx.array, cache: list) -> None:
@@ -191,7 +205,7 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
                          f"{len(prompt_tokens)}: at least one must be left to read")
     if max_tokens <= 0:
         return
-    dropout = _has_dropout(model)
+    dropout = has_dropout(model)
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
     key = mx.random.key(seed)
     window = sampling.repetition_window if sampling.repetition_penalty != 1.0 else 0
@@ -204,7 +218,7 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
 
     def step(tokens: mx.array, sampled: bool):
         nonlocal key, recent, decode
-        with _no_dropout(model, dropout):
+        with no_dropout(model, dropout):
             if sampled and compiled:
                 decode = decode or decoder_for(model)
                 logits = decode(tokens[None], cache)
@@ -222,7 +236,7 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
     t0 = time.perf_counter()
     todo = mx.array(list(prompt_tokens[start:]), dtype=mx.uint32)
     while todo.size > prefill_step:
-        with _no_dropout(model, dropout):
+        with no_dropout(model, dropout):
             _prefill_only(model, todo[None, :prefill_step], cache)
         todo = todo[prefill_step:]
     times.prompt_tokens = len(prompt_tokens) - start
@@ -248,73 +262,6 @@ def generate_tokens(model, prompt_tokens: Sequence[int], cache: list | None = No
         if n % 256 == 0:
             mx.clear_cache()
         y, logprob = next_y, next_logprob
-
-
-def generate_batch(model, prompts: Sequence[Sequence[int]], *, repeats: int = 1,
-                   sampling: SamplingParams | None = None, max_tokens: int = 256,
-                   eos_ids: Iterable[int] = (), seed: int = 0) -> list[list[int]]:
-    """`repeats` continuations of each prompt (prompt-major), all rows decoded together as one
-    batch through the KV cache; each ends at its first token in `eos_ids` (kept) or after
-    `max_tokens`. Deterministic in `seed`. GRPO's rollouts (mlxtoy.train.grpo).
-
-    Prompts of different lengths are left-padded: a row sees its own positions only (the
-    mask starts at its first real token; a padding position sees itself, so nothing is
-    undefined), and RoPE depends on relative positions only. Each prompt is prefilled once
-    and its cache copied to its `repeats` rows. No repetition penalty (`sampling`'s is
-    ignored). Rows that have ended are decoded until every row has.
-    """
-    sampling = (sampling or SamplingParams()).validate()
-    sampler = make_sampler(SamplingParams(sampling.temp, sampling.top_k, sampling.top_p, sampling.min_p))
-    eos = set(eos_ids)
-    P, L = len(prompts), max(len(p) for p in prompts)
-    ctx = getattr(getattr(model, "config", None), "context_length", None)
-    if ctx and not getattr(model, "sliding_window", False):
-        max_tokens = min(max_tokens, ctx - L)
-    if max_tokens <= 0:
-        return [[] for _ in range(P * repeats)]
-    starts = mx.array([L - len(p) for p in prompts], dtype=mx.int32)
-    tokens = mx.array([[int(p[0])] * (L - len(p)) + [int(t) for t in p] for p in prompts], dtype=mx.int32)
-    positions = mx.arange(L)
-    seen = (positions[None, :, None] >= positions[None, None, :]) & (
-        (positions[None, None, :] >= starts[:, None, None]) | (positions[None, :, None] == positions[None, None, :]))
-    cache = make_cache(model)
-    dropout = _has_dropout(model)
-    with _no_dropout(model, dropout):
-        with fastmath.inference():
-            h = model.hidden(tokens, mask=seen[:, None], cache=cache)
-            logits = model.logits(h[:, -1, :])
-        if repeats > 1:  # each prompt read once, its cache copied to its rows
-            for c in cache:
-                c.keys, c.values = mx.repeat(c.keys, repeats, axis=0), mx.repeat(c.values, repeats, axis=0)
-            logits = mx.repeat(logits, repeats, axis=0)
-            starts = mx.repeat(starts, repeats, axis=0)
-        mx.eval(logits, [c.state for c in cache])
-        compiled = hasattr(model, "hidden") and all(isinstance(c, KVCache) for c in cache) \
-            and not getattr(model, "sliding_window", False)
-        decode = decoder_for(model) if compiled else None
-        key = mx.random.key(seed)
-        none = mx.array([], dtype=mx.uint32)
-        rows = P * repeats
-        out: list[list[int]] = [[] for _ in range(rows)]
-        done = [False] * rows
-        for n in range(max_tokens):
-            sub = None
-            if not sampling.greedy:
-                key, sub = mx.random.split(key)
-            y = sampler(logits, none, sub)
-            for b, t in enumerate(y.tolist()):
-                if not done[b]:
-                    out[b].append(t)
-                    done[b] = t in eos
-            if all(done) or n + 1 == max_tokens:
-                break
-            if decode is not None:
-                logits = decode(y[:, None], cache, starts)
-            else:
-                mask = (mx.arange(cache[0].offset + 1)[None, :] >= starts[:, None])[:, None, None, :]
-                with fastmath.inference():
-                    logits = model.logits(model.hidden(y[:, None], mask=mask, cache=cache)[:, -1, :])
-    return out
 
 
 # --------------------------------------------------------------------------- detokenizing

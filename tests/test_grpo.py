@@ -21,7 +21,8 @@ import torch
 from helpers_train import REPO, run_cli, run_training, tiny_model, write_jsonl, write_tiny_model_folder
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
-from mlxtoy.generate import generate_batch, generate_tokens
+from mlxtoy.engine import generate_batch
+from mlxtoy.generate import generate_tokens
 from mlxtoy.rundir import read_metrics
 from mlxtoy.sampling import SamplingParams
 from mlxtoy.train.control import TrainControl

@@ -5,6 +5,12 @@ that grows in steps of `step` positions (as mlx-lm does) so a decode step writes
 place instead of concatenating a new array every token. `offset` counts the valid positions;
 `trim(n)` forgets the last n of them (the buffer is kept), which is how a chat session reuses
 the shared prefix of a conversation.
+
+A batch of sequences of different lengths (`mlxtoy.engine`) shares one cache, its rows
+left-padded: `starts[b]` is row b's first real column, so its own position of column c is
+c - starts[b] (`positions`, what a learned position table reads) and its attention sees
+columns starts[b] .. offset only. `join_rows`, `keep_rows` and `drop_columns` are how rows
+join and leave such a cache between decode steps.
 """
 
 from __future__ import annotations
@@ -19,6 +25,12 @@ class KVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        self.starts: mx.array | None = None  # (B,) int32: each row's first column (a batch), else None
+
+    @property
+    def positions(self) -> int | mx.array:
+        """The position of the next token written: `offset`, or per row (B, 1) in a batch."""
+        return self.offset if self.starts is None else (self.offset - self.starts)[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append keys/values (B, kv_heads, T, d_head); return everything cached so far."""
@@ -86,9 +98,14 @@ class SlotCache:
     matrices in the packed form its fused step reads (see `Block.decode_packs`)."""
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array,
-                 packed: dict[str, mx.array] | None = None):
+                 packed: dict[str, mx.array] | None = None, starts: mx.array | None = None):
         self.keys, self.values, self.offset = keys, values, offset
         self.packed = packed or {}
+        self.starts = starts  # (B,): each row's first column, as KVCache.starts
+
+    @property
+    def positions(self) -> mx.array:
+        return self.offset if self.starts is None else (self.offset - self.starts)[:, None]
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Write the position into slot `offset`; return the whole buffers (the attention
@@ -113,3 +130,64 @@ def trim_cache(cache: list[KVCache], n: int) -> int:
     for c in cache:
         trimmed = c.trim(n)
     return trimmed
+
+
+def cache_positions(cache: list | None) -> int | mx.array:
+    """The position of the next token for a model's `embed`: 0 without a cache, else the
+    first layer's `positions` (per row in a left-padded batch)."""
+    return cache[0].positions if cache else 0
+
+
+def _padded(x: mx.array, before: int, length: int) -> mx.array:
+    """x's first `length` columns (axis 2) after `before` zero columns."""
+    x = x[..., :length, :]
+    if before == 0:
+        return x
+    B, H, _, D = x.shape
+    return mx.concatenate([mx.zeros((B, H, before, D), x.dtype), x], axis=2)
+
+
+def join_rows(batch: list[KVCache], rows: list[KVCache], copies: int = 1) -> None:
+    """Append `copies` copies of the rows of the cache `rows` (its `offset` columns, all real)
+    to the batch cache `batch`, in place: the shorter side is left-padded so both end at the
+    same column. An empty `batch` becomes the rows (starts 0)."""
+    n_new = rows[0].offset
+    end = max(batch[0].offset, n_new)
+    pad_batch = end - batch[0].offset
+    for b, r in zip(batch, rows):
+        k_new = _padded(r.keys, end - n_new, n_new)
+        v_new = _padded(r.values, end - n_new, n_new)
+        if copies > 1:
+            k_new, v_new = mx.repeat(k_new, copies, axis=0), mx.repeat(v_new, copies, axis=0)
+        if b.keys is None or b.starts is None or b.starts.size == 0:
+            b.keys, b.values = k_new, v_new
+            b.starts = mx.zeros((k_new.shape[0],), mx.int32) + (end - n_new)
+        else:
+            b.keys = mx.concatenate([_padded(b.keys, pad_batch, b.offset), k_new], axis=0)
+            b.values = mx.concatenate([_padded(b.values, pad_batch, b.offset), v_new], axis=0)
+            b.starts = mx.concatenate([b.starts + pad_batch, mx.full((k_new.shape[0],), end - n_new, mx.int32)])
+        b.offset = end
+
+
+def keep_rows(cache: list[KVCache], rows: list[int]) -> None:
+    """Keep only these rows of a batch cache (in this order), then drop the leading columns
+    that every kept row has as padding."""
+    if not rows:
+        for c in cache:
+            c.keys = c.values = c.starts = None
+            c.offset = 0
+        return
+    idx = mx.array(rows, dtype=mx.int32)
+    for c in cache:
+        c.keys, c.values, c.starts = c.keys[idx], c.values[idx], c.starts[idx]
+    drop_columns(cache, int(cache[0].starts.min().item()))
+
+
+def drop_columns(cache: list[KVCache], n: int) -> None:
+    """Forget the first n columns of every row (padding all rows share); positions are kept."""
+    if n <= 0:
+        return
+    for c in cache:
+        c.keys, c.values = c.keys[..., n:c.offset, :], c.values[..., n:c.offset, :]
+        c.starts = c.starts - n
+        c.offset -= n

@@ -27,7 +27,7 @@ import numpy as np
 
 from mlxtoy.config import ModelConfig
 from mlxtoy.models import fastmath
-from mlxtoy.models.cache import SlotCache
+from mlxtoy.models.cache import SlotCache, cache_positions
 from mlxtoy.models.attention import attention
 from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
 
@@ -150,7 +150,8 @@ class RoPE(nn.Module):
         # x: (B, heads, T, d_head)
         if self._long is not None:
             return self.longrope(x, offset)
-        if fastmath.rope_kernel_ok(x):
+        per_row = isinstance(offset, mx.array) and offset.size > 1  # a batch's rows (B,)
+        if fastmath.rope_kernel_ok(x) and not per_row:
             return fastmath.rope(x, offset, self._inv_freqs, self.dims, self.traditional, self.scale)
         if self._freqs is not None:
             return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None,
@@ -169,8 +170,8 @@ class RoPE(nn.Module):
         last = offset + x.shape[2]
         if isinstance(last, int):
             y = rotate(self._long if last > self._original else self._freqs)
-        else:  # a traced offset (compiled decoding): both, then select
-            y = mx.where(last > self._original, rotate(self._long), rotate(self._freqs))
+        else:  # a traced offset (compiled decoding; per row in a batch): both, then select
+            y = mx.where((last > self._original).reshape(-1, 1, 1, 1), rotate(self._long), rotate(self._freqs))
         if self.mscale == 1.0:
             return y
         if self.dims == x.shape[-1]:
@@ -208,10 +209,14 @@ class Attention(nn.Module):
         q = q.transpose(0, 2, 1, 3)  # (B, H, T, Dh)
         k = k.transpose(0, 2, 1, 3)  # (B, KV, T, Dh)
         v = v.transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
+        offset = cache.offset if cache is not None else 0  # the first new token's column
         if "rope" in self:
-            q = self.rope(q, offset)
-            k = self.rope(k, offset)
+            # its position: per row in a left-padded batch (mlxtoy.engine), where column and
+            # position differ by the row's padding
+            pos = cache.positions if cache is not None else 0
+            pos = pos.reshape(-1) if isinstance(pos, mx.array) else pos
+            q = self.rope(q, pos)
+            k = self.rope(k, pos)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self.window is not None:
@@ -433,7 +438,7 @@ class LlamaModel(nn.Module):
 
     def hidden(self, tokens: mx.array, mask: Any = None, cache: list | None = None,
                taps: dict | None = None) -> mx.array:
-        x = self.embed(tokens, cache[0].offset if cache else 0)
+        x = self.embed(tokens, cache_positions(cache))
         for i, layer in enumerate(self.layers):
             layer_taps = None
             if taps is not None and _wants_layer(taps, i):

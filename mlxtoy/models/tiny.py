@@ -37,8 +37,9 @@ class TinyLM(LearnedPosTransformer):
         The tokens a cache holds are kept on it (`cache[0].window_tokens`) so the window can be
         re-read. When sliding, the result covers the last min(T, context_length) positions.
         """
-        if cache is None:
-            return super().hidden(tokens, mask, None, taps)
+        if cache is None or cache[0].starts is not None:
+            # a batch of rows (mlxtoy.engine) never slides: each row ends at the context
+            return super().hidden(tokens, mask, cache, taps)
         ctx = self.config.context_length
         first = cache[0]
         offset = first.offset

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxtoy.errors import UserError
-from mlxtoy.generate import stream_generate
+from mlxtoy.engine import BatchDecoder, Request
+from mlxtoy.generate import StreamingDetokenizer, check_prompt
+from mlxtoy.sampling import SamplingParams
 from mlxtoy.train.formats import Record, Renderer
 
 
@@ -33,16 +35,37 @@ def _normalize(s: str) -> str:
     return " ".join(s.split())
 
 
-def _answer(model, tokenizer, ids: list[int], expected: str, max_tokens: int, full: bool) -> str:
-    """Greedy answer; unless `full`, stop as soon as it can no longer equal `expected` (an
+EVAL_ROWS = 16  # answers decoded together (the batched decoder's rows)
+
+
+def _answers(model, tokenizer, prompts: list[list[int]], expected: list[str], max_tokens: int,
+             full: list[bool]) -> list[str]:
+    """Greedy answers, decoded together (`mlxtoy.engine`: each row what it would be alone);
+    unless `full[i]`, answer i stops as soon as it can no longer equal `expected[i]` (an
     exact-match score does not need the rest, and a wrong base model is slow to finish)."""
-    want = _normalize(expected)
-    text = ""
-    for chunk in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, temp=0.0):
-        text += chunk.text
-        if not full and not want.startswith(_normalize(text)):
-            return text + "..."
-    return text
+    engine = BatchDecoder(model)
+    eos = frozenset(tokenizer.eos_ids)
+    answers: list[str] = [""] * len(prompts)
+    rows: dict[int, tuple[int, StreamingDetokenizer]] = {}
+    todo = list(range(len(prompts)))
+    while todo or engine.rows:
+        while todo and len(engine.rows) < EVAL_ROWS:
+            i = todo.pop(0)
+            budget = check_prompt(model, prompts[i], max_tokens)
+            row = engine.add(Request(prompts[i], budget, SamplingParams(), eos))[0]
+            rows[id(row)] = (i, StreamingDetokenizer(tokenizer))
+        for row, tok in engine.step():
+            i, detok = rows[id(row)]
+            if tok.finish == "stop":  # the end-of-sequence token is not part of the answer
+                answers[i] += detok.finish()
+                continue
+            answers[i] += detok.add(tok.token)
+            if tok.finish == "length":
+                answers[i] += detok.finish()
+            elif not full[i] and not _normalize(expected[i]).startswith(_normalize(answers[i])):
+                answers[i] += "..."
+                engine.cancel(row)
+    return answers
 
 
 def accuracy(model, tokenizer, examples: list[Record], max_tokens: int = 32,
@@ -60,11 +83,15 @@ def accuracy(model, tokenizer, examples: list[Record], max_tokens: int = 32,
     todo = examples[:limit] if limit else examples
     if not todo:
         raise UserError("no test examples to measure accuracy on (add test.jsonl to the data folder)")
+    prompts, wants = [], []
     for rec in todo:
         ids, expected = rec.format.prompt(rec, r)
         if expected is None:
             raise UserError(f"{rec.where}: no expected answer (needs a completion or an assistant turn)")
-        answer = _answer(model, tokenizer, ids, expected, max_tokens, len(samples) < full_answers)
+        prompts.append(ids)
+        wants.append(expected)
+    answers = _answers(model, tokenizer, prompts, wants, max_tokens, [i < full_answers for i in range(len(todo))])
+    for rec, expected, answer in zip(todo, wants, answers):
         ok = _normalize(answer) == _normalize(expected)
         correct += ok
         samples.append({"prompt": rec.format.prompt_text(rec), "expected": expected, "answer": answer, "ok": ok})

@@ -2,8 +2,8 @@
 
 A step samples `group_size` completions of each of its prompts with the policy as it is
 (`rollout`: every completion of the step, all its micro-batches, is one batch through the
-KV-cache decoder, mlxtoy.generate.generate_batch), scores them (mlxtoy.train.rewards), and
-trains on
+batched decoder, mlxtoy.engine.generate_batch: each prompt prefilled once for its group),
+scores them (mlxtoy.train.rewards), and trains on
 
     A_i = r_i - mean(r of its group)       divided by the group's std (--scale-rewards group),
                                            the batch's (batch) or nothing (none, Dr. GRPO);
@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxtoy.errors import UserError
-from mlxtoy.generate import generate_batch
+from mlxtoy.engine import generate_batch
 from mlxtoy.sampling import SamplingParams
 from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, DataStats, pack_rows
 from mlxtoy.train.formats import Record, Renderer

@@ -1,0 +1,264 @@
+"""The batched decoder: many sequences in one KV cache, each at its own positions, joining and
+leaving between decode steps (continuous batching). Serving (`mlxtoy.serve`), GRPO's rollouts
+and the greedy evaluations (`generate_batch`) all decode through it.
+
+- A request is prefilled alone (B = 1: a prompt's tokens never wait on another's), from the
+  prompt cache's longest prefix of it when there is one (`PromptCache`), then joins the batch
+  cache left-padded (`mlxtoy.models.cache.join_rows`). `copies` > 1 prefills the prompt once
+  and joins its cache that many times (GRPO's group, OpenAI's `n`).
+- Each row has its own positions: column c of row b is position c - starts[b], which is
+  what a learned position table reads (GPT-2, the tiny model); RoPE sees relative positions
+  only. So a row samples what it would sample alone.
+- Each row has its own sampling parameters, random key (drawn as `generate_tokens` draws:
+  split before each non-greedy token), repetition window, adapter slot (a model serving
+  several adapters of one base, `mlxtoy.models.adapters`) and an optional constraint
+  (`response_format`): a row's tokens do not depend on which other rows share its batch.
+- One `step()` samples a token for every row from its pending logits, drops the rows that
+  ended (end-of-sequence, max_tokens, the context, or `cancel`), and runs one forward for the
+  rest, compiled on a CPU as `generate_tokens`'s decode is (`mlxtoy.generate.decoder_for`).
+
+Rows end at the model's context (the tiny model's window does not slide here, unlike
+`generate_tokens`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Protocol, Sequence
+
+import mlx.core as mx
+
+from mlxtoy import backend
+from mlxtoy.generate import PREFILL_STEP, decoder_for, forget_decoder, has_dropout, no_dropout
+from mlxtoy.models import fastmath
+from mlxtoy.models.adapters import adapter_rows_set, adapter_slots
+from mlxtoy.models.cache import KVCache, join_rows, keep_rows, make_cache
+from mlxtoy.prompt_cache import PromptCache
+from mlxtoy.sampling import SamplingParams, make_sampler
+
+
+class Constraint(Protocol):
+    """What a row's output must match (e.g. a JSON schema, `mlxtoy.constrain`)."""
+
+    def allowed(self) -> mx.array | None:
+        """(vocab,) bool: the tokens that may come next; None: any."""
+
+    def advance(self, token: int) -> None:
+        """The row took `token`."""
+
+
+@dataclass
+class Request:
+    prompt: Sequence[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos: frozenset[int] = frozenset()
+    adapter: int = 0  # the slot of the model's adapter this row reads (0: the base)
+    top_logprobs: int = 0  # how many of the most likely tokens to report with each token
+    constraint: Constraint | None = None
+
+
+@dataclass
+class Token:
+    token: int
+    logprob: float  # the model's (raw logits, temperature 1)
+    top: list[tuple[int, float]] | None = None  # (token, logprob) of the most likely, best first
+    finish: str | None = None  # "stop" (an end-of-sequence token, included), "length"
+
+
+class Row:
+    """One sequence being decoded: its request, sampler state and pending logits."""
+
+    def __init__(self, request: Request, seed: int, budget: int, logits: mx.array):
+        self.request = request
+        self.sampler = make_sampler(request.sampling)
+        self.key = mx.random.key(seed)
+        window = request.sampling.repetition_window if request.sampling.repetition_penalty != 1.0 else 0
+        self.window = window
+        self.recent = mx.array(list(request.prompt[-window:]) if window else [], dtype=mx.uint32)
+        self.budget = budget  # tokens it may still generate (max_tokens clipped to the context)
+        self.logits = logits  # (1, V): where its next token is drawn from
+        self.generated = 0
+        self.cancelled = False
+
+    def draw(self) -> tuple[mx.array, mx.array]:
+        """-> (token (1,), logprob ()) from the pending logits, lazily."""
+        logits = self.logits
+        allowed = self.request.constraint.allowed() if self.request.constraint is not None else None
+        masked = logits if allowed is None else mx.where(allowed, logits, -mx.inf)
+        sub = None
+        if not self.request.sampling.greedy:
+            self.key, sub = mx.random.split(self.key)
+        token = self.sampler(masked, self.recent, sub)
+        logprob = logits[0, token[0]] - fastmath.logsumexp(logits[0])
+        return token, logprob
+
+
+class BatchDecoder:
+    """A batch of rows decoded together; `add` between `step`s. Not thread-safe: one thread
+    (the server's engine thread, or the trainer's) drives it."""
+
+    def __init__(self, model, *, compile_decode: bool = True, prompt_cache: PromptCache | None = None,
+                 prefill_step: int = PREFILL_STEP):
+        self.model = model
+        self.cache: list[KVCache] = make_cache(model)
+        self.rows: list[Row] = []
+        # the tiny model's cache holds its window's tokens too, which a prompt cache does not keep
+        self.prompt_cache = None if getattr(model, "sliding_window", False) else prompt_cache
+        self.prefill_step = prefill_step
+        self.dropout = has_dropout(model)
+        self.compiled = compile_decode and backend.INFO.compiled_decode and hasattr(model, "hidden")
+        self.slots = adapter_slots(model)
+        cfg = getattr(model, "config", None)
+        self.context = getattr(cfg, "context_length", None)
+        self.prompt_tokens = 0  # tokens prefilled (prompt cache hits excluded)
+        self.cached_tokens = 0  # prompt tokens served from the prompt cache
+
+    def add(self, request: Request, copies: int = 1) -> list[Row]:
+        """Prefill `request.prompt` once and add `copies` rows reading it; copy j draws from
+        seed + j (a fresh random seed when the request has none). The prompt must leave at
+        least one position of the context (see `generate.check_prompt`)."""
+        prompt = [int(t) for t in request.prompt]
+        if not prompt:
+            raise ValueError("empty prompt")
+        budget = request.max_tokens
+        if self.context:
+            budget = min(budget, self.context - len(prompt))
+        if budget <= 0:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) leaves no room in the context ({self.context})")
+        cache, logits = self.prefill(prompt, request.adapter)
+        join_rows(self.cache, cache, copies)
+        seed = request.sampling.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        rows = [Row(request, seed + j, budget, logits) for j in range(copies)]
+        self.rows += rows
+        return rows
+
+    def prefill(self, prompt: list[int], adapter: int) -> tuple[list[KVCache], mx.array]:
+        """A B = 1 cache holding `prompt` (from the prompt cache's longest prefix of it, the
+        rest read here) and the logits (1, V) after its last token."""
+        cache, hit = None, 0
+        if self.prompt_cache is not None:
+            cache, hit = self.prompt_cache.fetch(prompt, adapter)
+        cache = cache if cache is not None else make_cache(self.model)
+        self.cached_tokens += hit
+        self.prompt_tokens += len(prompt) - hit
+        todo = mx.array(prompt[hit:], dtype=mx.uint32)[None]
+        with no_dropout(self.model, self.dropout), fastmath.inference(), \
+                adapter_rows_set(self.model, mx.array([adapter], dtype=mx.int32) if self.slots else None):
+            while todo.shape[1] > self.prefill_step:
+                self.hidden(todo[:, :self.prefill_step], None, cache)
+                mx.eval([c.state for c in cache])
+                todo = todo[:, self.prefill_step:]
+            logits = self.model.logits(self.hidden(todo, None, cache)[:, -1, :])
+        mx.eval(logits, [c.state for c in cache])
+        if self.prompt_cache is not None:
+            self.prompt_cache.store(prompt, adapter, cache)
+        return cache, logits
+
+    def hidden(self, tokens: mx.array, mask, cache: list) -> mx.array:
+        return self.model.hidden(tokens, mask=mask, cache=cache)
+
+    def cancel(self, row: Row) -> None:
+        """Drop `row` at the next step (a client that went away)."""
+        row.cancelled = True
+
+    def step(self) -> list[tuple[Row, Token]]:
+        """One token for every row; rows that ended (or were cancelled) leave the batch."""
+        live = [i for i, r in enumerate(self.rows) if not r.cancelled]
+        if len(live) < len(self.rows):
+            self.remove(live)
+        if not self.rows:
+            return []
+        drawn = [r.draw() for r in self.rows]
+        tops = []
+        for r in self.rows:
+            k = r.request.top_logprobs
+            if k:
+                logp = r.logits[0] - fastmath.logsumexp(r.logits[0])
+                order = mx.argsort(-logp)[:k]
+                tops.append((order, logp[order]))
+            else:
+                tops.append(None)
+        mx.eval(drawn, [t for t in tops if t is not None])
+        out, keep = [], []
+        for i, (r, (tok, logprob), top) in enumerate(zip(self.rows, drawn, tops)):
+            t = int(tok.item())
+            r.generated += 1
+            if r.request.constraint is not None:
+                r.request.constraint.advance(t)
+            finish = "stop" if t in r.request.eos else "length" if r.generated >= r.budget else None
+            top_list = list(zip(top[0].tolist(), top[1].tolist())) if top is not None else None
+            out.append((r, Token(t, float(logprob.item()), top_list, finish)))
+            if finish is None:
+                keep.append(i)
+                if r.window:
+                    r.recent = mx.concatenate([r.recent, tok.astype(mx.uint32)])[-r.window:]
+        tokens = mx.concatenate([drawn[i][0] for i in keep]) if keep else None
+        if len(keep) < len(self.rows):
+            self.remove(keep)
+        if self.rows:
+            self.forward(tokens.astype(mx.int32)[:, None])
+        return out
+
+    def remove(self, keep: list[int]) -> None:
+        """Keep only the rows at these indices."""
+        keep_rows(self.cache, keep)
+        self.rows = [self.rows[i] for i in keep]
+
+    def release(self) -> None:
+        """Free every array this decoder made (rows, the prompt cache, the compiled decode) and
+        wait for its work: a thread that decoded calls it before it ends (MLX arrays and traces
+        outliving their thread's stream abort the process at exit)."""
+        self.remove([])
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
+        forget_decoder(self.model)
+        mx.synchronize()
+        mx.clear_cache()
+
+    def forward(self, tokens: mx.array) -> None:
+        """Every row reads its token (B, 1); its pending logits become the result's row."""
+        starts = self.cache[0].starts
+        adapters = mx.array([r.request.adapter for r in self.rows], dtype=mx.int32) if self.slots else None
+        with no_dropout(self.model, self.dropout):
+            if self.compiled:
+                logits = decoder_for(self.model)(tokens, self.cache, starts, adapters)
+            else:
+                cols = mx.arange(self.cache[0].offset + 1)
+                mask = (cols[None, :] >= starts[:, None])[:, None, None, :]
+                with fastmath.inference(), adapter_rows_set(self.model, adapters):
+                    logits = self.model.logits(self.hidden(tokens, mask, self.cache)[:, -1, :])
+        for i, r in enumerate(self.rows):
+            r.logits = logits[i:i + 1]
+
+
+def generate_batch(model, prompts: Sequence[Sequence[int]], *, repeats: int = 1,
+                   sampling: SamplingParams | None = None, max_tokens: int = 256,
+                   eos_ids=(), seed: int = 0, adapter: int = 0) -> list[list[int]]:
+    """`repeats` continuations of each prompt (prompt-major) decoded together through the
+    batched decoder; each ends at its first token in `eos_ids` (kept) or after `max_tokens`
+    (clipped to the context). Each prompt is prefilled once and its cache shared by its
+    `repeats` rows. Deterministic in `seed`: row r draws from seed * 2**20 + r, so each row
+    samples what `generate_tokens` would with that seed (repetition penalty included).
+    GRPO's rollouts, its greedy eval and `--eval-accuracy`."""
+    sampling = (sampling or SamplingParams()).validate()
+    eos = frozenset(int(t) for t in eos_ids)
+    engine = BatchDecoder(model)
+    out: dict[int, list[int]] = {}
+    order = []
+    for i, p in enumerate(prompts):
+        budget = min(max_tokens, engine.context - len(p)) if engine.context else max_tokens
+        if budget <= 0:
+            order += [None] * repeats
+            continue
+        rows = engine.add(Request(p, max_tokens, replace(sampling, seed=seed * 2**20 + i * repeats), eos,
+                                  adapter), copies=repeats)
+        order += [id(r) for r in rows]
+        out.update({id(r): [] for r in rows})
+    while engine.rows:
+        for row, tok in engine.step():
+            out[id(row)].append(tok.token)
+    return [out[k] if k is not None else [] for k in order]

@@ -1,0 +1,250 @@
+"""The batched decoder (mlxtoy.engine): every row samples what one-at-a-time decoding
+(`generate_tokens`) samples, on every architecture, with rows joining and leaving between
+steps, prompts shared by a group, several adapters of one base in one batch and the prompt
+cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from helpers_export import randomize
+from helpers_train import byte_tokenizer, tiny_model
+from mlxtoy.config import ModelConfig
+from mlxtoy.engine import BatchDecoder, Request, generate_batch
+from mlxtoy.generate import generate, generate_tokens
+from mlxtoy.loading import build_model
+from mlxtoy.models.adapters import attach_adapters
+from mlxtoy.models.cache import KVCache, SlotCache
+from mlxtoy.models.lora import apply_lora, lora_parameters, merge_lora
+from mlxtoy.prompt_cache import PromptCache
+from mlxtoy.sampling import SamplingParams
+from mlxtoy.train.evaluate import accuracy
+from mlxtoy.train.formats import Renderer, parse_object
+
+VOCAB = 300
+COMMON = dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_head=16, d_ff=128,
+              context_length=96)
+# one tiny random model per architecture (the options each spec sets)
+ARCHS = {
+    "llama": dict(arch="llama"),
+    "qwen2": dict(arch="qwen2", qkv_bias=True, rope_traditional=False, tie_embeddings=False),
+    "qwen3": dict(arch="qwen3", qk_norm=True, rope_traditional=False),
+    "mistral": dict(arch="mistral", sliding_window=8),
+    "phi3": dict(arch="phi3", rope_dims=8, rope_traditional=False),
+    "gemma3": dict(arch="gemma3", qk_norm=True, sliding_window=8, rope_local_base=10000.0,
+                   layer_types=["sliding_attention", "full_attention"], attn_scale=0.25),
+    "gpt2": dict(arch="gpt2", n_kv_heads=4, rope_dims=0),
+    "tiny": dict(arch="tiny", n_kv_heads=4, rope_dims=0),
+}
+
+
+def arch_model(name: str, seed: int = 0):
+    """`randomize`d, with the embeddings scaled down so the next token is not almost surely
+    the last one again (a tied table's self-similarity): sampling then has choices to make."""
+    model = randomize(build_model(ModelConfig(**{**COMMON, **ARCHS[name]})), seed)
+    model.tok_embeddings.weight = model.tok_embeddings.weight * 0.25
+    if "output" in model:
+        model.output.weight = model.output.weight * 0.25
+    mx.eval(model.parameters())
+    return model
+
+
+def prompts(lengths=(5, 23, 11), seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
+
+
+def alone(model, prompt, sampling: SamplingParams, n: int) -> list[int]:
+    return [t for t, _ in generate_tokens(model, prompt, sampling=sampling, max_tokens=n)]
+
+
+def agree(model, prompt, got: list[int], want: list[int], tol: float = 1e-3) -> bool:
+    """got == want, or greedy runs that part where the two tokens tie: their logits after the
+    common prefix, computed one at a time, within `tol` (a batch's products round differently
+    from one row's; a near-tie may then go either way)."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            logits = model(mx.array([list(prompt) + want[:i]]))[0, -1]
+            return abs((logits[g] - logits[w]).item()) < tol
+    return len(got) == len(want)
+
+
+SAMPLINGS = {"greedy": SamplingParams(temp=0.0),
+             "sampled": SamplingParams(temp=1.0, top_p=0.95, repetition_penalty=1.3, repetition_window=8)}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("how", list(SAMPLINGS))
+def test_batched_rows_sample_what_one_at_a_time_samples(arch, how):
+    """Prompts of different lengths in one batch (two rows of each: GRPO's group) give each
+    row the tokens `generate_tokens` gives that prompt with that row's seed."""
+    model = arch_model(arch)
+    sp = SAMPLINGS[how]
+    ps = prompts()
+    got = generate_batch(model, ps, repeats=2, sampling=sp, max_tokens=20, seed=3)
+    for r, out in enumerate(got):
+        want = alone(model, ps[r // 2], SamplingParams(**{**vars(sp), "seed": 3 * 2**20 + r}), 20)
+        assert (out == want) if how == "sampled" else agree(model, ps[r // 2], out, want), (arch, r)
+    if how == "sampled":  # the two rows of a prompt draw differently
+        assert any(got[2 * i] != got[2 * i + 1] for i in range(len(ps)))
+
+
+def test_learned_positions_need_each_rows_own_positions(monkeypatch):
+    """Control for the test above: with one position for the whole batch (the left-padded
+    columns, as batched sampling had it), a learned-position model's rows no longer sample
+    what they sample alone."""
+    sp = SAMPLINGS["sampled"]
+    ps = prompts()
+    want = [alone(arch_model("gpt2"), p, SamplingParams(**{**vars(sp), "seed": 2**20 + i}), 20)
+            for i, p in enumerate(ps)]
+    assert generate_batch(arch_model("gpt2"), ps, sampling=sp, max_tokens=20, seed=1) == want
+    monkeypatch.setattr(KVCache, "positions", property(lambda self: self.offset))
+    monkeypatch.setattr(SlotCache, "positions", property(lambda self: self.offset))
+    got = generate_batch(arch_model("gpt2"), ps, sampling=sp, max_tokens=20, seed=1)
+    assert got[1] == want[1]  # the longest prompt has no padding: its columns are its positions
+    assert got[0] != want[0] and got[2] != want[2]
+
+
+def test_rows_join_and_leave_between_steps():
+    model = arch_model("gpt2")
+    ps = prompts((7, 30, 4, 12), seed=1)
+    want = [alone(model, p, SamplingParams(), n) for p, n in zip(ps, (15, 6, 12, 9))]
+    engine = BatchDecoder(model)
+    out: dict[int, list[int]] = {}
+    rows = {}
+    rows[0] = engine.add(Request(ps[0], 15))[0]
+    schedule = {3: 1, 5: 2, 8: 3}  # after that many steps, request i joins
+    cancelled = None
+    steps = 0
+    while engine.rows:
+        if steps in schedule:
+            i = schedule[steps]
+            rows[i] = engine.add(Request(ps[i], (15, 6, 12, 9)[i]))[0]
+        for row, tok in engine.step():
+            out.setdefault(id(row), []).append(tok.token)
+        steps += 1
+        if steps == 10:  # a client goes away mid-stream: its row leaves the batch
+            cancelled = rows[2]
+            engine.cancel(cancelled)
+    for i, row in rows.items():
+        got = out[id(row)]
+        if row is cancelled:
+            assert got == want[i][:len(got)] and len(got) < len(want[i])
+        else:
+            assert got == want[i], i
+    assert engine.cache[0].keys is None  # every row gone: the cache is empty
+
+
+def test_a_cancelled_row_frees_its_cache_row():
+    model = arch_model("llama")
+    engine = BatchDecoder(model)
+    a = engine.add(Request(prompts()[0], 50))[0]
+    engine.add(Request(prompts()[1], 50))
+    engine.step()
+    assert engine.cache[0].keys.shape[0] == 2
+    engine.cancel(a)
+    engine.step()
+    assert len(engine.rows) == 1 and engine.cache[0].keys.shape[0] == 1
+    assert int(engine.cache[0].starts[0]) == 0  # the other row's padding went with it
+
+
+def test_a_group_prefills_its_prompt_once():
+    model = arch_model("llama")
+    engine = BatchDecoder(model)
+    engine.add(Request(prompts()[1], 4, SamplingParams(temp=1.0, seed=0)), copies=8)
+    assert engine.prompt_tokens == len(prompts()[1]) and len(engine.rows) == 8
+
+
+def _adapter(model, seed: int, targets=("q", "v", "down"), rank=4, per_head_q=False, dora=False):
+    """A trained-looking adapter for `model`'s shape: (weights, layout) as loading.adapter_weights gives."""
+    mx.random.seed(seed)
+    m = build_model(model.config)
+    apply_lora(m, targets, rank, 2.0 * rank, per_head_q=per_head_q, dora=dora)
+    rng = np.random.default_rng(seed)
+    weights = {k: mx.array(rng.standard_normal(v.shape).astype(np.float32) * 0.3 + (1.0 if k.endswith("magnitude") else 0.0))
+               for k, v in lora_parameters(m).items()}
+    return weights, {"scale": 2.0, "method": "dora" if dora else "lora"}
+
+
+def _merged(model, weights, targets=("q", "v", "down"), rank=4, per_head_q=False, dora=False):
+    m = build_model(model.config, dict(tree_flatten(model.parameters())))
+    apply_lora(m, targets, rank, 2.0 * rank, per_head_q=per_head_q, dora=dora)
+    m.load_weights(list(weights.items()), strict=False)
+    return merge_lora(m)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_adapters_of_one_base_share_a_batch(arch):
+    """Rows for the base and for three adapters (ranks 4 and 8, a per-head q, a DoRA) in one
+    batch: each row samples what the merged model of its adapter samples alone."""
+    base = arch_model(arch)
+    specs = [dict(rank=4), dict(rank=8, per_head_q=True), dict(rank=4, dora=True)]
+    adapters = [_adapter(base, 10 + i, **s) for i, s in enumerate(specs)]
+    merged = [base] + [_merged(base, w, **s) for (w, _), s in zip(adapters, specs)]
+    served = build_model(base.config, dict(tree_flatten(base.parameters())))
+    attach_adapters(served, [(f"a{i}", w, layout) for i, (w, layout) in enumerate(adapters)])
+    ps = prompts((6, 13, 9, 17), seed=2)
+    engine = BatchDecoder(served)
+    order = []
+    for slot in (2, 0, 3, 1, 1, 3, 0, 2):  # two rows of each, interleaved
+        p = ps[slot]
+        order.append((slot, p, engine.add(Request(p, 12, adapter=slot))[0]))
+    out: dict[int, list[int]] = {}
+    while engine.rows:
+        for row, tok in engine.step():
+            out.setdefault(id(row), []).append(tok.token)
+    wants = {}
+    for slot, p, row in order:
+        want = wants.setdefault(slot, alone(merged[slot], p, SamplingParams(), 12))
+        assert out[id(row)] == want, slot
+    # control: the adapters change what is sampled (else the check above says nothing)
+    assert len({tuple(alone(m, ps[0], SamplingParams(), 12)) for m in merged}) == 4
+
+
+def test_the_prompt_cache_serves_a_shared_prefix():
+    model = arch_model("llama")
+    cache = PromptCache(max_bytes=10**8)
+    engine = BatchDecoder(model, prompt_cache=cache)
+    system = prompts((40,), seed=5)[0]
+    first, second = system + [1, 2, 3], system + [7, 8]
+    engine.add(Request(first, 10))
+    while engine.rows:
+        engine.step()
+    rows = engine.add(Request(second, 10))
+    assert engine.cached_tokens == 40 and engine.prompt_tokens == len(first) + 2
+    got = []
+    while engine.rows:
+        got += [t.token for _, t in engine.step()]
+    assert got == alone(model, second, SamplingParams(), 10)
+    assert rows and cache.nbytes <= 10**8
+    tight = PromptCache(max_bytes=cache.nbytes // 2)  # no room: nothing kept
+    BatchDecoder(model, prompt_cache=tight).add(Request(first, 1))
+    assert tight.nbytes == 0 and not tight.entries
+
+
+def test_eval_accuracy_answers_are_the_one_at_a_time_answers(tmp_path):
+    """`--eval-accuracy` decodes its answers together: each is the greedy answer
+    `stream_generate` gives alone (cut with "..." where it stops matching), and the score
+    counts the ones that match."""
+    tok = byte_tokenizer(tmp_path)
+    model = tiny_model(3, vocab_size=tok.vocab_size)
+    rows = [{"prompt": p, "completion": "x"} for p in ("12+1=", "a long prompt of some length: ", "q", "99+1=")]
+    render = Renderer(tok)
+    ids = [(rec := parse_object(r, "row")).format.prompt(rec, render)[0] for r in rows]
+    alone_texts = [generate(model, tok, p, max_tokens=8, temp=0.0) for p in ids]
+    for r, text in zip(rows[::2], alone_texts[::2]):  # half of them answered right
+        r["completion"] = text
+    records = [parse_object(r, f"row {i}") for i, r in enumerate(rows)]
+    report = accuracy(model, tok, records, max_tokens=8, full_answers=1)
+    assert report.correct == 2 and report.total == 4
+    for i, (sample, text) in enumerate(zip(report.samples, alone_texts)):
+        assert sample["ok"] == (i % 2 == 0)
+        if i == 0 or sample["ok"]:
+            assert sample["answer"] == text
+        else:
+            assert sample["answer"].endswith("...") and text.startswith(sample["answer"][:-3])
