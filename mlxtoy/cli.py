@@ -15,10 +15,10 @@ import sys
 import traceback
 
 from mlxtoy import __version__, backend
-from mlxtoy.commands import chat, doctor, export, generate, inspect, taps, train, tui
+from mlxtoy.commands import chat, doctor, export, generate, inspect, serve, taps, train, tui
 from mlxtoy.errors import UserError
 
-COMMANDS = (inspect, generate, chat, train, export, taps, tui, doctor)  # in `mlxtoy --help` order
+COMMANDS = (inspect, generate, chat, serve, train, export, taps, tui, doctor)  # in `mlxtoy --help` order
 
 
 class _Parser(argparse.ArgumentParser):

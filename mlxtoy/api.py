@@ -1,0 +1,397 @@
+"""The OpenAI-compatible HTTP API over the engine thread (`mlxtoy.serve`), on Starlette, with
+server-sent events through sse-starlette (uvicorn runs it: `mlxtoy serve`).
+
+    POST /v1/chat/completions   messages, rendered with the model's chat template
+    POST /v1/completions        prompt: a string or a list of token ids
+    GET  /v1/models             the base and each adapter, by name
+    GET  /health
+
+Request fields: model (the base or an adapter), max_tokens (max_completion_tokens), temperature,
+top_p, stop, seed, n, logprobs / top_logprobs, response_format (json_object, json_schema:
+constrained decoding, `mlxtoy.constrain`), stream (+ stream_options.include_usage). A bad
+request gets a 4xx JSON error naming the field, in OpenAI's shape
+{"error": {"message", "type", "param", "code"}}; the server goes on. A streaming client that
+goes away cancels its rows (the batch frees their places at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from sse_starlette.sse import AppStatus, EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from mlxtoy.constrain import Grammars, schema_of
+from mlxtoy.engine import Request, Token
+from mlxtoy.errors import UserError
+from mlxtoy.generate import StreamingDetokenizer, encode_chat
+from mlxtoy.sampling import SamplingParams
+from mlxtoy.serve import EngineThread, Job
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+@dataclass
+class ServedModel:
+    """What the API serves: the model and tokenizer, the names (the base first, then each
+    adapter; adapter i is slot i + 1) and the defaults for fields a request leaves out."""
+
+    model: Any
+    tokenizer: Any
+    names: list[str]
+    max_tokens: int = 512
+    max_batch: int = 32
+    prompt_cache_bytes: int = 256 * 2**20
+
+
+# --------------------------------------------------------------------------- request fields
+
+
+def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool):
+        raise APIError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise APIError(400, f"{name} must be {bounds}, got {v!r}", name)
+    return v
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+        raise APIError(400, "stop must be a string or a list of up to 4 strings", "stop")
+    return [s for s in stop if s]
+
+
+@dataclass
+class Parsed:
+    prompt: list[int]
+    adapter: int
+    model_name: str
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    n: int
+    top_logprobs: int
+    logprobs: bool
+    grammar: str | None
+    stream: bool
+    include_usage: bool
+
+
+class API:
+    def __init__(self, served: ServedModel):
+        self.served = served
+        self.engine: EngineThread | None = None
+        self.grammars: Grammars | None = None
+        self.created = int(time.time())
+        vocab = served.model.config.vocab_size
+        self.vocab_size = vocab
+        self.context = served.model.config.context_length
+
+    # ------------------------------------------------------------------ parsing
+
+    def parse(self, body: Any, chat: bool) -> Parsed:
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        names = self.served.names
+        name = body.get("model") or names[0]
+        if name not in names:
+            raise APIError(404, f"the model {name!r} does not exist here; GET /v1/models lists "
+                                f"{', '.join(names)}", "model", "model_not_found")
+        tok = self.served.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), (str, list))
+                    for m in messages):
+                raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+            messages = [dict(m, content=_text_content(m.get("content", ""))) for m in messages]
+            try:
+                prompt = encode_chat(tok, messages)
+            except UserError as e:
+                raise APIError(400, str(e), "messages") from None
+            where = "messages"
+        else:
+            raw = body.get("prompt")
+            if isinstance(raw, str):
+                prompt = tok.encode(raw)
+            elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+                if not all(0 <= t < self.vocab_size for t in raw):
+                    raise APIError(400, f"prompt: token ids must be in 0..{self.vocab_size - 1}", "prompt")
+                prompt = list(raw)
+            elif isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+                prompt = tok.encode(raw[0])
+            else:
+                raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
+            where = "prompt"
+        if not prompt:
+            raise APIError(400, f"{where} encodes to no tokens", where)
+        if len(prompt) >= self.context:
+            raise APIError(400, f"{where} is {len(prompt)} tokens; the model's context is {self.context} "
+                                f"(at least one position must be left to generate)", where,
+                           "context_length_exceeded")
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _number(body, key, self.served.max_tokens, lo=1, integer=True)
+        max_tokens = min(max_tokens, self.context - len(prompt))
+        temp = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
+        top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
+        if top_p == 0:
+            raise APIError(400, "top_p must be > 0", "top_p")
+        seed = _number(body, "seed", None, integer=True)
+        seed = None if seed is None else seed % 2**32  # any integer, as OpenAI takes
+        n = _number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
+        if chat:
+            logprobs = body.get("logprobs") or False
+            if not isinstance(logprobs, bool):
+                raise APIError(400, "logprobs must be true or false", "logprobs")
+            top = _number(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+            if top and not logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        else:
+            top = _number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+            logprobs = top is not None
+            top = top or 0
+        try:
+            schema = schema_of(body.get("response_format"))
+        except UserError as e:
+            raise APIError(400, str(e), "response_format") from None
+        grammar = None
+        if schema is not None:
+            if self.grammars is None:
+                self.grammars = Grammars(tok, self.vocab_size)
+            try:
+                grammar = self.grammars.json_schema(schema)
+            except UserError as e:
+                raise APIError(400, str(e), "response_format") from None
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise APIError(400, "stream must be true or false", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise APIError(400, "stream_options must be an object", "stream_options")
+        return Parsed(prompt, names.index(name), name, max_tokens,
+                      SamplingParams(temp=float(temp), top_p=float(top_p), seed=seed), _stops(body), n, top,
+                      logprobs, grammar, stream, bool(options.get("include_usage")))
+
+    # ------------------------------------------------------------------ running
+
+    def submit(self, p: Parsed) -> Job:
+        tok = self.served.tokenizer
+        request = Request(p.prompt, p.max_tokens, p.sampling, frozenset(tok.eos_ids), p.adapter, p.top_logprobs)
+        grammars, grammar = self.grammars, p.grammar
+        make = (lambda: grammars.constraint(grammar)) if grammar is not None else None
+        job = Job(request, p.n, asyncio.get_running_loop(), asyncio.Queue(), make)
+        self.engine.submit(job)
+        return job
+
+    async def events(self, job: Job, p: Parsed) -> AsyncIterator[tuple[int, str, Token, str | None]]:
+        """(choice, new text, token, finish reason) as the choices' tokens arrive; the stop
+        strings and end-of-sequence handled here. Every row is cancelled if the consumer stops."""
+        tok = self.served.tokenizer
+        detoks = [StreamingDetokenizer(tok, p.stop) for _ in range(p.n)]
+        open_choices = set(range(p.n))
+        try:
+            while open_choices:
+                i, token = await job.queue.get()
+                if i is None:
+                    raise APIError(500, token)
+                if i not in open_choices:
+                    continue
+                d = detoks[i]
+                finish = token.finish
+                if finish == "stop":  # an end-of-sequence token: not part of the text
+                    text = d.finish()
+                else:
+                    text = d.add(token.token)
+                    if d.stopped:
+                        finish = "stop"
+                        job.cancel(i)
+                    elif finish == "length":
+                        text += d.finish()
+                if finish is not None:
+                    open_choices.discard(i)
+                yield i, text, token, finish
+        finally:
+            if open_choices:
+                job.cancel()
+
+    def token_text(self, token: int) -> tuple[str, list[int]]:
+        raw = self.served.tokenizer.decode_token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def chat_logprobs(self, token: Token) -> dict:
+        text, raw = self.token_text(token.token)
+        top = [dict(zip(("token", "bytes"), self.token_text(t)), logprob=lp) for t, lp in (token.top or [])]
+        return {"token": text, "logprob": token.logprob, "bytes": raw, "top_logprobs": top}
+
+    def completion_logprobs(self, tokens: list[Token], offset: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in tokens:
+            text = self.token_text(t.token)[0]
+            out["tokens"].append(text)
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({self.token_text(a)[0]: lp for a, lp in (t.top or [])})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, request: HTTPRequest, chat: bool):
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise APIError(400, f"the request body is not valid JSON: {e}") from None
+            p = self.parse(body, chat)
+        except APIError as e:
+            return e.response()
+        job = self.submit(p)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": p.model_name}
+        if p.stream:
+            return EventSourceResponse(self.stream(job, p, chat, head), ping=0, sep="\n")
+        try:
+            return JSONResponse(await self.whole(job, p, chat, head))
+        except APIError as e:
+            return e.response()
+
+    async def whole(self, job: Job, p: Parsed, chat: bool, head: dict) -> dict:
+        texts, tokens, finishes = [""] * p.n, [[] for _ in range(p.n)], [None] * p.n
+        async for i, text, token, finish in self.events(job, p):
+            texts[i] += text
+            tokens[i].append(token)
+            finishes[i] = finish or finishes[i]
+        choices = []
+        for i in range(p.n):
+            if chat:
+                c = {"index": i, "message": {"role": "assistant", "content": texts[i]},
+                     "logprobs": {"content": [self.chat_logprobs(t) for t in tokens[i]]} if p.logprobs else None,
+                     "finish_reason": finishes[i]}
+            else:
+                c = {"index": i, "text": texts[i], "finish_reason": finishes[i],
+                     "logprobs": self.completion_logprobs(tokens[i], 0) if p.logprobs else None}
+            choices.append(c)
+        return dict(head, object="chat.completion" if chat else "text_completion", choices=choices,
+                    usage=self.usage(p, sum(len(t) for t in tokens)))
+
+    def usage(self, p: Parsed, generated: int) -> dict:
+        return {"prompt_tokens": len(p.prompt), "completion_tokens": generated,
+                "total_tokens": len(p.prompt) + generated}
+
+    async def stream(self, job: Job, p: Parsed, chat: bool, head: dict) -> AsyncIterator[str]:
+        generated = 0
+        offsets = [0] * p.n
+        try:
+            if chat:
+                for i in range(p.n):
+                    yield json.dumps(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                          "logprobs": None, "finish_reason": None}]))
+            async for i, text, token, finish in self.events(job, p):
+                generated += 1
+                if chat:
+                    choice = {"index": i, "delta": {"content": text} if text or finish is None else {},
+                              "logprobs": {"content": [self.chat_logprobs(token)]} if p.logprobs else None,
+                              "finish_reason": finish}
+                else:
+                    choice = {"index": i, "text": text, "finish_reason": finish,
+                              "logprobs": self.completion_logprobs([token], offsets[i]) if p.logprobs else None}
+                    offsets[i] += len(text)
+                chunk = dict(head, choices=[choice])
+                if p.include_usage:
+                    chunk["usage"] = None
+                yield json.dumps(chunk)
+            if p.include_usage:
+                yield json.dumps(dict(head, choices=[], usage=self.usage(p, generated)))
+        except APIError as e:
+            yield json.dumps({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
+        yield "[DONE]"
+
+    async def models(self, request: HTTPRequest):
+        names = self.served.names
+        return JSONResponse({"object": "list", "data": [
+            {"id": n, "object": "model", "created": self.created, "owned_by": "mlxtoy",
+             "parent": None if i == 0 else names[0]} for i, n in enumerate(names)]})
+
+    async def health(self, request: HTTPRequest):
+        engine = self.engine
+        return JSONResponse({"status": "ok", "rows": engine.active_rows if engine else 0,
+                             "peak_rows": engine.peak_rows if engine else 0,
+                             "cancelled_rows": engine.cancelled_rows if engine else 0})
+
+
+def _text_content(content: Any) -> str:
+    """A message's content: a string, or OpenAI's list of parts (the text parts joined)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "messages: only text content parts are supported", "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def build_app(served: ServedModel) -> Starlette:
+    """The ASGI app; its lifespan starts the engine thread and, on shutdown (after uvicorn has
+    drained the open requests), lets it finish and stop."""
+    api = API(served)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        # streams are drained by uvicorn's graceful shutdown, not cut by sse-starlette
+        AppStatus.disable_automatic_graceful_drain()
+        api.engine = EngineThread(served.model, max_batch=served.max_batch,
+                                  prompt_cache_bytes=served.prompt_cache_bytes)
+        try:
+            yield
+        finally:
+            api.engine.close()
+
+    async def chat(request):
+        return await api.completions(request, chat=True)
+
+    async def completions(request):
+        return await api.completions(request, chat=False)
+
+    app = Starlette(routes=[
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/chat/completions", chat, methods=["POST"]),
+        Route("/completions", completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+    ], lifespan=lifespan)
+    app.state.api = api
+    return app

@@ -1,0 +1,146 @@
+"""Serving: the engine thread that runs the batched decoder (`mlxtoy.engine`) for the HTTP
+front end (`mlxtoy.api`), and the jobs that carry a request's tokens back to it.
+
+One thread owns the model and the decoder. Handlers (on the asyncio loop) `submit` a `Job`;
+between decode steps the thread moves waiting jobs into the batch (up to `max_batch` rows),
+runs one step and hands each row's token to its job, which passes it to the handler's loop
+(`call_soon_threadsafe`). A handler that no longer wants a choice (a stop string seen, the
+client gone) cancels it: the row leaves the batch at the next step, freeing its place.
+`close()` lets the rows in flight finish, then ends the thread (uvicorn drains the open
+requests on Ctrl-C before the app's shutdown calls it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from mlxtoy import backend
+from mlxtoy import backend
+from mlxtoy.engine import BatchDecoder, Request, Row, Token
+from mlxtoy.prompt_cache import PromptCache
+
+
+@dataclass
+class Job:
+    """One API request: `n` choices of one prompt, each a row; events go to `queue` on `loop`
+    as (choice index, Token), (None, error message) on an internal failure."""
+
+    request: Request
+    n: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    make_constraint: Callable[[], Any] | None = None  # a fresh constraint per choice
+    rows: list[Row] = field(default_factory=list)
+    cancelled: set[int] = field(default_factory=set)
+
+    def send(self, item: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def cancel(self, index: int | None = None) -> None:
+        """Stop choice `index` (every choice: None). Safe from any thread: rows read the flag
+        on the engine thread before each step."""
+        self.cancelled.update(range(self.n) if index is None else [index])
+        for i, row in enumerate(self.rows):
+            if i in self.cancelled:
+                row.cancelled = True
+
+
+class EngineThread:
+    def __init__(self, model, *, max_batch: int = 32, prompt_cache_bytes: int = 0):
+        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+        self.decoder = BatchDecoder(model, prompt_cache=cache)
+        self.max_batch = max_batch
+        self.waiting: list[Job] = []
+        self.owner: dict[int, tuple[Job, int]] = {}  # id(row) -> (job, choice index)
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.cancelled_rows = 0  # rows that left before their end (a stop string, a client gone)
+        self.peak_rows = 0  # the most rows decoded together so far
+        self.thread = threading.Thread(target=backend.with_thread_stream(self.run), name="mlxtoy-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.wake:
+            self.waiting.append(job)
+            self.wake.notify()
+
+    def close(self, timeout: float | None = None) -> None:
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join(timeout)
+
+    @property
+    def active_rows(self) -> int:
+        return len(self.decoder.rows)
+
+    def run(self) -> None:
+        try:
+            self.serve()
+        finally:
+            self.decoder.release()
+
+    def serve(self) -> None:
+        while True:
+            with self.wake:
+                while not self.waiting and not self.decoder.rows and not self.stopping:
+                    self.wake.wait()
+                if self.stopping and not self.waiting and not self.decoder.rows:
+                    return
+                room = self.max_batch - len(self.decoder.rows)
+                start = []
+                while self.waiting and (room >= self.waiting[0].n or not self.decoder.rows):
+                    job = self.waiting.pop(0)
+                    room -= job.n
+                    start.append(job)
+            try:
+                for job in start:
+                    try:
+                        self.start(job)
+                    except ValueError as e:  # checked before submitting; a last guard
+                        job.send((None, str(e)))
+                if self.decoder.rows:
+                    self.step()
+            except Exception:  # an internal error: fail what is in flight, keep serving
+                traceback.print_exc(file=sys.stderr)
+                for job, _ in {id(j): (j, 0) for j, _ in self.owner.values()}.values():
+                    job.send((None, "internal error while decoding"))
+                for job in start:
+                    job.send((None, "internal error while decoding"))
+                self.owner.clear()
+                self.decoder.remove([])
+
+    def start(self, job: Job) -> None:
+        if len(job.cancelled) == job.n:
+            return
+        if job.make_constraint is None:
+            rows = self.decoder.add(job.request, copies=job.n)
+        else:  # each choice matches on its own
+            seed = job.request.sampling.seed
+            rows = [self.decoder.add(replace(job.request, constraint=job.make_constraint(),
+                                             sampling=replace(job.request.sampling,
+                                                              seed=None if seed is None else seed + j)))[0]
+                    for j in range(job.n)]
+        job.rows = rows
+        for i, row in enumerate(rows):
+            self.owner[id(row)] = (job, i)
+            row.cancelled = i in job.cancelled
+
+    def step(self) -> None:
+        self.cancelled_rows += sum(r.cancelled for r in self.decoder.rows)
+        self.peak_rows = max(self.peak_rows, sum(not r.cancelled for r in self.decoder.rows))
+        events: list[tuple[Row, Token]] = self.decoder.step()
+        for row, token in events:
+            job, i = self.owner[id(row)]
+            job.send((i, token))
+        live = {id(r) for r in self.decoder.rows}
+        for key in [k for k in self.owner if k not in live]:
+            del self.owner[key]

@@ -1,0 +1,250 @@
+"""`mlxtoy serve` driven by the real `openai` client: a tiny model and two LoRA runs made by
+`train`, served on a free localhost port by the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from helpers_train import REPO, qa_rows, run_cli, run_training, write_jsonl, write_tiny_model_folder
+from mlxtoy.config import TrainConfig
+
+PROMPTS = ["12+1", "the keeper of the lighthouse", "47+1", "abc", "Once upon", "88+1", "x", "q: 3+1"]
+
+
+def _train(root, model, data, name, seed, targets):
+    cfg = TrainConfig(model=model, data=data, out=str(root / name), method="lora", steps=30, batch_size=4,
+                      seq_len=64, lr=3e-2, eval_every=0, save_every=0, lora_targets=targets, seed=seed)
+    run_training(cfg)
+    return str(root / name)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    model = write_tiny_model_folder(str(root / "model"))
+    data = root / "data"
+    write_jsonl(str(data / "train.jsonl"), qa_rows(64, seed=1))
+    write_jsonl(str(data / "valid.jsonl"), qa_rows(8, seed=2))
+    a = _train(root, model, str(data), "run_a", 1, ["q", "v"])
+    b = _train(root, model, str(data), "run_b", 2, ["o", "down"])
+    return {"model": model, "a": a, "b": b}
+
+
+class Server:
+    """`mlxtoy serve ...` in a subprocess on a free port."""
+
+    def __init__(self, *args: str):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlxtoy", "serve", *args, "--port", "0"],
+                                     cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        self.url = None
+        deadline = time.time() + 120
+        while self.url is None:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("the server ended: " + "".join(self.log))
+            self.log.append(line)
+            if line.startswith("serving on "):
+                self.url = line.split()[-1]
+            if time.time() > deadline:
+                raise RuntimeError("the server did not start: " + "".join(self.log))
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health").json()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(work):
+    s = Server(work["model"], "--adapter", "a=" + work["a"], "--adapter", "b=" + work["b"])
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+
+
+def generate_cli(work, prompt, adapter=None, chat=False, n=24) -> str:
+    args = ["generate", "--model", work["model"], "--prompt", prompt, "--max-tokens", str(n)]
+    args += ["--adapter", work[adapter]] if adapter else []
+    args += ["--chat"] if chat else []
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def complete(server, model, prompt, n=24, stream=False) -> str:
+    c = server.client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, stream=stream)
+    if stream:
+        return "".join(chunk.choices[0].text for chunk in c if chunk.choices)
+    return c.choices[0].text
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list()] == ["model", "a", "b"]
+    assert server.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize("model", ["model", "a", "b"])
+def test_greedy_tokens_match_mlxtoy_generate(server, work, model):
+    """Streamed and whole, completions and chat: the text `mlxtoy generate` prints."""
+    adapter = None if model == "model" else model
+    want = generate_cli(work, PROMPTS[0], adapter)
+    assert complete(server, model, PROMPTS[0]) == want
+    assert complete(server, model, PROMPTS[0], stream=True) == want
+    want_chat = generate_cli(work, PROMPTS[1], adapter, chat=True)
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    got = server.client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0)
+    assert got.choices[0].message.content == want_chat
+    assert got.usage.completion_tokens > 0 and got.usage.prompt_tokens > len(PROMPTS[1])
+    chunks = server.client.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in chunks:
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert text == want_chat and usage.completion_tokens == got.usage.completion_tokens
+
+
+def test_adapters_change_the_output(server):
+    """Control for the batching test: the three models answer differently."""
+    outs = {m: tuple(complete(server, m, p) for p in PROMPTS[:4]) for m in ("model", "a", "b")}
+    assert len(set(outs.values())) == 3
+
+
+def test_concurrent_clients_get_what_they_get_alone(server):
+    """8 clients at once, base and both adapters mixed in the batch, half streaming."""
+    jobs = [(("model", "a", "b")[i % 3], PROMPTS[i], i % 2 == 1) for i in range(8)]
+    alone = [complete(server, m, p, n=40) for m, p, _ in jobs]
+    got = [None] * 8
+    assert server.health()["peak_rows"] == 1  # so far one request at a time
+    barrier = threading.Barrier(8)
+
+    def client(i):
+        m, p, stream = jobs[i]
+        barrier.wait()
+        got[i] = complete(server, m, p, n=40, stream=stream)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert server.health()["peak_rows"] > 1  # they did share the batch
+
+
+def test_sampling_fields_n_seed_and_logprobs(server):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = server.client.chat.completions.create(model="a", messages=msgs, max_tokens=12, temperature=1.0, seed=5,
+                                              n=3, logprobs=True, top_logprobs=3)
+    again = server.client.chat.completions.create(model="a", messages=msgs, max_tokens=12, temperature=1.0,
+                                                  seed=5, n=3, logprobs=True, top_logprobs=3)
+    assert [c.message.content for c in r.choices] == [c.message.content for c in again.choices]
+    assert len({c.message.content for c in r.choices}) > 1  # n choices draw differently
+    for c in r.choices:
+        for lp in c.logprobs.content:
+            assert lp.logprob <= 0 and len(lp.top_logprobs) == 3
+            assert lp.top_logprobs[0].logprob >= lp.logprob - 1e-5
+    c = server.client.completions.create(model="model", prompt="abc", max_tokens=6, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.token_logprobs) == c.usage.completion_tokens
+    stop = complete(server, "model", PROMPTS[1], n=40)[5:8]
+    s = server.client.completions.create(model="model", prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop])
+    assert stop not in s.choices[0].text and s.choices[0].finish_reason == "stop"
+
+
+def _error(fn):
+    with pytest.raises(openai.APIStatusError) as e:
+        fn()
+    return e.value
+
+
+def test_bad_requests_get_4xx_and_the_server_goes_on(server):
+    c = server.client
+    msgs = [{"role": "user", "content": "hi"}]
+    e = _error(lambda: c.chat.completions.create(model="nope", messages=msgs))
+    assert e.status_code == 404 and "nope" in e.message
+    e = _error(lambda: c.completions.create(model="a", prompt="x", max_tokens=-3))
+    assert e.status_code == 400 and e.body["param"] == "max_tokens"
+    e = _error(lambda: c.completions.create(model="a", prompt="word " * 600, max_tokens=4))
+    assert e.status_code == 400 and e.body["code"] == "context_length_exceeded" and "context" in e.message
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "n": {"$ref": "#/definitions/missing"}}}}}
+    e = _error(lambda: c.chat.completions.create(model="a", messages=msgs, response_format=bad_schema))
+    assert e.status_code == 400 and e.body["param"] == "response_format" and "schema" in e.message
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "a", "prompt": ', timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert complete(server, "b", PROMPTS[2]) == complete(server, "b", PROMPTS[2])  # still serving
+
+
+def test_a_client_that_disconnects_frees_its_row(server):
+    before = server.health()["cancelled_rows"]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": "a", "prompt": "abc", "max_tokens": 480, "temperature": 1.0, "seed": 1,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.health()["rows"] == 1
+    deadline = time.time() + 30
+    while server.health()["rows"] and time.time() < deadline:
+        time.sleep(0.01)
+    h = server.health()
+    assert h["rows"] == 0 and h["cancelled_rows"] == before + 1
+
+
+def test_response_format_output_validates(server):
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99}, "tags": {"type": "array", "items": {"enum": ["x", "y"]},
+                                                                        "maxItems": 3}},
+        "required": ["name", "ok", "n", "tags"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    for model, seed in (("model", 1), ("a", 2), ("b", 3)):
+        r = server.client.chat.completions.create(model=model, messages=[{"role": "user", "content": "a thing"}],
+                                                  response_format=fmt, max_tokens=200, temperature=1.0, seed=seed)
+        value = json.loads(r.choices[0].message.content)
+        jsonschema.validate(value, schema)
+        assert r.choices[0].finish_reason == "stop"
+    # control: the same requests without the format are not such JSON
+    r = server.client.chat.completions.create(model="model", messages=[{"role": "user", "content": "a thing"}],
+                                              max_tokens=60, temperature=1.0, seed=1)
+    with pytest.raises((json.JSONDecodeError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_ctrl_c_drains_the_requests_in_flight_and_exits(work):
+    s = Server(work["model"])
+    out = {}
+
+    def client():
+        out["text"] = complete(s, "model", "abc", n=300, stream=True)
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.time() + 30
+    while s.health()["rows"] == 0 and time.time() < deadline:
+        time.sleep(0.002)
+    s.proc.send_signal(signal.SIGINT)
+    t.join(60)
+    assert s.proc.wait(60) == 0, "".join(s.log)
+    alone = Server(work["model"])
+    try:
+        assert out["text"] == complete(alone, "model", "abc", n=300)
+    finally:
+        alone.stop()
