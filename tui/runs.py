@@ -14,6 +14,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Label, Static
 
 from tui.export import ExportScreen
+from tui.serving import ServeProcess, serve_argv
 from tui.state import RunInfo, RunState, scan_runs
 from tui.widgets import LossChart, NavBar
 
@@ -24,12 +25,14 @@ class RunsScreen(Screen):
         Binding("o", "open", "Open in dashboard"),
         Binding("t", "talk", "Chat with run"),
         Binding("e", "export", "Export"),
+        Binding("v", "serve", "Serve", tooltip="Serve the run on an OpenAI-compatible localhost port (again: stop)"),
     ]
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.runs: list[RunInfo] = []
         self.selected: RunState | None = None
+        self.server: ServeProcess | None = None  # `mlxtoy serve` of a run, while it runs
 
     def compose(self) -> ComposeResult:
         yield NavBar("runs")
@@ -122,3 +125,32 @@ class RunsScreen(Screen):
         if self.selected is None:
             return
         self.app.push_screen(ExportScreen(self.selected.run_dir))
+
+    def action_serve(self) -> None:
+        """Serve the selected run (`mlxtoy serve`, in a child process); pressed again, stop it."""
+        if self.server is not None:
+            self.server.stop()
+            self.notify("Stopping the server (requests in flight finish first).")
+            self.server = None
+            return
+        if self.selected is None:
+            return
+        run = self.selected
+        self.server = ServeProcess(serve_argv(run.run_dir, run.method))
+        self.run_worker(self._start_server(self.server, os.path.basename(os.path.normpath(run.run_dir))),
+                        group="serve", exit_on_error=False)
+
+    async def _start_server(self, server: ServeProcess, name: str) -> None:
+        self.notify(f"Starting a server for {name}...")
+        try:
+            url = await server.start()
+        except (OSError, RuntimeError) as e:
+            if self.server is server:
+                self.server = None
+            self.notify(f"Could not serve {name}: {e}", severity="error")
+            return
+        self.notify(f"Serving {name} on {url}/v1 (model \"{name}\"); press v again to stop.", timeout=30)
+
+    def on_unmount(self) -> None:
+        if self.server is not None:
+            self.server.stop()
