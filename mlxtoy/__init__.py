@@ -5,6 +5,7 @@ Importing this package sets up the backend (an optimized BLAS on Linux CPU) befo
 """
 
 from mlxtoy import backend  # noqa: F401  (must run before mlx.core is imported elsewhere)
+from mlxtoy import settings
 from mlxtoy.errors import UserError
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ def load(model: str, adapter: str | None = None):
     # deferred: `import mlxtoy` stays light and sets up the backend before anything else
     from mlxtoy import loading
 
+    settings.check_all()  # a wrong MLXTOY_* value is refused here, as the CLI refuses it
     return loading.load(model, adapter=adapter)
 
 

@@ -198,7 +198,9 @@ def _load_fast_blas() -> None:
                     continue
             else:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
+        except OSError as e:
+            if name == "custom":  # the user's own library: say why it is not used
+                settings.BLAS.warn(f"cannot be loaded ({e}): using the reference BLAS")
             continue
         _BLAS_NAME, _BLAS_PATH = name.removesuffix("+prefix"), path
         if name == "mkl":

@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 
-from mlxtoy import __version__, backend
+from mlxtoy import __version__, backend, settings
 from mlxtoy.commands import chat, doctor, export, generate, inspect, serve, taps, train, tui
 from mlxtoy.errors import UserError
 
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        settings.check_all()  # every MLXTOY_* switch: refused or warned about once, before anything runs
         if args.device:
             backend.use_device(args.device)
         code = int(args._run(args) or 0)

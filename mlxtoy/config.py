@@ -199,6 +199,9 @@ class TrainConfig:
                          "numeric, think-format, length:N, or FILE.py:FUNCTION", objectives=("grpo",))
     reward_weights: list[float] | None = option(None, "grpo: one weight per --reward (default 1 each)",
                                                 objectives=("grpo",))
+    reward_timeout: float = option(300.0, "grpo: seconds one call of a FILE.py:FUNCTION reward may take; "
+                                   "past it the run ends with an error (the checkpoints kept)", check="pos",
+                                   objectives=("grpo",))
     group_size: int = option(8, "grpo: completions sampled per prompt", check="pos", objectives=("grpo",),
                              label="group size")
     max_completion_tokens: int = option(128, "grpo: tokens per sampled completion at most", check="pos",
@@ -368,9 +371,13 @@ class TrainConfig:
         if err:
             raise bad(f"objective {err}, got {self.objective!r}")
         for f in fields(self):
-            if self.method not in f.metadata.get("methods", ALL_METHODS):
-                continue  # e.g. lora_rank does not matter to a full fine-tune
             value = getattr(self, f.name)
+            methods = f.metadata.get("methods", ALL_METHODS)
+            if self.method not in methods:  # e.g. --qlora on with --method full: refused, never dropped
+                if value != field_default(f.name):
+                    raise bad(f"{f.name} applies to method {' or '.join(methods)} only (the method is "
+                              f"{self.method})")
+                continue
             err = check_value(f.name, value)
             if err:
                 raise bad(err if err.startswith("unknown") else f"{f.name} {err}, got {value!r}")
@@ -432,6 +439,30 @@ class TrainConfig:
                            d_head=self.d_head, d_ff=self.d_ff, norm_eps=self.norm_eps,
                            rope_base=self.rope_base, rope_traditional=True,
                            tie_embeddings=self.tie_embeddings, context_length=self.seq_len)
+
+
+# What a resume may change (the one rule: `resume_check`). FIXED: the shapes a checkpoint holds
+# (weights, adapters, optimizer state): refused. STATE: what its data position, RNG and saved
+# generation mean (which rows, in which order, how many a step, how many completions a prompt):
+# named in a warning, since the continued run is no longer the uninterrupted one. Every other
+# field (steps, lr, eval_every, ...) may change freely.
+RESUME_FIXED = ("method", "objective", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets",
+                "lora_per_head_q", "lora_layers", "train_embeddings", "train_norm", "train_output", "d_model",
+                "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "tie_embeddings", "optimizer")
+RESUME_STATE = ("data", "data_split", "data_subset", "valid_fraction", "seed", "batch_size", "grad_accum",
+                "seq_len", "pack", "group_size", "iterations_per_generation", "skip_zero_std_groups")
+
+
+def resume_check(old: "TrainConfig", new: "TrainConfig") -> list[str]:
+    """A resumed run's recorded config against the one it continues with: UserError for a
+    changed FIXED field, a warning line for each changed STATE field."""
+    for name in RESUME_FIXED:
+        if getattr(new, name) != getattr(old, name):
+            raise UserError(f"cannot change {name} when resuming ({getattr(old, name)!r} -> "
+                            f"{getattr(new, name)!r}): the checkpoints hold what it shaped")
+    return [f"resuming with {name} changed ({getattr(old, name)!r} -> {getattr(new, name)!r}): the run "
+            f"continues, but no longer as the uninterrupted run would have"
+            for name in RESUME_STATE if getattr(new, name) != getattr(old, name)]
 
 
 # The sections of TrainConfig, in field order: (the section's first field, its title). `mlxtoy

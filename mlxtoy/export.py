@@ -363,7 +363,7 @@ def write_hf(path: str, src: Source, dtype: str = "f32") -> str:
 
 
 def write_model_gguf(path: str, src: Source, dtype: str = "f32",
-                     progress: Callable[[int, int], None] | None = None) -> str:
+                     progress: Callable[[int, int], None] | None = None, verbose: bool = False) -> str:
     gguf_spec(src.cfg)  # refuse an architecture llama.cpp cannot run before anything else
     if dtype not in QUANT_TYPES:
         return write_gguf(path, src.cfg, src.weights, gguf_metadata(src), dtype=dtype, progress=progress)
@@ -380,7 +380,7 @@ def write_model_gguf(path: str, src: Source, dtype: str = "f32",
     try:
         write_gguf(f16, src.cfg, src.weights, gguf_metadata(src), dtype="f16", progress=progress)
         with atomic_path(path) as tmp:
-            quantize_gguf(f16, tmp, dtype)
+            quantize_gguf(f16, tmp, dtype, verbose=verbose)  # llama.cpp's log: only when verbose
     except OSError as e:
         raise UserError(f"{path}: write failed ({e.strerror or e})") from None
     finally:
@@ -477,6 +477,10 @@ def load_source(source: str, dtype: mx.Dtype | None = None, fmt: str = "gguf") -
     """SOURCE: a run directory, one of its checkpoints, or a model (.gguf, HF folder, name)."""
     if is_run_or_checkpoint(source):
         return _load_run(source)
+    top = source.split("/")[0]
+    if "/" in source and not os.path.exists(source) and os.path.isdir(os.path.expanduser(top)):
+        # runs/nope: a local path (its folder is here), not a Hugging Face id to go and look for
+        raise UserError(f"{source}: no such run, checkpoint or model ({top}/ holds none of that name)")
     if fmt not in ("gguf", "hf"):  # say so before loading a model that cannot have adapters
         raise UserError(f"{source}: a model has no LoRA adapters to export as {fmt} "
                         "(adapter formats need a LoRA run; use --format gguf or hf)")
@@ -566,10 +570,10 @@ def check_output(out: str, fmt: str) -> None:
 
 
 def export_source(src: Source, out: str, fmt: str = "gguf", dtype: str | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> str:
+                  progress: Callable[[int, int], None] | None = None, verbose: bool = False) -> str:
     fmt, dtype = check_format(fmt, dtype)
     if fmt == "gguf":
-        return write_model_gguf(out, src, dtype, progress)
+        return write_model_gguf(out, src, dtype, progress, verbose)
     if fmt == "hf":
         return write_hf(out, src, dtype)
     if fmt == "adapter-gguf":

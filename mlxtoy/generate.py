@@ -470,6 +470,23 @@ class ChatSession:
     def prompt_tokens(self, user: str) -> list[int]:
         return encode_chat(self.tokenizer, self.messages + [{"role": "user", "content": user}])
 
+    def make_room(self, user: str, max_tokens: int, reserve: int = 64) -> tuple[int, int]:
+        """Fit `user` and a reply of at least min(max_tokens, reserve) tokens into the model's
+        context by forgetting the oldest user/assistant exchanges (the system message stays):
+        -> (the reply's token budget, exchanges forgotten). A message that leaves no room for a
+        reply even alone is refused (UserError) before anything is forgotten."""
+        ctx = self.model.config.context_length
+        first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        alone = encode_chat(self.tokenizer, self.messages[:first] + [{"role": "user", "content": user}])
+        if len(alone) >= ctx:
+            raise UserError(f"that message alone does not fit the model's context ({len(alone)} tokens of "
+                            f"{ctx}); the conversation is kept")
+        dropped = 0
+        while len(self.prompt_tokens(user)) + min(max_tokens, reserve) > ctx and len(self.messages) - first >= 2:
+            del self.messages[first:first + 2]
+            dropped += 1
+        return min(max_tokens, ctx - len(self.prompt_tokens(user))), dropped
+
     def send(self, user: str, **kw) -> Iterator[GenerationChunk]:
         """Stream the assistant's reply to `user`; the history is updated when it ends.
 

@@ -391,6 +391,8 @@ def locate(path: str) -> tuple[RunDir, str | None]:
         if is_best(path) and os.path.isfile(os.path.join(os.path.dirname(path), CONFIG)):
             raise UserError(f"{path}: the run has no best checkpoint yet (it is written at the "
                             f"first evaluation with validation data)")
+        if os.path.isfile(path):  # e.g. --adapter RUN/adapters.safetensors
+            raise UserError(f"{path}: is a file; give the run's folder (RUN, RUN/checkpoints/step_N or RUN/best)")
         raise UserError(f"{path}: no such run folder")
     if is_checkpoint(path):
         parent = os.path.dirname(path)

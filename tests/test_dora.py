@@ -452,7 +452,9 @@ def test_config_and_help(capsys):
     assert TrainConfig(method="dora", lora_rank=4).validate().adapters
     with pytest.raises(Exception, match="lora_rank"):
         TrainConfig(method="dora", lora_rank=0).validate()
-    TrainConfig(method="full", lora_rank=0).validate()  # LoRA options do not apply
+    TrainConfig(method="full").validate()  # LoRA options at their defaults do not matter to it
+    with pytest.raises(Exception, match="lora_rank applies to method lora or dora only"):
+        TrainConfig(method="full", lora_rank=4).validate()  # set, they are refused, never dropped
     with pytest.raises(SystemExit):
         cli_main(["train", "--help"])
     out = capsys.readouterr().out

@@ -389,7 +389,7 @@ def test_a_raising_reward_is_one_error_line_and_keeps_the_run(work, tmp_path):
     path.write_text("calls = [0]\n"
                     "def boom(completion, answer):\n"
                     "    calls[0] += 1\n"
-                    "    if calls[0] > 8:  # the second step's first completion\n"
+                    "    if calls[0] > 9:  # the second step's first completion (call 1: the check before loading)\n"
                     "        raise ValueError('cannot parse\\nthis')\n"
                     "    return float(completion == answer)\n")
     out = tmp_path / "run"

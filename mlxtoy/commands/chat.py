@@ -4,7 +4,9 @@ Reads one user message per line from stdin (a terminal or a pipe) and streams ea
 stdout, followed by a newline. The KV cache is kept between turns, so a turn reads only the
 new message. Commands: `/reset` starts a new conversation, `/quit` (or end of input) leaves.
 When the conversation outgrows the model's context, the oldest turns are dropped with a
-warning on stderr. Per-turn stats (and how many tokens came from the cache) go to stderr.
+warning on stderr; a message too long for the context even alone is refused with an `error:`
+line, and the conversation goes on as it was. Per-turn stats (and how many tokens came from the
+cache) go to stderr. Exit 0 when the input ends or on /quit, whatever was refused on the way.
 """
 
 from __future__ import annotations
@@ -27,16 +29,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _drop_oldest_turn(session) -> bool:
-    """Forget the oldest user/assistant exchange (the system message stays)."""
-    msgs = session.messages
-    first = 1 if msgs and msgs[0]["role"] == "system" else 0
-    if len(msgs) - first < 2:
-        return False
-    del msgs[first:first + 2]
-    return True
-
-
 def run(args) -> int:
     sampling = sampling_from_args(args)
     model, tokenizer = load_for_inference(args.model, args.adapter, args.quantized)
@@ -47,8 +39,6 @@ def run(args) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print("chat: /reset for a new conversation, /quit to leave", file=sys.stderr)
-    ctx = model.config.context_length
-    refused = 0  # messages that could not be answered: the exit code says so
     while True:
         if interactive:
             print(">>> ", end="", file=sys.stderr, flush=True)
@@ -67,18 +57,14 @@ def run(args) -> int:
         if message.startswith("/") and " " not in message:
             print(f"unknown command {message} (try /reset or /quit)", file=sys.stderr)
             continue
-        # Keep prompt + a useful reply inside the context: drop the oldest turns if needed.
-        while len(session.prompt_tokens(message)) + min(args.max_tokens, 64) > ctx:
-            if not _drop_oldest_turn(session):
-                break
+        try:  # keep prompt + a useful reply inside the context: drop the oldest turns if needed
+            max_tokens, dropped = session.make_room(message, args.max_tokens)
+        except UserError as e:  # refused; the conversation so far is kept
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        for _ in range(dropped):
             print("warning: the conversation is longer than the context; dropped the oldest turn",
                   file=sys.stderr)
-        max_tokens = min(args.max_tokens, ctx - len(session.prompt_tokens(message)))
-        if max_tokens <= 0:
-            print(f"error: that message alone does not fit the model's context ({ctx} tokens)",
-                  file=sys.stderr)
-            refused += 1
-            continue
         with backend.model_memory(model, "generating", GENERATE_FIXES):
             for chunk in session.send(message, max_tokens=max_tokens):
                 if chunk.text:
@@ -89,4 +75,4 @@ def run(args) -> int:
         if not args.quiet and session.last_stats is not None:
             print(f"[{session.last_stats.describe()} | reused {session.last_reused} cached tokens]",
                   file=sys.stderr)
-    return 2 if refused else 0
+    return 0

@@ -64,6 +64,8 @@ def report() -> dict[str, str]:
         facts["kernels built for"] = f"MLX {backend.kernels_stamp()}"
     facts["compute dtype"] = str(info.compute_dtype).replace("mlx.core.", "")
     facts["compute dtype why"] = info.dtype_why
+    # every MLXTOY_* switch that is set, with its value (and what is wrong with it)
+    facts["switches"] = ", ".join(f"{k}={v}" for k, v in settings.set_switches().items()) or "none set"
     return facts
 
 

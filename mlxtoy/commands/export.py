@@ -8,6 +8,7 @@ import sys
 
 from mlxtoy import backend
 from mlxtoy.export import DTYPES, FORMAT_HELP, check_format, check_output, export_source, load_source
+from mlxtoy.io.quantize import QUANT_TYPES, tensor_types
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         f"q8_0 for GGUF; the K-quants (q4_k_m, q5_k_m, q6_k) and q4_0, q5_0 for a model "
                         f"GGUF, through llama.cpp's quantizer (pip install 'mlxtoy[gguf]', or "
                         f"llama-quantize on PATH)")
+    p.add_argument("--verbose", action="store_true", help="show llama.cpp's quantizer log (a line a tensor)")
     return p
 
 
@@ -37,9 +39,11 @@ def run(args) -> int:
             print(f"\rexport: tensor {n}/{total}", end="" if n < total else "\n", file=sys.stderr, flush=True)
 
     with backend.wired_limit(src.weights):  # the weights stay resident while they are written
-        path = export_source(src, args.out, fmt, dtype, progress)
+        path = export_source(src, args.out, fmt, dtype, progress, verbose=args.verbose)
     size = _size(path)
-    print(f"export: wrote {path} ({fmt}, {dtype}, {size / 1e6:.1f} MB)", file=sys.stderr)
+    # a K-quant keeps some tensors in other types (rows that are not whole blocks, its mix)
+    written = f"{dtype}: tensors {tensor_types(path)}" if dtype in QUANT_TYPES else dtype
+    print(f"export: wrote {path} ({fmt}, {written}, {size / 1e6:.1f} MB)", file=sys.stderr)
     print(path)
     return 0
 

@@ -3,18 +3,27 @@
 We never re-implement these formats: `quantize_gguf(src, dst, dtype)` hands an F16 / F32 GGUF
 that we wrote to llama.cpp, through llama-cpp-python's `llama_model_quantize` when it imports
 (`pip install 'mlxtoy[gguf]'`), else through a `llama-quantize` binary on PATH. With neither,
-`find_quantizer` raises one UserError naming both ways to get one.
+`find_quantizer` raises one UserError naming both ways to get one. llama.cpp's log (a line per
+tensor, its warnings about rows that fall back to another type) stays out of the terminal unless
+`verbose`; `tensor_types` says what the file holds afterwards, since a K-quant's tensors are not
+all of its named type.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
+from collections import Counter
 from dataclasses import dataclass
+from typing import IO, Iterator
 
 from mlxtoy.errors import UserError
+from mlxtoy.io.gguf_file import read_gguf
 
 # our --dtype -> llama.cpp's type name (its `llama-quantize` argument; the ftype constant is
 # llama_cpp.LLAMA_FTYPE_MOSTLY_<name>)
@@ -52,8 +61,30 @@ def find_quantizer(dtype: str) -> Quantizer:
     raise UserError(f"--dtype {dtype} needs llama.cpp's quantizer: {HOW_TO_GET}")
 
 
-def quantize_gguf(src: str, dst: str, dtype: str, threads: int | None = None) -> str:
-    """llama.cpp's quantizer: the F16/F32 GGUF `src` -> `dst` in `dtype` (a QUANT_TYPES key)."""
+@contextlib.contextmanager
+def _stderr_into(log: IO[bytes]) -> Iterator[None]:
+    """stderr into `log` for a while: file descriptor 2 (llama.cpp's C code writes there) and
+    sys.stderr (llama-cpp-python's log callback prints there)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+        with open(log.fileno(), "w", closefd=False) as text, contextlib.redirect_stderr(text):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
+def quantize_gguf(src: str, dst: str, dtype: str, threads: int | None = None, verbose: bool = False) -> str:
+    """llama.cpp's quantizer: the F16/F32 GGUF `src` -> `dst` in `dtype` (a QUANT_TYPES key).
+    Its log goes to stderr only when `verbose` (a failure quotes its last line)."""
     name = QUANT_TYPES[dtype]
     q = find_quantizer(dtype)
     threads = threads or os.cpu_count() or 1
@@ -62,19 +93,32 @@ def quantize_gguf(src: str, dst: str, dtype: str, threads: int | None = None) ->
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
         params.nthread = threads
-        # its per-tensor log goes to stderr through this logger: keep errors only
+        # its log reaches stderr through this logger (warnings and up unless verbose) and
+        # through C's own writes to fd 2: both go to a file unless verbose
         logger = logging.getLogger("llama-cpp-python")
         level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
-            rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
-        finally:
-            logger.setLevel(level)
+        logger.setLevel(logging.DEBUG if verbose else logging.ERROR)
+        with tempfile.TemporaryFile() as log:
+            try:
+                with contextlib.nullcontext() if verbose else _stderr_into(log):
+                    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+            finally:
+                logger.setLevel(level)
+            log.seek(0)
+            said = _last_line(log.read().decode("utf-8", "replace"))
         if rc != 0:
-            raise UserError(f"{src}: llama.cpp's quantizer failed ({name}, return code {rc})")
+            raise UserError(f"{src}: llama.cpp's quantizer failed ({name}, return code {rc}: {said})")
         return dst
     proc = subprocess.run([q.binary, src, dst, name, str(threads)], capture_output=True, text=True)
+    if verbose:
+        sys.stderr.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
         raise UserError(f"{src}: {q.binary} failed ({name}, exit {proc.returncode}: {last})")
     return dst
+
+
+def tensor_types(path: str) -> str:
+    """What a GGUF's tensors are stored as, most first: "Q4_K 92, Q5_0 180, F32 65"."""
+    counts = Counter(t.tensor_type.name for t in read_gguf(path).tensors)
+    return ", ".join(f"{name} {n}" for name, n in counts.most_common())

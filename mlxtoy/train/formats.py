@@ -269,8 +269,9 @@ class CompletionFormat(Format):
 
     def parse(self, obj: dict, where: str) -> Record:
         for key in ("prompt", "completion"):
-            if key not in obj:
-                raise UserError(f"{where}: missing field '{key}'")
+            if key not in obj:  # a prompt alone: grpo's rows, missing their answer?
+                hint = " (or 'answer', for --objective grpo)" if key == "completion" else ""
+                raise UserError(f"{where}: missing field '{key}'{hint}")
             check_strings(obj, (key,), where)
         return Record(where, self.kind, (obj["prompt"], obj["completion"]))
 

@@ -12,13 +12,14 @@ input raises UserError before anything is written.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import mlx.nn as nn
 
-from mlxtoy import backend
-from mlxtoy.config import TrainConfig
+from mlxtoy import backend, settings
+from mlxtoy.config import TrainConfig, resume_check
 from mlxtoy.dashboards import check_dashboards, close_all, open_dashboards
 from mlxtoy.errors import UserError
 from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
@@ -36,27 +37,24 @@ from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
 from mlxtoy.train.memory import MemoryCheck, check_memory, preflight, set_cache_limit, smaller_settings
 
-# fields that change the shape of what a checkpoint holds; a resume may not change them
-STRUCTURAL = ("method", "objective", "arch", "lens", "model", "tokenizer", "lora_rank", "lora_targets", "lora_per_head_q",
-              "lora_layers", "train_embeddings", "train_norm", "train_output", "d_model",
-              "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "tie_embeddings")
 EXIT_CODES = {"finished": 0, "early_stopped": 0, "stopped": 0, "interrupted": 130, "nan": 1}
 
 
 def resume_config(run_path: str, overrides: dict[str, Any]) -> TrainConfig:
-    """The config of an existing run with `overrides` applied (structural changes refused)."""
+    """The config of an existing run with `overrides` applied (by config.resume_check's rule:
+    a change to what the checkpoints' shapes depend on is refused; `prepare` names the others)."""
     run = RunDir(run_path)
     if not run.is_run():
         raise UserError(f"{run_path}: not a training run (nothing to resume)")
     cfg, _ = run.read_config()
+    recorded = copy.deepcopy(cfg)
     for k, v in overrides.items():
         if k == "out":
             if v and RunDir(v).path != run.path:
                 raise UserError(f"--resume continues the run in place; --out {v} differs from {run_path}")
             continue
-        if k in STRUCTURAL and v != getattr(cfg, k):
-            raise UserError(f"cannot change {k} when resuming ({getattr(cfg, k)!r} -> {v!r})")
         setattr(cfg, k, v)
+    resume_check(recorded, cfg)  # refused before anything loads
     if "steps" in overrides and "epochs" not in overrides:
         cfg.epochs = 0  # continue to the steps asked for, not the recorded epochs' count
     cfg.out = run.path
@@ -97,6 +95,7 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
 
 def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -> Prepared:
     """Validate, read data, build the model; create the run directory only when all is well."""
+    settings.check_all()
     cfg.validate()
     check_dashboards(cfg)
     run = run or RunDir(cfg.out)
@@ -111,10 +110,11 @@ def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -
 
 
 def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
-    old = None
+    old, notes = None, []
     if resume and not run.read_only:
         run.clean_partial()
-        _, old = run.read_config()
+        recorded, old = run.read_config()
+        notes += resume_check(recorded, cfg)  # what the continued run no longer shares with the first
     model, tokenizer, dataset, facts = load_parts(cfg, old)
     memory = check_fits(cfg, model)
     if cfg.epochs:  # config.yaml records the steps the epochs come to
@@ -123,9 +123,10 @@ def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
     if cfg.early_stop and not dataset.valid:
         raise UserError(f"{cfg.data}: early_stop needs validation data, and there is none "
                         f"(add a valid split, or a valid_fraction > 0 for a single file)")
-    resume_from, notes = None, []
+    resume_from = None
     if resume and not run.read_only:
-        resume_from, notes = pick_checkpoint(run, model)
+        resume_from, picked = pick_checkpoint(run, model)
+        notes += picked
         if resume_from is None:
             notes.append(f"{run.path} has no usable checkpoint: training again from step 0")
         facts = old.merged(facts, keep=("lora", "model_config"))  # what checkpoints were written for

@@ -34,7 +34,7 @@ from mlxtoy.train.checkpoint import (flat_optimizer_state, load_checkpoint, load
 from mlxtoy.train.control import Control, TrainControl
 from mlxtoy.train.data import Dataset
 from mlxtoy.train.formats import Renderer
-from mlxtoy.train.objectives import Setup, make_objective
+from mlxtoy.train.objectives import Objective, Setup, make_objective
 from mlxtoy.train.step import Reducer, Stepper, make_optimizer
 
 # A taps hook gets (model, step) and returns an event (or events, or None) to emit.
@@ -86,11 +86,11 @@ def rng_key() -> list[int]:
     return [int(v) for v in mx.random.state[0].tolist()]
 
 
-def epoch_steps(cfg: TrainConfig, dataset: Dataset) -> int:
+def epoch_steps(cfg: TrainConfig, dataset: Dataset, objective: Objective) -> int:
     """The optimizer steps of cfg.epochs passes over the training data: the training stream's
     batches per epoch (packed rows or padded examples; pairs, prompts for other objectives)
     over the micro-batches per step, rounded up so that the last epoch is complete."""
-    stream = make_objective(cfg).stream(dataset.train, True, 0)
+    stream = objective.stream(dataset.train, True, 0)
     return max(1, math.ceil(cfg.epochs * stream.batches_per_epoch / cfg.grad_accum))
 
 
@@ -130,7 +130,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
           facts: RunFacts | None = None, resume_from: str | None = None,
           emit: Callable[[Event], None] | None = None, control: Control | None = None,
           taps_hook: TapsHook | None = None, handle_sigint: bool = True,
-          parallel: Parallel | None = None) -> TrainResult:
+          parallel: Parallel | None = None, objective: Objective | None = None) -> TrainResult:
     """Train `model` on `dataset` up to cfg.steps, writing into `run` (which must exist).
 
     resume_from: a checkpoint folder to continue from (weights, optimizer, RNG, data position).
@@ -139,15 +139,18 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     control: pause / resume / stop / request sample, eval or checkpoint from another thread.
     parallel: data-parallel ranks (every rank runs this loop; see mlxtoy.train.distributed).
     taps_hook: called as taps_hook(model, step) every cfg.taps_every steps; returns events.
-    handle_sigint: in the main thread, the first Ctrl-C stops after the current step with a
-    checkpoint; a second one raises KeyboardInterrupt.
+    objective: the run's (the job builds it once); built from cfg when not given.
+    handle_sigint: in the main thread, Ctrl-C stops the run at once, whatever it is doing
+    (sampling, scoring, evaluating), with a checkpoint of the last finished step; during an
+    optimizer update it stops right after it (a second Ctrl-C: at once, keeping the last
+    checkpoint). With data-parallel ranks, and for SIGTERM, the run stops after the current step.
     """
     control = control or TrainControl()
     facts = facts or RunFacts()
     emit = emit or MetricsSink(run)
     packed = cfg.pack
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
-    objective = make_objective(cfg)  # its batches, loss, metrics (mlxtoy.train.objectives)
+    objective = objective or make_objective(cfg)  # its batches, loss, metrics (mlxtoy.train.objectives)
     train_stream = objective.stream(dataset.train, True, pad_id)
     valid_stream = objective.stream(dataset.valid, False, pad_id) if dataset.valid else None
     objective.starting_point(model)
@@ -240,10 +243,12 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
     in_update = False
     old_handlers = {}
     if handle_sigint and threading.current_thread() is threading.main_thread():
-        # Ctrl-C and SIGTERM (a scheduler, `kill`) stop after the current step with a
-        # checkpoint; a second Ctrl-C raises at once.
+        # Ctrl-C raises at once, unless an update is half-way (the model would be half-updated):
+        # then it stops after it. SIGTERM (a scheduler, `kill`), and data-parallel ranks (which
+        # must agree on the step), stop after the current step; a second Ctrl-C raises at once.
         def on_signal(signum, frame):
-            if control.stop_reason == "interrupted" and signum == signal.SIGINT:
+            if signum == signal.SIGINT and (control.stop_reason == "interrupted"
+                                            or (not in_update and parallel is None)):
                 raise KeyboardInterrupt
             control.stop("interrupted")
 
@@ -315,7 +320,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
             if control.stop_at is not None and step >= control.stop_at and step < cfg.steps:
                 reason = "stopped"
                 break
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # between updates the model, RNG and position are the last step's
         reason = "interrupted"
         if in_update:  # the model may be half-way through an update: keep the last checkpoint
             in_update = None
@@ -332,8 +337,10 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
            "early_stopped": f"stopped early at step {step}; result in {final_path}; the lowest "
                             f"validation loss is in {run.best_path} (step {stopper.best_step})",
            "stopped": f"stopped at step {step}; checkpoint {last_ckpt}",
-           "interrupted": f"interrupted at step {step}; checkpoint {last_ckpt}; continue with "
-                          f"--resume {run.path}",
+           "interrupted": (f"interrupted at step {step}; checkpoint {last_ckpt}; continue with "
+                           f"--resume {run.path}" if last_ckpt else
+                           f"interrupted at step {step}: nothing was saved (no checkpoint yet); "
+                           f"--resume {run.path} starts it again from step 0"),
            "nan": f"loss became non-finite at step {step}; the last good checkpoint is "
                   f"{last_ckpt or 'none (no checkpoint was written)'}"}[reason]
     emit(DoneEvent(step=step, reason=reason, final_path=final_path))

@@ -445,7 +445,7 @@ class GRPO(Objective):
         if cfg.group_size < 2:
             raise UserError(f"train config: group_size must be >= 2 (advantages compare completions of a "
                             f"prompt), got {cfg.group_size}")
-        self.rewards = RewardSet.parse(cfg.reward, cfg.reward_weights)
+        self.rewards = RewardSet.parse(cfg.reward, cfg.reward_weights, cfg.reward_timeout)
         self.spec = grpo.GRPOSpec(cfg.loss_type, cfg.importance_sampling, cfg.epsilon,
                                   cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high, cfg.beta,
                                   cfg.max_completion_tokens, detached_old=cfg.iterations_per_generation == 1)
@@ -453,6 +453,16 @@ class GRPO(Objective):
         self.reference: dict[str, mx.array] | None = None  # full fine-tuning's starting weights
         self.reused: tuple[StepData, int] | None = None  # a generation, and the steps it has served
         self.pending: dict[str, Any] = {}  # the rollout's metrics, for the step event
+
+    def check_records(self, raw: RawSplits) -> None:
+        super().check_records(raw)
+        # each reward meets the first row before the model loads (signature, columns, return
+        # type), with its answer as the completion
+        if not raw.train:
+            return
+        rec = raw.train[0]
+        _, answer, row = rec.value
+        self.rewards.score([grpo.Prompt(np.zeros(0, np.int32), answer, row, rec.where)], [str(answer)], [1])
 
     def tokenize(self, records, tokenizer, seq_len: int, mask_prompt: bool = True, name: str = "train"):
         return grpo.tokenize_prompts(records, tokenizer, seq_len, mask_prompt, name=name)

@@ -14,19 +14,25 @@
                    column of the row that its signature names (all of them with **kwargs);
                    it returns a number, or None for "not applicable"
 
-A user's file is loaded once, when the run starts. An exception inside it is one UserError
-naming the file, the function and the row (the CLI: one `error:` line, exit 2). A reward that
-is None counts as 0 in the weighted sum (as TRL's nansum) and is left out of its mean.
+A user's file is loaded once, when the run starts, and each function is called on the first
+training row before the model loads (signature, columns, return type). Every call is guarded
+(`guarded_call`): what it prints goes to stderr (stdout carries only the product); an exception,
+or `sys.exit()`, inside it is one UserError naming the file, the function and the row (the CLI:
+one `error:` line, exit 2); a call still running after `--reward-timeout` seconds is one too;
+a KeyboardInterrupt inside it is an interrupt, as Ctrl-C is. A reward that is None counts as 0
+in the weighted sum (as TRL's nansum) and is left out of its mean.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import math
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -38,6 +44,7 @@ BUILTINS = ("exact", "contains", "regex:PATTERN", "numeric", "think-format", "le
 STANDARD_ARGS = ("prompt", "completion", "answer")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 THINK = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.DOTALL)
+REWARD_THREAD = "mlxtoy-reward"  # the threads users' rewards run in (their prints go to stderr)
 
 # fn(prompt object, completion text, completion tokens) -> float | None; the prompt object has
 # .prompt, .answer, .row and .where (mlxtoy.train.grpo.Prompt)
@@ -88,7 +95,59 @@ def _length(arg: str) -> RewardFn:
     return lambda p, completion, n: 0.0 if n <= limit else -(n - limit) / limit
 
 
-def _load_user(spec: str) -> tuple[str, RewardFn]:
+class RewardStdout:
+    """sys.stdout while users' rewards run: what a reward's thread prints goes to stderr, every
+    other thread's output to the real stdout (which carries only the product)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def _target(self):
+        return sys.stderr if threading.current_thread().name == REWARD_THREAD else self.real
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+def guarded_call(fn: Callable[..., Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
+    """fn(**kwargs) in a thread of its own, its prints sent to stderr: its value, or the
+    exception it raised (SystemExit included) raised here; RewardTimeout when it is still
+    running after `timeout` seconds (None: no limit). Ctrl-C while it runs raises
+    KeyboardInterrupt here at once. A call left running (timeout, Ctrl-C) is a daemon thread:
+    it cannot keep the process alive, and what it prints later still goes to stderr."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as e:  # SystemExit and KeyboardInterrupt too: the caller decides
+            box["error"] = e
+
+    real = sys.stdout
+    if not isinstance(real, RewardStdout):
+        sys.stdout = RewardStdout(real)
+    worker = threading.Thread(target=target, name=REWARD_THREAD, daemon=True)
+    worker.start()
+    worker.join(timeout)  # a signal handler's KeyboardInterrupt interrupts this wait
+    if worker.is_alive():
+        raise RewardTimeout
+    sys.stdout = real  # (left routed when a call is abandoned: it may print later)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _load_user(spec: str, timeout: float | None = None) -> tuple[str, RewardFn]:
     """FILE.py:FUNCTION -> (its name, a RewardFn calling it with the keywords it names)."""
     path, _, func = spec.rpartition(":")
     if not os.path.isfile(path):
@@ -112,7 +171,14 @@ def _load_user(spec: str) -> tuple[str, RewardFn]:
                             f"(it has {', '.join(sorted(p.row))})")
         kwargs = given if takes_all else {k: v for k, v in given.items() if k in named}
         try:
-            value = fn(**kwargs)
+            value = guarded_call(fn, kwargs, timeout)
+        except RewardTimeout:
+            raise UserError(f"{path}:{func}: still running after {timeout:g} s (--reward-timeout) on "
+                            f"{p.where}") from None
+        except SystemExit as e:
+            code = "" if e.code is None else repr(e.code)
+            raise UserError(f"{path}:{func}: called sys.exit({code}) on {p.where} (a reward returns a "
+                            f"number or None)") from None
         except Exception as e:
             raise UserError(f"{path}:{func}: raised {type(e).__name__}: {_one_line(e)} (on {p.where})") from None
         if value is None:
@@ -137,8 +203,9 @@ def _load_module(path: str) -> Any:
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # a user's file: any error in it is bad input
+        with contextlib.redirect_stdout(sys.stderr):  # what it prints is not the product either
+            module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # a user's file: any error in it (or exit) is bad input
         raise UserError(f"{path}: loading it failed ({type(e).__name__}: {_one_line(e)})") from None
     _MODULES[key] = module
     return module
@@ -171,7 +238,9 @@ class RewardSet:
     weights: np.ndarray
 
     @classmethod
-    def parse(cls, text: str, weights: Sequence[float] | None = None) -> "RewardSet":
+    def parse(cls, text: str, weights: Sequence[float] | None = None,
+              timeout: float | None = None) -> "RewardSet":
+        """`--reward` text -> the rewards; `timeout`: seconds a call of a user's function may take."""
         specs = split_specs(text or "")
         if not specs:
             raise UserError(f"--objective grpo needs --reward NAME[,NAME...] (built-ins: {', '.join(BUILTINS)}; "
@@ -187,7 +256,7 @@ class RewardSet:
             elif kind == "length":
                 name, fn = f"length_{arg}", _length(arg)
             elif ".py:" in spec:
-                name, fn = _load_user(spec)
+                name, fn = _load_user(spec, timeout)
             else:
                 raise UserError(f"--reward {spec}: unknown reward (built-ins: {', '.join(BUILTINS)}; "
                                 f"or FILE.py:FUNCTION)")
