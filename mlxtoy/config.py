@@ -161,9 +161,15 @@ def option(default: Any, help: str, *, check: str | None = None, choices: tuple[
     error), a form label."""
     meta = {"help": help, "check": check, "choices": choices, "methods": methods, "label": label,
             "noun": noun, "objectives": objectives}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+# --beta per objective: (its value when not given, its range check in CHECKS). DPO's KL strength
+# and ORPO's odds-ratio weight must be > 0; GRPO's KL weight may be 0 (no reference); SFT has
+# no beta (the value is only recorded)
+BETA = {"sft": (0.1, "nat"), "dpo": (0.1, "pos"), "orpo": (0.1, "pos"), "grpo": (0.0, "nat")}
 
 
 @dataclass
@@ -209,6 +215,10 @@ class TrainConfig:
     temp: float = option(1.0, "grpo: sampling temperature", check="pos", objectives=("grpo",))
     top_p: float = option(1.0, "grpo: nucleus sampling mass (1 = off)", check="pos", objectives=("grpo",))
     min_p: float = option(0.0, "grpo: min-p sampling (0 = off)", check="frac", objectives=("grpo",))
+    top_k: int = option(0, "grpo: sample from the k most likely tokens (0 = off)", check="nat", objectives=("grpo",))
+    repetition_penalty: float = option(1.0, "grpo: logits of the tokens already in the prompt or the "
+                                       "completion are divided by it when positive, multiplied when negative "
+                                       "(> 1 discourages repeats; 1 = off)", check="pos", objectives=("grpo",))
     loss_type: str = option("dapo", "grpo: how token terms add up: per-sequence means (grpo), per "
                             "micro-batch tokens (bnpo), over sequences x max completion tokens (dr_grpo), "
                             "over the step's tokens (dapo)", choices=("grpo", "bnpo", "dr_grpo", "dapo"),
@@ -225,6 +235,12 @@ class TrainConfig:
                                             objectives=("grpo",))
     skip_zero_std_groups: bool = option(False, "grpo: drop groups whose rewards are all equal and draw more "
                                         "prompts (DAPO's dynamic sampling)", objectives=("grpo",))
+    mask_truncated_completions: bool = option(False, "grpo: completions cut by --max-completion-tokens train "
+                                              "nothing (DAPO's overlong filtering; they are still scored)",
+                                              objectives=("grpo",))
+    eval_generations: int = option(0, "grpo: also score N sampled completions of each validation prompt at "
+                                   "every evaluation, beside the greedy one (sampled/reward; 0 = off)",
+                                   check="nat", objectives=("grpo",))
 
     # optimisation
     steps: int = option(200, "total optimizer steps (a resumed run continues up to this)", check="pos")
@@ -317,6 +333,10 @@ class TrainConfig:
     answer_column: str | None = option(None, "read this column as 'answer' (grpo)")
     pack: bool = option(True, "several examples per row with a block-causal mask (--no-pack: padding)")
     mask_prompt: bool = option(True, "loss only on completions / assistant turns")
+    chat_template_kwargs: dict[str, Any] = option({}, "further variables for the model's chat template, "
+                                                  "as a YAML/JSON mapping, e.g. '{enable_thinking: false}' "
+                                                  "(Qwen3); every rendering of the run gets them",
+                                                  label="template args")
     valid_fraction: float = option(0.1, "held out when --data is a single file (seeded split)", check="frac")
 
     # the loop
@@ -359,6 +379,8 @@ class TrainConfig:
             self.report_to = [t.strip() for t in self.report_to.split(",") if t.strip()]
         if isinstance(self.sample_prompts, str):
             self.sample_prompts = [self.sample_prompts]
+        if isinstance(self.chat_template_kwargs, str):
+            self.chat_template_kwargs = parse_mapping(self.chat_template_kwargs, "chat_template_kwargs")
 
     def validate(self) -> "TrainConfig":
         def bad(msg: str) -> UserError:
@@ -370,6 +392,7 @@ class TrainConfig:
         err = check_value("objective", self.objective)  # the objective-specific fields depend on it
         if err:
             raise bad(f"objective {err}, got {self.objective!r}")
+        self.resolve_beta()
         for f in fields(self):
             value = getattr(self, f.name)
             methods = f.metadata.get("methods", ALL_METHODS)
@@ -407,6 +430,21 @@ class TrainConfig:
             raise bad("lens (a projection-lens warm start) needs method scratch")
         if not self.data_split.strip():
             raise bad("data_split is empty (e.g. train)")
+        given_twice = sorted(set(self.chat_template_kwargs) & TEMPLATE_VARIABLES)
+        if given_twice:
+            raise bad(f"chat_template_kwargs may not set {given_twice[0]!r} (mlxtoy passes it to the "
+                      f"template itself)")
+        return self
+
+    def resolve_beta(self) -> "TrainConfig":
+        """beta, when not given, is the objective's default (BETA); its range is checked. Part of
+        `validate` (config.yaml records what the run used); objectives take it resolved."""
+        default_beta, beta_check = BETA[self.objective]
+        if self.beta is None:
+            self.beta = default_beta
+        ok, why = CHECKS[beta_check]
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not ok(self.beta):
+            raise UserError(f"train config: beta {why} for {self.objective}, got {self.beta!r}")
         return self
 
     @property
@@ -512,6 +550,28 @@ def load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
+# what every chat-template render is given already (chat_template_kwargs may not set them)
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+
+
+def parse_mapping(text: str, what: str) -> dict[str, Any]:
+    """A YAML (or JSON) mapping written as text, e.g. '{enable_thinking: false}'; '' is {}."""
+    if not text.strip():
+        return {}
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"{what}: not a YAML/JSON mapping ({getattr(e, 'problem', None) or e}): {text!r}") from None
+    return check_mapping(value, what)
+
+
+def check_mapping(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise UserError(f"{what} must be a mapping of names to values, e.g. {{enable_thinking: false}}, "
+                        f"got {value!r}")
+    return dict(value)
+
+
 def train_field(name: str) -> Field:
     for f in fields(TrainConfig):
         if f.name == name:
@@ -531,6 +591,8 @@ def _field_type(name: str) -> tuple[type, type | None, bool]:
         tp = next(a for a in args if a is not type(None))
     if typing.get_origin(tp) is list:
         return list, typing.get_args(tp)[0], optional
+    if typing.get_origin(tp) is dict:
+        return dict, None, optional
     return tp, None, optional
 
 
@@ -571,6 +633,8 @@ def typed_value(name: str, value: Any, source: str = "config") -> Any:
         if optional:
             return None
         raise UserError(f"{what} needs a value (got null)")
+    if base is dict:
+        return parse_mapping(value, what) if isinstance(value, str) else check_mapping(value, what)
     if base is list:
         if isinstance(value, str):
             value = [t.strip() for t in value.split(",") if t.strip()]
@@ -619,6 +683,11 @@ def parse_text(name: str, text: str) -> tuple[Any, str | None]:
             return None, None
         base = _field_type(name)[0]
         default = [] if base is list else base() if base in (int, float, bool) else ""
+    if isinstance(default, dict):
+        try:
+            return parse_mapping(text, name), None
+        except UserError:
+            return None, "not a YAML/JSON mapping, e.g. {enable_thinking: false}"
     if isinstance(default, list):
         value: Any = [t.strip() for t in text.split(",") if t.strip()]
         if not value:

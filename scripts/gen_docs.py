@@ -41,7 +41,7 @@ def _cell(text: str) -> str:
 
 
 def _default_text(value) -> str:
-    if value is None or value == "" or value == []:
+    if value is None or value == "" or value == [] or value == {}:
         return "—"
     if isinstance(value, bool):
         return "on" if value else "off"

@@ -60,7 +60,7 @@ def run_training(cfg, resume: bool = False, on_event=None, control=None, taps_ho
     p = prepare(cfg, resume)
     return train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, facts=p.facts,
                  resume_from=p.resume_from, emit=fan_out(MetricsSink(p.run), on_event),
-                 control=control, taps_hook=taps_hook, handle_sigint=handle_sigint)
+                 control=control, taps_hook=taps_hook, handle_sigint=handle_sigint, objective=p.objective)
 
 
 def tiny_model(seed: int = 0, dtype=mx.float32, **kw):

@@ -274,9 +274,7 @@ async def test_setup_form_starts_from_trainconfig_defaults(in_assets):
     from tui.setup import FIELDS, UI_OVERRIDES
 
     assert set(UI_OVERRIDES) == {"sample_every", "taps_every", "beta"}
-    from mlxtoy.train.objectives import make_objective
-
-    assert UI_OVERRIDES["beta"] == make_objective(TrainConfig()).cfg.beta
+    assert UI_OVERRIDES["beta"] == TrainConfig().validate().beta  # validation resolves beta
     defaults = TrainConfig()
     app = MlxtoyApp(model="tiny.gguf", data="data.jsonl", runs_dir="runs")
     async with app.run_test(size=SIZE) as pilot:

@@ -7,6 +7,7 @@ a worker thread so a large file never blocks typing.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -21,15 +22,15 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Input, Label, Select, Static
 
 from mlxtoy import backend, settings
-from mlxtoy.config import TrainConfig, field_default, parse_text, train_field
+from mlxtoy.config import BETA, TrainConfig, field_default, parse_text, train_field
 from mlxtoy.errors import UserError
 from mlxtoy.io.hub import parse_id
 from mlxtoy.io.registry import BUILTIN, resolve_model
 from mlxtoy.io.tables import dataset_id, is_table_file
 from mlxtoy.loading import load_tokenizer
 from mlxtoy.rundir import is_run
-from mlxtoy.train.formats import Renderer, as_trained
-from mlxtoy.train.objectives import OBJECTIVE_TYPES, make_objective
+from mlxtoy.train.formats import Renderer, as_trained, with_template_kwargs
+from mlxtoy.train.objectives import make_objective
 from mlxtoy.train.records import read_data
 from mlxtoy.train.rewards import BUILTINS
 from tui.widgets import FilePicker, NavBar
@@ -59,14 +60,14 @@ class Field:
 FIELDS = tuple(Field(name) for name in (
     "steps", "batch_size", "seq_len", "lr", "beta", "reward", "group_size", "max_completion_tokens",
     "lora_rank", "lora_alpha", "lora_targets", "d_model", "n_layers", "n_heads", "eval_every", "eval_batches",
-    "save_every", "sample_every", "taps_every"))
+    "save_every", "sample_every", "taps_every", "chat_template_kwargs"))
 # what the reward field offers (a FILE.py:FUNCTION of one's own goes there too)
 REWARD_HINT = "built-ins: " + ", ".join(BUILTINS) + "; or FILE.py:FUNCTION"
 
 
 def beta_default(objective: str) -> float:
     """What --beta is when not given, for this objective (0.1 for DPO / ORPO, 0 for GRPO)."""
-    return OBJECTIVE_TYPES[objective].default_beta
+    return BETA[objective][0]
 
 
 # The form starts from TrainConfig's defaults, except that samples and taps are on so the
@@ -144,13 +145,14 @@ def check_out(value: str) -> str | None:
     return None
 
 
-def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: dict) -> dict[str, Any]:
+def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: dict,
+                 template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Parse the data and measure token lengths (worker thread). Raises UserError on bad data.
 
     Every record goes through its format (mlxtoy.train.formats), as the trainer's batches do:
     "examples" are the first records' previews, "rendered" the first record's sequences as the
-    trainer builds them ([(text, trained), ...] each: the chat template applied, cut to
-    seq_len + 1 tokens), "lengths" the longest sequence of each record."""
+    trainer builds them ([(text, trained), ...] each: the chat template applied with the form's
+    template kwargs, cut to seq_len + 1 tokens), "lengths" the longest sequence of each record."""
     raw = read_data(os.path.expanduser(data))
     records = raw.train
     out: dict[str, Any] = {"count": len(records), "kind": records[0].kind if records else "?",
@@ -166,6 +168,12 @@ def data_preview(data: str, model: str, seq_len: int | None, tokenizer_cache: di
             tok = tokenizer_cache[model] = load_tokenizer(model)
         except (UserError, OSError, ValueError) as e:
             out["tokenizer_error"] = str(e)
+    if tok is not None:
+        try:
+            tok = with_template_kwargs(tok, template_kwargs or {})
+        except UserError as e:
+            out["tokenizer_error"] = str(e)
+            tok = None
     if tok is not None:
         r = Renderer(tok)
         lengths = []
@@ -328,12 +336,13 @@ class SetupScreen(Screen):
         info.update("[dim]reading the data…[/dim]")
         self._set_error("data", None)
         self.errors["data"] = "still reading the data"  # Start waits for the preview
-        self.load_preview(text, self.query_one("#f-model", Input).value.strip(), self.values.get("seq_len"))
+        self.load_preview(text, self.query_one("#f-model", Input).value.strip(), self.values.get("seq_len"),
+                          self.values.get("chat_template_kwargs"))
 
     @work(thread=True, exclusive=True, group="preview")
-    def load_preview(self, data: str, model: str, seq_len: int | None) -> None:
+    def load_preview(self, data: str, model: str, seq_len: int | None, template_kwargs: dict | None) -> None:
         try:
-            result = data_preview(data, model, seq_len, self._tokenizers)
+            result = data_preview(data, model, seq_len, self._tokenizers, template_kwargs)
             error = None
         except UserError as e:
             result, error = None, str(e)
@@ -391,6 +400,9 @@ class SetupScreen(Screen):
             self._check_out(event.value)
         else:
             self._check_field(name, event.value)
+            data = self.query_one("#f-data", Input).value
+            if name == "chat_template_kwargs" and data and check_data_path(data) is None:
+                self._check_data(data)  # the rendering depends on them
         self.query_one("#form-error", Static).display = False
 
     @on(Input.Submitted, "#f-model")
@@ -442,7 +454,7 @@ class SetupScreen(Screen):
         # beta follows the objective's default unless it was edited
         beta = self.query_one("#f-beta", Input)
         new = beta_default(str(event.value))
-        if beta.value.strip() in {_fmt(beta_default(o)) for o in OBJECTIVE_TYPES}:
+        if beta.value.strip() in {_fmt(beta_default(o)) for o in BETA}:
             beta.value = _fmt(new)
         self._apply_method(self._method())
 
@@ -562,6 +574,8 @@ class SetupScreen(Screen):
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, dict):
+        return json.dumps(v) if v else ""
     if isinstance(v, list):
         return ",".join(map(str, v))
     if isinstance(v, float):

@@ -50,7 +50,7 @@ def _flag_help(f: dataclasses.Field) -> str:
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     if isinstance(default, list):
         default = ",".join(map(str, default)) if default else None
-    if default not in (None, ""):
+    if default not in (None, "", {}):
         text += f" (default: {default})"
     return text.replace("%", "%%")
 

@@ -151,6 +151,9 @@ class CharTokenizer:
                             **kwargs: Any) -> str:
         raise UserError(f"a {self.kind}-level tokenizer has no chat template; use plain text")
 
+    def with_template_kwargs(self, kwargs: dict[str, Any]) -> "CharTokenizer":
+        return self  # no template to give them to
+
     # ------------------------------------------------------------------ export
 
     # Only the reference TransformerLM (arch tiny) uses these vocabularies, and it has no

@@ -4,7 +4,8 @@
   text, and any failure (syntax, sandbox violation, `raise_exception`) into a UserError;
 - `CHATML_TEMPLATE`: what a tokenizer without a template of its own renders with;
 - the sandbox gives templates the helpers transformers does (`raise_exception`,
-  `strftime_now`, a `tojson` that keeps non-ASCII text) and nothing else.
+  `strftime_now`, a `tojson` that keeps non-ASCII text, the `{% generation %}` block) and
+  nothing else.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import time
 from datetime import datetime
 from typing import Any
 
-from jinja2 import Template
+from jinja2 import Template, nodes
 from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from mlxtoy.errors import UserError
@@ -73,6 +75,19 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
+class GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' marker of what the assistant
+    writes (its `return_assistant_tokens_mask`), found in TRL's training templates and some
+    models' own. It renders its body unchanged; the loss mask comes from rendering the
+    conversation turn by turn (mlxtoy.train.formats.Renderer), which needs no markers."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
@@ -94,7 +109,7 @@ def sandbox() -> ImmutableSandboxedEnvironment:
     Immutable: a template from a downloaded file can read the variables it is given, but
     cannot reach Python internals or mutate anything (not even the caller's messages).
     """
-    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

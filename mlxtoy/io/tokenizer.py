@@ -82,6 +82,8 @@ class TokenizerLike(Protocol):
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...
 
+    def with_template_kwargs(self, kwargs: dict[str, Any]) -> "TokenizerLike": ...
+
     def describe(self) -> dict[str, Any]: ...
 
     def to_hf_tokenizer_json(self) -> str: ...
@@ -144,6 +146,7 @@ class Tokenizer:
         self._hf_json: dict[str, Any] | None = None  # the tokenizer.json we were loaded from
         self._pieces = [token_piece(tokens[i], types[i], kind) for i in range(n)]
         self._template = ChatTemplate(self._chat_template or CHATML_TEMPLATE, source)
+        self.template_kwargs: dict[str, Any] = {}  # further variables of every render (with_template_kwargs)
         self.eos_ids = self._find_eos_ids(extra_eos)
 
     # ------------------------------------------------------------------ construction: GGUF
@@ -433,7 +436,16 @@ class Tokenizer:
         or mutate anything. Extra keywords become template variables.
         """
         return self._template.render(messages, add_generation_prompt, self._special_text(self.bos_id),
-                                     self._special_text(self.eos_id), kwargs)
+                                     self._special_text(self.eos_id), {**self.template_kwargs, **kwargs})
+
+    def with_template_kwargs(self, kwargs: dict[str, Any]) -> "Tokenizer":
+        """This tokenizer, rendering every chat with these template variables too (a run's
+        `chat_template_kwargs`, e.g. Qwen3's enable_thinking: false), as TRL's
+        chat_template_kwargs and mlx-lm's chat_template_args do. Keywords given to
+        apply_chat_template itself win."""
+        out = copy.copy(self)
+        out.template_kwargs = dict(kwargs)
+        return out
 
     # ------------------------------------------------------------------ export
 

@@ -7,18 +7,25 @@ both go through these classes; nothing else branches on a record's kind.
 |--------------|-------------------------------------------------------------|-----------------------|
 | `text`       | `{"text"}`                                                  | all                   |
 | `completion` | `{"prompt", "completion"}`                                  | the completion        |
-| `chat`       | `{"messages": [{"role", "content"}, ...]}`                  | every assistant turn  |
+| `chat`       | `{"messages": [{"role", "content"}, ...]}`, optional `"tools"` | every assistant turn (its tool calls too) |
 | `stream`     | a `.txt` file: one text, cut into windows of seq_len tokens | all                   |
 | `pref`       | `{"prompt", "chosen", "rejected"}` (optional `"system"`), or TRL's conversational `{"chosen": [messages], "rejected": [messages]}` whose shared prefix is the prompt | each side's completion (DPO, ORPO) |
 | `prompt`     | `{"prompt", "answer"}` (optional `"system"`) or `{"messages", "answer"}`; every column is kept for the rewards | none: GRPO samples the completions |
 
 With `mask_prompt` off (`--no-mask-prompt`) a completion or conversation trains every token.
+
+Tool calling, as transformers, TRL and mlx-lm take it: a row's `"tools"` (JSON schemas, or a
+JSON string of them) go to the chat template as its `tools` variable; an assistant message may
+carry `"tool_calls"` (OpenAI's form, `content` then optional) and `"tool"` messages the results
+(`tool_call_id`, `name`). A template that leaves a turn's tool calls out is an error naming the
+row: training on that turn would teach an empty reply.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from mlxtoy.errors import UserError
 from mlxtoy.textio import check_string
@@ -33,6 +40,7 @@ class Record:
     # str | (prompt, completion) | list of messages | (prompt messages, chosen, rejected) |
     # (prompt messages, answer, the row's columns)
     value: Any
+    tools: list[dict[str, Any]] | None = None  # chat, pref, prompt: the row's tool definitions
 
     @property
     def format(self) -> "Format":
@@ -45,7 +53,22 @@ class Record:
 # ---------------------------------------------------------------------------------------------
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def with_template_kwargs(tokenizer, kwargs: dict[str, Any], where: str = "chat_template_kwargs"):
+    """The tokenizer rendering every chat with `kwargs` too (a run's chat_template_kwargs);
+    a variable the model's template never reads is an error, not a silent no-op."""
+    if not kwargs:
+        return tokenizer
+    template = tokenizer.chat_template
+    if not template:
+        raise UserError(f"{where}: {tokenizer.source} has no chat template to give {', '.join(kwargs)} to")
+    unread = [name for name in kwargs if name not in template]
+    if unread:
+        raise UserError(f"{where}: the chat template of {tokenizer.source} does not read {unread[0]!r}")
+    return tokenizer.with_template_kwargs(kwargs)
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items (token ids, or characters) a and b share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -61,14 +84,28 @@ class Renderer:
         self.mask_prompt = mask_prompt
         self.has_template = bool(tokenizer.chat_template)
 
-    def render(self, messages, add_generation_prompt: bool, where: str) -> list[int]:
+    def render_text(self, messages, add_generation_prompt: bool, where: str,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         except UserError:
             raise
         except Exception as e:
             raise UserError(f"{where}: the chat template failed ({type(e).__name__}: {e})") from None
-        return self.tok.encode(text, add_bos=False)
+
+    def render(self, messages, add_generation_prompt: bool, where: str,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.tok.encode(self.render_text(messages, add_generation_prompt, where, tools), add_bos=False)
+
+    def token_ends(self, ids: list[int], text: str) -> list[int] | None:
+        """Each token's end as a byte offset into `text` (None when the tokens' bytes do not
+        spell `text` exactly, e.g. a SentencePiece space prefix)."""
+        ends, at = [], 0
+        for t in ids:
+            at += len(self.tok.decode_token_bytes(t))
+            ends.append(at)
+        return ends if at == len(text.encode("utf-8")) else None
 
     def _eos(self, ids: list[int]) -> list[int]:
         eos = self.tok.eos_id
@@ -76,41 +113,54 @@ class Renderer:
             ids = ids + [eos]
         return ids
 
-    def chat(self, messages: list[dict], where: str) -> Tokens:
+    def chat(self, messages: list[dict], where: str, tools: list[dict[str, Any]] | None = None) -> Tokens:
         if not self.has_template:
             raise UserError(f"{where}: chat data needs a chat template, and this tokenizer has none "
                             f"(use {{\"text\"}} or {{\"prompt\",\"completion\"}})")
-        full = self.render(messages, False, where)
+        text = self.render_text(messages, False, where, tools)
+        full = self.tok.encode(text, add_bos=False)
+        ends = self.token_ends(full, text)
         loss = [not self.mask_prompt] * len(full)
-        if self.mask_prompt:
-            # Each assistant turn is what rendering messages[:i+1] adds to the rendering of
-            # messages[:i] with the generation prompt; common prefixes make this robust to
-            # templates whose prefixes do not tokenize identically at the boundary.
-            for i, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                before = self.render(messages[:i], True, where) if i else []
-                through = full if i == len(messages) - 1 else self.render(messages[: i + 1], False, where)
-                start, end = common_prefix(before, full), common_prefix(through, full)
-                for t in range(start, end):
-                    loss[t] = True
+        # Each assistant turn is the text that rendering messages[:i+1] adds to the rendering
+        # of messages[:i] with the generation prompt (common prefixes: templates that render a
+        # turn differently once later turns follow). The tokens overlapping it train, as in
+        # transformers' assistant mask; a token merged across the boundary carries the turn's
+        # first character, so it trains. Tool calls are part of their assistant turn; tool
+        # results are the next turn's prompt.
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant" or not (self.mask_prompt or m.get("tool_calls")):
+                continue
+            before = self.render_text(messages[:i], True, where, tools) if i else ""
+            through = text if i == len(messages) - 1 else self.render_text(messages[: i + 1], False, where, tools)
+            first, last = common_prefix(before, text), common_prefix(through, text)
+            check_calls_rendered(m, i, text[first:last], where)
+            if ends is not None:
+                lo, hi = len(text[:first].encode("utf-8")), len(text[:last].encode("utf-8"))
+                start = next((t for t, e in enumerate(ends) if e > lo), len(full))
+                end = next((t for t, e in enumerate(ends) if e >= hi), len(full) - 1) + 1 if hi > lo else start
+            else:  # token-level prefixes of the renderings
+                start = common_prefix(self.tok.encode(before, add_bos=False), full) if i else 0
+                end = common_prefix(self.tok.encode(through, add_bos=False), full)
+            if self.mask_prompt:
+                loss[start:end] = [True] * max(0, end - start)
         return full, loss
 
-    def final_turn(self, messages: list[dict], where: str) -> Tokens:
+    def final_turn(self, messages: list[dict], where: str, tools: list[dict[str, Any]] | None = None) -> Tokens:
         """Like `chat`, but only the final assistant turn (and the end-of-turn tokens the
         template adds after it) is trained: a preference pair's completion. For a one-turn
         conversation this is `chat`'s mask."""
         if not self.has_template:
             raise UserError(f"{where}: chat data needs a chat template, and this tokenizer has none")
-        full = self.render(messages, False, where)
-        start = common_prefix(self.render(messages[:-1], True, where), full)
+        full = self.render(messages, False, where, tools)
+        start = common_prefix(self.render(messages[:-1], True, where, tools), full)
         return full, [t >= start for t in range(len(full))]
 
-    def pair_side(self, prompt: list[dict], completion: str, where: str) -> Tokens:
+    def pair_side(self, prompt: list[dict], completion: str, where: str,
+                  tools: list[dict[str, Any]] | None = None) -> Tokens:
         """One completion of a preference pair after its prompt messages: ids and loss mask
         (the completion only), as SFT renders the same conversation."""
         if self.has_template:
-            return self.final_turn(prompt + [{"role": "assistant", "content": completion}], where)
+            return self.final_turn(prompt + [{"role": "assistant", "content": completion}], where, tools)
         if len(prompt) != 1 or prompt[0]["role"] != "user":
             raise UserError(f"{where}: a system message or a conversation needs a chat template, "
                             f"and this tokenizer has none")
@@ -129,11 +179,12 @@ class Renderer:
         ids = self._eos(self.tok.encode(text))
         return ids, [True] * len(ids)
 
-    def generation_prompt(self, messages: list[dict], where: str) -> list[int]:
+    def generation_prompt(self, messages: list[dict], where: str,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Prompt messages -> ids that ask for the assistant's reply. Without a chat template
         only a single user message can be asked (as its plain text)."""
         if self.has_template:
-            return self.render(messages, True, where)
+            return self.render(messages, True, where, tools)
         if len(messages) == 1 and messages[0]["role"] == "user":
             return self.tok.encode(messages[0]["content"])
         raise UserError(f"{where}: a system message or a conversation needs a chat template, "
@@ -165,18 +216,88 @@ def clip(s: str, n: int) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
-def check_messages(msgs: Any, where: str) -> list[dict[str, str]]:
+# text a message may carry besides role and content (tool results, reasoning), kept for the template
+MESSAGE_TEXT_KEYS = ("name", "tool_call_id", "reasoning_content", "thinking")
+
+
+def check_messages(msgs: Any, where: str) -> list[dict[str, Any]]:
+    """Chat messages, checked: role, content (a string; None or absent only beside
+    `tool_calls`), and the tool-calling and reasoning keys templates read. Keys a table row
+    holds as null (its schema's union) are left out, as a JSON object would leave them."""
     if not isinstance(msgs, list) or not msgs:
         raise UserError(f"{where}: 'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise UserError(f"{where}: message {i} needs 'role' and 'content'")
-        if not isinstance(m["content"], str):
-            raise UserError(f"{where}: message {i} 'content' must be a string")
-        check_string(m["content"], f"{where}: message {i}")
-        out.append({"role": str(m["role"]), "content": m["content"]})
+        at = f"{where}: message {i}"
+        if not isinstance(m, dict) or "role" not in m or (m.get("content") is None and not m.get("tool_calls")):
+            raise UserError(f"{at} needs 'role' and 'content' (or, from the assistant, 'tool_calls')")
+        msg: dict[str, Any] = {"role": str(m["role"]), "content": m.get("content")}
+        if msg["content"] is not None:
+            if not isinstance(msg["content"], str):
+                raise UserError(f"{at} 'content' must be a string")
+            check_string(msg["content"], at)
+        if m.get("tool_calls"):
+            msg["tool_calls"] = check_tool_calls(m["tool_calls"], at)
+        for key in MESSAGE_TEXT_KEYS:
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise UserError(f"{at} '{key}' must be a string")
+                check_string(m[key], f"{at} '{key}'")
+                msg[key] = m[key]
+        out.append(msg)
     return out
+
+
+def check_tool_calls(calls: Any, at: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls: each {"function": {"name", "arguments"}} (OpenAI's
+    form, with "type" and "id" optional) or {"name", "arguments"}; arguments an object or its
+    JSON text."""
+    if not isinstance(calls, list):
+        raise UserError(f"{at} 'tool_calls' must be a list")
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise UserError(f"{at} tool call {j} needs a function 'name'")
+        if not isinstance(fn.get("arguments", {}), (dict, str)):
+            raise UserError(f"{at} tool call {j} 'arguments' must be an object or its JSON text")
+    return calls
+
+
+def check_tools(obj: dict, where: str) -> list[dict[str, Any]] | None:
+    """A row's "tools": a list of JSON schemas, or that list as JSON text (tables often hold it
+    so); None when the row has none."""
+    tools = obj.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else []
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: field 'tools' is text but not JSON ({e.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise UserError(f"{where}: field 'tools' must be a list of tool definitions (JSON objects)")
+    return tools or None
+
+
+def call_names(message: dict[str, Any]) -> list[str]:
+    """The function names of an assistant message's tool calls."""
+    return [call.get("function", call)["name"] for call in message.get("tool_calls") or ()]
+
+
+def check_calls_rendered(message: dict[str, Any], i: int, turn_text: str, where: str) -> None:
+    """The template wrote every tool call of message i into its turn (some templates have no
+    tool-call block and drop them silently)."""
+    missing = [name for name in call_names(message) if name not in turn_text]
+    if missing:
+        raise UserError(f"{where}: the chat template leaves out the tool call {missing[0]!r} of message {i} "
+                        f"(it has no tool-call block); use a model whose template renders tool calls, "
+                        f"or write the call into 'content'")
+
+
+def message_text(m: dict[str, Any]) -> str:
+    """A message as the preview shows it: its content, then its tool calls."""
+    calls = " ".join(f"{name}(…)" for name in call_names(m))
+    return " ".join(x for x in (m.get("content") or "", calls and f"→ {calls}") if x)
 
 
 def check_strings(obj: dict, keys: tuple[str, ...], where: str) -> None:
@@ -299,23 +420,23 @@ class ChatFormat(Format):
         return "messages" in obj
 
     def parse(self, obj: dict, where: str) -> Record:
-        return Record(where, self.kind, check_messages(obj["messages"], where))
+        return Record(where, self.kind, check_messages(obj["messages"], where), check_tools(obj, where))
 
     def sequences(self, rec: Record, r: Renderer) -> list[Tokens]:
-        return [r.chat(rec.value, rec.where)]
+        return [r.chat(rec.value, rec.where, rec.tools)]
 
     def prompt(self, rec: Record, r: Renderer) -> tuple[list[int], str | None]:
         msgs = rec.value
         last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
         if last is None:
-            return r.render(msgs, True, rec.where), None
-        return r.render(msgs[:last], True, rec.where), msgs[last]["content"]
+            return r.render(msgs, True, rec.where, rec.tools), None
+        return r.render(msgs[:last], True, rec.where, rec.tools), msgs[last]["content"]
 
     def prompt_text(self, rec: Record) -> str:
         return last_user(rec.value)
 
     def preview(self, rec: Record) -> list[tuple[str, str]]:
-        return [(f"{m['role']}:", clip(m["content"], 50)) for m in rec.value[:3]]
+        return [(f"{m['role']}:", clip(message_text(m), 50)) for m in rec.value[:3]]
 
 
 class PromptedFormat(Format):
@@ -325,8 +446,8 @@ class PromptedFormat(Format):
         """Without a chat template the last message's text is the prompt."""
         prompt, expected = rec.value[0], str(rec.value[1])
         if r.has_template:
-            return r.render(prompt, True, rec.where), expected
-        return r.tok.encode(prompt[-1]["content"]), expected
+            return r.render(prompt, True, rec.where, rec.tools), expected
+        return r.tok.encode(prompt[-1]["content"] or ""), expected
 
     def prompt_text(self, rec: Record) -> str:
         return last_user(rec.value[0])
@@ -350,8 +471,9 @@ class PairFormat(PromptedFormat):
         if isinstance(chosen, list) or isinstance(rejected, list):
             c, r = check_messages(chosen, where), check_messages(rejected, where)
             for name, msgs in (("chosen", c), ("rejected", r)):
-                if msgs[-1]["role"] != "assistant":
-                    raise UserError(f"{where}: '{name}' must end with an assistant turn (the completion)")
+                if msgs[-1]["role"] != "assistant" or not isinstance(msgs[-1]["content"], str):
+                    raise UserError(f"{where}: '{name}' must end with an assistant turn whose 'content' is "
+                                    f"the completion")
             if c[:-1] != r[:-1]:
                 raise UserError(f"{where}: 'chosen' and 'rejected' must share every message but the "
                                 f"final assistant turn (the prompt)")
@@ -368,16 +490,16 @@ class PairFormat(PromptedFormat):
                 raise UserError(f"{where}: empty completion in '{name}'")
         if chosen == rejected:
             raise UserError(f"{where}: 'chosen' and 'rejected' are identical (nothing to prefer)")
-        return Record(where, self.kind, (prompt, chosen, rejected))
+        return Record(where, self.kind, (prompt, chosen, rejected), check_tools(obj, where))
 
     def sequences(self, rec: Record, r: Renderer) -> list[Tokens]:
         """[chosen, rejected]: the completion trained, never the prompt (mask_prompt ignored)."""
         prompt, chosen, rejected = rec.value
-        return [r.pair_side(prompt, text, rec.where) for text in (chosen, rejected)]
+        return [r.pair_side(prompt, text, rec.where, rec.tools) for text in (chosen, rejected)]
 
     def preview(self, rec: Record) -> list[tuple[str, str]]:
         prompt, chosen, rejected = rec.value
-        return [("prompt", clip(prompt[-1]["content"], 50)), ("chosen", clip(chosen, 30)),
+        return [("prompt", clip(message_text(prompt[-1]), 50)), ("chosen", clip(chosen, 30)),
                 ("rejected", clip(rejected, 30))]
 
 
@@ -399,15 +521,15 @@ class PromptFormat(PromptedFormat):
             messages = prompt_messages(obj)
         if obj["answer"] is None:
             raise UserError(f"{where}: field 'answer' is empty (null)")
-        return Record(where, self.kind, (messages, obj["answer"], dict(obj)))
+        return Record(where, self.kind, (messages, obj["answer"], dict(obj)), check_tools(obj, where))
 
     def sequences(self, rec: Record, r: Renderer) -> list[Tokens]:
-        ids = r.generation_prompt(rec.value[0], rec.where)
+        ids = r.generation_prompt(rec.value[0], rec.where, rec.tools)
         return [(ids, [False] * len(ids))]
 
     def preview(self, rec: Record) -> list[tuple[str, str]]:
         prompt, answer, _ = rec.value
-        return [("prompt", clip(prompt[-1]["content"], 60)), ("answer", clip(str(answer), 40))]
+        return [("prompt", clip(message_text(prompt[-1]), 60)), ("answer", clip(str(answer), 40))]
 
 
 # in the order a JSON object is recognised: the first whose `matches` says yes reads it

@@ -49,8 +49,10 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # added to the std before dividing (TRL's)
-# what the loss returns after the loss itself, each a share of the step's mean
-STATS = ("loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio", "entropy")
+# what the loss returns after the loss itself, each a share of the step's mean (the min / max:
+# each micro-batch's over its sequences, averaged over the micro-batches, as TRL logs them)
+STATS = ("loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio", "entropy",
+         "clip_ratio/low_min", "clip_ratio/high_max")
 SAMPLES_SHOWN = 4  # completions a step event carries
 
 
@@ -68,21 +70,46 @@ class GRPOSpec:
 # ------------------------------------------------------------------ advantages and the loss
 
 
+def nanmean(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """The mean of the non-NaN values (NaN where there are none), quietly."""
+    n = np.sum(~np.isnan(x), axis=axis)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.nansum(x, axis=axis) / np.where(n > 0, n, np.nan)
+
+
+def nanstd(x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """The unbiased std of the non-NaN values, NaN where fewer than two (TRL's nanstd)."""
+    n = np.sum(~np.isnan(x), axis=axis)
+    mean = nanmean(x, axis)
+    dev = x - (np.expand_dims(mean, axis) if axis is not None else mean)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.sqrt(np.nansum(dev * dev, axis=axis) / np.where(n > 1, n - 1, np.nan))
+
+
+def finite_or_none(v: float) -> float | None:
+    """A metric's value for an event (JSON has no NaN): None where there was nothing to measure."""
+    return float(v) if np.isfinite(v) else None
+
+
 def group_advantages(rewards: np.ndarray, group_size: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
     """Rewards (N,) of N / group_size groups, in order -> (advantages (N,), each completion's
     group's (unbiased) reward std (N,), whatever `scale` is: the metrics and dynamic sampling
-    read it): reward - group mean, over the group's std + STD_EPS, the batch's, or nothing."""
+    read it): reward - group mean, over the group's std + STD_EPS, the batch's, or nothing.
+
+    A NaN reward (every reward function said None: unscorable) is left out of its group's mean
+    and std and gets advantage 0, as TRL >= 1.6 does; a group with fewer than two scored
+    completions has std NaN, and advantages 0."""
     r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
-    group_std = r.std(axis=1, ddof=1) if group_size > 1 else np.zeros(len(r))
+    group_std = nanstd(r, axis=1)
     # a group whose rewards are all equal has advantage 0 exactly (its float mean may not
     # equal its members to the last bit)
-    adv = np.where(np.isclose(group_std, 0.0)[:, None], 0.0, r - r.mean(axis=1, keepdims=True)).reshape(-1)
+    adv = np.where(np.isclose(group_std, 0.0)[:, None], 0.0, r - nanmean(r, axis=1)[:, None]).reshape(-1)
     std = np.repeat(group_std, group_size)
     if scale == "batch":
-        adv = adv / ((r.std(ddof=1) if r.size > 1 else 0.0) + STD_EPS)
+        adv = adv / (nanstd(r) + STD_EPS)
     elif scale == "group":
         adv = adv / (std + STD_EPS)
-    return adv.astype(np.float32), std
+    return np.nan_to_num(adv, nan=0.0).astype(np.float32), std
 
 
 def grpo_loss(logp: mx.array, old: mx.array, ref: mx.array, adv: mx.array, mask: mx.array,
@@ -92,7 +119,8 @@ def grpo_loss(logp: mx.array, old: mx.array, ref: mx.array, adv: mx.array, mask:
     logp, old, ref: (B, C) log-probs of each completion token under the policy, the generating
     policy and the reference (old is ignored when spec.detached_old); adv (B,); mask (B, C)
     1 where a completion has a token; norms [sequences of the step, completion tokens of the step,
-    this micro-batch's completion tokens * micro-batches]; entropy (B, T) or None.
+    this micro-batch's completion tokens * micro-batches, micro-batches (1 when left out)];
+    entropy (B, T) or None.
     stats: STATS, each a share of its mean over the step (tokens; sequences for GSPO's
     sequence-level clip fractions)."""
     old = mx.stop_gradient(logp) if spec.detached_old else mx.stop_gradient(old)
@@ -128,21 +156,41 @@ def grpo_loss(logp: mx.array, old: mx.array, ref: mx.array, adv: mx.array, mask:
     else:
         shares = [(x * mask).sum() / norms[1] for x in (low, high, mx.maximum(low, high))]
     ent = mx.zeros(()) if entropy is None else (mx.stop_gradient(entropy) * mask).sum() / norms[1]
-    stats = mx.stack([loss, (mx.stop_gradient(kl) * mask).sum() / norms[1], *shares, ent])
+    micro_batches = norms[3] if norms.shape[0] > 3 else 1.0
+    stats = mx.stack([loss, (mx.stop_gradient(kl) * mask).sum() / norms[1], *shares, ent,
+                      *(x / micro_batches for x in sequence_extremes(low, high, mask))])
     return loss, stats
 
 
+def sequence_extremes(low: mx.array, high: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
+    """(the least of the sequences' low-clipped shares, the largest of their high-clipped
+    shares), TRL's clip_ratio/low_min and high_max: a share per sequence over its tokens (a
+    sequence without tokens has none), or the sequence's own flag with one ratio a sequence."""
+    if low.shape[1] == 1:  # sequence-level: one ratio, one flag a sequence
+        return low[:, 0].min(), high[:, 0].max()
+    n = mask.sum(-1)
+    has = n > 0
+    per_low = (low * mask).sum(-1) / mx.maximum(n, 1.0)
+    per_high = (high * mask).sum(-1) / mx.maximum(n, 1.0)
+    some = has.any()  # else TRL's NaN (nothing to measure), 0 here
+    return (mx.where(some, mx.where(has, per_low, mx.inf).min(), 0.0),
+            mx.where(some, mx.where(has, per_high, -mx.inf).max(), 0.0))
+
+
 def step_norms(batches: list[Batch]) -> mx.array:
-    """[sequences, completion tokens, ...] of a whole step, for `grpo_loss`; the third entry
-    (bnpo's micro-batch count) is filled in per micro-batch by `micro_norms`."""
+    """[sequences, completion tokens, micro-batches, micro-batches] of a whole step, for
+    `grpo_loss` (completion tokens: the ones trained, truncated completions left out with
+    --mask-truncated-completions); the third entry (bnpo's) is filled in per micro-batch by
+    `micro_norms`, the fourth averages the per-micro-batch extremes."""
+    n = float(len(batches))
     return mx.array([max(1, sum(b.inputs.shape[0] for b in batches)),
-                     max(1, sum(b.n_loss for b in batches)), float(len(batches))], dtype=mx.float32)
+                     max(1, sum(b.n_loss for b in batches)), n, n], dtype=mx.float32)
 
 
 def micro_norms(norms: mx.array, batch: Batch) -> mx.array:
     """`step_norms` with its third entry this micro-batch's tokens (all of them, not a
     data-parallel shard's) * the micro-batches."""
-    return mx.concatenate([norms[:2], (norms[2] * max(1, batch.micro_tokens or batch.n_loss)).reshape(1)])
+    return mx.concatenate([norms[:2], (norms[2] * max(1, batch.micro_tokens or batch.n_loss)).reshape(1), norms[3:]])
 
 
 # ------------------------------------------------------------------ prompts
@@ -229,6 +277,11 @@ def sample_seed(seed: int, positions: list[int]) -> int:
     return int(np.random.default_rng([seed, 0x6A90, *positions]).integers(0, 2**31 - 1))
 
 
+def eval_seed(seed: int) -> int:
+    """The sampling seed of --eval-generations: the run's, and the same at every evaluation."""
+    return int(np.random.default_rng([seed, 0xE7A1]).integers(0, 2**31 - 1))
+
+
 def generate_groups(model, tokenizer, prompts: list[Prompt], group_size: int, sampling: SamplingParams,
                     max_tokens: int, seed: int) -> tuple[list[list[int]], np.ndarray]:
     """group_size completions of each prompt (prompt-major), as token ids that end at the EOS
@@ -241,11 +294,12 @@ def generate_groups(model, tokenizer, prompts: list[Prompt], group_size: int, sa
 
 
 def completion_batch(prompts: list[Prompt], completions: list[list[int]], group_size: int,
-                     pad_id: int, index: int, max_tokens: int) -> Batch:
+                     pad_id: int, index: int, max_tokens: int, left_out: np.ndarray | None = None) -> Batch:
     """Rows prompt + completion (prompt-major, group_size per prompt), right-padded to a
     multiple of PAD_MULTIPLE; weights 1 on the completion's targets, and `positions` (rows,
     max_tokens) the targets' row positions (-1 past a completion's end): where the loss reads
-    log-probs."""
+    log-probs. Rows marked in `left_out` (truncated, --mask-truncated-completions) have no
+    targets: they stay in the batch (their sequences count, as in TRL) but add no loss."""
     rows = [np.concatenate([prompts[i // group_size].tokens, np.asarray(c, dtype=np.int32)])
             for i, c in enumerate(completions)]
     width = max(len(r) - 1 for r in rows)
@@ -260,6 +314,8 @@ def completion_batch(prompts: list[Prompt], completions: list[list[int]], group_
         n = len(row) - 1
         inputs[b, :n], targets[b, :n], segments[b, :n] = row[:-1], row[1:], 0
         start = len(row) - len(comp) - 1  # the target of position start is the first completion token
+        if left_out is not None and left_out[b]:
+            continue
         weights[b, start:n] = 1.0
         positions[b, :len(comp)] = np.arange(start, n)
     batch = Batch(inputs, targets, weights, segments, int((segments >= 0).sum()), int(weights.sum()), index)
@@ -277,8 +333,10 @@ def completion_arrays(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def rollout(model, tokenizer, prompts: list[Prompt], rewards: RewardSet, *, group_size: int,
             sampling: SamplingParams, max_tokens: int, seed: int, scale: str, pad_id: int,
-            index: int) -> Rollout:
-    """Sample, decode and score group_size completions of each prompt; advantages on the Batch."""
+            index: int, mask_truncated: bool = False) -> Rollout:
+    """Sample, decode and score group_size completions of each prompt; advantages on the Batch.
+    mask_truncated: completions cut by max_tokens train nothing (DAPO's overlong filtering, TRL's
+    mask_truncated_completions); they are still scored and counted in the metrics."""
     completions, clipped = generate_groups(model, tokenizer, prompts, group_size, sampling, max_tokens, seed)
     eos = set(tokenizer.eos_ids)
     texts = [tokenizer.decode([t for t in c if t not in eos]) for c in completions]
@@ -286,15 +344,17 @@ def rollout(model, tokenizer, prompts: list[Prompt], rewards: RewardSet, *, grou
     per_reward = rewards.score(owners, texts, [len(c) for c in completions])
     combined = rewards.combine(per_reward)
     adv, std = group_advantages(combined, group_size, scale)
-    batch = completion_batch(prompts, completions, group_size, pad_id, index, max_tokens)
+    batch = completion_batch(prompts, completions, group_size, pad_id, index, max_tokens,
+                             clipped if mask_truncated else None)
     batch.advantages = adv
     return Rollout(batch, combined, per_reward, std, np.array([len(c) for c in completions]), clipped,
                    texts, owners)
 
 
 def informative(roll: Rollout, group_size: int) -> np.ndarray:
-    """Per group: its rewards differ (DAPO's dynamic sampling keeps only these)."""
-    return ~np.isclose(roll.std.reshape(-1, group_size)[:, 0], 0.0)
+    """Per group: its (scored) rewards differ (DAPO's dynamic sampling keeps only these)."""
+    std = roll.std.reshape(-1, group_size)[:, 0]
+    return np.isfinite(std) & ~np.isclose(std, 0.0)
 
 
 def keep_groups(roll: Rollout, keep: np.ndarray, group_size: int) -> Rollout:
@@ -323,23 +383,35 @@ def take_rows(roll: Rollout, idx: np.ndarray) -> Rollout:
 
 
 def rollout_metrics(rolls: list[Rollout], rewards: RewardSet, group_size: int) -> dict[str, Any]:
-    """TRL's metric names over every completion sampled for a step (skipped groups included)."""
+    """TRL's (>= 1.6) metric names and definitions over every completion sampled for a step
+    (skipped groups included): the reward's mean and std over the completions (an unscorable
+    one left out), each reward's mean and std where it applied, the share of groups whose
+    rewards are all equal, completion lengths (all, and those that ended with EOS), the share
+    cut by the token limit. None where there was nothing to measure."""
     r = np.concatenate([x.rewards for x in rolls])
-    std = np.concatenate([x.std for x in rolls])
     per = np.concatenate([x.per_reward for x in rolls])
-    lengths = np.concatenate([x.lengths for x in rolls])
+    lengths = np.concatenate([x.lengths for x in rolls]).astype(np.float64)
     clipped = np.concatenate([x.clipped for x in rolls])
     groups = np.concatenate([x.std.reshape(-1, group_size)[:, 0] for x in rolls])
-    out: dict[str, Any] = {"reward": float(r.mean()), "reward_std": float(std.mean()),
+    out: dict[str, Any] = {"reward": finite_or_none(nanmean(r)), "reward_std": finite_or_none(nanstd(r)),
                            "frac_reward_zero_std": float(np.isclose(groups, 0.0).mean())}
     for j, name in enumerate(rewards.names):
-        col = per[:, j]
-        out[f"rewards/{name}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else None
+        out[f"rewards/{name}/mean"] = finite_or_none(nanmean(per[:, j]))
+        out[f"rewards/{name}/std"] = finite_or_none(nanstd(per[:, j]))
     out["completions/mean_length"] = float(lengths.mean())
     out["completions/min_length"] = float(lengths.min())
     out["completions/max_length"] = float(lengths.max())
     out["completions/clipped_ratio"] = float(clipped.mean())
+    ended = lengths[~clipped] if (~clipped).any() else np.zeros(1)  # TRL's 0 when none ended
+    out["completions/mean_terminated_length"] = float(ended.mean())
+    out["completions/min_terminated_length"] = float(ended.min())
+    out["completions/max_terminated_length"] = float(ended.max())
     return out
+
+
+def sampled_tokens(rolls: list[Rollout]) -> int:
+    """Prompt and completion tokens of every completion sampled (TRL's num_tokens counts these)."""
+    return int(sum(len(p) for x in rolls for p in x.prompts) + sum(int(x.lengths.sum()) for x in rolls))
 
 
 def sample_records(rolls: list[Rollout], rewards: RewardSet, n: int = SAMPLES_SHOWN) -> list[dict[str, Any]]:
@@ -354,7 +426,7 @@ def sample_records(rolls: list[Rollout], rewards: RewardSet, n: int = SAMPLES_SH
             shown = prompt if isinstance(prompt, str) else next(
                 (m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
             out.append({"prompt": str(shown)[:200], "completion": roll.texts[i][:400],
-                        "reward": float(roll.rewards[i]), "rewards": per})
+                        "reward": finite_or_none(roll.rewards[i]), "rewards": per})
     return out
 
 
@@ -427,11 +499,36 @@ def greedy_rewards(model, tokenizer, prompts: list[Prompt], rewards: RewardSet, 
         texts += [tokenizer.decode([t for t in o if t not in eos]) for o in outs]
         lengths += [len(o) for o in outs]
     per = rewards.score(prompts, texts, lengths)
-    out: dict[str, Any] = {"reward": float(rewards.combine(per).mean()) if prompts else float("nan"),
+    out: dict[str, Any] = {"reward": float(nanmean(rewards.combine(per))) if prompts else float("nan"),
                            "completions/mean_length": float(np.mean(lengths or [0]))}
     for j, name in enumerate(rewards.names):
-        col = per[:, j]
-        out[f"rewards/{name}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else None
+        out[f"rewards/{name}/mean"] = finite_or_none(nanmean(per[:, j]))
+    return out
+
+
+def sampled_rewards(model, tokenizer, prompts: list[Prompt], rewards: RewardSet, max_tokens: int, rows: int,
+                    sampling: SamplingParams, generations: int, seed: int) -> dict[str, Any]:
+    """--eval-generations: `generations` completions of each prompt sampled as the training
+    samples them (a fixed seed: every evaluation draws alike), beside the greedy one; TRL's
+    eval reward. Keys under "sampled/": the reward's mean and std over the completions, each
+    reward's mean, the mean length."""
+    texts, lengths, owners = [], [], []
+    eos = set(tokenizer.eos_ids)
+    per_call = max(1, rows // generations)
+    for i in range(0, len(prompts), per_call):
+        chunk = prompts[i:i + per_call]
+        outs = generate_batch(model, [p.tokens.tolist() for p in chunk], repeats=generations, sampling=sampling,
+                              max_tokens=max_tokens, eos_ids=eos, seed=seed + i)
+        texts += [tokenizer.decode([t for t in o if t not in eos]) for o in outs]
+        lengths += [len(o) for o in outs]
+        owners += [p for p in chunk for _ in range(generations)]
+    per = rewards.score(owners, texts, lengths)
+    combined = rewards.combine(per)
+    out: dict[str, Any] = {"sampled/reward": finite_or_none(nanmean(combined)),
+                           "sampled/reward_std": finite_or_none(nanstd(combined)),
+                           "sampled/completions/mean_length": float(np.mean(lengths or [0]))}
+    for j, name in enumerate(rewards.names):
+        out[f"sampled/rewards/{name}/mean"] = finite_or_none(nanmean(per[:, j]))
     return out
 
 

@@ -31,7 +31,8 @@ from mlxtoy.train.build import build_model
 from mlxtoy.train.checkpoint import pick_checkpoint
 from mlxtoy.train.control import Control, TrainControl
 from mlxtoy.train.data import Dataset, Renderer, load_dataset
-from mlxtoy.train.objectives import make_objective
+from mlxtoy.train.formats import with_template_kwargs
+from mlxtoy.train.objectives import Objective, make_objective
 from mlxtoy.train.records import DataOptions, read_data
 from mlxtoy.train.evaluate import AccuracyReport, accuracy
 from mlxtoy.train.loop import Parallel, TrainResult, epoch_steps, train
@@ -73,24 +74,27 @@ class Prepared:
     resume_from: str | None
     notes: list[str] = field(default_factory=list)  # what the job should tell the user
     memory: MemoryCheck | None = None  # the step's estimated peak against the machine's memory
+    objective: Objective | None = None  # the run's, built once (load_parts) and handed on
 
 
-def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module, Any, Dataset, RunFacts]:
+def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module, Any, Dataset, RunFacts, Objective]:
     """Validate, read the data (format errors, file:line, before the model loads), build the
     model and tokenize: everything but the run directory. `old`: a resumed run's facts (its
-    character vocabulary is kept, whatever the data holds now)."""
+    character vocabulary is kept, whatever the data holds now). The objective is built here,
+    the one time in a run: memory, the loop and the step take this one."""
     cfg.validate()
     objective = make_objective(cfg)  # its settings checked (a reward file loaded) before any data
     raw = read_data(cfg.data, DataOptions.of(cfg))
     objective.check_records(raw)
     quant = quant_plan(cfg.model, cfg.qlora if cfg.adapters else "off", plan=QuantPlan.of(cfg))
-    preflight(cfg, quant, check_shapes)
+    preflight(cfg, quant, check_shapes, objective)
     model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None, quant=quant)
+    tokenizer = with_template_kwargs(tokenizer, cfg.chat_template_kwargs)  # every rendering of the run
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,
                            cfg.seed, raw=raw, tokenize_fn=objective.tokenize)
     facts.data = {"train_examples": len(dataset.train), "valid_examples": len(dataset.valid),
                   "test_examples": len(dataset.test), "truncated": dataset.train_stats.truncated}
-    return model, tokenizer, dataset, facts
+    return model, tokenizer, dataset, facts, objective
 
 
 def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -> Prepared:
@@ -115,10 +119,10 @@ def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
         run.clean_partial()
         recorded, old = run.read_config()
         notes += resume_check(recorded, cfg)  # what the continued run no longer shares with the first
-    model, tokenizer, dataset, facts = load_parts(cfg, old)
-    memory = check_fits(cfg, model)
+    model, tokenizer, dataset, facts, objective = load_parts(cfg, old)
+    memory = check_fits(cfg, model, objective)
     if cfg.epochs:  # config.yaml records the steps the epochs come to
-        cfg.steps = epoch_steps(cfg, dataset)
+        cfg.steps = epoch_steps(cfg, dataset, objective)
         cfg.validate()
     if cfg.early_stop and not dataset.valid:
         raise UserError(f"{cfg.data}: early_stop needs validation data, and there is none "
@@ -136,7 +140,7 @@ def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:
         if resume_from is None:
             run.reset_metrics()
         run.create(cfg, facts)
-    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from, notes, memory)
+    return Prepared(cfg, run, model, tokenizer, dataset, facts, resume_from, notes, memory, objective)
 
 
 def check_shapes(cfg: TrainConfig, model: nn.Module) -> None:
@@ -146,11 +150,11 @@ def check_shapes(cfg: TrainConfig, model: nn.Module) -> None:
         raise UserError(f"seq_len {cfg.seq_len} is longer than the model's context ({context} tokens)")
 
 
-def check_fits(cfg: TrainConfig, model: nn.Module) -> MemoryCheck:
+def check_fits(cfg: TrainConfig, model: nn.Module, objective: Objective) -> MemoryCheck:
     """`check_shapes`; then estimate the step's peak memory and compare it with the machine's
     (mlxtoy.train.memory: a warning, or with --strict-memory an error, when it will not fit)."""
     check_shapes(cfg, model)
-    return check_memory(cfg, model)
+    return check_memory(cfg, model, objective)
 
 
 class JobParallel(Parallel, Protocol):
@@ -254,7 +258,7 @@ def _run_with(p: Prepared, send, control, parallel, on_accuracy, handle_sigint, 
     before = measure("before") if cfg.eval_accuracy else None
     result = train(cfg, p.model, p.tokenizer, p.dataset, run, facts=p.facts, resume_from=p.resume_from,
                    emit=send, control=control, taps_hook=hook, handle_sigint=handle_sigint,
-                   parallel=parallel)
+                   parallel=parallel, objective=p.objective)
     summary = _summary(result, parallel)
     after = None
     if cfg.eval_accuracy and result.reason in ("finished", "early_stopped"):

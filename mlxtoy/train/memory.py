@@ -43,7 +43,7 @@ from mlxtoy.models.attention import attention_route
 from mlxtoy.models.fastmath import kernels_on
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
 from mlxtoy.train.build import load_dtype, make_trainable, train_dtype
-from mlxtoy.train.objectives import loss_logits_alive, make_objective, output_layer
+from mlxtoy.train.objectives import Objective, loss_logits_alive, make_objective, output_layer
 from mlxtoy.train.step import block_matrix
 
 GB = backend.GB
@@ -215,10 +215,12 @@ def first_trained_block(model: nn.Module) -> int:
     return len(model.layers)
 
 
-def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
+def estimate(cfg: TrainConfig, model: nn.Module, objective: Objective | None = None) -> MemoryEstimate:
     """The peak memory of one training step of `model` under `cfg` (see the module docstring).
 
-    What trains is read from the model (its trainable arrays), not from the method's name."""
+    What trains is read from the model (its trainable arrays), not from the method's name.
+    `objective`: the run's (its rows, with cfg's batch size and length); built from cfg when
+    not given."""
     m = model.config
     trainable = tree_flatten(model.trainable_parameters())
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -231,7 +233,7 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
         low_copies = sum(v.size for _, v in trainable) * item
     # rows and their length, as the objective lays out a micro-batch (a preference batch holds
     # pairs, two sequences each; GRPO's, group_size completions of each prompt)
-    objective = make_objective(replace(cfg))
+    objective = objective or make_objective(replace(cfg).resolve_beta())
     rows, T = objective.memory_rows(cfg.batch_size, cfg.seq_len)
     tokens = rows * T
     first = first_trained_block(model)
@@ -264,7 +266,8 @@ def estimate(cfg: TrainConfig, model: nn.Module) -> MemoryEstimate:
 
 
 def preflight(cfg: TrainConfig, quant: QuantPlan | None,
-              check_shapes: Callable[[TrainConfig, nn.Module], None] | None = None) -> None:
+              check_shapes: Callable[[TrainConfig, nn.Module], None] | None = None,
+              objective: Objective | None = None) -> None:
     """The memory check from the model file's header, before anything is loaded: a run whose
     frozen weights alone exceed the machine's memory (certain not to fit), or that
     `check_memory` refuses, stops here with one error naming settings that fit, instead of
@@ -276,19 +279,20 @@ def preflight(cfg: TrainConfig, quant: QuantPlan | None,
     make_trainable(model, cfg)
     if check_shapes is not None:
         check_shapes(cfg, model)
-    check = check_memory(cfg, model)
+    check = check_memory(cfg, model, objective)
     if not check.fits and check.available and check.estimate.weights > check.available:
         raise UserError(check.warning().replace("this run may not fit", "this run does not fit")
                         + " (the model's weights alone exceed it)")
 
 
-def largest_batch(cfg: TrainConfig, model: nn.Module, available: int, **kw) -> int:
+def largest_batch(cfg: TrainConfig, model: nn.Module, available: int, objective: Objective | None = None,
+                  **kw) -> int:
     """The largest batch_size below cfg's whose estimate fits (0: none); the estimate grows
     with the batch, so a bisection."""
     lo, hi = 0, cfg.batch_size - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if estimate(replace(cfg, batch_size=mid, **kw), model).peak <= available:
+        if estimate(replace(cfg, batch_size=mid, **kw), model, objective).peak <= available:
             lo = mid
         else:
             hi = mid - 1
@@ -301,49 +305,49 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]), reverse=True)
 
 
-def suggestions(cfg: TrainConfig, model: nn.Module, available: int) -> list[str]:
+def suggestions(cfg: TrainConfig, model: nn.Module, available: int, objective: Objective | None = None) -> list[str]:
     """Settings that fit in `available` bytes, each re-estimated: a smaller batch, the same
     effective batch through --grad-accum, gradient checkpointing (alone or with a batch)."""
     def gb(**kw) -> str:
-        return f"{estimate(replace(cfg, **kw), model).peak / GB:.2f} GB"
+        return f"{estimate(replace(cfg, **kw), model, objective).peak / GB:.2f} GB"
 
     out: list[str] = []
     if cfg.adapters and not any(isinstance(m, QUANTIZED_TYPES) for _, m in model.named_modules()):
         quantized = planned_model(cfg.model, load_dtype(cfg), QuantPlan.of(cfg))
         make_trainable(quantized, cfg)
-        peak = estimate(cfg, quantized).peak
+        peak = estimate(cfg, quantized, objective).peak
         if peak <= available:
             out.append(f"--qlora on ({peak / GB:.2f} GB)")
-    b = largest_batch(cfg, model, available)
+    b = largest_batch(cfg, model, available, objective)
     if b:
         out.append(f"--batch-size {b} ({gb(batch_size=b)})")
         # the same effective batch: a divisor of batch_size that fits, more micro-batches
         div = next((d for d in divisors(cfg.batch_size) if d <= b
                     and estimate(replace(cfg, batch_size=d, grad_accum=cfg.grad_accum * cfg.batch_size // d),
-                                 model).peak <= available), None)
+                                 model, objective).peak <= available), None)
         if div is not None:
             accum = cfg.grad_accum * cfg.batch_size // div
             out.append(f"--batch-size {div} --grad-accum {accum} (the same effective batch, "
                        f"{gb(batch_size=div, grad_accum=accum)})")
     if not cfg.grad_checkpoint:
-        if estimate(replace(cfg, grad_checkpoint=True), model).peak <= available:
+        if estimate(replace(cfg, grad_checkpoint=True), model, objective).peak <= available:
             out.append(f"--grad-checkpoint ({gb(grad_checkpoint=True)})")
         else:
-            b = largest_batch(cfg, model, available, grad_checkpoint=True)
+            b = largest_batch(cfg, model, available, objective, grad_checkpoint=True)
             if b:
                 out.append(f"--grad-checkpoint --batch-size {b} ({gb(batch_size=b, grad_checkpoint=True)})")
     return out
 
 
-def check_memory(cfg: TrainConfig, model: nn.Module) -> MemoryCheck:
+def check_memory(cfg: TrainConfig, model: nn.Module, objective: Objective | None = None) -> MemoryCheck:
     """The estimate against the machine's memory; refuse (UserError) a run that will not fit
     with --strict-memory, or one beyond REFUSE_FACTOR times the machine's memory."""
-    est = estimate(cfg, model)
+    est = estimate(cfg, model, objective)
     available, source = backend.INFO.memory_budget()
     check = MemoryCheck(est, available, source, [])
     if check.fits:
         return check
-    check.suggestions = suggestions(cfg, model, available)
+    check.suggestions = suggestions(cfg, model, available, objective)
     if cfg.strict_memory or est.peak > REFUSE_FACTOR * available:
         why = "" if cfg.strict_memory else f" (over {REFUSE_FACTOR:g}x; --strict-memory refuses any excess)"
         raise UserError(check.warning().replace("this run may not fit", "this run does not fit") + why)

@@ -196,14 +196,14 @@ class Objective:
     """The base: SFT's choices, which the others override where they differ."""
 
     name = "sft"
-    default_beta = 0.1  # what cfg.beta resolves to when not given
     # the record kinds it trains on (mlxtoy.train.formats)
     kinds: tuple[str, ...] = (TextFormat.kind, CompletionFormat.kind, ChatFormat.kind, StreamFormat.kind)
     wanted: str | None = None  # how errors describe those kinds (None: the general formats)
 
     def __init__(self, cfg: TrainConfig):
+        """cfg: validated (TrainConfig.validate resolves beta); built once per run, by the job."""
         if cfg.beta is None:
-            cfg.beta = self.default_beta
+            raise ValueError("an objective takes a TrainConfig whose beta is resolved (validate, resolve_beta)")
         self.cfg = cfg
         self.setup: Setup | None = None
 
@@ -305,8 +305,6 @@ class Preference(Objective):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        if not cfg.beta > 0:
-            raise UserError(f"train config: beta must be > 0, got {cfg.beta!r}")
         self.spec = PreferenceSpec(self.name, cfg.beta, cfg.label_smoothing, adapters_reference=cfg.adapters)
 
     def tokenize(self, records, tokenizer, seq_len: int, mask_prompt: bool = True, name: str = "train"):
@@ -440,8 +438,6 @@ class GRPO(Objective):
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
-        if not cfg.beta >= 0:
-            raise UserError(f"train config: beta must be >= 0 for grpo, got {cfg.beta!r}")
         if cfg.group_size < 2:
             raise UserError(f"train config: group_size must be >= 2 (advantages compare completions of a "
                             f"prompt), got {cfg.group_size}")
@@ -449,10 +445,15 @@ class GRPO(Objective):
         self.spec = grpo.GRPOSpec(cfg.loss_type, cfg.importance_sampling, cfg.epsilon,
                                   cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high, cfg.beta,
                                   cfg.max_completion_tokens, detached_old=cfg.iterations_per_generation == 1)
-        self.sampling = SamplingParams(temp=cfg.temp, top_p=cfg.top_p, min_p=cfg.min_p).validate()
+        # the penalty sees the whole prompt and completion, as TRL's samplers do
+        self.sampling = SamplingParams(temp=cfg.temp, top_p=cfg.top_p, min_p=cfg.min_p, top_k=cfg.top_k,
+                                       repetition_penalty=cfg.repetition_penalty,
+                                       repetition_window=cfg.seq_len + cfg.max_completion_tokens).validate()
         self.reference: dict[str, mx.array] | None = None  # full fine-tuning's starting weights
         self.reused: tuple[StepData, int] | None = None  # a generation, and the steps it has served
         self.pending: dict[str, Any] = {}  # the rollout's metrics, for the step event
+        self.num_tokens = 0  # prompt + completion tokens sampled so far in the run (TRL's num_tokens)
+        self.warned_unscorable = False
 
     def check_records(self, raw: RawSplits) -> None:
         super().check_records(raw)
@@ -472,24 +473,34 @@ class GRPO(Objective):
         return grpo.PromptStream(examples, c.batch_size, c.seq_len, c.seed, False, shuffle, pad_id)
 
     def data_warnings(self, dataset: Dataset) -> list[str]:
-        return [f"{name}: {stats.dropped} prompts dropped ({stats.dropped_why})"
-                for name, stats in (("train", dataset.train_stats), ("valid", dataset.valid_stats)) if stats.dropped]
+        out = [f"{name}: {stats.dropped} prompts dropped ({stats.dropped_why})"
+               for name, stats in (("train", dataset.train_stats), ("valid", dataset.valid_stats)) if stats.dropped]
+        if self.cfg.importance_sampling == "sequence" and self.cfg.loss_type in ("bnpo", "dr_grpo", "dapo"):
+            # TRL's warning: the setting is allowed, and rarely what was meant
+            out.append(f"--importance-sampling sequence with --loss-type {self.cfg.loss_type}: that loss sums "
+                       f"per-token terms, which weights each sequence by its completion length instead of "
+                       f"optimizing the per-sequence objective; GSPO's setup is --loss-type grpo")
+        return out
 
     def starting_point(self, model: nn.Module) -> None:
         if self.cfg.beta and not self.cfg.adapters:  # the arrays themselves: updates make new ones
             self.reference = dict(tree_flatten(model.trainable_parameters()))
 
     # -- a generation that later steps still train on (--iterations-per-generation) is state
+    # (and the count of tokens sampled, so a resumed run's num_tokens goes on from it)
     def state(self) -> tuple[dict[str, mx.array], dict[str, str]] | None:
         if self.reused is None or self.reused[1] >= self.cfg.iterations_per_generation:
-            return None
+            return grpo.saved_generation([], {"num_tokens": self.num_tokens})
         data, uses = self.reused
-        return grpo.saved_generation(data.batches, {"uses": uses, "positions": data.positions, "metrics": data.metrics})
+        return grpo.saved_generation(data.batches, {"uses": uses, "positions": data.positions, "metrics": data.metrics,
+                                                    "num_tokens": self.num_tokens})
 
     def load_state(self, state: tuple[dict[str, mx.array], dict[str, str]] | None) -> None:
         if state is not None:
             batches, meta = grpo.restored_generation(*state)
-            self.reused = (StepData(batches, meta["positions"], meta["metrics"]), meta["uses"])
+            self.num_tokens = meta.get("num_tokens", 0)  # a checkpoint from before the count: from 0
+            if batches:
+                self.reused = (StepData(batches, meta["positions"], meta["metrics"]), meta["uses"])
 
     # -- a step: rollouts, then the loss on them
     def step_data(self, stream: BatchStream, position: int) -> StepData:
@@ -506,7 +517,7 @@ class GRPO(Objective):
             return grpo.rollout(s.model, s.tokenizer, prompts, self.rewards, group_size=c.group_size,
                                 sampling=self.sampling, max_tokens=c.max_completion_tokens,
                                 seed=grpo.sample_seed(c.seed, positions), scale=c.scale_rewards,
-                                pad_id=s.pad_id, index=positions[0])
+                                pad_id=s.pad_id, index=positions[0], mask_truncated=c.mask_truncated_completions)
 
         s.model.eval()
         with s.quiet():
@@ -519,14 +530,27 @@ class GRPO(Objective):
                 self._score(b)
         s.model.train()
         seen = got.seen
+        self.num_tokens += grpo.sampled_tokens(seen)
         metrics = grpo.rollout_metrics(seen, self.rewards, c.group_size)
+        metrics["num_tokens"] = self.num_tokens
         metrics["samples"] = grpo.sample_records(seen, self.rewards)
+        self._warn_unscorable(seen)
         metrics["timing/generation_s"] = t1 - t0
         metrics["timing/scoring_s"] = time.perf_counter() - t1
         data = StepData(batches, got.positions, metrics)
         self.reused = (data, 1)
         self.pending = dict(metrics)
         return data
+
+    def _warn_unscorable(self, rolls: list[grpo.Rollout]) -> None:
+        """Once a run, as TRL warns: a completion whose every reward said None trains nothing."""
+        for roll in rolls:
+            bad = np.flatnonzero(np.isnan(roll.rewards))
+            if len(bad) and not self.warned_unscorable:
+                self.warned_unscorable = True
+                self.setup.log(f"every reward returned None for a completion of {roll.prompts[bad[0]].where}: "
+                               f"it is left out of its group's baseline, with advantage 0 (make at least one "
+                               f"reward return a number)", "warning")
 
     def _score(self, batch: Batch) -> None:
         """The log-probs the loss compares with, stored with the batch right after generation:
@@ -586,8 +610,12 @@ class GRPO(Objective):
         s, c = self.setup, self.cfg
         n = stream.batches_per_epoch if n_batches < 0 else min(n_batches, stream.batches_per_epoch)
         prompts = [p for i in range(n) for p in stream.prompts(i)]
-        fields = grpo.greedy_rewards(s.model, s.tokenizer, prompts, self.rewards, c.max_completion_tokens,
-                                     max(1, c.batch_size * c.group_size))
+        rows = max(1, c.batch_size * c.group_size)
+        fields = grpo.greedy_rewards(s.model, s.tokenizer, prompts, self.rewards, c.max_completion_tokens, rows)
+        if c.eval_generations:
+            fields.update(grpo.sampled_rewards(s.model, s.tokenizer, prompts, self.rewards, c.max_completion_tokens,
+                                               rows, self.sampling, c.eval_generations,
+                                               grpo.eval_seed(c.seed)))
         return -fields["reward"], len(prompts), fields
 
     # -- the memory estimate: batch_size x group_size rows of prompt + completion

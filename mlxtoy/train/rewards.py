@@ -9,6 +9,8 @@
                    (None, "not applicable", when the answer holds no number)
     think-format   1 for "<think>...</think>" followed by an answer, else 0
     length:N       0 up to N completion tokens, then -(tokens - N) / N
+    overlong:MAX,CACHE  DAPO's soft overlong punishment (TRL's get_soft_overlong_punishment):
+                   0 up to MAX - CACHE tokens, then falling linearly to -1 at MAX, -1 beyond
     FILE.py:FUNC   a user's function, called with the keyword arguments prompt (the row's
                    prompt: a string or its messages), completion (text), answer, and any other
                    column of the row that its signature names (all of them with **kwargs);
@@ -20,7 +22,9 @@ training row before the model loads (signature, columns, return type). Every cal
 or `sys.exit()`, inside it is one UserError naming the file, the function and the row (the CLI:
 one `error:` line, exit 2); a call still running after `--reward-timeout` seconds is one too;
 a KeyboardInterrupt inside it is an interrupt, as Ctrl-C is. A reward that is None counts as 0
-in the weighted sum (as TRL's nansum) and is left out of its mean.
+in the weighted sum (as TRL's nansum) and is left out of its mean; a NaN is taken as None. A
+completion whose every reward is None is unscorable (`RewardSet.combine`: NaN): GRPO leaves it
+out of its group's baseline and gives it advantage 0, as TRL >= 1.6 does.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import importlib.util
 import inspect
 import math
 import os
+import queue
 import re
 import sys
 import threading
@@ -40,7 +45,8 @@ import numpy as np
 
 from mlxtoy.errors import UserError
 
-BUILTINS = ("exact", "contains", "regex:PATTERN", "numeric", "think-format", "length:N")
+BUILTINS = ("exact", "contains", "regex:PATTERN", "numeric", "think-format", "length:N", "overlong:MAX,CACHE")
+OVERLONG_NAME = "soft_overlong_punishment_reward"  # TRL's name, so the metric keys match its
 STANDARD_ARGS = ("prompt", "completion", "answer")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 THINK = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.DOTALL)
@@ -119,32 +125,68 @@ class RewardTimeout(Exception):
     pass
 
 
+class RewardWorker:
+    """A daemon thread that runs reward calls one at a time (a thread per call cost ~1 ms)."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self.serve, name=REWARD_THREAD, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            fn, kwargs, box, done = self.jobs.get()
+            try:
+                box["value"] = fn(**kwargs)
+            except BaseException as e:  # SystemExit and KeyboardInterrupt too: the caller decides
+                box["error"] = e
+            done.set()
+
+
+_WORKER: list[RewardWorker] = []  # the worker in use; one left running a call is dropped
+
+
 def guarded_call(fn: Callable[..., Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
-    """fn(**kwargs) in a thread of its own, its prints sent to stderr: its value, or the
-    exception it raised (SystemExit included) raised here; RewardTimeout when it is still
-    running after `timeout` seconds (None: no limit). Ctrl-C while it runs raises
-    KeyboardInterrupt here at once. A call left running (timeout, Ctrl-C) is a daemon thread:
-    it cannot keep the process alive, and what it prints later still goes to stderr."""
+    """fn(**kwargs) in a worker thread, its prints sent to stderr: its value, or the exception
+    it raised (SystemExit included) raised here; RewardTimeout when it is still running after
+    `timeout` seconds (None: no limit). Ctrl-C while it runs raises KeyboardInterrupt here at
+    once. A worker left running a call (timeout, Ctrl-C) is a daemon thread: it cannot keep the
+    process alive, what it prints later still goes to stderr, and the next call gets a new one."""
+    if not _WORKER:
+        _WORKER.append(RewardWorker())
     box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn(**kwargs)
-        except BaseException as e:  # SystemExit and KeyboardInterrupt too: the caller decides
-            box["error"] = e
-
+    done = threading.Event()
     real = sys.stdout
     if not isinstance(real, RewardStdout):
         sys.stdout = RewardStdout(real)
-    worker = threading.Thread(target=target, name=REWARD_THREAD, daemon=True)
-    worker.start()
-    worker.join(timeout)  # a signal handler's KeyboardInterrupt interrupts this wait
-    if worker.is_alive():
+    _WORKER[0].jobs.put((fn, kwargs, box, done))
+    try:
+        finished = done.wait(timeout)  # a signal handler's KeyboardInterrupt interrupts this wait
+    except BaseException:
+        _WORKER.clear()
+        raise
+    if not finished:
+        _WORKER.clear()
         raise RewardTimeout
     sys.stdout = real  # (left routed when a call is abandoned: it may print later)
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def _overlong(arg: str) -> RewardFn:
+    """DAPO's soft overlong punishment (its Eq. 13), over the completion's tokens."""
+    try:
+        longest, cache = (int(x) for x in arg.split(","))
+    except ValueError:
+        longest = cache = -1
+    if longest <= 0 or not 0 <= cache <= longest:
+        raise UserError(f"--reward overlong:{arg}: want MAX,CACHE, whole numbers of tokens with 0 <= CACHE <= MAX")
+    free = longest - cache
+
+    def reward(p, completion: str, n: int) -> float:
+        return 0.0 if n <= free else (free - n) / cache if n <= longest else -1.0
+
+    return reward
 
 
 def _load_user(spec: str, timeout: float | None = None) -> tuple[str, RewardFn]:
@@ -185,8 +227,8 @@ def _load_user(spec: str, timeout: float | None = None) -> tuple[str, RewardFn]:
             return None
         if isinstance(value, (bool, int, float, np.number)) and math.isfinite(float(value)):
             return float(value)
-        if isinstance(value, float) and math.isnan(value):
-            return None
+        if isinstance(value, (float, np.floating)) and math.isnan(value):  # np.float32('nan') too
+            return None  # TRL takes NaN as it takes None
         raise UserError(f"{path}:{func}: returned {value!r} on {p.where} (want a finite number or None)")
 
     return func, call
@@ -221,9 +263,11 @@ def split_specs(text: str) -> list[str]:
     out: list[str] = []
     for piece in text.split(","):
         starts = piece.strip() in ("exact", "contains", "numeric", "think-format") or piece.strip().startswith(
-            ("regex:", "length:")) or ".py:" in piece
+            ("regex:", "length:", "overlong:")) or ".py:" in piece
         if out and out[-1].startswith("regex:") and not starts:
             out[-1] += "," + piece
+        elif out and out[-1].startswith("overlong:") and "," not in out[-1] and piece.strip().isdigit():
+            out[-1] += "," + piece.strip()  # overlong:MAX,CACHE
         elif piece.strip():
             out.append(piece.strip())
     return out
@@ -255,6 +299,8 @@ class RewardSet:
                 name, fn = "regex", _regex(arg)
             elif kind == "length":
                 name, fn = f"length_{arg}", _length(arg)
+            elif kind == "overlong":
+                name, fn = OVERLONG_NAME, _overlong(arg)
             elif ".py:" in spec:
                 name, fn = _load_user(spec, timeout)
             else:
@@ -282,5 +328,10 @@ class RewardSet:
         return out
 
     def combine(self, per_reward: np.ndarray) -> np.ndarray:
-        """(N,) the weighted sum, a None (NaN) counting 0."""
-        return np.nansum(per_reward * self.weights[None, :], axis=1) if per_reward.size else np.zeros(len(per_reward))
+        """(N,) the weighted sum, a None (NaN) counting 0; NaN where every reward said None (the
+        completion is unscorable: TRL >= 1.6 leaves it out of its group's baseline and gives it
+        advantage 0)."""
+        if not per_reward.size:
+            return np.zeros(len(per_reward))
+        total = np.nansum(per_reward * self.weights[None, :], axis=1)
+        return np.where(np.isnan(per_reward).all(axis=1), np.nan, total)

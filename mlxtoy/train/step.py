@@ -146,7 +146,7 @@ class Stepper:
                  reducer: Reducer | None = None, objective: Objective | None = None):
         self.model, self.optimizer, self.cfg, self.packed = model, optimizer, cfg, packed
         self.reducer = reducer
-        self.objective = objective = objective or make_objective(cfg)
+        self.objective = objective = objective or make_objective(cfg.resolve_beta())
         clip = cfg.grad_clip
 
         # Mixed precision for full / scratch (LoRA: the frozen base is already stored in the
