@@ -109,6 +109,7 @@ class BatchDecoder:
         self.prefill_step = prefill_step
         self.dropout = has_dropout(model)
         self.compiled = compile_decode and backend.INFO.compiled_decode and hasattr(model, "hidden")
+        self.decode = None  # the compiled one-token step, once fetched
         self.slots = adapter_slots(model)
         cfg = getattr(model, "config", None)
         self.context = getattr(cfg, "context_length", None)
@@ -215,6 +216,7 @@ class BatchDecoder:
         self.remove([])
         if self.prompt_cache is not None:
             self.prompt_cache.clear()
+        self.decode = None
         forget_decoder(self.model)
         mx.synchronize()
         mx.clear_cache()
@@ -225,7 +227,9 @@ class BatchDecoder:
         adapters = mx.array([r.request.adapter for r in self.rows], dtype=mx.int32) if self.slots else None
         with no_dropout(self.model, self.dropout):
             if self.compiled:
-                logits = decoder_for(self.model)(tokens, self.cache, starts, adapters)
+                # fetched once: its structure check walks every parameter, too slow for every step
+                self.decode = self.decode or decoder_for(self.model)
+                logits = self.decode(tokens, self.cache, starts, adapters)
             else:
                 cols = mx.arange(self.cache[0].offset + 1)
                 mask = (cols[None, :] >= starts[:, None])[:, None, None, :]
