@@ -18,6 +18,11 @@ import pytest
 
 from helpers_train import REPO, qa_rows, run_cli, run_training, write_jsonl, write_tiny_model_folder
 from mlxtoy.config import TrainConfig
+from mlxtoy.engine import generate_batch
+from mlxtoy.generate import generate_tokens
+from mlxtoy.inference import load_for_inference, load_for_serving
+from mlxtoy.models.adapters import AdapterBank
+from mlxtoy.models.quant import QUANTIZED_TYPES
 
 PROMPTS = ["12+1", "the keeper of the lighthouse", "47+1", "abc", "Once upon", "88+1", "x", "q: 3+1"]
 
@@ -248,3 +253,22 @@ def test_ctrl_c_drains_the_requests_in_flight_and_exits(work):
         assert out["text"] == complete(alone, "model", "abc", n=300)
     finally:
         alone.stop()
+
+
+def test_a_qlora_runs_base_stays_quantized_when_served(work, tmp_path):
+    """The base of a QLoRA run is served as it trained (4-bit, adapters unmerged on top) and
+    a row reading the run samples what `generate --adapter RUN` samples."""
+    run = str(tmp_path / "q")
+    run_training(TrainConfig(model=work["model"], data=os.path.join(os.path.dirname(work["a"]), "data"),
+                             out=run, method="lora", qlora="on", steps=6, batch_size=4, seq_len=64, lr=3e-2,
+                             eval_every=0, save_every=0, lora_targets=["q", "v", "down"], seed=3))
+    model, tok, names = load_for_serving(work["model"], ["q=" + run])
+    assert names == ["model", "q"]
+    banks = [m for _, m in model.named_modules() if isinstance(m, AdapterBank)]
+    assert banks and all(isinstance(b.base, QUANTIZED_TYPES) for b in banks)
+    assert all(isinstance(layer.attn.k, QUANTIZED_TYPES) for layer in model.layers)  # untargeted: 4-bit too
+    alone, tok2 = load_for_inference(None, run)
+    prompt = tok.encode("12+1")
+    want = [t for t, _ in generate_tokens(alone, prompt, max_tokens=16)]
+    assert generate_batch(model, [prompt], max_tokens=16, adapter=1)[0] == want
+    assert generate_batch(model, [prompt], max_tokens=16, adapter=0)[0] != want  # control: the base alone
