@@ -39,6 +39,7 @@ from mlxtoy.serve import EngineThread, Job
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+DISCONNECT_POLL = 0.25  # seconds between checks that a client waiting for a whole answer is there
 
 
 class APIError(Exception):
@@ -214,15 +215,28 @@ class API:
         self.engine.submit(job)
         return job
 
-    async def events(self, job: Job, p: Parsed) -> AsyncIterator[tuple[int, str, Token, str | None]]:
+    async def events(self, job: Job, p: Parsed, client: HTTPRequest | None = None
+                     ) -> AsyncIterator[tuple[int, str, Token, str | None]]:
         """(choice, new text, token, finish reason) as the choices' tokens arrive; the stop
-        strings and end-of-sequence handled here. Every row is cancelled if the consumer stops."""
+        strings and end-of-sequence handled here. Every row is cancelled if the consumer stops,
+        or if `client` (a request answered in one piece) disconnects: it is asked every
+        DISCONNECT_POLL seconds (a stream's disconnect cancels its consumer instead)."""
         tok = self.served.tokenizer
         detoks = [StreamingDetokenizer(tok, p.stop) for _ in range(p.n)]
         open_choices = set(range(p.n))
+        polled = time.monotonic()
         try:
             while open_choices:
-                i, token = await job.queue.get()
+                try:
+                    i, token = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL)
+                except asyncio.TimeoutError:
+                    i = token = -1
+                if client is not None and time.monotonic() - polled >= DISCONNECT_POLL:
+                    polled = time.monotonic()
+                    if await client.is_disconnected():
+                        return
+                if i == -1:
+                    continue
                 if i is None:
                     raise APIError(500, token)
                 if i not in open_choices:
@@ -283,13 +297,13 @@ class API:
         if p.stream:
             return EventSourceResponse(self.stream(job, p, chat, head), ping=0, sep="\n")
         try:
-            return JSONResponse(await self.whole(job, p, chat, head))
+            return JSONResponse(await self.whole(job, p, chat, head, request))
         except APIError as e:
             return e.response()
 
-    async def whole(self, job: Job, p: Parsed, chat: bool, head: dict) -> dict:
+    async def whole(self, job: Job, p: Parsed, chat: bool, head: dict, client: HTTPRequest) -> dict:
         texts, tokens, finishes = [""] * p.n, [[] for _ in range(p.n)], [None] * p.n
-        async for i, text, token, finish in self.events(job, p):
+        async for i, text, token, finish in self.events(job, p, client):
             texts[i] += text
             tokens[i].append(token)
             finishes[i] = finish or finishes[i]

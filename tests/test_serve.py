@@ -211,6 +211,15 @@ def test_a_client_that_disconnects_frees_its_row(server):
         time.sleep(0.01)
     h = server.health()
     assert h["rows"] == 0 and h["cancelled_rows"] == before + 1
+    # a client waiting for the whole answer that gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.3),
+                   json={"model": "b", "prompt": "abc", "max_tokens": 480, "temperature": 1.0, "seed": 2})
+    deadline = time.time() + 30
+    while server.health()["rows"] and time.time() < deadline:
+        time.sleep(0.01)
+    h = server.health()
+    assert h["rows"] == 0 and h["cancelled_rows"] == before + 2
 
 
 def test_response_format_output_validates(server):
