@@ -98,8 +98,8 @@ def train_adapters(model: str, n: int, root: str) -> list[str]:
         out = os.path.join(root, f"a{i}")
         subprocess.run([sys.executable, "-m", "mlxtoy", "train", "--model", model, "--data",
                         os.path.join(REPO, "assets", "demo"), "--out", out, "--steps", "1", "--lora-rank", "8",
-                        "--lora-targets", "q,v", "--seed", str(i), "--batch-size", "1", "--seq-len", "64"],
-                       check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+                        "--lora-targets", "q,v", "--seed", str(i), "--batch-size", "1", "--seq-len", "256"],
+                       check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         runs.append(out)
     return runs
 
@@ -151,7 +151,8 @@ def main() -> None:
                 print(f"{name}: {e}", file=sys.stderr)
                 continue
             try:
-                asyncio.run(drive(url, [served], 2, 8))  # warm-up
+                for c in streams:  # warm-up: every batch size traced once
+                    asyncio.run(drive(url, [served], c, 8))
                 results[name] = [asyncio.run(drive(url, [served], c, args.tokens)) for c in streams]
             finally:
                 proc.terminate()
@@ -167,8 +168,8 @@ def main() -> None:
                           "--max-batch", str(max(streams))] + [a for r in runs for a in ("--adapter", r)], url)
             try:
                 names = [os.path.basename(r) for r in runs]
-                asyncio.run(drive(url, names, 2, 8))
                 c = max(streams)
+                asyncio.run(drive(url, names, c, 8))  # warm-up: every batch size traced once
                 one = asyncio.run(drive(url, names[:1], c, args.tokens))
                 many = asyncio.run(drive(url, names, c, args.tokens))
             finally:
