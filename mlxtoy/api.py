@@ -318,11 +318,12 @@ class API:
                      "logprobs": self.completion_logprobs(tokens[i], 0) if p.logprobs else None}
             choices.append(c)
         return dict(head, object="chat.completion" if chat else "text_completion", choices=choices,
-                    usage=self.usage(p, sum(len(t) for t in tokens)))
+                    usage=self.usage(p, sum(len(t) for t in tokens), job))
 
-    def usage(self, p: Parsed, generated: int) -> dict:
+    def usage(self, p: Parsed, generated: int, job: Job) -> dict:
+        cached = job.rows[0].cached_tokens if job.rows else 0
         return {"prompt_tokens": len(p.prompt), "completion_tokens": generated,
-                "total_tokens": len(p.prompt) + generated}
+                "total_tokens": len(p.prompt) + generated, "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def stream(self, job: Job, p: Parsed, chat: bool, head: dict) -> AsyncIterator[str]:
         generated = 0
@@ -347,7 +348,7 @@ class API:
                     chunk["usage"] = None
                 yield json.dumps(chunk)
             if p.include_usage:
-                yield json.dumps(dict(head, choices=[], usage=self.usage(p, generated)))
+                yield json.dumps(dict(head, choices=[], usage=self.usage(p, generated, job)))
         except APIError as e:
             yield json.dumps({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
         yield "[DONE]"

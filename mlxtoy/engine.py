@@ -81,6 +81,7 @@ class Row:
         self.logits = logits  # (1, V): where its next token is drawn from
         self.generated = 0
         self.cancelled = False
+        self.cached_tokens = 0  # prompt tokens its prefill took from the prompt cache
 
     def draw(self) -> tuple[mx.array, mx.array]:
         """-> (token (1,), logprob ()) from the pending logits, lazily."""
@@ -128,12 +129,15 @@ class BatchDecoder:
             budget = min(budget, self.context - len(prompt))
         if budget <= 0:
             raise ValueError(f"the prompt ({len(prompt)} tokens) leaves no room in the context ({self.context})")
+        hits = self.cached_tokens
         cache, logits = self.prefill(prompt, request.adapter)
         join_rows(self.cache, cache, copies)
         seed = request.sampling.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
         rows = [Row(request, seed + j, budget, logits) for j in range(copies)]
+        for r in rows:
+            r.cached_tokens = self.cached_tokens - hits
         self.rows += rows
         return rows
 

@@ -197,10 +197,14 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server):
     assert complete(server, "b", PROMPTS[2]) == complete(server, "b", PROMPTS[2])  # still serving
 
 
+# a request that runs long whatever the weights: a JSON string of 480+ characters, one token each
+LONG = {"type": "json_schema", "json_schema": {"name": "long", "schema": {"type": "string", "minLength": 480}}}
+
+
 def test_a_client_that_disconnects_frees_its_row(server):
     before = server.health()["cancelled_rows"]
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={"model": "a", "prompt": "abc", "max_tokens": 480, "temperature": 1.0, "seed": 1,
+                      json={"model": "a", "prompt": "abc", "max_tokens": 500, "response_format": LONG,
                             "stream": True}) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(4)]
@@ -211,15 +215,15 @@ def test_a_client_that_disconnects_frees_its_row(server):
         time.sleep(0.01)
     h = server.health()
     assert h["rows"] == 0 and h["cancelled_rows"] == before + 1
-    # a client waiting for the whole answer that gives up
+    # a client waiting for the whole answer (16 choices) that gives up
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.3),
-                   json={"model": "b", "prompt": "abc", "max_tokens": 480, "temperature": 1.0, "seed": 2})
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.2),
+                   json={"model": "b", "prompt": "abc", "max_tokens": 500, "response_format": LONG, "n": 16})
     deadline = time.time() + 30
     while server.health()["rows"] and time.time() < deadline:
         time.sleep(0.01)
     h = server.health()
-    assert h["rows"] == 0 and h["cancelled_rows"] == before + 2
+    assert h["rows"] == 0 and h["cancelled_rows"] == before + 17
 
 
 def test_response_format_output_validates(server):
@@ -243,23 +247,27 @@ def test_response_format_output_validates(server):
 
 
 def test_ctrl_c_drains_the_requests_in_flight_and_exits(work):
+    def long_stream(server) -> str:
+        chunks = server.client.completions.create(model="model", prompt="abc", max_tokens=500, temperature=0,
+                                                  stream=True, extra_body={"response_format": LONG})
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
     s = Server(work["model"])
     out = {}
-
-    def client():
-        out["text"] = complete(s, "model", "abc", n=300, stream=True)
-
-    t = threading.Thread(target=client)
+    t = threading.Thread(target=lambda: out.update(text=long_stream(s)))
     t.start()
     deadline = time.time() + 30
     while s.health()["rows"] == 0 and time.time() < deadline:
         time.sleep(0.002)
+    assert s.health()["rows"] == 1  # in flight when Ctrl-C comes
     s.proc.send_signal(signal.SIGINT)
     t.join(60)
     assert s.proc.wait(60) == 0, "".join(s.log)
+    with pytest.raises(httpx.ConnectError):  # no longer listening
+        httpx.get(s.url + "/health")
     alone = Server(work["model"])
     try:
-        assert out["text"] == complete(alone, "model", "abc", n=300)
+        assert len(out["text"]) > 480 and out["text"] == long_stream(alone)  # the whole answer
     finally:
         alone.stop()
 
@@ -281,3 +289,20 @@ def test_a_qlora_runs_base_stays_quantized_when_served(work, tmp_path):
     want = [t for t, _ in generate_tokens(alone, prompt, max_tokens=16)]
     assert generate_batch(model, [prompt], max_tokens=16, adapter=1)[0] == want
     assert generate_batch(model, [prompt], max_tokens=16, adapter=0)[0] != want  # control: the base alone
+
+
+def test_a_shared_prefix_is_read_from_the_prompt_cache(server, work):
+    system = "You keep the lighthouse and answer with one number only."
+    msgs = [{"role": "system", "content": system}]
+    first = server.client.chat.completions.create(model="a", messages=msgs + [{"role": "user", "content": "12+1"}],
+                                                  max_tokens=12, temperature=0)
+    second = server.client.chat.completions.create(model="a", messages=msgs + [{"role": "user", "content": "47+1"}],
+                                                   max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < 16
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(system)  # a byte-level tokenizer
+    r = run_cli("generate", "--model", work["model"], "--adapter", work["a"], "--chat", "--system", system,
+                "--prompt", "47+1", "--max-tokens", "12")
+    assert r.returncode == 0 and second.choices[0].message.content == r.stdout
+    other = server.client.chat.completions.create(model="b", messages=msgs + [{"role": "user", "content": "47+1"}],
+                                                  max_tokens=12, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens < 16  # another adapter's K/V differ: not shared
