@@ -129,21 +129,20 @@ class BatchDecoder:
             budget = min(budget, self.context - len(prompt))
         if budget <= 0:
             raise ValueError(f"the prompt ({len(prompt)} tokens) leaves no room in the context ({self.context})")
-        hits = self.cached_tokens
-        cache, logits = self.prefill(prompt, request.adapter)
+        cache, logits, hit = self.prefill(prompt, request.adapter)
         join_rows(self.cache, cache, copies)
         seed = request.sampling.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
         rows = [Row(request, seed + j, budget, logits) for j in range(copies)]
         for r in rows:
-            r.cached_tokens = self.cached_tokens - hits
+            r.cached_tokens = hit
         self.rows += rows
         return rows
 
-    def prefill(self, prompt: list[int], adapter: int) -> tuple[list[KVCache], mx.array]:
-        """A B = 1 cache holding `prompt` (from the prompt cache's longest prefix of it, the
-        rest read here) and the logits (1, V) after its last token."""
+    def prefill(self, prompt: list[int], adapter: int) -> tuple[list[KVCache], mx.array, int]:
+        """-> (a B = 1 cache holding `prompt`, the logits (1, V) after its last token, how many
+        of its tokens came from the prompt cache: its longest prefix there; the rest is read)."""
         cache, hit = None, 0
         if self.prompt_cache is not None:
             cache, hit = self.prompt_cache.fetch(prompt, adapter)
@@ -161,7 +160,7 @@ class BatchDecoder:
         mx.eval(logits, [c.state for c in cache])
         if self.prompt_cache is not None:
             self.prompt_cache.store(prompt, adapter, cache)
-        return cache, logits
+        return cache, logits, hit
 
     def hidden(self, tokens: mx.array, mask, cache: list) -> mx.array:
         return self.model.hidden(tokens, mask=mask, cache=cache)
