@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from mlxtoy import backend
-from mlxtoy import backend
 from mlxtoy.engine import BatchDecoder, Request, Row, Token
 from mlxtoy.prompt_cache import PromptCache
 
@@ -64,7 +63,9 @@ class EngineThread:
         self.stopping = False
         self.cancelled_rows = 0  # rows that left before their end (a stop string, a client gone)
         self.peak_rows = 0  # the most rows decoded together so far
-        self.thread = threading.Thread(target=backend.with_thread_stream(self.run), name="mlxtoy-engine", daemon=True)
+        # its own MLX stream: a stream belongs to the thread that made it (backend.thread_stream)
+        self.thread = threading.Thread(target=backend.with_thread_stream(self.run), name="mlxtoy-engine",
+                                       daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:

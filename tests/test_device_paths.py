@@ -13,6 +13,7 @@ limit, the device's facts, a GPU stream) replaced by recorders.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import threading
 from contextlib import redirect_stderr, redirect_stdout
@@ -27,7 +28,10 @@ from mlxtoy.cli import main
 from mlxtoy.commands import doctor
 from mlxtoy.commands import export as export_command
 from mlxtoy.commands import generate as generate_command
+from mlxtoy.engine import Request
+from mlxtoy.generate import generate_tokens
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
+from mlxtoy.serve import EngineThread, Job
 from mlxtoy.train import job
 from mlxtoy.train.step import Stepper
 from tui.generation import Generator, MLXThread, Source
@@ -257,6 +261,33 @@ def test_every_thread_that_runs_mlx_work_takes_the_device_s_thread_local_stream(
     np.testing.assert_array_equal(on_tui_thread, expected)
     np.testing.assert_array_equal(box["out"][0], expected)
     assert tui_stream != main_stream and box["out"][1] != main_stream
+
+
+def test_the_server_s_engine_thread_takes_the_thread_local_stream(work, monkeypatch):
+    """`mlxtoy serve`'s engine thread decodes on the GPU's thread-local stream, and answers
+    what the main thread's decoding answers."""
+    metal = Metal(monkeypatch)
+    model, _ = loading.load(work["model"])
+    prompt = [5, 6, 7, 8, 9]
+    expected = [t for t, _ in generate_tokens(model, prompt, max_tokens=4)]
+
+    async def serve_one() -> list[int]:
+        queue: asyncio.Queue = asyncio.Queue()
+        engine = EngineThread(model)
+        try:
+            engine.submit(Job(Request(prompt, max_tokens=4), 1, asyncio.get_running_loop(), queue))
+            tokens = []
+            while True:
+                index, item = await asyncio.wait_for(queue.get(), 60)
+                assert index is not None, item  # (None, message): the engine failed
+                tokens.append(item.token)
+                if item.finish:
+                    return tokens
+        finally:
+            engine.close(10)
+
+    assert asyncio.run(serve_one()) == expected
+    assert metal.streams_asked == [mx.gpu]
 
 
 # ---------------------------------------------------------------- the compute dtype
