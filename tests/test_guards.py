@@ -40,6 +40,7 @@ from mlxtoy.errors import UserError
 from mlxtoy.io import registry
 from mlxtoy.rundir import read_metrics
 from mlxtoy.train import grpo, job, loop
+from mlxtoy.train.rewards import RewardTimeout, guarded_call
 
 # ------------------------------------------------------------------ a tiny GRPO task
 
@@ -136,6 +137,25 @@ def test_a_reward_that_never_returns_is_ended_by_reward_timeout(work, tmp_path):
     assert f"{reward}: still running after 2 s (--reward-timeout) on {work['data']}:" in lines[-1]
     assert "Traceback" not in r.stderr and time.perf_counter() - t0 < 100
     assert (run / "checkpoints" / "step_1").is_dir()
+
+
+def test_a_call_left_running_does_not_hold_up_the_next(capsys):
+    release = threading.Event()
+
+    def stuck(completion):
+        release.wait(30)
+        print("printed after it was left")
+        return 0.0
+
+    with pytest.raises(RewardTimeout):
+        guarded_call(stuck, {"completion": "x"}, 0.2)
+    t0 = time.perf_counter()
+    assert guarded_call(lambda completion: len(completion), {"completion": "abc"}, 5) == 3  # a new worker
+    assert time.perf_counter() - t0 < 1
+    release.set()
+    time.sleep(0.2)
+    out = capsys.readouterr()
+    assert "printed after it was left" in out.err and "printed after" not in out.out  # still not stdout
 
 
 @pytest.mark.parametrize("source,why", [
@@ -260,7 +280,7 @@ BAD = {
     "MLXTOY_DEVICE": [("tpu", "warned")],
     "MLXTOY_DTYPE": [("int8", "warned")],
     "MLXTOY_BLAS": [("/nonexistent.so", "warned")],
-    "MLXTOY_KERNELS": [("maybe", "warned")],
+    "MLXTOY_KERNELS": [("perhaps", "warned")],
     "MLXTOY_MALLOC": [("jemalloc", "warned")],
     "MLXTOY_CACHE": [(__file__, "refused")],  # a file where a folder goes
     "MLXTOY_MEMORY_GB": [("abc", "refused"), ("-1", "refused"), ("nan", "refused")],

@@ -34,6 +34,7 @@ import importlib.util
 import inspect
 import math
 import os
+import queue
 import re
 import sys
 import threading
@@ -124,27 +125,47 @@ class RewardTimeout(Exception):
     pass
 
 
+class RewardWorker:
+    """A daemon thread that runs reward calls one at a time (a thread per call cost ~1 ms)."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self.serve, name=REWARD_THREAD, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            fn, kwargs, box, done = self.jobs.get()
+            try:
+                box["value"] = fn(**kwargs)
+            except BaseException as e:  # SystemExit and KeyboardInterrupt too: the caller decides
+                box["error"] = e
+            done.set()
+
+
+_WORKER: list[RewardWorker] = []  # the worker in use; one left running a call is dropped
+
+
 def guarded_call(fn: Callable[..., Any], kwargs: dict[str, Any], timeout: float | None) -> Any:
-    """fn(**kwargs) in a thread of its own, its prints sent to stderr: its value, or the
-    exception it raised (SystemExit included) raised here; RewardTimeout when it is still
-    running after `timeout` seconds (None: no limit). Ctrl-C while it runs raises
-    KeyboardInterrupt here at once. A call left running (timeout, Ctrl-C) is a daemon thread:
-    it cannot keep the process alive, and what it prints later still goes to stderr."""
+    """fn(**kwargs) in a worker thread, its prints sent to stderr: its value, or the exception
+    it raised (SystemExit included) raised here; RewardTimeout when it is still running after
+    `timeout` seconds (None: no limit). Ctrl-C while it runs raises KeyboardInterrupt here at
+    once. A worker left running a call (timeout, Ctrl-C) is a daemon thread: it cannot keep the
+    process alive, what it prints later still goes to stderr, and the next call gets a new one."""
+    if not _WORKER:
+        _WORKER.append(RewardWorker())
     box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn(**kwargs)
-        except BaseException as e:  # SystemExit and KeyboardInterrupt too: the caller decides
-            box["error"] = e
-
+    done = threading.Event()
     real = sys.stdout
     if not isinstance(real, RewardStdout):
         sys.stdout = RewardStdout(real)
-    worker = threading.Thread(target=target, name=REWARD_THREAD, daemon=True)
-    worker.start()
-    worker.join(timeout)  # a signal handler's KeyboardInterrupt interrupts this wait
-    if worker.is_alive():
+    _WORKER[0].jobs.put((fn, kwargs, box, done))
+    try:
+        finished = done.wait(timeout)  # a signal handler's KeyboardInterrupt interrupts this wait
+    except BaseException:
+        _WORKER.clear()
+        raise
+    if not finished:
+        _WORKER.clear()
         raise RewardTimeout
     sys.stdout = real  # (left routed when a call is abandoned: it may print later)
     if "error" in box:
