@@ -77,6 +77,41 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+@dataclass(frozen=True)
+class Metric:
+    """A value the displays show of a run (the CLI's progress line, the TUI, the Runs table):
+    its key in the step or eval event (a field, or one of the objective's extras), its label
+    and its format. Each objective declares its own (mlxtoy.train.objectives)."""
+
+    key: str
+    label: str
+    fmt: str = ".4f"
+
+    def value(self, ev: "Event | None") -> float | None:
+        """This metric's number in a step or eval event (None when the event has none)."""
+        if ev is None:
+            return None
+        v = getattr(ev, self.key, None) if self.key in {f.name for f in fields(ev)} else getattr(ev, "extra", {}).get(self.key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+    def text(self, ev: "Event | None") -> str:
+        v = self.value(ev)
+        return "-" if v is None else format(v, self.fmt)
+
+
+# A run's display declaration as the start event carries it: {"step": [[key, label, fmt], ...],
+# "eval": [...]}, the first of each the run's headline. A run written before the start event
+# carried one shows its loss, as it did then.
+DEFAULT_SHOWS = {"step": [["loss", "loss", ".4f"]], "eval": [["val_loss", "val", ".4f"]]}
+
+
+def shows_of(declared: dict[str, Any] | None) -> tuple[list[Metric], list[Metric]]:
+    """(the step events' metrics, the eval events') of a start event's `shows`."""
+    d = declared or DEFAULT_SHOWS
+    return ([Metric(*m) for m in d.get("step") or DEFAULT_SHOWS["step"]],
+            [Metric(*m) for m in d.get("eval") or DEFAULT_SHOWS["eval"]])
+
+
 @dataclass
 class StartEvent(Event):
     run_dir: str
@@ -86,6 +121,7 @@ class StartEvent(Event):
     trainable_params: int
     total_params: int
     config: dict[str, Any]
+    shows: dict[str, Any] | None = None  # the objective's display declaration (see DEFAULT_SHOWS)
 
     def __post_init__(self):
         self.event = "start"

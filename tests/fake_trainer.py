@@ -47,13 +47,16 @@ def fake_events(steps: int = 30, n_layers: int = 6, eval_every: int = 10, taps_e
     """A realistic, fully deterministic run: start, steps, evals, taps, samples, checkpoints, done.
     objective dpo / orpo: step and eval events carry rewards and pair accuracy too; grpo: the
     mean reward (TRL's names) and sampled completions with their rewards."""
+    from mlxtoy.train.objectives import OBJECTIVE_TYPES  # what the objective shows, as the trainer sends it
+
     def ev(kind: str, at: int, **kw) -> dict[str, Any]:
         return {"event": kind, "time": t0 + at * 2.0, **kw}
 
     yield ev("start", 0, run_dir=run_dir, method="lora", total_steps=steps, start_step=0,
              trainable_params=460_800, total_params=134_975_808,
              config={"model": "smollm2-135m", "method": "lora", "steps": steps, "batch_size": 4,
-                     "seq_len": 256, "lr": 1e-4, "lora_rank": 8, "objective": objective})
+                     "seq_len": 256, "lr": 1e-4, "lora_rank": 8, "objective": objective},
+             shows=OBJECTIVE_TYPES[objective].shows())
     pref = objective in ("dpo", "orpo")
     grpo = objective == "grpo"
     yield ev("taps", 0, step=0, stats=_taps(0, n_layers), heads=[])

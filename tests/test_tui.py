@@ -686,6 +686,47 @@ async def test_runs_screen_reopens_charts(in_assets):
         assert len(app.screen.query_one(LossChart).steps) == 12
 
 
+def _write_run(path, events) -> None:
+    path.mkdir(parents=True)
+    with open(path / "metrics.jsonl", "w") as f:
+        for ev in events:
+            f.write(json.dumps(ev) + "\n")
+
+
+@run_async
+async def test_runs_screen_shows_a_grpo_runs_reward_as_its_headline(in_assets):
+    """A GRPO run's row shows its reward (sampled, and greedy on the validation prompts) and its
+    chart plots the reward, as the objective declares in the start event; a run written before
+    the declaration (no `shows`) still shows its loss (control)."""
+    grpo = list(fake_events(steps=20, n_layers=4, run_dir="runs/grpo-run", objective="grpo"))
+    _write_run(in_assets / "runs" / "grpo-run", grpo)
+    old = [dict(e) for e in grpo]
+    del old[0]["shows"]
+    _write_run(in_assets / "runs" / "grpo-old", old)
+    rewards = [e["reward"] for e in grpo if e["event"] == "step"]
+    greedy = [e["reward"] for e in grpo if e["event"] == "eval"]
+    app = MlxtoyApp(model="tiny.gguf", runs_dir="runs")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f4")
+        await pilot.pause(0.3)
+        table = app.screen.query_one(DataTable)
+        rows = {table.get_row_at(i)[0]: table.get_row_at(i) for i in range(table.row_count)}
+        assert rows["grpo-run"][3:5] == [f"reward {rewards[-1]:.3f}", f"val reward {greedy[-1]:.3f}"]
+        assert rows["grpo-old"][3] == f"{[e['loss'] for e in grpo if e['event'] == 'step'][-1]:.4f}"
+        assert rows["demo-a"][3] == f"{2.2999:.4f}"  # an SFT run: its loss, as before
+        table.move_cursor(row=list(rows).index("grpo-run"))
+        await pilot.pause(0.3)
+        chart = app.screen.query_one(LossChart)
+        assert chart.losses == rewards and chart.val_losses == greedy
+        assert str(chart.border_title).startswith("reward")
+
+
+def test_snapshot_dashboard_grpo(in_assets, snap_compare):
+    """A GRPO run's Train screen: its reward is the headline of the stats (then the held-out
+    greedy reward), the rewards chart beside the loss, the sampled completions."""
+    assert snap_compare(_app(data=None), terminal_size=SIZE, run_before=_dashboard("dark", "grpo"))
+
+
 @run_async
 async def test_theme_toggle(in_assets):
     app = MlxtoyApp(model="tiny.gguf", runs_dir="runs")

@@ -106,7 +106,10 @@ class RunsScreen(Screen):
             s = state.samples[-1]
             text += f"\n[dim]last sample (step {s.step}):[/dim] {escape(' '.join(str(s.text).split())[:200])}"
         self.query_one("#run-summary", Static).update(text)
-        self.query_one(LossChart).set_series(state.steps, state.losses, state.val_steps, state.val_losses)
+        # the run's headline (GRPO: the reward, sampled and held-out greedy; SFT: the loss)
+        label = state.metrics[0][0].label
+        self.query_one(LossChart).set_series(state.headline_steps, state.headlines, state.val_headline_steps,
+                                             state.val_headlines, label)
 
     def action_open(self) -> None:
         if self.selected is None:

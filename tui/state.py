@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxtoy.events import (PAUSED as STATUS_PAUSED, CheckpointEvent, DoneEvent, EvalEvent, Event,
-                           LogEvent, SampleEvent, StartEvent, StatusEvent, StepEvent, TapsEvent,
-                           event_from_dict)
+                           LogEvent, Metric, SampleEvent, StartEvent, StatusEvent, StepEvent, TapsEvent,
+                           event_from_dict, shows_of)
 from mlxtoy.rundir import RunDir, find_runs
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
@@ -41,6 +41,13 @@ class RunState:
     start_step: int = 0
     trainable_params: int = 0
     total_params: int = 0
+    shows: dict[str, Any] | None = None  # the objective's display declaration (its start event)
+    # its headline per step and per evaluation (GRPO: the reward; SFT: the loss)
+    headline_steps: list[int] = field(default_factory=list)
+    headlines: list[float] = field(default_factory=list)
+    val_headline_steps: list[int] = field(default_factory=list)
+    val_headlines: list[float] = field(default_factory=list)
+    last_eval: EvalEvent | None = None
     # training series (one point per step event)
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -91,6 +98,7 @@ class RunState:
         self.start_step = int(ev.start_step or 0)
         self.trainable_params = int(ev.trainable_params or 0)
         self.total_params = int(ev.total_params or 0)
+        self.shows = ev.shows
         if self.status in (IDLE, STARTING):
             self.status = RUNNING
         resumed = f", resumed at step {self.start_step}" if self.start_step else ""
@@ -108,6 +116,12 @@ class RunState:
             del self.pref_steps[keep:], self.margins[keep:], self.pref_accs[keep:]
             keep = sum(1 for s in self.reward_steps if s < step)
             del self.reward_steps[keep:], self.rewards[keep:]
+            keep = sum(1 for s in self.headline_steps if s < step)
+            del self.headline_steps[keep:], self.headlines[keep:]
+        headline = self.metrics[0][0].value(ev)
+        if headline is not None:
+            self.headline_steps.append(step)
+            self.headlines.append(headline)
         self.steps.append(step)
         self.losses.append(float(ev.loss) if ev.loss is not None else math.nan)
         self.lrs.append(float(ev.lr or 0.0))
@@ -128,6 +142,11 @@ class RunState:
             self.status = RUNNING
 
     def _on_eval(self, ev: EvalEvent) -> None:
+        self.last_eval = ev
+        headline = self.metrics[1][0].value(ev)
+        if headline is not None:
+            self.val_headline_steps.append(int(ev.step))
+            self.val_headlines.append(headline)
         self.val_steps.append(int(ev.step))
         self.val_losses.append(float(ev.val_loss) if ev.val_loss is not None else math.nan)
         if ev.extra.get("reward") is not None:
@@ -192,23 +211,33 @@ class RunState:
     def summary(self) -> dict[str, str]:
         """Short labelled values for the stats panel."""
         s = self.last_step
+        step_metrics, eval_metrics = self.metrics
         out = {
             "status": self.status + (f" ({self.done_reason})" if self.done_reason else ""),
             "step": f"{self.step}/{self.total_steps or '?'}",
-            "loss": f"{self.losses[-1]:.4f}" if self.losses else "-",
-            "val": f"{self.val_losses[-1]:.4f}" if self.val_losses else "-",
+            step_metrics[0].label: step_metrics[0].text(s),  # the headline first
+            eval_metrics[0].label: eval_metrics[0].text(self.last_eval),
             "lr": f"{float(s.lr):.2e}" if s else "-",
             "tok/s": f"{float(s.tokens_per_sec):.0f}" if s else "-",
             "eta": fmt_duration(float(s.eta)) if s and self.status not in (DONE, FAILED) else "-",
             "elapsed": fmt_duration(float(s.elapsed)) if s else "-",
             "mem": f"{float(s.peak_memory_gb):.2f} GB" if s else "-",
         }
-        if self.rl:
-            out["reward"] = f"{self.rewards[-1]:.3f}" if self.rewards else "-"
-        if self.preference:
-            out["margin"] = f"{self.margins[-1]:.3f}" if self.margins else "-"
-            out["acc"] = f"{self.pref_accs[-1]:.0%}" if self.pref_accs else "-"
+        for m in step_metrics[1:]:  # the objective's other values
+            out[m.label] = m.text(s)
         return out
+
+    @property
+    def metrics(self) -> tuple[list[Metric], list[Metric]]:
+        """(the step events' metrics, the eval events') the objective declared, the first of
+        each its headline; a run from before the declaration: its loss."""
+        return shows_of(self.shows)
+
+    def headline(self) -> tuple[str, str, str, str]:
+        """(label, latest value, eval label, latest eval value) of the run's headline."""
+        step_metrics, eval_metrics = self.metrics
+        return (step_metrics[0].label, step_metrics[0].text(self.last_step),
+                eval_metrics[0].label, eval_metrics[0].text(self.last_eval))
 
     @property
     def rl(self) -> bool:
@@ -284,6 +313,11 @@ class RunInfo:
     modified: float
 
 
+def headline_text(label: str, value: str, column: str) -> str:
+    """A Runs table cell: the value, named when the run's headline is not what the column is."""
+    return value if label == column or value == "-" else f"{label} {value}"
+
+
 def scan_runs(root: str) -> list[RunInfo]:
     """Run directories under `root` (those with a metrics.jsonl), newest first."""
     out: list[RunInfo] = []
@@ -295,8 +329,8 @@ def scan_runs(root: str) -> list[RunInfo]:
         out.append(RunInfo(
             path=path, name=os.path.basename(path), method=state.method or "?",
             steps=f"{state.step}/{state.total_steps or '?'}",
-            loss=f"{state.losses[-1]:.4f}" if state.losses else "-",
-            val_loss=f"{state.val_losses[-1]:.4f}" if state.val_losses else "-",
+            loss=headline_text(*state.headline()[:2], "loss"),
+            val_loss=headline_text(*state.headline()[2:], "val"),
             status=state.done_reason or state.status,
             modified=os.path.getmtime(RunDir(path).metrics_path)))
     return out

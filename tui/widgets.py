@@ -65,7 +65,8 @@ class NavBar(Static):
 
 
 class StatsPanel(Static):
-    """Status, step, loss, lr, tokens/s, ETA, memory of the run, two compact lines."""
+    """Status, step, the objective's headline (the loss; GRPO's reward) and values, lr, tokens/s,
+    ETA, memory of the run, two compact lines."""
 
     DEFAULT_CSS = """
     StatsPanel { height: auto; padding: 0 1; }
@@ -80,10 +81,11 @@ class StatsPanel(Static):
         def item(label: str, value: str, value_style: str = "bold") -> str:
             return f"[$text-muted]{label}[/] [{value_style}]{escape(value)}[/]"
 
-        line1 = [item("status", s["status"], style), item("step", s["step"]), item("loss", s["loss"]),
-                 item("val", s["val"]), item("lr", s["lr"])]
-        if "margin" in s:  # a preference objective
-            line1 += [item("margin", s["margin"]), item("acc", s["acc"])]
+        # what the objective declares: its headline and held-out headline, then its other values
+        step_metrics, eval_metrics = state.metrics
+        line1 = ([item("status", s["status"], style), item("step", s["step"])]
+                 + [item(m.label, s[m.label]) for m in (step_metrics[0], eval_metrics[0])] + [item("lr", s["lr"])]
+                 + [item(m.label, s[m.label]) for m in step_metrics[1:]])
         line2 = [item("tok/s", s["tok/s"]), item("eta", s["eta"]), item("elapsed", s["elapsed"]),
                  item("mem", s["mem"])]
         if state.run_dir:
@@ -105,7 +107,7 @@ def _shorten(path: str, n: int) -> str:
 
 TRAIN_RGB = (0, 135, 255)  # readable on the dark and the light theme
 VALID_RGB = (230, 120, 0)
-LEGEND = "loss  [#0087ff]━ train[/]  [#e67800]● valid[/]"
+LEGEND = "{label}  [#0087ff]━ train[/]  [#e67800]● valid[/]"
 
 
 class LossChart(PlotextPlot):
@@ -117,15 +119,20 @@ class LossChart(PlotextPlot):
         self.losses: list[float] = []
         self.val_steps: list[int] = []
         self.val_losses: list[float] = []
+        self.label = "loss"
 
-    def set_series(self, steps, losses, val_steps, val_losses) -> None:
+    def set_series(self, steps, losses, val_steps, val_losses, label: str = "loss") -> None:
+        """The series to plot: the loss, or a run's headline (`label`: what it is)."""
         self.steps, self.losses = list(steps), list(losses)
         self.val_steps, self.val_losses = list(val_steps), list(val_losses)
+        self.label = label
+        if self.is_mounted:
+            self.border_title = LEGEND.format(label=label)
         self.replot()
 
     def on_mount(self) -> None:
         super().on_mount()
-        self.border_title = LEGEND
+        self.border_title = LEGEND.format(label=self.label)
         self.replot()
 
     def replot(self) -> None:

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from mlxtoy.config import ALL_METHODS, TrainConfig, train_sections
 from mlxtoy.console import stderr_console
 from mlxtoy.errors import UserError
-from mlxtoy.events import Event
+from mlxtoy.events import Event, Metric, shows_of
 from mlxtoy.train import distributed
 from mlxtoy.train.control import TrainControl
 from mlxtoy.train.evaluate import AccuracyReport
@@ -138,6 +138,7 @@ class ProgressView:
         self.task = None
         self.total = 0
         self.every = 1
+        self.step_metrics: list[Metric] = shows_of(None)[0]  # the objective's (its start event)
 
     def _start_bar(self, ev) -> None:
         self.total = ev.total_steps
@@ -146,11 +147,15 @@ class ProgressView:
             return
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("loss {task.fields[loss]}{task.fields[pref]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("{task.fields[shown]}"), TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA {task.fields[eta]}"), console=self.console, transient=False)
         self.progress.start()
         self.task = self.progress.add_task("train", total=ev.total_steps, completed=ev.start_step,
-                                           loss="-", pref="", tps="-", eta="-")
+                                           shown=self.shown(None), tps="-", eta="-")
+
+    def shown(self, ev) -> str:
+        """The objective's declared values of a step event, its headline first."""
+        return ", ".join(f"{m.label} {m.text(ev)}" for m in self.step_metrics)
 
     def print(self, msg: str) -> None:
         (self.progress.console if self.progress else self.console).print(msg, markup=False)
@@ -160,14 +165,15 @@ class ProgressView:
         if kind == "start":
             self.print(f"training {ev.method}: {ev.trainable_params:,} trainable of "
                        f"{ev.total_params:,} parameters; {ev.run_dir}")
+            self.step_metrics = shows_of(ev.shows)[0]
             self._start_bar(ev)
         elif kind == "step":
-            pref = _pref_text(ev.reward_margin, ev.pref_accuracy) + _reward_text(ev.extra)
+            shown = self.shown(ev)
             if self.progress:
-                self.progress.update(self.task, completed=ev.step, loss=f"{ev.loss:.4f}", pref=pref,
+                self.progress.update(self.task, completed=ev.step, shown=shown,
                                      tps=f"{ev.tokens_per_sec:.0f}", eta=_fmt_time(ev.eta))
             elif ev.step % self.every == 0 or ev.step == self.total:
-                self.print(f"step {ev.step}/{self.total} loss {ev.loss:.4f}{pref} lr {ev.lr:.2e} "
+                self.print(f"step {ev.step}/{self.total} {shown} lr {ev.lr:.2e} "
                            f"{ev.tokens_per_sec:.0f} tok/s ETA {_fmt_time(ev.eta)}")
         elif kind == "eval":
             if "reward" in ev.extra:  # grpo: the mean reward of greedy completions
@@ -202,13 +208,6 @@ def _pref_text(margin: float | None, accuracy: float | None) -> str:
     if margin is None or accuracy is None:
         return ""
     return f", margin {margin:.3f}, acc {accuracy:.0%}"
-
-
-def _reward_text(extra: dict) -> str:
-    """", reward 0.512, len 9.5" for a GRPO step event ("" otherwise)."""
-    if extra.get("reward") is None:
-        return ""
-    return f", reward {extra['reward']:.3f}, len {extra.get('completions/mean_length', 0):.1f}"
 
 
 def _fmt_time(s: float) -> str:

@@ -53,7 +53,8 @@ class DataStats:
     dropped_why: str = "no trained tokens"
 
     def describe(self) -> str:
-        s = f"{self.examples} examples, {self.tokens} tokens ({self.loss_tokens} trained)"
+        # GRPO's prompts train none of their own tokens (the completions are sampled): no "(0 trained)"
+        s = f"{self.examples} examples, {self.tokens} tokens" + (f" ({self.loss_tokens} trained)" if self.loss_tokens else "")
         if self.truncated:
             s += f", {self.truncated} truncated"
         if self.dropped:

@@ -224,7 +224,7 @@ def train(cfg: TrainConfig, model: nn.Module, tokenizer, dataset: Dataset, run: 
 
     emit(StartEvent(run_dir=run.path, method=cfg.method, total_steps=cfg.steps, start_step=step,
                     trainable_params=_count(model.trainable_parameters()),
-                    total_params=parameter_count(model), config=cfg.to_dict()))
+                    total_params=parameter_count(model), config=cfg.to_dict(), shows=objective.shows()))
     log(f"data: train {dataset.train_stats.describe()}; valid {len(dataset.valid)} examples; "
         f"{train_stream.batches_per_epoch} batches per epoch" + ("" if packed else " (padded)"))
     if resume_from is not None:

@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
+from mlxtoy.events import Metric
 from mlxtoy.models.lora import lora_modules
 from mlxtoy.rundir import REFERENCE_LOGPS, RunDir
 from mlxtoy.sampling import SamplingParams
@@ -196,6 +197,10 @@ class Objective:
     """The base: SFT's choices, which the others override where they differ."""
 
     name = "sft"
+    # what the displays show of its runs (the CLI's progress line, the TUI's Train and Runs
+    # screens): the step events' values and the eval events', the first of each the headline
+    step_shows: tuple[Metric, ...] = (Metric("loss", "loss"),)
+    eval_shows: tuple[Metric, ...] = (Metric("val_loss", "val"),)
     # the record kinds it trains on (mlxtoy.train.formats)
     kinds: tuple[str, ...] = (TextFormat.kind, CompletionFormat.kind, ChatFormat.kind, StreamFormat.kind)
     wanted: str | None = None  # how errors describe those kinds (None: the general formats)
@@ -206,6 +211,12 @@ class Objective:
             raise ValueError("an objective takes a TrainConfig whose beta is resolved (validate, resolve_beta)")
         self.cfg = cfg
         self.setup: Setup | None = None
+
+    @classmethod
+    def shows(cls) -> dict[str, list[list[str]]]:
+        """The display declaration, as the start event carries it (events.shows_of reads it)."""
+        return {"step": [[m.key, m.label, m.fmt] for m in cls.step_shows],
+                "eval": [[m.key, m.label, m.fmt] for m in cls.eval_shows]}
 
     # -- data
     def check_records(self, raw: RawSplits) -> None:
@@ -302,6 +313,8 @@ class Preference(Objective):
     kinds = (PairFormat.kind,)
     wanted = ('preference pairs ({"prompt","chosen","rejected"} or {"chosen": [messages], '
               '"rejected": [messages]})')
+    step_shows = (Metric("loss", "loss"), Metric("reward_margin", "margin", ".3f"), Metric("pref_accuracy", "acc", ".0%"))
+    eval_shows = (Metric("val_loss", "val"), Metric("pref_accuracy", "val acc", ".0%"))
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
@@ -434,6 +447,10 @@ class GRPO(Objective):
     default_beta = 0.0
     kinds = (PromptFormat.kind,)
     wanted = 'prompt rows ({"prompt","answer"} or {"messages": [...], "answer"})'
+    # the headline is the reward (its loss is near 0 by construction), the greedy one held out
+    step_shows = (Metric("reward", "reward", ".3f"), Metric("loss", "loss"),
+                  Metric("completions/mean_length", "len", ".1f"))
+    eval_shows = (Metric("reward", "val reward", ".3f"),)
     max_refill_draws = 4  # --skip-zero-std-groups: prompt batches drawn per micro-batch at most
 
     def __init__(self, cfg: TrainConfig):
