@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 import math
 import typing
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
@@ -394,13 +394,9 @@ class TrainConfig:
             raise bad(f"objective {err}, got {self.objective!r}")
         self.resolve_beta()
         for f in fields(self):
+            if self.method not in f.metadata.get("methods", ALL_METHODS):
+                continue  # e.g. lora_rank does not matter to a full fine-tune (given, `check_given` refuses it)
             value = getattr(self, f.name)
-            methods = f.metadata.get("methods", ALL_METHODS)
-            if self.method not in methods:  # e.g. --qlora on with --method full: refused, never dropped
-                if value != field_default(f.name):
-                    raise bad(f"{f.name} applies to method {' or '.join(methods)} only (the method is "
-                              f"{self.method})")
-                continue
             err = check_value(f.name, value)
             if err:
                 raise bad(err if err.startswith("unknown") else f"{f.name} {err}, got {value!r}")
@@ -477,6 +473,20 @@ class TrainConfig:
                            d_head=self.d_head, d_ff=self.d_ff, norm_eps=self.norm_eps,
                            rope_base=self.rope_base, rope_traditional=True,
                            tie_embeddings=self.tie_embeddings, context_length=self.seq_len)
+
+
+def check_given(cfg: "TrainConfig", given: Iterable[str]) -> None:
+    """Options given explicitly (flags, YAML keys) that do not apply to the run's method are
+    refused naming both, unless at their default (`--qlora on --method full` trained full
+    float32 without a word). A config built in code stays lenient: shared test and form configs
+    carry every field."""
+    for name in given:
+        if name not in TrainConfig.__dataclass_fields__:  # a run's config.yaml: its `run` facts
+            continue
+        methods = train_field(name).metadata.get("methods", ALL_METHODS)
+        if cfg.method not in methods and getattr(cfg, name) != field_default(name):
+            raise UserError(f"train config: {name} applies to method {' or '.join(methods)} only (the method "
+                            f"is {cfg.method})")
 
 
 # What a resume may change (the one rule: `resume_check`). FIXED: the shapes a checkpoint holds

@@ -31,7 +31,7 @@ from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_d
 from helpers_parity import llama_quantize
 from helpers_train import qa_rows, run_training, write_jsonl, write_tiny_model_folder
 from mlxtoy.cli import main as cli_main
-from mlxtoy.config import LoadedMeta, ModelConfig, TrainConfig
+from mlxtoy.config import LoadedMeta, ModelConfig, TrainConfig, check_given
 from mlxtoy.export import export_model, lora_from_model
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.loading import adapter_weights, build_model, load
@@ -452,9 +452,10 @@ def test_config_and_help(capsys):
     assert TrainConfig(method="dora", lora_rank=4).validate().adapters
     with pytest.raises(Exception, match="lora_rank"):
         TrainConfig(method="dora", lora_rank=0).validate()
-    TrainConfig(method="full").validate()  # LoRA options at their defaults do not matter to it
+    TrainConfig(method="full", lora_rank=0).validate()  # LoRA options do not apply
     with pytest.raises(Exception, match="lora_rank applies to method lora or dora only"):
-        TrainConfig(method="full", lora_rank=4).validate()  # set, they are refused, never dropped
+        check_given(TrainConfig(method="full", lora_rank=4), ["lora_rank"])  # given, they are refused
+    check_given(TrainConfig(method="full"), ["lora_rank"])  # control: at its default it is no change
     with pytest.raises(SystemExit):
         cli_main(["train", "--help"])
     out = capsys.readouterr().out

@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from mlxtoy.config import ALL_METHODS, TrainConfig, train_sections
+from mlxtoy.config import ALL_METHODS, TrainConfig, check_given, load_yaml, train_sections
 from mlxtoy.console import stderr_console
 from mlxtoy.errors import UserError
 from mlxtoy.events import Event, Metric, shows_of
@@ -117,10 +117,12 @@ def build_config(args) -> tuple[TrainConfig, bool]:
         return resume_config(args.resume, overrides), True
     if "epochs" in overrides and "steps" in overrides and overrides["epochs"]:
         raise UserError("--epochs and --steps are alternatives: give one")
-    cfg = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
+    given = load_yaml(args.config) if args.config else {}
+    cfg = TrainConfig.from_dict(given, source=args.config) if args.config else TrainConfig()
     for k, v in overrides.items():
         setattr(cfg, k, v)
     cfg.__post_init__()
+    check_given(cfg, [*given, *overrides])  # none dropped: e.g. --qlora with --method full is refused
     if not cfg.data:
         raise UserError("train needs --data PATH (or `data:` in --config)")
     if not cfg.out:

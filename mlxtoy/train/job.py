@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 import mlx.nn as nn
 
 from mlxtoy import backend, settings
-from mlxtoy.config import TrainConfig, resume_check
+from mlxtoy.config import TrainConfig, check_given, resume_check
 from mlxtoy.dashboards import check_dashboards, close_all, open_dashboards
 from mlxtoy.errors import UserError
 from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
@@ -55,6 +55,7 @@ def resume_config(run_path: str, overrides: dict[str, Any]) -> TrainConfig:
                 raise UserError(f"--resume continues the run in place; --out {v} differs from {run_path}")
             continue
         setattr(cfg, k, v)
+    check_given(cfg, overrides)  # e.g. --qlora on for a full fine-tune's resume
     resume_check(recorded, cfg)  # refused before anything loads
     if "steps" in overrides and "epochs" not in overrides:
         cfg.epochs = 0  # continue to the steps asked for, not the recorded epochs' count
