@@ -150,16 +150,22 @@ def main() -> None:
             except RuntimeError as e:
                 print(f"{name}: {e}", file=sys.stderr)
                 continue
+            results[name] = []
             try:
-                for c in streams:  # warm-up: every batch size traced once
-                    asyncio.run(drive(url, [served], c, 8))
-                results[name] = [asyncio.run(drive(url, [served], c, args.tokens)) for c in streams]
+                for c in streams:
+                    try:
+                        asyncio.run(drive(url, [served], c, 8))  # warm-up: every batch size traced once
+                        r = asyncio.run(drive(url, [served], c, args.tokens))
+                    except httpx.HTTPError as e:  # (mlx_lm.server dropped connections at 32 streams here)
+                        results[name].append({"streams": c, "error": repr(e)})
+                        print(f"{name:10s} streams {c:3d}: failed: {e!r}", flush=True)
+                        continue
+                    results[name].append(r)
+                    print(f"{name:10s} streams {c:3d}: {r['tokens_per_sec']:8.1f} tokens/s, "
+                          f"time to first token {r['ttft_ms']:7.1f} ms", flush=True)
             finally:
                 proc.terminate()
                 proc.wait(60)
-            for r in results[name]:
-                print(f"{name:10s} streams {r['streams']:3d}: {r['tokens_per_sec']:8.1f} tokens/s, "
-                      f"time to first token {r['ttft_ms']:7.1f} ms", flush=True)
         if "adapters" not in skip and args.adapters > 0:
             runs = train_adapters(folder, args.adapters, tmp)
             port = free_port()
