@@ -146,17 +146,23 @@ class RouteTable:
             return kept.route
         names = list(candidates)
         start = time.perf_counter()
-        rates: dict[str, float | None] = {}
+        # every route runs once (its values, and a first time), then each is timed again in
+        # turn: interleaved, a burst of other work on the machine weighs on every route alike
+        firsts: dict[str, float] = {}
         reference: Outputs = []
-        best = float("inf")
         for name in names:
-            values, first = timed(candidates[name])
+            values, firsts[name] = timed(candidates[name])
             if name == names[0]:
                 reference = values
             elif not agrees(values, reference):
+                firsts[name] = float("nan")
+        rates: dict[str, float | None] = {}
+        best = float("inf")
+        for name in names:
+            if firsts[name] != firsts[name]:  # NaN: its values disagreed
                 rates[name] = None
                 continue
-            seconds = max(self.time_route(name, candidates[name], first, best), 1e-12)
+            seconds = max(self.time_route(name, candidates[name], firsts[name], best), 1e-12)
             best = min(best, seconds)
             rates[name] = flops / seconds / 1e9
         best = names[0]

@@ -175,10 +175,12 @@ GPU_SLAB_ROWS = Switch("MLXTOY_GPU_SLAB_ROWS", int, 0, "on a GPU, a quantized ba
                        "least this many rows dequantize slabs into the dense matmul instead of "
                        "mx.quantized_matmul (0: never; bench/gpu_check.sh times both)", audience=DEBUG,
                        check=at_least(0))
+ROUTES = Switch("MLXTOY_ROUTES", str, "", "the file this machine's measured routes are kept in "
+                "(default: routes.json in the cache folder; the tests keep their own)", audience=DEBUG)
 
 SWITCHES: tuple[Switch, ...] = (DEVICE, DTYPE, BLAS, KERNELS, MALLOC, CACHE, MEMORY_GB, KERNEL_THREADS,
                                 GEMM, BLOCK_ATTENTION, FUSED_DECODE, PACKED_DECODE, KERNEL_POOL,
-                                KERNEL_SPINS, KERNEL_DONE_SPINS, KERNEL_VNNI, GPU_SLAB_ROWS)
+                                KERNEL_SPINS, KERNEL_DONE_SPINS, KERNEL_VNNI, GPU_SLAB_ROWS, ROUTES)
 
 
 def check_all(switches: tuple[Switch, ...] = SWITCHES) -> None:

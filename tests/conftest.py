@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# the routes measured during the tests (a busy machine's) stay out of the user's cache; the
+# processes the tests start share them, so every process of a test takes the same routes
+os.environ.setdefault("MLXTOY_ROUTES", os.path.join(tempfile.mkdtemp(prefix="mlxtoy-test-routes-"), "routes.json"))
 
 import mlxtoy  # noqa: E402,F401  (fast BLAS before anything imports mlx.core)
 from mlxtoy import settings  # noqa: E402

@@ -189,13 +189,21 @@ def _kernel_swiglu_vjp(primals, cotangent, output):
     return da, db
 
 
+@functools.partial(mx.compile, shapeless=True)
+def _compiled_swiglu(a: mx.array, b: mx.array) -> mx.array:
+    return nn.silu(a) * b
+
+
 def swiglu(a: mx.array, b: mx.array) -> mx.array:
-    """silu(a) * b (the SwiGLU FFN's gate times its up projection)."""
+    """silu(a) * b (the SwiGLU FFN's gate times its up projection). Off the CPU's float32 forms,
+    one compiled kernel (as mlx-lm's), where MLX's SiLU and the product were two a block."""
     if bare(a, b):
         return kernels_module().swiglu(a, b)
     if kernel_ok(a, b):
         return _kernel_swiglu(a, b)
-    return silu(a) * b
+    if a.dtype == mx.float32 and backend.INFO.on_cpu:
+        return silu(a) * b
+    return _compiled_swiglu(a, b)
 
 
 _GEMV_ROWS = 4  # at most this many rows of x take the threaded GEMV (decoding)
@@ -243,7 +251,8 @@ def route_table() -> routes.RouteTable:
     """This machine's measured routes (`mlxtoy.routes`), read from the cache once a process."""
     global _ROUTES
     if _ROUTES is None:
-        _ROUTES = routes.RouteTable(str(cache_dir() / routes.ROUTES_FILE), backend.route_fingerprint())
+        path = settings.ROUTES.value() or str(cache_dir() / routes.ROUTES_FILE)
+        _ROUTES = routes.RouteTable(path, backend.route_fingerprint())
         _ROUTES.load()
     return _ROUTES
 
