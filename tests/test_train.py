@@ -693,12 +693,16 @@ def test_yaml_config_and_flag_override(tmp_path, work):
     from mlxtoy.cli import build_parser
 
     cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text("method: full\nsteps: 7\nlr: 0.001\nlora_targets: [q, k]\nseq_len: 99\n")
+    cfg_file.write_text("method: dora\nsteps: 7\nlr: 0.001\nlora_targets: [q, k]\nseq_len: 99\n")
     args = build_parser().parse_args(["train", "--config", str(cfg_file), "--data", "d", "--out", "o",
                                       "--steps", "9", "--lora-targets", "q,v,o", "--no-pack"])
     cfg, resume = build_config(args)
-    assert (cfg.method, cfg.steps, cfg.lr, cfg.seq_len, cfg.pack) == ("full", 9, 1e-3, 99, False)
+    assert (cfg.method, cfg.steps, cfg.lr, cfg.seq_len, cfg.pack) == ("dora", 9, 1e-3, 99, False)
     assert cfg.lora_targets == ["q", "v", "o"] and not resume
+    # an option given for another method is refused, not dropped (issue 46)
+    with pytest.raises(UserError, match="lora_targets applies to method lora or dora only"):
+        build_config(build_parser().parse_args(["train", "--config", str(cfg_file), "--data", "d", "--out", "o",
+                                                "--method", "full"]))
     cfg_file.write_text("stepz: 3\n")
     with pytest.raises(UserError, match="unknown key 'stepz'"):
         TrainConfig.from_yaml(str(cfg_file))
