@@ -98,7 +98,8 @@ def train_adapters(model: str, n: int, root: str) -> list[str]:
         out = os.path.join(root, f"a{i}")
         subprocess.run([sys.executable, "-m", "mlxtoy", "train", "--model", model, "--data",
                         os.path.join(REPO, "assets", "demo"), "--out", out, "--steps", "1", "--lora-rank", "8",
-                        "--lora-targets", "q,v", "--seed", str(i), "--batch-size", "1", "--seq-len", "256"],
+                        "--lora-targets", "q,v", "--seed", str(i), "--batch-size", "1", "--seq-len", "256",
+                        "--eval-every", "0", "--save-every", "0"],
                        check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         runs.append(out)
     return runs
