@@ -44,6 +44,10 @@ def folder_path(v: str) -> str | None:
     return "is a file, not a folder" if os.path.exists(v) and not os.path.isdir(v) else None
 
 
+def file_path(v: str) -> str | None:
+    return "is a folder, not a file" if os.path.isdir(v) else None
+
+
 @dataclass(frozen=True)
 class Switch:
     name: str
@@ -176,7 +180,8 @@ GPU_SLAB_ROWS = Switch("MLXTOY_GPU_SLAB_ROWS", int, 0, "on a GPU, a quantized ba
                        "mx.quantized_matmul (0: never; bench/gpu_check.sh times both)", audience=DEBUG,
                        check=at_least(0))
 ROUTES = Switch("MLXTOY_ROUTES", str, "", "the file this machine's measured routes are kept in "
-                "(default: routes.json in the cache folder; the tests keep their own)", audience=DEBUG)
+                "(default: routes.json in the cache folder; the tests keep their own)", audience=DEBUG,
+                check=file_path)
 
 SWITCHES: tuple[Switch, ...] = (DEVICE, DTYPE, BLAS, KERNELS, MALLOC, CACHE, MEMORY_GB, KERNEL_THREADS,
                                 GEMM, BLOCK_ATTENTION, FUSED_DECODE, PACKED_DECODE, KERNEL_POOL,
