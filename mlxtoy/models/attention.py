@@ -204,21 +204,22 @@ def _attention_candidates(B: int, H: int, KV: int, T: int, S: int, D: int, train
     return {name: candidate(name) for name in names}
 
 
-def attention_route(B: int, H: int, KV: int, T: int, S: int, D: int, training: bool) -> str:
+def attention_route(B: int, H: int, KV: int, T: int, S: int, D: int, training: bool, measure: bool = True) -> str:
     """How many query positions attend on the CPU in float32: "fast" (mx.fast's), "grouped" or
     "block" (`_cpu_attention`). MLXTOY_BLOCK_ATTENTION=1 forces the block form where it may run,
     a small problem takes the block form (else the grouped one), and any other is measured the
-    first time its shape class is met (`route_table`)."""
+    first time its shape class is met (`route_table`); without `measure` (the memory estimate,
+    which must not take a second of a run it may refuse), an unmeasured one is taken as small."""
     if not backend.INFO.on_cpu:
         return "fast"
     block = block_attention_on()
     if block and settings.BLOCK_ATTENTION.value() is True:
         return "block"
-    if B * H * T * S * D < ROUTED_WORK:
-        return "block" if block else "grouped"
     table = route_table()
     # measured for one sequence: the work per row is what differs between the routes
     shape = (H, KV, T, S, D, "train" if training else "infer") + (("block",) if block else ())
+    if B * H * T * S * D < ROUTED_WORK or (not measure and table.chosen("attention", shape) is None):
+        return "block" if block else "grouped"
     if table.chosen("attention", shape) is None:
         with mx.stream(mx.cpu):
             flops = 4.0 * H * T * S * D * (3 if training else 1)

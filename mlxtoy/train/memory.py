@@ -145,7 +145,7 @@ def _dense_trains(module: nn.Module | None) -> bool:
 def block_attention(rows: int, cfg_model, T: int) -> bool:
     """Whether a step's attention takes the kernels' block form (`attention.attention_route`)."""
     m = cfg_model
-    return attention_route(rows, m.n_heads, m.n_kv_heads, T, T, m.d_head, training=True) == "block"
+    return attention_route(rows, m.n_heads, m.n_kv_heads, T, T, m.d_head, training=True, measure=False) == "block"
 
 
 def attention_copies(rows: int, cfg_model, T: int) -> int:
