@@ -479,7 +479,9 @@ def check_given(cfg: "TrainConfig", given: Iterable[str]) -> None:
     """Options given explicitly (flags, YAML keys) that do not apply to the run's method are
     refused naming both, unless at their default (`--qlora on --method full` trained full
     float32 without a word). A config built in code stays lenient: shared test and form configs
-    carry every field."""
+    carry every field. An unknown method is left to the config's validation, which names it."""
+    if cfg.method not in TRAIN_METHODS:
+        return
     for name in given:
         if name not in TrainConfig.__dataclass_fields__:  # a run's config.yaml: its `run` facts
             continue

@@ -312,3 +312,22 @@ def test_calibrating_the_blas_times_each_library_in_its_own_process(tmp_path, mo
         kept = json.loads((tmp_path / backend.BLAS_FILE).read_text())
         assert kept["fastest"] == max(rates, key=rates.get)
         assert backend.measured_blas(found) == kept["fastest"]
+
+
+@pytest.mark.parametrize("faster", ["blas", "gemv"])
+def test_a_batch_of_decoded_rows_takes_the_measured_route_with_float64_values(routed, faster):
+    if not fastmath.kernels_on():
+        pytest.skip("the kernels are off here")
+    routed({"blas": 1.0, "gemv": 1.0} | {faster: 0.1})
+    r = np.random.default_rng(7)
+    x = r.standard_normal((3, 4, 64))  # 12 rows: three fours
+    w = r.standard_normal((40, 64)) / 8
+    heads = r.standard_normal((3, 16, 64)) / 8  # a per-head projection
+    xa, wa, ha = (mx.array(a.astype(np.float32)) for a in (x, w, heads))
+    with fastmath.inference():
+        y, yh = fastmath.linear_many(xa, [wa, ha])
+        one = fastmath.linear(xa, wa)
+    assert ("MlxtoyKernel" in _graph(one)) == (faster == "gemv")  # positive control: the route ran
+    np.testing.assert_allclose(np.array(y), x @ w.T, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.array(one), x @ w.T, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.array(yh), np.einsum("abk,hdk->abhd", x, heads), rtol=0, atol=2e-5)

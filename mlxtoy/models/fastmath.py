@@ -354,11 +354,66 @@ def gemm(a: mx.array, b: mx.array, trans_a: bool = False, trans_b: bool = False,
     return y.T if trans_out else y
 
 
+FEW_ROWS = 32  # up to this many rows (a batch of decoded tokens), the GEMV by fours is a route
+
+
+def _gemv_by_fours(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
+    """[x @ w.T for w in ws] as the threaded GEMV over four rows of x at a time (no gradient)."""
+    K = x.shape[-1]
+    rows = x.reshape(-1, K)
+    parts = [kernels_module().gemv_many(rows[i:i + _GEMV_ROWS], ws) for i in range(0, rows.shape[0], _GEMV_ROWS)]
+    return [mx.concatenate([p[j] for p in parts], axis=0).reshape(*x.shape[:-1], *w.shape[:-1])
+            for j, w in enumerate(ws)]
+
+
+def _few_rows_candidates(M: int, N: int, K: int) -> dict[str, routes.Candidate]:
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((M, K), dtype=np.float32))
+    w = mx.array(rng.standard_normal((N, K), dtype=np.float32))
+    mx.eval(x, w)
+
+    def blas():
+        y = x @ w.T
+        mx.eval(y)
+        return [y]
+
+    def gemv():
+        y = _gemv_by_fours(x, [w])[0]
+        mx.eval(y)
+        return [y]
+
+    return {"blas": blas, "gemv": gemv}
+
+
+def _takes_gemv_by_fours(x: mx.array, *weights: mx.array) -> bool:
+    """Whether a few rows of x (a batch of decoded tokens, no gradient) take the threaded GEMV
+    by fours rather than the BLAS, whose products of a few rows can run on one thread: measured
+    per rows class and matrix (`route_table`), like the products of many rows."""
+    M = _rows(x)
+    if not (_GEMV_ROWS < M <= FEW_ROWS and bare(x) and kernel_ok(*weights)):
+        return False
+    rows = 8 if M <= 8 else FEW_ROWS
+    table = route_table()
+    for w in weights:
+        shape = (rows, *_flat(w))
+        if rows * w.size < ROUTED_MACS:  # small: the BLAS, as before these were measured
+            return False
+        if table.chosen("few", shape) is None:
+            with mx.stream(mx.cpu):
+                table.choose("few", shape, _few_rows_candidates(*shape), 2.0 * rows * w.size,
+                             f"float32 product of {rows} rows x {shape[2]} x {shape[1]}")
+        if table.chosen("few", shape).route != "gemv":
+            return False
+    return True
+
+
 def linear(x: mx.array, weight: mx.array) -> mx.array:
     """x @ weight.T; a few rows of x (decoding) take the threaded GEMV kernel, many rows the
     kernels' GEMM where it applies (with its gradient, or bare inside `inference()`)."""
     if _takes_gemv(x, weight):
         return _gemv(x, [weight])[0]
+    if _takes_gemv_by_fours(x, weight):
+        return _gemv_by_fours(x, [weight])[0]
     if _takes_gemm(x, weight, training=not bare(x)):
         return kernels_module().gemm_many(x, [weight])[0] if bare(x) else _kernel_linear(x, weight)
     return x @ weight.T
@@ -371,6 +426,8 @@ def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     split over the threads, and no reshapes around it."""
     if _takes_gemv(x, weights[0]) and kernel_ok(*weights):
         return list(_gemv(x, weights))
+    if _takes_gemv_by_fours(x, *weights):
+        return _gemv_by_fours(x, weights)
     if _takes_gemm(x, *weights) and bare(x):
         return list(kernels_module().gemm_many(x, weights))
     out = []
