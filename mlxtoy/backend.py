@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator
 
 from mlxtoy import settings
 from mlxtoy.errors import UserError
-from mlxtoy.io.registry import cache_dir
 
 _BLAS_NAME: str | None = None
 _BLAS_PATH: str | None = None
@@ -144,7 +143,7 @@ def measured_blas(libraries: dict[str, str]) -> str | None:
     """The BLAS (mkl, openblas) `doctor --calibrate` measured fastest on this machine among these
     same libraries; None where it has not (or the file is unreadable: never an error)."""
     try:
-        with open(cache_dir() / BLAS_FILE, encoding="utf-8") as f:
+        with open(settings.cache_dir() / BLAS_FILE, encoding="utf-8") as f:
             data = json.load(f)
         if data["fingerprint"] == blas_fingerprint(libraries) and data["fastest"] in libraries:
             return str(data["fastest"])

@@ -26,7 +26,7 @@ import numpy as np
 
 from mlxtoy import fsutil
 
-ROUTES_FILE = "routes.json"  # in the cache folder (registry.cache_dir)
+ROUTES_FILE = "routes.json"  # in the cache folder (settings.cache_dir)
 # A route must beat the reference route by this much to be taken over it: timings on a busy
 # machine swing by a few percent, and the reference (the BLAS, MLX's own op) is the safe choice.
 MARGIN = 0.03

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from mlxtoy.errors import UserError
@@ -207,6 +208,12 @@ def set_switches(switches: tuple[Switch, ...] = SWITCHES) -> dict[str, str]:
             why = s.problem()
             out[s.name] = s.raw() + (f" ({why.split(': ', 1)[1] if ': ' in why else why})" if why else "")
     return out
+
+
+def cache_dir() -> Path:
+    """mlxtoy's cache folder (MLXTOY_CACHE): the built-in models, this machine's measured routes."""
+    root = CACHE.value() or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxtoy")
+    return Path(root)
 
 
 def markdown_table(switches: tuple[Switch, ...] = SWITCHES) -> str:

@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxtoy import settings
+from mlxtoy.settings import cache_dir
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_path
 from mlxtoy.io.hub import fetch_model, parse_id
@@ -45,12 +45,6 @@ BUILTIN = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_dir() -> Path:
-    root = settings.CACHE.value() or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlxtoy")
-    return Path(root)
 
 
 def _sha256(path: Path) -> str:

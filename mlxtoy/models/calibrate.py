@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from mlxtoy import backend, fsutil, settings
 from mlxtoy.config import ModelConfig
-from mlxtoy.io.registry import cache_dir
 from mlxtoy.models.attention import attention_route
 from mlxtoy.models.fastmath import gemm_on, gemm_route, route_table
 
@@ -98,7 +97,7 @@ def calibrate_blas() -> dict[str, float | None]:
     if len(timed) > 1:
         data = {"fingerprint": backend.blas_fingerprint(libraries), "fastest": max(timed, key=timed.get),
                 "gflops": {kind: round(rate, 1) for kind, rate in timed.items()}}
-        fsutil.write_text_atomic(str(cache_dir() / backend.BLAS_FILE), json.dumps(data, indent=1) + "\n")
+        fsutil.write_text_atomic(str(settings.cache_dir() / backend.BLAS_FILE), json.dumps(data, indent=1) + "\n")
     return rates
 
 

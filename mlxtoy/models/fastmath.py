@@ -28,7 +28,6 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxtoy import backend, routes, settings
-from mlxtoy.io.registry import cache_dir
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 split in two so n * ln2 stays exact in float32
@@ -251,7 +250,7 @@ def route_table() -> routes.RouteTable:
     """This machine's measured routes (`mlxtoy.routes`), read from the cache once a process."""
     global _ROUTES
     if _ROUTES is None:
-        path = settings.ROUTES.value() or str(cache_dir() / routes.ROUTES_FILE)
+        path = settings.ROUTES.value() or str(settings.cache_dir() / routes.ROUTES_FILE)
         _ROUTES = routes.RouteTable(path, backend.route_fingerprint())
         _ROUTES.load()
     return _ROUTES
