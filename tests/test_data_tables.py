@@ -165,7 +165,8 @@ ERRORS = [
     ([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}, {"prompt": "e", "completion": None}],
      "{where3}: field 'completion' must be a string"),
     ([{"foo": 1}], "{where1}: missing field: expected 'text', 'prompt'/'completion', 'messages' or 'chosen'/'rejected' (got foo)"),
-    ([{"messages": [{"role": "user", "content": None}]}], "{where1}: message 0 'content' must be a string"),
+    ([{"messages": [{"role": "user", "content": None}]}],
+     "{where1}: message 0 needs 'role' and 'content' (or, from the assistant, 'tool_calls')"),
     ([{"messages": []}], "{where1}: 'messages' must be a non-empty list"),
     ([{"text": 5}], "{where1}: field 'text' must be a string"),
 ]
