@@ -133,9 +133,14 @@ def blas_candidates(vendor: str, flags: set[str]) -> list[tuple[str, str]]:
 BLAS_FILE = "blas.json"  # in the cache folder: the BLAS `doctor --calibrate` measured fastest here
 
 
+def usable_cores() -> int | None:
+    """The cores this process may run on (what a measured choice holds for)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def blas_fingerprint(libraries: dict[str, str]) -> dict:
     """What a measured BLAS choice depends on: the CPU, the cores, and the libraries timed."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     return {"cpu": cpu_model(), "cores": cores, "libraries": dict(sorted(libraries.items()))}
 
 
@@ -475,7 +480,7 @@ def route_fingerprint() -> dict[str, str]:
         version = importlib.metadata.version("mlxtoy")
     except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
         version = "unknown"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     threads = os.environ.get("MKL_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS") or ""
     return {"cpu": cpu_model(), "cores": f"{cores} (BLAS threads {threads or 'default'})",
             "mlxtoy": version, "mlx": mx.__version__,

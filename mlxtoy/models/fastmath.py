@@ -346,7 +346,7 @@ def gemm(a: mx.array, b: mx.array, trans_a: bool = False, trans_b: bool = False,
     (`gemm_route`; a transposed output costs nothing there), else MLX's matmul (the BLAS)."""
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
-    form = {(False, True): "nt", (False, False): "nn", (True, False): "tn"}.get((trans_a, trans_b))
+    form = next((f for f, trans in _FORMS.items() if trans == (trans_a, trans_b)), None)
     if kernel_ok(a, b) and gemm_on() and (form is None or gemm_route(form, M, N, K)):
         return kernels_module().gemm(a, b, trans_a, trans_b, trans_out)
     y = (a.T if trans_a else a) @ (b.T if trans_b else b)
