@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -698,14 +699,17 @@ async def test_runs_screen_shows_a_grpo_runs_reward_as_its_headline(in_assets):
     """A GRPO run's row shows its reward (sampled, and greedy on the validation prompts) and its
     chart plots the reward, as the objective declares in the start event; a run written before
     the declaration (no `shows`) still shows its loss (control)."""
-    grpo = list(fake_events(steps=20, n_layers=4, run_dir="runs/grpo-run", objective="grpo"))
-    _write_run(in_assets / "runs" / "grpo-run", grpo)
+    # a runs folder of its own: the module's shared runs folder is what the Runs snapshot shows
+    runs = in_assets / "grpo-runs"
+    shutil.copytree(in_assets / "runs" / "demo-a", runs / "demo-a")
+    grpo = list(fake_events(steps=20, n_layers=4, run_dir="grpo-runs/grpo-run", objective="grpo"))
+    _write_run(runs / "grpo-run", grpo)
     old = [dict(e) for e in grpo]
     del old[0]["shows"]
-    _write_run(in_assets / "runs" / "grpo-old", old)
+    _write_run(runs / "grpo-old", old)
     rewards = [e["reward"] for e in grpo if e["event"] == "step"]
     greedy = [e["reward"] for e in grpo if e["event"] == "eval"]
-    app = MlxtoyApp(model="tiny.gguf", runs_dir="runs")
+    app = MlxtoyApp(model="tiny.gguf", runs_dir=str(runs))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("f4")
         await pilot.pause(0.3)
