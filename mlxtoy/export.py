@@ -42,13 +42,13 @@ from safetensors.numpy import save as safetensors_bytes
 
 from mlxtoy.arch.registry import SPECS, expected_shapes, spec_of
 from mlxtoy.arch.spec import Tensor, flat_shape
-from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_folder, atomic_path
 from mlxtoy.io.gguf_write import GGUF_DTYPES, gguf_spec, write_gguf, write_lora_gguf
 from mlxtoy.io.hf import save_hf
 from mlxtoy.io.quantize import QUANT_TYPES, find_quantizer, quantize_gguf
 from mlxtoy.loading import load_run_model, load_weights
+from mlxtoy.model_config import LoadedMeta, ModelConfig
 from mlxtoy.models.lora import LORA_TYPES, LoRAHeadProjection, dense_weight, is_dora, lora_modules, row_norms
 from mlxtoy.rundir import is_run_or_checkpoint, locate
 

@@ -20,7 +20,6 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxtoy import backend
-from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.io.char_tokenizer import CharTokenizer
 from mlxtoy.arch.registry import build_module, expected_shapes, spec_of
@@ -30,6 +29,7 @@ from mlxtoy.io.gguf_read import dequantize_tensor, gguf_model_config, load_gguf,
 from mlxtoy.io.hf import hf_model_config, hf_source_size, load_hf, planned_quantized
 from mlxtoy.io.registry import resolve_model
 from mlxtoy.io.tokenizer import Tokenizer
+from mlxtoy.model_config import LoadedMeta, ModelConfig
 from mlxtoy.models.fastmath import kernels_on
 from mlxtoy.models.lens import apply_lens, fold_lens
 from mlxtoy.models.llama import LlamaModel

@@ -13,9 +13,9 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.io.gguf_write import write_gguf
 from mlxtoy.io.tokenizer import Tokenizer
+from mlxtoy.model_config import LoadedMeta, ModelConfig
 from mlxtoy.models.llama import LlamaModel
 
 from helpers_parity import tiny_bpe_vocab

@@ -7,8 +7,8 @@ import os
 import numpy as np
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
-from mlxtoy.config import ModelConfig
 from mlxtoy.io.llama_vocab import bytes_to_unicode
+from mlxtoy.model_config import ModelConfig
 
 # llama.cpp's file types (enum llama_ftype) for llama_model_quantize
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,

@@ -9,7 +9,7 @@ import sys
 
 import mlx.core as mx
 
-from mlxtoy.config import ModelConfig
+from mlxtoy.model_config import ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

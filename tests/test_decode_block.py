@@ -19,9 +19,9 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 import mlxtoy_kernels as K
 
-from mlxtoy.config import ModelConfig
 from mlxtoy.generate import decoder_for, generate_tokens
 from mlxtoy.loading import build_model
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models import fastmath
 from mlxtoy.models.cache import make_cache
 from mlxtoy.models.lora import apply_lora

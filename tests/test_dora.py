@@ -31,10 +31,11 @@ from helpers_export import (VOCAB, argmax_agreement, llama_cpp_logits, max_rel_d
 from helpers_parity import llama_quantize
 from helpers_train import qa_rows, run_training, write_jsonl, write_tiny_model_folder
 from mlxtoy.cli import main as cli_main
-from mlxtoy.config import LoadedMeta, ModelConfig, TrainConfig, check_given
+from mlxtoy.config import TrainConfig, check_given
 from mlxtoy.export import export_model, lora_from_model
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.loading import adapter_weights, build_model, load
+from mlxtoy.model_config import LoadedMeta, ModelConfig
 from mlxtoy.models import lora as lora_mod
 from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import apply_lora, dense_weight, lora_modules, merge_lora

@@ -14,10 +14,10 @@ from mlx.utils import tree_flatten
 
 from helpers_export import randomize
 from helpers_train import byte_tokenizer, tiny_model
-from mlxtoy.config import ModelConfig
 from mlxtoy.engine import BatchDecoder, Request, generate_batch
 from mlxtoy.generate import generate, generate_tokens
 from mlxtoy.loading import build_model
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.adapters import attach_adapters
 from mlxtoy.models.cache import KVCache, SlotCache
 from mlxtoy.models.lora import apply_lora, lora_parameters, merge_lora

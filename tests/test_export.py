@@ -24,13 +24,14 @@ from helpers_export import (CONFIGS, TEXT, VOCAB, argmax_agreement, llama_cpp_lo
                             our_logits, randomize, tiny_model, tiny_tokenizer_metadata, tokens_128)
 from helpers_parity import llama_quantize
 from mlxtoy.cli import main as cli_main
-from mlxtoy.config import LoadedMeta, ModelConfig, TrainConfig
+from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.export import export, export_model, lora_from_model, source_from_model, write_model_gguf
 from mlxtoy.io.gguf_read import load_gguf
 from mlxtoy.io.hf import load_hf
 from mlxtoy.io.tokenizer import Tokenizer
 from mlxtoy.loading import build_model, load
+from mlxtoy.model_config import LoadedMeta, ModelConfig
 from mlxtoy.models.gpt2 import GPT2Model
 from mlxtoy.models.lora import apply_lora, lora_config_dict, lora_modules, lora_parameters
 from mlxtoy.rundir import CheckpointState, RunDir, RunFacts

@@ -12,10 +12,10 @@ import pytest
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.generate import ChatSession, StreamingDetokenizer, generate, generate_tokens, stream_generate
 from mlxtoy.loading import build_model
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.cache import KVCache, make_cache
 from mlxtoy.sampling import (SamplingParams, apply_min_p, apply_repetition_penalty, apply_temperature,
                              apply_top_k, apply_top_p, make_sampler)

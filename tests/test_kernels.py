@@ -650,7 +650,7 @@ def test_inference_mode_is_per_thread_and_restored():
 
 
 def test_rope_module_kernel_matches_mx_fast_for_each_scaling():
-    from mlxtoy.config import ModelConfig
+    from mlxtoy.model_config import ModelConfig
     from mlxtoy.models.llama import RoPE
 
     x = arr(rng(32).standard_normal((1, 3, 7, 32)))
@@ -929,7 +929,7 @@ PROMPT = [5, 17, 200, 33, 90, 41, 7, 128, 250, 3, 64]
 def model_outputs(weights_path, batch_path) -> dict:
     """The tiny Llama of CFG with the saved weights: sft_loss and its gradients on the saved
     batch (packed rows: block-causal masks), plain per-token losses, and 8 greedy KV-cached tokens."""
-    from mlxtoy.config import ModelConfig
+    from mlxtoy.model_config import ModelConfig
     from mlxtoy.generate import generate_tokens
     from mlxtoy.sampling import SamplingParams
     from mlxtoy.loading import build_model
@@ -956,7 +956,7 @@ np.savez(sys.argv[3], **model_outputs(sys.argv[1], sys.argv[2]))
 
 
 def test_tiny_llama_same_with_and_without_kernels(tmp_path):
-    from mlxtoy.config import ModelConfig
+    from mlxtoy.model_config import ModelConfig
     from mlxtoy.loading import build_model
 
     r = rng(18)

@@ -33,7 +33,7 @@ def _donor_table(path: str) -> np.ndarray:
 
 
 def _new_model(vocab: int, d_model: int = 64, seed: int = 0):
-    from mlxtoy.config import ModelConfig
+    from mlxtoy.model_config import ModelConfig
     from mlxtoy.loading import build_model
 
     mx.random.seed(seed)
@@ -167,7 +167,8 @@ def test_donor_vocab_must_match_the_tokenizer(tmp_path, donor_gguf):
 
 
 def test_unknown_arch_is_a_clear_error():
-    from mlxtoy.config import ModelConfig, TrainConfig
+    from mlxtoy.config import TrainConfig
+    from mlxtoy.model_config import ModelConfig
     from mlxtoy.errors import UserError
 
     with pytest.raises(UserError, match=r"unknown architecture 'gpt5'"):

@@ -25,7 +25,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxtoy import backend
-from mlxtoy.config import ModelConfig, TrainConfig
+from mlxtoy.config import TrainConfig
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models import attention, fastmath
 from mlxtoy.models.llama import LlamaModel, block_causal_mask, window_mask
 from mlxtoy.models.quant import QuantizedLinear, QuantPlan, quantize_dense, quantized_module

@@ -20,11 +20,11 @@ from helpers_export import (TEXT, VOCAB, argmax_agreement, llama_cpp_logits, max
                             tiny_tokenizer_metadata)
 from helpers_parity import llama_quantize
 from mlxtoy.cli import main as cli_main
-from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.export import export, export_model
 from mlxtoy.io.quantize import find_quantizer
 from mlxtoy.loading import load_tokenizer
+from mlxtoy.model_config import LoadedMeta, ModelConfig
 from mlxtoy.models.llama import LlamaModel
 
 # our --dtype -> (llama.cpp's name in tests/helpers_parity, the types its big matrices get)

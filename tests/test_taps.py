@@ -9,8 +9,8 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import apply_lora
 from mlxtoy.taps import capture, drift, load_taps, save_taps, summarize

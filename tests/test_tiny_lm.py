@@ -134,7 +134,7 @@ def exact_kernels(monkeypatch):
 
 
 def _gpt2_model():
-    from mlxtoy.config import ModelConfig
+    from mlxtoy.model_config import ModelConfig
     from mlxtoy.models.gpt2 import GPT2Model
 
     mx.random.seed(2)

@@ -6,5 +6,5 @@ between them) and its LoRA targets. `mlxtoy.arch.registry` collects them; the GG
 readers and writers (`mlxtoy.io`), `mlxtoy.export` and `mlxtoy.loading` loop over a spec and
 never branch on an architecture's name.
 
-The architecture names are `mlxtoy.config.SUPPORTED_ARCHS` (MLX-free, for the config).
+The architecture names are `mlxtoy.model_config.SUPPORTED_ARCHS` (MLX-free, for the configs).
 """

@@ -17,8 +17,8 @@ from typing import Any
 
 from mlxtoy.arch import llama
 from mlxtoy.arch.spec import ArchSpec, Fields, Transform, row
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.gemma3 import Gemma3Model
 
 PLUS_ONE = Transform(lambda w, c: w - 1.0, lambda w, c: w + 1.0, rows=False)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from mlxtoy.arch.spec import TRANSPOSE, ArchSpec, Fields, row
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.lora import TARGET_PATHS
 from mlxtoy.models.gpt2 import GPT2Model
 

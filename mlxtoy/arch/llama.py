@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from mlxtoy.arch.spec import ArchSpec, Fields, Transform, neox, rope_kind, row
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.llama import LlamaModel
 from mlxtoy.models.lora import TARGET_PATHS
 

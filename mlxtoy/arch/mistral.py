@@ -12,7 +12,7 @@ from typing import Any
 
 from mlxtoy.arch import llama
 from mlxtoy.arch.spec import ArchSpec, Fields
-from mlxtoy.config import ModelConfig
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.llama import LlamaModel
 
 

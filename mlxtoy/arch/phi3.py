@@ -21,8 +21,8 @@ import numpy as np
 
 from mlxtoy.arch import llama, mistral
 from mlxtoy.arch.spec import ArchSpec, Fields, row
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.llama import LlamaModel
 
 TENSORS = (

@@ -11,12 +11,12 @@ from mlx.utils import tree_flatten
 
 from mlxtoy.arch import gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3, tiny
 from mlxtoy.arch.spec import ArchSpec
-from mlxtoy.config import SUPPORTED_ARCHS, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import SUPPORTED_ARCHS, ModelConfig
 
 SPECS: dict[str, ArchSpec] = {s.name: s for s in (llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC, phi3.SPEC,
                                                     gemma3.SPEC, gpt2.SPEC, tiny.SPEC)}
-assert tuple(SPECS) == SUPPORTED_ARCHS, "config.SUPPORTED_ARCHS and the registered specs differ"
+assert tuple(SPECS) == SUPPORTED_ARCHS, "model_config.SUPPORTED_ARCHS and the registered specs differ"
 
 
 def spec_of(arch: str, where: str = "") -> ArchSpec:

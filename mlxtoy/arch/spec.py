@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from mlxtoy.config import ModelConfig, metadata_number
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import ModelConfig, metadata_number
 
 REQUIRED = object()
 

@@ -15,10 +15,10 @@ import numpy as np
 
 from mlxtoy.arch.registry import expected_shapes, spec_for_gguf
 from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, flat_shape, split
-from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.io.gguf_file import (SYMMETRIC_BLOCKS, GGUFFile, affine_bits, affine_blocks, dequantize_tensor,
                                  open_gguf)
+from mlxtoy.model_config import LoadedMeta, ModelConfig
 from mlxtoy.models.quant import PackedMatrix, QuantPlan, quantize_dense
 
 __all__ = ["config_from_metadata", "dequantize_tensor", "gguf_model_config", "load_gguf", "open_gguf"]

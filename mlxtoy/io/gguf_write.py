@@ -24,10 +24,10 @@ import numpy as np
 
 from mlxtoy.arch.registry import SPECS, expected_shapes, spec_of
 from mlxtoy.arch.spec import ArchSpec, expand, fuse, rope_kind
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_path
 from mlxtoy.io.gguf_file import gguf_lib
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.llama import llama3_rope_freqs
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")

@@ -26,8 +26,8 @@ import mlx.core as mx
 
 from mlxtoy.arch.registry import SPECS, expected_shapes, spec_for_hf, spec_of
 from mlxtoy.arch.spec import ArchSpec, Fields, block0_name, expand, flat_shape, fuse, split
-from mlxtoy.config import LoadedMeta, ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import LoadedMeta, ModelConfig
 from mlxtoy.models.quant import BITS, PackedMatrix, QuantPlan, quantize_dense
 from mlxtoy.textio import read_json
 from mlxtoy.fsutil import atomic_folder

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from mlxtoy import backend, fsutil, settings
-from mlxtoy.config import ModelConfig
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.attention import attention_route
 from mlxtoy.models.fastmath import gemm_on, gemm_route, route_table
 

@@ -14,7 +14,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy.config import ModelConfig
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.llama import Block, FeedForward, LlamaModel
 
 

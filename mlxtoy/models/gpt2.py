@@ -17,8 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.llama import Block, LlamaModel
 
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxtoy.config import ModelConfig
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models import fastmath
 from mlxtoy.models.cache import SlotCache, cache_positions
 from mlxtoy.models.attention import attention

@@ -20,8 +20,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxtoy.config import ModelConfig
 from mlxtoy.errors import UserError
+from mlxtoy.model_config import ModelConfig
 from mlxtoy.models.gpt2 import LearnedPosTransformer
 
 class TinyLM(LearnedPosTransformer):
