@@ -13,7 +13,7 @@ import yaml
 
 from mlxtoy.errors import UserError
 from mlxtoy.model_config import SUPPORTED_ARCHS, ModelConfig
-from mlxtoy.textio import read_text
+from mlxtoy.textio import load_yaml
 
 TRAIN_METHODS = ("lora", "dora", "full", "scratch")
 ADAPTER_METHODS = ("lora", "dora")  # a frozen base with low-rank adapters (mlxtoy.models.lora)
@@ -427,23 +427,6 @@ def train_sections() -> list[tuple[str, list[Field]]]:
     if len(out) != len(TRAIN_SECTIONS):
         raise KeyError("a TRAIN_SECTIONS first field is not a TrainConfig field in section order")
     return out
-
-
-def load_yaml(path: str) -> dict[str, Any]:
-    text = read_text(path)
-    try:
-        data = yaml.safe_load(text)
-    except RecursionError:
-        raise UserError(f"{path}: YAML nested too deeply") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else path
-        raise UserError(f"{where}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
-    return data
 
 
 # what every chat-template render is given already (chat_template_kwargs may not set them)

@@ -38,10 +38,10 @@ from typing import Any, Iterator
 
 import yaml
 
-from mlxtoy.config import TrainConfig, load_yaml
+from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.fsutil import atomic_folder, clean_temp, write_text_atomic
-from mlxtoy.textio import iter_lines, parse_json, read_json
+from mlxtoy.textio import iter_lines, load_yaml, parse_json, read_json
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"

@@ -1,4 +1,4 @@
-"""Reading untrusted text: the one place that decodes files and parses JSON from them.
+"""Reading untrusted text: the one place that decodes files and parses JSON and YAML from them.
 
 Everything a user hands us (data files, --config, an HF config.json, a run's metrics.jsonl)
 is read here, so every failure is a `UserError` naming the file and line instead of a
@@ -13,6 +13,7 @@ import json
 from typing import Any, Iterator
 
 import numpy as np
+import yaml
 
 from mlxtoy.errors import UserError
 
@@ -98,6 +99,24 @@ def _no_constant(name: str) -> Any:
 
 def read_json(path: str) -> Any:
     return parse_json(read_text(path), path)
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """A YAML file of config keys (--config, a run's config.yaml) -> its mapping, {} when empty."""
+    text = read_text(path)
+    try:
+        data = yaml.safe_load(text)
+    except RecursionError:
+        raise UserError(f"{path}: YAML nested too deeply") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise UserError(f"{where}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    return data
 
 
 def check_string(s: str, where: str) -> str:

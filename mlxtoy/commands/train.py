@@ -19,10 +19,11 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from mlxtoy.config import ALL_METHODS, TrainConfig, check_given, load_yaml, train_sections
+from mlxtoy.config import ALL_METHODS, TrainConfig, check_given, train_sections
 from mlxtoy.console import stderr_console
 from mlxtoy.errors import UserError
 from mlxtoy.events import Event, Metric, shows_of
+from mlxtoy.textio import load_yaml
 from mlxtoy.train import distributed
 from mlxtoy.train.control import TrainControl
 from mlxtoy.train.evaluate import AccuracyReport

@@ -24,10 +24,10 @@ import traceback
 from typing import Any, TextIO
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
-from mlxtoy.config import TrainConfig, load_yaml
+from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.events import Command, Event, LogEvent
-from mlxtoy.textio import parse_json, read_json
+from mlxtoy.textio import load_yaml, parse_json, read_json
 from mlxtoy.train.control import TrainControl
 from mlxtoy.train.job import resume_config, run_job
 
