@@ -32,7 +32,7 @@ from mlxtoy.rundir import REFERENCE_LOGPS, RunDir
 from mlxtoy.sampling import SamplingParams
 from mlxtoy.train import grpo
 from mlxtoy.train.checkpoint import load_reference, save_reference
-from mlxtoy.train.data import Batch, BatchStream, Dataset, tokenize
+from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, Dataset, tokenize
 from mlxtoy.train.formats import ChatFormat, CompletionFormat, PairFormat, PromptFormat, StreamFormat, TextFormat
 from mlxtoy.train.logprobs import (completion_logps, cross_entropy, loss_logits_alive,  # noqa: F401
                                    output_cross_entropy, output_layer, token_losses)
@@ -193,6 +193,16 @@ class Objective:
     def memory_rows(self, batch_size: int, seq_len: int) -> tuple[int, int]:
         """(rows, row length) of a step's micro-batch."""
         return batch_size, seq_len
+
+    def memory_loss_tokens(self, rows: int, width: int, fused: bool) -> int:
+        """Tokens of a micro-batch whose logits the loss computes (`fused`: the output layer
+        runs through the chunked loss, which can take a subset of the positions)."""
+        return rows * width
+
+    def memory_decode(self, batch_size: int, grad_accum: int) -> tuple[int, int, int] | None:
+        """(rows decoded together, prompt tokens, generated tokens) of the batched decoding a
+        step runs before its update (its own peak: the KV cache), or None."""
+        return None
 
     def memory_extra_logits(self, tokens: int, vocab: int) -> int:
         """Bytes of vocabulary-wide arrays beyond the policy's loss (unfused loss path)."""
@@ -371,6 +381,7 @@ class GRPO(Objective):
         self.pending: dict[str, Any] = {}  # the rollout's metrics, for the step event
         self.num_tokens = 0  # prompt + completion tokens sampled so far in the run (TRL's num_tokens)
         self.warned_unscorable = False
+        self.longest_prompt = 0  # tokens, over the splits tokenized (the memory estimate's rows)
 
     def check_records(self, raw: RawSplits) -> None:
         super().check_records(raw)
@@ -383,7 +394,10 @@ class GRPO(Objective):
         self.rewards.score([grpo.Prompt(np.zeros(0, np.int32), answer, row, rec.where)], [str(answer)], [1])
 
     def tokenize(self, records, tokenizer, seq_len: int, mask_prompt: bool = True, name: str = "train"):
-        return grpo.tokenize_prompts(records, tokenizer, seq_len, mask_prompt, name=name)
+        prompts, stats = grpo.tokenize_prompts(records, tokenizer, seq_len, mask_prompt, name=name)
+        # the memory estimate's rows: training and the held-out evaluation decode these
+        self.longest_prompt = max([self.longest_prompt, *map(len, prompts)])
+        return prompts, stats
 
     def stream(self, examples: list, shuffle: bool, pad_id: int) -> BatchStream:
         c = self.cfg
@@ -535,9 +549,23 @@ class GRPO(Objective):
                                                grpo.eval_seed(c.seed)))
         return -fields["reward"], len(prompts), fields
 
-    # -- the memory estimate: batch_size x group_size rows of prompt + completion
+    # -- the memory estimate: batch_size x group_size rows of prompt + completion, as
+    # `grpo.completion_batch` lays them out; the loss reads the completions' logits only
     def memory_rows(self, batch_size: int, seq_len: int) -> tuple[int, int]:
-        return batch_size * self.cfg.group_size, seq_len + self.cfg.max_completion_tokens
+        width = self._longest_prompt(seq_len) + self.cfg.max_completion_tokens - 1
+        return batch_size * self.cfg.group_size, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+
+    def memory_loss_tokens(self, rows: int, width: int, fused: bool) -> int:
+        return rows * self.cfg.max_completion_tokens if fused else rows * width
+
+    def memory_decode(self, batch_size: int, grad_accum: int) -> tuple[int, int, int] | None:
+        # a step's micro-batches are one generation (`grpo.collect`)
+        c = self.cfg
+        return batch_size * c.group_size * grad_accum, self._longest_prompt(c.seq_len), c.max_completion_tokens
+
+    def _longest_prompt(self, seq_len: int) -> int:
+        # known once the prompts are tokenized; before that (the preflight) seq_len bounds it
+        return self.longest_prompt or seq_len
 
     def memory_extra(self, trainable_bytes: int) -> int:
         return trainable_bytes if self.cfg.beta and not self.cfg.adapters else 0
