@@ -104,6 +104,9 @@ class Objective:
     # the record kinds it trains on (mlxtoy.train.formats)
     kinds: tuple[str, ...] = (TextFormat.kind, CompletionFormat.kind, ChatFormat.kind, StreamFormat.kind)
     wanted: str | None = None  # how errors describe those kinds (None: the general formats)
+    # entries of the step's statistics (`value`) that data-parallel ranks combine by "min" or
+    # "max" instead of a sum, by index
+    extremes: dict[int, str] = {}
 
     def __init__(self, cfg: TrainConfig):
         """cfg: validated (TrainConfig.validate resolves beta); built once per run, by the job."""
@@ -362,6 +365,7 @@ class GRPO(Objective):
                   Metric("completions/mean_length", "len", ".1f"))
     eval_shows = (Metric("reward", "val reward", ".3f"),)
     max_refill_draws = 4  # --skip-zero-std-groups: prompt batches drawn per micro-batch at most
+    extremes = {grpo.STATS.index(key): how for key, how in grpo.EXTREMES.items()}
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
