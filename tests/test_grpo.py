@@ -33,7 +33,7 @@ from mlxtoy.train.rewards import RewardSet, split_specs
 
 # ------------------------------------------------------------------ the house rule
 
-HOME = {os.path.join("mlxtoy", "train", name) for name in ("objectives.py", "grpo.py", "rewards.py")}
+HOME = {os.path.join("mlxtoy", "train", name) for name in ("objectives.py", "preference.py", "grpo.py", "rewards.py")}
 BRANCH = re.compile(r"""objective["']?\]?\)?\s*(==|!=|(not\s+)?in\s*[(\[{])|in\s+PREFERENCE_OBJECTIVES""")
 
 
