@@ -100,7 +100,7 @@ class Objective:
     # what the displays show of its runs (the CLI's progress line, the TUI's Train and Runs
     # screens): the step events' values and the eval events', the first of each the headline
     step_shows: tuple[Metric, ...] = (Metric("loss", "loss"),)
-    eval_shows: tuple[Metric, ...] = (Metric("val_loss", "val"),)
+    eval_shows: tuple[Metric, ...] = (Metric("val_loss", "val"), Metric("val_ppl", "ppl", ".2f", chart=False))
     # the record kinds it trains on (mlxtoy.train.formats)
     kinds: tuple[str, ...] = (TextFormat.kind, CompletionFormat.kind, ChatFormat.kind, StreamFormat.kind)
     wanted: str | None = None  # how errors describe those kinds (None: the general formats)
@@ -118,8 +118,8 @@ class Objective:
     @classmethod
     def shows(cls) -> dict[str, list[list[str]]]:
         """The display declaration, as the start event carries it (events.shows_of reads it)."""
-        return {"step": [[m.key, m.label, m.fmt] for m in cls.step_shows],
-                "eval": [[m.key, m.label, m.fmt] for m in cls.eval_shows]}
+        return {"step": [[m.key, m.label, m.fmt, m.chart] for m in cls.step_shows],
+                "eval": [[m.key, m.label, m.fmt, m.chart] for m in cls.eval_shows]}
 
     # -- data
     def check_records(self, raw: RawSplits) -> None:
