@@ -86,6 +86,7 @@ class Metric:
     key: str
     label: str
     fmt: str = ".4f"
+    chart: bool = True  # the TUI charts it (beyond the headline); False: printed only
 
     def value(self, ev: "Event | None") -> float | None:
         """This metric's number in a step or eval event (None when the event has none)."""
@@ -102,7 +103,7 @@ class Metric:
 # A run's display declaration as the start event carries it: {"step": [[key, label, fmt], ...],
 # "eval": [...]}, the first of each the run's headline. A run written before the start event
 # carried one shows its loss, as it did then.
-DEFAULT_SHOWS = {"step": [["loss", "loss", ".4f"]], "eval": [["val_loss", "val", ".4f"]]}
+DEFAULT_SHOWS = {"step": [["loss", "loss", ".4f"]], "eval": [["val_loss", "val", ".4f"], ["val_ppl", "ppl", ".2f", False]]}
 
 
 def shows_of(declared: dict[str, Any] | None) -> tuple[list[Metric], list[Metric]]:

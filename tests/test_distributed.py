@@ -324,3 +324,57 @@ def test_hung_rank_trips_the_watchdog(work):
     state, trainable, _ = load_checkpoint(os.path.join(run, "checkpoints", "step_2"))
     assert state.step == 2 and trainable
     load_run_model(run)
+
+
+# ------------------------------------------------------------------ statistics across ranks
+
+
+class _Rank:
+    """One rank of a two-rank group, in process: its all-reduce adds what the other rank sent
+    (recorded when that one reduced first), as mx.distributed.all_sum would."""
+
+    def __init__(self, rank: int, peer: "_Rank | None" = None):
+        self.rank, self.size, self.peer = rank, 2, peer
+        self.sent: list[mx.array] = []
+        self.allreduce_seconds: list[float] = []
+
+    def all_sum(self, arrays, what):
+        self.sent = arrays
+        return [a + b for a, b in zip(arrays, self.peer.sent)] if self.peer else arrays
+
+
+class _Control:
+    def local_flags(self):
+        return mx.zeros((3,), mx.float32)
+
+    def agree(self, flags):
+        self.flags = flags
+
+
+def test_grpo_min_max_statistics_reduce_by_min_and_max_across_ranks():
+    """GRPO's clip_ratio/low_min and high_max are the least and the largest rank's values (TRL's
+    nanmin / nanmax over processes), not their sum; every other statistic is summed (shares of
+    the one-process mean). Control: without the objective's extremes, the two are summed."""
+    from mlxtoy.train.distributed import GradientAllReduce
+    from mlxtoy.train.grpo import STATS
+    from mlxtoy.train.objectives import GRPO
+
+    values = [np.arange(1, len(STATS) + 1, dtype=np.float32) / 10, np.arange(len(STATS), 0, -1, dtype=np.float32) / 10]
+    grads = {"w": mx.ones((2,))}
+
+    def reduce(extremes):
+        other = _Rank(1)
+        GradientAllReduce(other, _Control()).reduce(mx.array(values[1]), grads, extremes)
+        out, g = GradientAllReduce(_Rank(0, other), _Control()).reduce(mx.array(values[0]), grads, extremes)
+        assert np.allclose(np.array(g["w"]), 2.0)
+        return dict(zip(STATS, np.array(out).tolist()))
+
+    got = reduce(GRPO.extremes)
+    low, high = STATS.index("clip_ratio/low_min"), STATS.index("clip_ratio/high_max")
+    assert got["clip_ratio/low_min"] == pytest.approx(min(values[0][low], values[1][low]))
+    assert got["clip_ratio/high_max"] == pytest.approx(max(values[0][high], values[1][high]))
+    for i, key in enumerate(STATS):
+        if key not in ("clip_ratio/low_min", "clip_ratio/high_max"):
+            assert got[key] == pytest.approx(values[0][i] + values[1][i]), key
+    summed = reduce({})  # control: the check sees a sum
+    assert summed["clip_ratio/low_min"] == pytest.approx(values[0][low] + values[1][low])

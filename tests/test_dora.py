@@ -42,7 +42,7 @@ from mlxtoy.models.lora import apply_lora, dense_weight, lora_modules, merge_lor
 from mlxtoy.rundir import read_metrics
 from mlxtoy.train.control import TrainControl
 from mlxtoy.train.job import prepare, resume_config
-from mlxtoy.train.objectives import adapters_disabled
+from mlxtoy.train.preference import adapters_disabled
 
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 LOG2 = float(np.log(np.float32(2.0)))

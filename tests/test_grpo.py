@@ -33,7 +33,7 @@ from mlxtoy.train.rewards import RewardSet, split_specs
 
 # ------------------------------------------------------------------ the house rule
 
-HOME = {os.path.join("mlxtoy", "train", name) for name in ("objectives.py", "grpo.py", "rewards.py")}
+HOME = {os.path.join("mlxtoy", "train", name) for name in ("objectives.py", "preference.py", "grpo.py", "rewards.py")}
 BRANCH = re.compile(r"""objective["']?\]?\)?\s*(==|!=|(not\s+)?in\s*[(\[{])|in\s+PREFERENCE_OBJECTIVES""")
 
 
@@ -60,6 +60,49 @@ def test_no_objective_branch_outside_its_home():
                     if hits:
                         found[rel] = hits
     assert not found, f"branches on the objective's name outside {sorted(HOME)}: {found}"
+
+
+# what renders a run's events: the CLI's progress display and the TUI (but its setup form, which
+# edits the config, whose fields include GRPO's `reward`)
+DISPLAY = [os.path.join("mlxtoy", "commands", "train.py")] + sorted(
+    os.path.join("tui", name) for name in os.listdir(os.path.join(REPO, "tui"))
+    if name.endswith(".py") and name != "setup.py")
+
+
+def objective_own_names() -> set[str]:
+    """What only some objectives' events carry: every value an objective declares beyond the
+    base's, and their loss statistics."""
+    from mlxtoy.train import grpo, preference
+    from mlxtoy.train.objectives import OBJECTIVE_TYPES, Objective
+
+    base = {m.key for m in Objective.step_shows + Objective.eval_shows}
+    declared = {m.key for kind in OBJECTIVE_TYPES.values() for m in kind.step_shows + kind.eval_shows}
+    return (declared | set(grpo.STATS) | set(preference.STATS)) - base
+
+
+def field_reads(text: str, names: set[str]) -> list[str]:
+    """Lines naming one of `names` as a string or an attribute: code that reads an objective's
+    own value instead of rendering the declaration."""
+    pattern = re.compile("|".join(rf"""["']{re.escape(n)}["']|\.{re.escape(n)}\b""" for n in sorted(names)))
+    return [line.strip() for line in text.splitlines() if pattern.search(line)]
+
+
+def test_display_renders_the_declaration_not_the_objective_fields():
+    """The Train and Runs screens and the CLI's progress render each objective's declared
+    metrics (Objective.step_shows / eval_shows); none reads an objective's own event fields to
+    decide what to show (the Train screen's charts once did: a reward chart when a step
+    carried `reward`, a pairs chart when it carried `pref_accuracy`)."""
+    names = objective_own_names()
+    assert {"reward", "reward_margin", "pref_accuracy", "kl"} <= names and "loss" not in names
+    # positive controls: the reads the display once made are seen
+    for planted in ('if ev.extra.get("reward") is not None:', "if ev.reward_margin is not None and ev.pref_accuracy:",
+                    "self.val_pref_accs.append(float(ev.pref_accuracy))", "parts = ev.extra['kl']"):
+        assert field_reads(planted, names), planted
+    for fine in ("for m in self.metrics[0]:", "rewards = self.query_one(MetricsChart)", "m.value(ev)"):
+        assert not field_reads(fine, names), fine
+    found = {rel: hits for rel in DISPLAY
+             if (hits := field_reads(open(os.path.join(REPO, rel), encoding="utf-8").read(), names))}
+    assert not found, f"display code reading an objective's own fields: {found}"
 
 
 # ------------------------------------------------------------------ advantages and the loss vs torch
@@ -485,8 +528,10 @@ def test_smollm2_bundled_task_raises_held_out_reward(smollm2_path, tmp_path):
 
 
 def test_tui_reward_chart_and_samples_follow_a_grpo_run():
-    """Events of a GRPO run arrive one by one: the dashboard's reward chart and samples panel
-    (each completion with its rewards) follow them; an SFT run shows no reward chart."""
+    """Events of a GRPO run arrive one by one: the dashboard's headline chart plots the reward
+    (sampled, and held-out greedy points), the chart beside it GRPO's other declared values, and
+    the samples panel (each completion with its rewards) follows them; an SFT run charts its
+    loss and nothing beside it."""
     import asyncio
 
     from textual.widgets import RichLog
@@ -494,7 +539,7 @@ def test_tui_reward_chart_and_samples_follow_a_grpo_run():
     from fake_trainer import fake_events
     from tui.app import MlxtoyApp
     from tui.state import RUNNING, RunState
-    from tui.widgets import RewardChart
+    from tui.widgets import LossChart, MetricsChart
 
     async def drive():
         app = MlxtoyApp(model="tiny.gguf", data=None, runs_dir="runs")
@@ -502,7 +547,7 @@ def test_tui_reward_chart_and_samples_follow_a_grpo_run():
             state = RunState()
             app.run_state = state
             await pilot.press("f2")
-            chart = app.screen.query_one(RewardChart)
+            chart, more = app.screen.query_one(LossChart), app.screen.query_one(MetricsChart)
             samples = app.screen.query_one("#samples", RichLog)
             seen = []
             for ev in fake_events(steps=12, n_layers=4, objective="grpo", done=False):
@@ -510,16 +555,19 @@ def test_tui_reward_chart_and_samples_follow_a_grpo_run():
                 state.status = RUNNING
                 if ev["event"] in ("step", "eval") and ev["step"] in (3, 10):
                     await pilot.pause(1.2)  # the chart redraws at most once a second
-                    seen.append((len(chart._series[0]), len(chart._series[2]), len(samples.lines)))
-            assert chart.display and state.rl and state.summary()["reward"] == f"{state.rewards[-1]:.3f}"
+                    seen.append((len(chart.steps), len(chart.val_steps), len(samples.lines)))
+            rewards = state.headline_series[0].values
+            assert chart.label == "reward" and chart.losses == rewards[:len(chart.losses)] and rewards[-1] > rewards[0]
+            assert state.summary()["reward"] == f"{rewards[-1]:.3f}"
             assert seen[0][0] == 3 and seen[-1][0] == 10 and seen[-1][1] == 1, seen  # train line, a valid point
             assert seen[-1][2] > seen[0][2] > 0, seen  # the samples panel grew
+            assert more.display and [label for label, _ in more._lines] == ["loss", "len"]
             text = "\n".join(str(line.text) for line in samples.lines)
             assert "26 December 2011 (step 10)" in text and "reward" in text and "exact" in text
             app.run_state = RunState.from_events(list(fake_events(steps=5, n_layers=4)))  # control: SFT
             app.screen.refresh_view(force=True)
             await pilot.pause(0.2)
-            assert not app.screen.query_one(RewardChart).display
+            assert not app.screen.query_one(MetricsChart).display and app.screen.query_one(LossChart).label == "loss"
 
     asyncio.run(drive())
 
@@ -603,7 +651,7 @@ def test_every_option_trains(work, tmp_path):
                 "batch", "--iterations-per-generation", "2", "--skip-zero-std-groups", "--epsilon-high", "0.28",
                 "--temp", "0.9", "--top-p", "0.95", "--min-p", "0.05", "--lr", "1e-3", "--eval-every", "2")
     assert r.returncode == 0, r.stderr
-    assert "held-out greedy reward" in r.stderr and re.search(r"step \d+/4 reward [-\d.]+, loss ", r.stderr)
+    assert re.search(r"step \d+: val reward [-\d.]+", r.stderr) and re.search(r"step \d+/4 reward [-\d.]+, loss ", r.stderr)
     steps = events(out, "step")
     assert len(steps) == 4 and all(np.isfinite(e["loss"]) and e["kl"] >= 0 for e in steps)
     assert steps[0]["samples"] == steps[1]["samples"] and steps[1]["kl"] > 0

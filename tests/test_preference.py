@@ -27,7 +27,7 @@ from mlxtoy.train.control import TrainControl
 from mlxtoy.train.data import Renderer
 from mlxtoy.train.records import read_data
 from mlxtoy.train.job import resume_config
-from mlxtoy.train.objectives import PreferenceSpec, pair_logps, preference_loss
+from mlxtoy.train.preference import PreferenceSpec, pair_logps, preference_loss
 from mlxtoy.train.pairs import PairStream, tokenize_pairs
 from mlxtoy.train.step import pair_arrays
 

@@ -145,10 +145,13 @@ def test_run_state_folds_events():
 
 def test_run_state_folds_preference_metrics():
     state = RunState.from_events(list(fake_events(steps=30, n_layers=4, objective="dpo")))
-    assert state.preference and len(state.margins) == 30 and state.val_pref_steps == [10, 20, 30]
-    assert state.summary()["acc"] == "100%" and state.summary()["margin"] == f"{state.margins[-1]:.3f}"
+    step_metrics, eval_metrics = state.metrics
+    margins = state.series(step_metrics[1])
+    assert step_metrics[1].label == "margin" and len(margins.values) == 30
+    assert state.series(eval_metrics[1], of_eval=True).steps == [10, 20, 30]  # val acc
+    assert state.summary()["acc"] == "100%" and state.summary()["margin"] == f"{margins.values[-1]:.3f}"
     plain = RunState.from_events(list(fake_events(steps=30, n_layers=4)))  # control: an SFT run
-    assert not plain.preference and "margin" not in plain.summary() and not plain.margins
+    assert "margin" not in plain.summary() and list(plain.step_series) == ["loss"]
 
 
 def test_scan_runs(assets):
@@ -882,7 +885,7 @@ def test_snapshot_runs(in_assets, snap_compare):
 async def test_grpo_run_shows_rewards_and_samples(in_assets):
     """A GRPO run started from the Setup screen (objective grpo, a reward, the group size):
     the dashboard's reward chart and samples panel (completions with their rewards) fill in."""
-    from tui.widgets import RewardChart
+    from tui.widgets import LossChart
 
     rng = random.Random(1)
     with open(in_assets / "qa.jsonl", "w") as f:
@@ -908,12 +911,13 @@ async def test_grpo_run_shows_rewards_and_samples(in_assets):
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: app.run_state.status == DONE and not app.trainer_alive, 180, "the end")
         state = app.run_state
-        assert state.done_reason == "finished" and state.rl and len(state.rewards) == 4
-        assert state.val_reward_steps == [0, 2, 4] and state.config["objective"] == "grpo"
+        rewards, held_out = state.headline_series
+        assert state.done_reason == "finished" and state.metrics[0][0].key == "reward" and len(rewards.values) == 4
+        assert held_out.steps == [0, 2, 4] and state.config["objective"] == "grpo"
         assert any("reward" in s.text and "length_3" in s.text for s in state.samples)
         await pilot.press("f2")
         await pilot.pause(1.2)
-        chart = app.screen.query_one(RewardChart)
-        assert chart.display and len(chart._series[0]) == 4
+        chart = app.screen.query_one(LossChart)
+        assert chart.label == "reward" and len(chart.steps) == 4
         samples = "\n".join(str(line.text) for line in app.screen.query_one("#samples").lines)
         assert "contains" in samples and "length_3" in samples

@@ -1,6 +1,8 @@
-"""The training dashboard: stats, loss curves (with DPO / ORPO, the reward margin and pair
-accuracy beside them; with GRPO, the rewards), the taps heat map, samples (GRPO's sampled
-completions with their rewards) and the log.
+"""The training dashboard: stats, the run's headline curve (the loss; GRPO's reward) with the
+objective's other declared values charted beside it (DPO / ORPO: reward margin and pair
+accuracy; GRPO: loss and completion length), the taps heat map, samples (GRPO's sampled
+completions with their rewards) and the log. What it shows of a run is the objective's
+declaration (the start event's `shows`), never a test of the objective or the event's fields.
 
 It renders the app's RunState; it never talks to the trainer except through the app's
 commands (pause / resume / stop / sample / checkpoint). Re-rendering is throttled: events mark
@@ -20,7 +22,7 @@ from textual.widgets import Footer, RichLog
 
 from mlxtoy.events import Command
 from tui.state import RunState
-from tui.widgets import LossChart, NavBar, PrefChart, RewardChart, StatsPanel, TapsHeatmap
+from tui.widgets import LossChart, MetricsChart, NavBar, StatsPanel, TapsHeatmap
 
 LEVEL_STYLE = {"error": "red", "warning": "yellow", "stderr": "dim"}
 
@@ -47,8 +49,7 @@ class DashboardScreen(Screen):
             yield StatsPanel(id="stats")
             with Horizontal(id="charts"):
                 yield LossChart(id="loss-chart")
-                yield PrefChart(id="pref-chart")  # shown for DPO / ORPO runs only
-                yield RewardChart(id="reward-chart")  # shown for GRPO runs only
+                yield MetricsChart(id="metrics-chart")  # shown where the objective declares more
             yield TapsHeatmap(id="taps")
             with Horizontal(id="dash-bottom"):
                 yield RichLog(id="samples", wrap=True, markup=True, max_lines=200, min_width=20)
@@ -82,19 +83,16 @@ class DashboardScreen(Screen):
         self._shown_version = state.version
         self.query_one(StatsPanel).show(state)
         chart = self.query_one(LossChart)
-        changed = len(chart.steps) != len(state.steps) or len(chart.val_steps) != len(state.val_steps)
+        changed = len(chart.steps) != len(state.headline_series[0].steps) or len(chart.val_steps) != len(state.val_steps)
         now = time.monotonic()
         # plotext redraws the whole chart: at most once a second (steps on CPU take seconds anyway)
         if force or (changed and now - self._chart_time >= 1.0):
-            chart.set_series(state.steps, state.losses, state.val_steps, state.val_losses)
-            pref = self.query_one(PrefChart)
-            pref.display = state.preference
-            if state.preference:
-                pref.show(state)
-            rewards = self.query_one(RewardChart)
-            rewards.display = state.rl
-            if state.rl:
-                rewards.show(state)
+            steps, evals = state.headline_series
+            chart.set_series(steps.steps, steps.values, evals.steps, evals.values, state.metrics[0][0].label)
+            more = self.query_one(MetricsChart)
+            more.display = any(MetricsChart.charted(state))
+            if more.display:
+                more.show(state)
             self._chart_time = now
         elif changed:
             self._shown_version = -1  # come back for the chart on the next tick

@@ -107,9 +107,9 @@ class RunsScreen(Screen):
             text += f"\n[dim]last sample (step {s.step}):[/dim] {escape(' '.join(str(s.text).split())[:200])}"
         self.query_one("#run-summary", Static).update(text)
         # the run's headline (GRPO: the reward, sampled and held-out greedy; SFT: the loss)
-        label = state.metrics[0][0].label
-        self.query_one(LossChart).set_series(state.headline_steps, state.headlines, state.val_headline_steps,
-                                             state.val_headlines, label)
+        steps, evals = state.headline_series
+        self.query_one(LossChart).set_series(steps.steps, steps.values, evals.steps, evals.values,
+                                             state.metrics[0][0].label)
 
     def action_open(self) -> None:
         if self.selected is None:

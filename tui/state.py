@@ -32,6 +32,36 @@ class LogLine:
 
 
 @dataclass
+class Series:
+    """One declared metric's points: the steps and the values."""
+
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+    def add(self, step: int, value: float | None) -> None:
+        if value is not None:
+            self.steps.append(step)
+            self.values.append(value)
+
+    def cut(self, step: int) -> None:
+        """Forget the points from `step` on (a resumed run goes on from there)."""
+        keep = sum(1 for s in self.steps if s < step)
+        del self.steps[keep:], self.values[keep:]
+
+
+def sample_text(record: dict[str, Any]) -> str:
+    """A sampled completion that a step event carries (`samples`), with the values the
+    objective recorded beside it (their names as recorded; nested ones flattened)."""
+    values = []
+    for k, v in record.items():
+        for name, x in (v.items() if isinstance(v, dict) else [(k, v)]):
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                values.append(f"{name} {x:.2f}")
+    shown = f"  ⟨{', '.join(values)}⟩" if values else ""
+    return f"{record.get('completion', '')}{shown}"
+
+
+@dataclass
 class RunState:
     run_dir: str = ""
     status: str = IDLE
@@ -42,11 +72,9 @@ class RunState:
     trainable_params: int = 0
     total_params: int = 0
     shows: dict[str, Any] | None = None  # the objective's display declaration (its start event)
-    # its headline per step and per evaluation (GRPO: the reward; SFT: the loss)
-    headline_steps: list[int] = field(default_factory=list)
-    headlines: list[float] = field(default_factory=list)
-    val_headline_steps: list[int] = field(default_factory=list)
-    val_headlines: list[float] = field(default_factory=list)
+    # each declared metric's points, {key: Series}: of the step events and of the eval events
+    step_series: dict[str, Series] = field(default_factory=dict)
+    eval_series: dict[str, Series] = field(default_factory=dict)
     last_eval: EvalEvent | None = None
     # training series (one point per step event)
     steps: list[int] = field(default_factory=list)
@@ -56,17 +84,6 @@ class RunState:
     # validation series
     val_steps: list[int] = field(default_factory=list)
     val_losses: list[float] = field(default_factory=list)
-    # preference objectives (dpo, orpo): reward margin and pair accuracy per step / evaluation
-    pref_steps: list[int] = field(default_factory=list)
-    margins: list[float] = field(default_factory=list)
-    pref_accs: list[float] = field(default_factory=list)
-    val_pref_steps: list[int] = field(default_factory=list)
-    val_pref_accs: list[float] = field(default_factory=list)
-    # grpo: the mean reward of the step's sampled completions, and of greedy ones at evaluations
-    reward_steps: list[int] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    val_reward_steps: list[int] = field(default_factory=list)
-    val_rewards: list[float] = field(default_factory=list)
     samples: list[SampleEvent] = field(default_factory=list)
     taps: TapsEvent | None = None  # the latest taps event
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
@@ -112,59 +129,28 @@ class RunState:
         if self.steps and step <= self.steps[-1]:  # a resumed run replays nothing, but be safe
             cut = next(i for i, s in enumerate(self.steps) if s >= step)
             del self.steps[cut:], self.losses[cut:], self.lrs[cut:]
-            keep = sum(1 for s in self.pref_steps if s < step)
-            del self.pref_steps[keep:], self.margins[keep:], self.pref_accs[keep:]
-            keep = sum(1 for s in self.reward_steps if s < step)
-            del self.reward_steps[keep:], self.rewards[keep:]
-            keep = sum(1 for s in self.headline_steps if s < step)
-            del self.headline_steps[keep:], self.headlines[keep:]
-        headline = self.metrics[0][0].value(ev)
-        if headline is not None:
-            self.headline_steps.append(step)
-            self.headlines.append(headline)
+            for series in self.step_series.values():
+                series.cut(step)
+        for m in self.metrics[0]:
+            self.step_series.setdefault(m.key, Series()).add(step, m.value(ev))
         self.steps.append(step)
         self.losses.append(float(ev.loss) if ev.loss is not None else math.nan)
         self.lrs.append(float(ev.lr or 0.0))
-        if ev.reward_margin is not None and ev.pref_accuracy is not None:
-            self.pref_steps.append(step)
-            self.margins.append(float(ev.reward_margin))
-            self.pref_accs.append(float(ev.pref_accuracy))
-        if ev.extra.get("reward") is not None:
-            self.reward_steps.append(step)
-            self.rewards.append(float(ev.extra["reward"]))
-            for s in ev.extra.get("samples") or []:  # sampled completions with their rewards
-                parts = ", ".join(f"{k} {v:.2f}" for k, v in (s.get("rewards") or {}).items() if v is not None)
-                self._on_sample(SampleEvent(step=step, prompt=str(s.get("prompt", "")),
-                                            text=f"{s.get('completion', '')}  ⟨reward {float(s.get('reward', 0)):.2f}: "
-                                                 f"{parts}⟩"))
+        for s in ev.extra.get("samples") or []:  # completions the step sampled (its own records)
+            self._on_sample(SampleEvent(step=step, prompt=str(s.get("prompt", "")), text=sample_text(s)))
         self.last_step = ev
         if self.status == STARTING:
             self.status = RUNNING
 
     def _on_eval(self, ev: EvalEvent) -> None:
         self.last_eval = ev
-        headline = self.metrics[1][0].value(ev)
-        if headline is not None:
-            self.val_headline_steps.append(int(ev.step))
-            self.val_headlines.append(headline)
+        eval_metrics = self.metrics[1]
+        for m in eval_metrics:
+            self.eval_series.setdefault(m.key, Series()).add(int(ev.step), m.value(ev))
         self.val_steps.append(int(ev.step))
         self.val_losses.append(float(ev.val_loss) if ev.val_loss is not None else math.nan)
-        if ev.extra.get("reward") is not None:
-            self.val_reward_steps.append(int(ev.step))
-            self.val_rewards.append(float(ev.extra["reward"]))
-            self.logs.append(LogLine(ev.time, "info", f"step {ev.step}: held-out greedy reward "
-                                                      f"{self.val_rewards[-1]:.3f} ({ev.val_tokens} prompts)"))
-            return
-        if ev.pref_accuracy is not None:
-            self.val_pref_steps.append(int(ev.step))
-            self.val_pref_accs.append(float(ev.pref_accuracy))
-            self.logs.append(LogLine(ev.time, "info",
-                                     f"step {ev.step}: val loss {self.val_losses[-1]:.4f}, pair accuracy "
-                                     f"{ev.pref_accuracy:.0%}, margin {float(ev.reward_margin or 0):.3f}"))
-            return
-        self.logs.append(LogLine(ev.time, "info",
-                                 f"step {ev.step}: val loss {self.val_losses[-1]:.4f} "
-                                 f"(ppl {float(ev.val_ppl or 0):.4g})"))
+        shown = ", ".join(f"{m.label} {m.text(ev)}" for m in eval_metrics)
+        self.logs.append(LogLine(ev.time, "info", f"step {ev.step}: {shown}"))
 
     def _on_sample(self, ev: SampleEvent) -> None:
         self.samples.append(ev)
@@ -239,16 +225,15 @@ class RunState:
         return (step_metrics[0].label, step_metrics[0].text(self.last_step),
                 eval_metrics[0].label, eval_metrics[0].text(self.last_eval))
 
-    @property
-    def rl(self) -> bool:
-        """A run with rewards to show (GRPO)."""
-        return bool(self.reward_steps or self.val_reward_steps)
+    def series(self, m: Metric, of_eval: bool = False) -> Series:
+        """A declared metric's points (none yet: empty)."""
+        return (self.eval_series if of_eval else self.step_series).get(m.key) or Series()
 
     @property
-    def preference(self) -> bool:
-        """A DPO / ORPO run: it has reward margins and pair accuracies to show (known from its
-        first step or evaluation, whatever the objective is called)."""
-        return bool(self.pref_steps or self.val_pref_steps)
+    def headline_series(self) -> tuple[Series, Series]:
+        """The headline's points: per step, and per evaluation (GRPO: the reward; SFT: the loss)."""
+        step_metrics, eval_metrics = self.metrics
+        return self.series(step_metrics[0]), self.series(eval_metrics[0], of_eval=True)
 
     def taps_grid(self, metric: str = "rms") -> tuple[int, list[str], dict[tuple[int, str], float]]:
         """-> (n_layers, sites, {(layer, site): value}) from the latest taps event."""

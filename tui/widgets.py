@@ -19,7 +19,8 @@ from textual.widget import Widget
 from textual.widgets import Button, DirectoryTree, Input, Label, Static
 from textual_plotext import PlotextPlot
 
-from tui.state import DONE, FAILED, PAUSED, RUNNING, STARTING, STOPPING, RunState
+from mlxtoy.events import Metric
+from tui.state import DONE, FAILED, PAUSED, RUNNING, STARTING, STOPPING, RunState, Series
 
 SCREENS = (("setup", "F1", "Setup"), ("train", "F2", "Train"), ("chat", "F3", "Chat"), ("runs", "F4", "Runs"))
 
@@ -159,89 +160,72 @@ class LossChart(PlotextPlot):
         self.refresh()
 
 
-PREF_LEGEND = "pairs  [#0087ff]━ margin[/]  [#00a050]━ accuracy[/]  [#e67800]● valid acc[/]"
-ACC_RGB = (0, 160, 80)
+METRIC_RGB = ((0, 160, 80), (150, 80, 200), (200, 60, 60), (0, 150, 160))  # after TRAIN_RGB
 
 
-class PrefChart(PlotextPlot):
-    """Preference objectives: the reward margin and the pair accuracy (train, line; valid,
-    points) against the step, beside the loss chart."""
+class MetricsChart(PlotextPlot):
+    """The objective's other declared values beside the headline chart (DPO / ORPO: the reward
+    margin and the pair accuracy; GRPO: the loss and the completions' length): each step
+    metric a line, each eval metric points, against the step. What it plots is the
+    objective's declaration (`Metric.chart`), never a test of the run's fields."""
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        # steps, margins, accuracies; validation steps, accuracies
-        self._series: tuple[list, ...] = ([], [], [], [], [])
+        self._lines: list[tuple[str, Series]] = []
+        self._points: list[tuple[str, Series]] = []
+
+    @staticmethod
+    def charted(state: RunState) -> tuple[list[Metric], list[Metric]]:
+        """(step metrics, eval metrics) it plots: the declared ones after the headlines."""
+        step_metrics, eval_metrics = state.metrics
+        return [m for m in step_metrics[1:] if m.chart], [m for m in eval_metrics[1:] if m.chart]
 
     def show(self, state: RunState) -> None:
-        self._series = (list(state.pref_steps), list(state.margins), list(state.pref_accs),
-                        list(state.val_pref_steps), list(state.val_pref_accs))
+        lines, points = self.charted(state)
+        self._lines = [(m.label, state.series(m)) for m in lines]
+        self._points = [(m.label, state.series(m, of_eval=True)) for m in points]
+        if self.is_mounted:
+            self.border_title = self.legend()
         self.replot()
+
+    def legend(self) -> str:
+        parts = [f"[{_hex(_color(i))}]━ {escape(label)}[/]" for i, (label, _) in enumerate(self._lines)]
+        parts += [f"[{_hex(VALID_RGB)}]● {escape(label)}[/]" for label, _ in self._points]
+        return "  ".join(parts)
 
     def on_mount(self) -> None:
         super().on_mount()
-        self.border_title = PREF_LEGEND
+        self.border_title = self.legend()
         self.replot()
 
     def replot(self) -> None:
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
-        steps, margins, accs, vsteps, vaccs = self._series
-        m = _decimate([(s, v) for s, v in zip(steps, margins) if math.isfinite(v)], MAX_POINTS)
-        a = _decimate([(s, v) for s, v in zip(steps, accs) if math.isfinite(v)], MAX_POINTS)
-        if m:
-            plt.plot([p[0] for p in m], [p[1] for p in m], marker="braille", color=TRAIN_RGB)
-        if a:
-            plt.plot([p[0] for p in a], [p[1] for p in a], marker="braille", color=ACC_RGB)
-        if vsteps:
-            plt.scatter(vsteps, vaccs, marker="●", color=VALID_RGB)
-        if not m and not vsteps:
-            plt.title("pairs: waiting for the first step")
+        xs: list[int] = []
+        for i, (_, series) in enumerate(self._lines):
+            pts = _decimate([(s, v) for s, v in zip(series.steps, series.values) if math.isfinite(v)], MAX_POINTS)
+            if pts:
+                plt.plot([p[0] for p in pts], [p[1] for p in pts], marker="braille", color=_color(i))
+                xs += [p[0] for p in pts]
+        for _, series in self._points:
+            if series.steps:
+                plt.scatter(series.steps, series.values, marker="●", color=VALID_RGB)
+                xs += series.steps
+        if not xs:
+            plt.title("waiting for the first step")
         else:
-            xs = [p[0] for p in m] + list(vsteps)
             ticks = nice_ticks(min(xs), max(xs))
             plt.xticks(ticks, [str(t) for t in ticks])
         self.refresh()
 
 
-REWARD_LEGEND = "rewards  [#0087ff]━ sampled (mean)[/]  [#e67800]● greedy, valid[/]"
+def _color(i: int) -> tuple[int, int, int]:
+    return (TRAIN_RGB, *METRIC_RGB)[i % (1 + len(METRIC_RGB))]
 
 
-class RewardChart(PlotextPlot):
-    """GRPO: the mean reward of each step's sampled completions (line) and of greedy
-    completions of the validation prompts (points) against the step, beside the loss chart."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self._series: tuple[list, ...] = ([], [], [], [])  # steps, rewards; validation steps, rewards
-
-    def show(self, state: RunState) -> None:
-        self._series = (list(state.reward_steps), list(state.rewards), list(state.val_reward_steps),
-                        list(state.val_rewards))
-        self.replot()
-
-    def on_mount(self) -> None:
-        super().on_mount()
-        self.border_title = REWARD_LEGEND
-        self.replot()
-
-    def replot(self) -> None:
-        plt = self.plt
-        plt.clear_data()
-        plt.clear_figure()
-        steps, rewards, vsteps, vrewards = self._series
-        r = _decimate([(s, v) for s, v in zip(steps, rewards) if math.isfinite(v)], MAX_POINTS)
-        if r:
-            plt.plot([p[0] for p in r], [p[1] for p in r], marker="braille", color=TRAIN_RGB)
-        if vsteps:
-            plt.scatter(vsteps, vrewards, marker="●", color=VALID_RGB)
-        if not r and not vsteps:
-            plt.title("rewards: waiting for the first step")
-        else:
-            xs = [p[0] for p in r] + list(vsteps)
-            ticks = nice_ticks(min(xs), max(xs))
-            plt.xticks(ticks, [str(t) for t in ticks])
-        self.refresh()
+def _hex(rgb: tuple[int, int, int]) -> str:
+    return "#" + "".join(f"{c:02x}" for c in rgb)
 
 
 def nice_ticks(lo: int, hi: int, most: int = 7) -> list[int]:

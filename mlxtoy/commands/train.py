@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from mlxtoy.config import ALL_METHODS, TrainConfig, check_given, train_sections
 from mlxtoy.console import stderr_console
 from mlxtoy.errors import UserError
-from mlxtoy.events import Event, Metric, shows_of
+from mlxtoy.events import Event, shows_of
 from mlxtoy.textio import load_yaml
 from mlxtoy.train import distributed
 from mlxtoy.train.control import TrainControl
@@ -141,7 +141,8 @@ class ProgressView:
         self.task = None
         self.total = 0
         self.every = 1
-        self.step_metrics: list[Metric] = shows_of(None)[0]  # the objective's (its start event)
+        # the objective's declared values (its start event's), of step and eval events
+        self.step_metrics, self.eval_metrics = shows_of(None)
 
     def _start_bar(self, ev) -> None:
         self.total = ev.total_steps
@@ -168,7 +169,7 @@ class ProgressView:
         if kind == "start":
             self.print(f"training {ev.method}: {ev.trainable_params:,} trainable of "
                        f"{ev.total_params:,} parameters; {ev.run_dir}")
-            self.step_metrics = shows_of(ev.shows)[0]
+            self.step_metrics, self.eval_metrics = shows_of(ev.shows)
             self._start_bar(ev)
         elif kind == "step":
             shown = self.shown(ev)
@@ -178,16 +179,8 @@ class ProgressView:
             elif ev.step % self.every == 0 or ev.step == self.total:
                 self.print(f"step {ev.step}/{self.total} {shown} lr {ev.lr:.2e} "
                            f"{ev.tokens_per_sec:.0f} tok/s ETA {_fmt_time(ev.eta)}")
-        elif kind == "eval":
-            if "reward" in ev.extra:  # grpo: the mean reward of greedy completions
-                parts = ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in ev.extra.items()
-                                  if k.startswith("rewards/") and v is not None)
-                self.print(f"step {ev.step}: held-out greedy reward {ev.extra['reward']:.3f} over "
-                           f"{ev.val_tokens} prompts ({parts})")
-            elif ev.pref_accuracy is not None:
-                self.print(f"step {ev.step}: val loss {ev.val_loss:.4f}{_pref_text(ev.reward_margin, ev.pref_accuracy)}")
-            else:
-                self.print(f"step {ev.step}: val loss {ev.val_loss:.4f}, ppl {ev.val_ppl:.2f}")
+        elif kind == "eval":  # the objective's declared values, its headline first
+            self.print(f"step {ev.step}: " + ", ".join(f"{m.label} {m.text(ev)}" for m in self.eval_metrics))
         elif kind == "sample":
             self.print(f"step {ev.step} sample: {ev.prompt[:60]!r} -> {ev.text[:120]!r}")
         elif kind == "checkpoint":
@@ -204,13 +197,6 @@ class ProgressView:
         if self.progress:
             self.progress.stop()
             self.progress = None
-
-
-def _pref_text(margin: float | None, accuracy: float | None) -> str:
-    """", margin 0.123, acc 75%" for a preference objective's event ("" otherwise)."""
-    if margin is None or accuracy is None:
-        return ""
-    return f", margin {margin:.3f}, acc {accuracy:.0%}"
 
 
 def _fmt_time(s: float) -> str:

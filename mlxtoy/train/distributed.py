@@ -362,12 +362,16 @@ class GradientAllReduce:
     def shard(self, batch: Batch) -> Batch:
         return self.dist.shard(batch)
 
-    def reduce(self, loss: mx.array, grads: Any) -> tuple[mx.array, Any]:
-        """loss: the step's loss, or a vector of additive statistics (loss first)."""
+    def reduce(self, loss: mx.array, grads: Any, extremes: dict[int, str] | None = None) -> tuple[mx.array, Any]:
+        """loss: the step's loss, or a vector of statistics (loss first), each summed over the
+        ranks except `extremes`: {index: "min" | "max"}, the least or the largest rank's value."""
         self.n_steps += 1
         flat = tree_flatten(grads)
         n_out = loss.size
-        tail = mx.concatenate([loss.reshape(-1).astype(mx.float32), self.control.local_flags()])
+        stats = loss.reshape(-1).astype(mx.float32)
+        # each extreme travels in a slot per rank (zeros elsewhere): the sum gathers them all
+        slots = [mx.zeros((self.dist.size,), mx.float32).at[self.dist.rank].add(stats[i]) for i in extremes or {}]
+        tail = mx.concatenate([stats, *slots, self.control.local_flags()])
         buckets = _buckets([v for _, v in flat] + [tail])
         t0 = time.perf_counter()
         reduced = self.dist.all_sum([mx.concatenate([a.reshape(-1).astype(mx.float32) for a in bk])
@@ -381,8 +385,13 @@ class GradientAllReduce:
                 values.append(red[off: off + a.size].reshape(a.shape).astype(a.dtype))
                 off += a.size
         tail = values.pop()
-        self.control.agree(tail[n_out:].tolist())
-        return tail[:n_out].reshape(loss.shape), tree_unflatten([(k, v) for (k, _), v in zip(flat, values)])
+        n_slots = len(slots) * self.dist.size
+        self.control.agree(tail[n_out + n_slots:].tolist())
+        out = tail[:n_out]
+        for j, (i, how) in enumerate((extremes or {}).items()):
+            ranks = tail[n_out + j * self.dist.size: n_out + (j + 1) * self.dist.size]
+            out[i] = ranks.min() if how == "min" else ranks.max()
+        return out.reshape(loss.shape), tree_unflatten([(k, v) for (k, _), v in zip(flat, values)])
 
     def reduce_eval(self, total: float, count: int) -> tuple[float, int]:
         """The one-process mean's parts: sums of token losses and token counts over all ranks."""

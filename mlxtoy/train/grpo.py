@@ -53,6 +53,9 @@ STD_EPS = 1e-4  # added to the std before dividing (TRL's)
 # each micro-batch's over its sequences, averaged over the micro-batches, as TRL logs them)
 STATS = ("loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio", "entropy",
          "clip_ratio/low_min", "clip_ratio/high_max")
+# how the ranks of a data-parallel step combine those two: the least / the largest (TRL's
+# nanmin / nanmax over its processes), the others being shares of a mean, summed
+EXTREMES = {"clip_ratio/low_min": "min", "clip_ratio/high_max": "max"}
 SAMPLES_SHOWN = 4  # completions a step event carries
 
 

@@ -4,33 +4,21 @@ memory guard call these methods and never branch on the objective's name: adding
 is a class here (and its module) plus its tests.
 
 - sft: token-weighted cross-entropy (`token_losses`, with a hand-written fast gradient).
-- dpo (Rafailov et al. 2023, TRL's sigmoid loss with label smoothing eps): with per-sequence
-  summed completion log-probabilities pi_c, pi_r of the policy and ref_c, ref_r of the
-  reference, z = beta * ((pi_c - pi_r) - (ref_c - ref_r)),
-      loss = -(1 - eps) * log sigmoid(z) - eps * log sigmoid(-z)     (mean over pairs),
-  rewards beta * (pi - ref) (detached). The reference is the frozen starting point: with LoRA
-  the same model with its adapters switched off (`adapters_disabled`), otherwise log-probs
-  computed once before step 1 (`Batch.ref`).
-- orpo (Hong et al. 2024, TRL's convention): with mean per-token completion log-probs
-  a_c, a_r, log_odds = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)),
-      loss = NLL(chosen completion tokens, mean over tokens) - beta * mean log sigmoid(log_odds),
-  rewards beta * a (detached). No reference. (TRL's NLL also covers the prompt; here, as for
-  every objective, the prompt is never trained.)
+- dpo, orpo (mlxtoy.train.preference): the preference losses on pairs, against a reference
+  (DPO) or none (ORPO).
 - grpo (mlxtoy.train.grpo): completions sampled in the step, scored by reward functions
   (mlxtoy.train.rewards), a clipped-ratio policy-gradient loss on group-relative advantages.
 
 Every sum is divided by a count of the whole optimizer step (pairs, chosen tokens, sequences)
 computed on the host, so micro-batches and data-parallel shards add up to the one-batch
-result. `preference_loss` returns (loss, stats) where stats = [loss, reward_chosen,
-reward_rejected, pref_accuracy] in that additive form.
+result.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,20 +28,18 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.events import Metric
-from mlxtoy.models.lora import lora_modules
 from mlxtoy.rundir import REFERENCE_LOGPS, RunDir
 from mlxtoy.sampling import SamplingParams
 from mlxtoy.train import grpo
 from mlxtoy.train.checkpoint import load_reference, save_reference
-from mlxtoy.train.data import Batch, BatchStream, Dataset, tokenize
+from mlxtoy.train.data import PAD_MULTIPLE, Batch, BatchStream, Dataset, tokenize
 from mlxtoy.train.formats import ChatFormat, CompletionFormat, PairFormat, PromptFormat, StreamFormat, TextFormat
 from mlxtoy.train.logprobs import (completion_logps, cross_entropy, loss_logits_alive,  # noqa: F401
                                    output_cross_entropy, output_layer, token_losses)
 from mlxtoy.train.pairs import PairStream, tokenize_pairs
+from mlxtoy.train.preference import PreferenceSpec, adapters_disabled, pair_logps, preference_loss
 from mlxtoy.train.records import RawSplits, check_kinds
 from mlxtoy.train.rewards import RewardSet
-
-STATS = ("loss", "reward_chosen", "reward_rejected", "pref_accuracy")
 
 
 def sft_loss(model: nn.Module, inputs: mx.array, targets: mx.array, weights: mx.array,
@@ -62,92 +48,6 @@ def sft_loss(model: nn.Module, inputs: mx.array, targets: mx.array, weights: mx.
     ce = token_losses(model, inputs, targets, segments)
     return (ce.astype(mx.float32) * weights).sum() / norm
 
-
-@contextlib.contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The model without its LoRA adapters (the frozen base: DPO's reference), no copy made."""
-    mods = [m for _, m in lora_modules(model)]
-    for m in mods:
-        m.disabled = True
-    try:
-        yield
-    finally:
-        for m in mods:
-            m.disabled = False
-
-
-def sequence_logps(tok_logp: mx.array, weights: mx.array, seq: mx.array, n_seqs: int) -> tuple[mx.array, mx.array]:
-    """Per-sequence sums of the trained tokens' log-probs, and their token counts (n_seqs,)."""
-    onehot = (seq.reshape(-1, 1) == mx.arange(n_seqs)[None, :]).astype(mx.float32)
-    w = weights.reshape(-1)
-    return (tok_logp.reshape(-1) * w) @ onehot, w @ onehot
-
-
-def dpo_terms(pc: mx.array, pr: mx.array, rc: mx.array, rr: mx.array, beta: float,
-              label_smoothing: float = 0.0) -> tuple[mx.array, mx.array, mx.array]:
-    """Per-pair DPO sigmoid losses and the (detached) rewards of chosen and rejected."""
-    z = beta * ((pc - pr) - (rc - rr))
-    losses = -(1 - label_smoothing) * nn.log_sigmoid(z) - label_smoothing * nn.log_sigmoid(-z)
-    return losses, mx.stop_gradient(beta * (pc - rc)), mx.stop_gradient(beta * (pr - rr))
-
-
-def _log1m_exp(a: mx.array) -> mx.array:
-    # log(1 - e^a) for a < 0; a is kept below 0 so that a completion of probability 1 in
-    # float32 gives a large finite value instead of -inf (and a NaN gradient)
-    return mx.log(-mx.expm1(mx.minimum(a, -1e-7)))
-
-
-def orpo_terms(ac: mx.array, ar: mx.array, beta: float) -> tuple[mx.array, mx.array, mx.array]:
-    """Per-pair ORPO odds-ratio terms -beta * log sigmoid(log_odds) (mean per-token log-probs
-    in), and the rewards beta * a (detached)."""
-    log_odds = (ac - ar) - (_log1m_exp(ac) - _log1m_exp(ar))
-    return -beta * nn.log_sigmoid(log_odds), mx.stop_gradient(beta * ac), mx.stop_gradient(beta * ar)
-
-
-@dataclass(frozen=True)
-class PreferenceSpec:
-    objective: str  # dpo | orpo
-    beta: float
-    label_smoothing: float = 0.0
-    adapters_reference: bool = False  # dpo with LoRA: the reference is the model without adapters
-
-
-def preference_loss(model: nn.Module, spec: PreferenceSpec, inputs: mx.array, targets: mx.array,
-                    weights: mx.array, segments: mx.array | None, seq: mx.array, ref: mx.array,
-                    norms: mx.array, train: bool = True) -> tuple[mx.array, mx.array]:
-    """(loss, stats) of a batch of pairs (see the module docstring).
-
-    ref: (P, 2) reference log-probs (used unless spec.adapters_reference); its shape gives the
-    number of pairs P. norms: [pairs, chosen trained tokens] of the whole step.
-    """
-    P = ref.shape[0]
-    tok = -token_losses(model, inputs, targets, segments, train).astype(mx.float32)
-    lp, cnt = sequence_logps(tok, weights, seq, 2 * P)
-    lp, cnt = lp.reshape(P, 2), cnt.reshape(P, 2)
-    present = (cnt[:, 0] > 0).astype(mx.float32)  # a data-parallel shard holds some pairs only
-    if spec.objective == "dpo":
-        if spec.adapters_reference:
-            with adapters_disabled(model):
-                # the same values as the policy's (token_losses): at step 0 they agree to the bit
-                ref_tok = -token_losses(model, inputs, targets, segments, train=False)
-            ref = mx.stop_gradient(sequence_logps(ref_tok, weights, seq, 2 * P)[0].reshape(P, 2))
-        losses, rc, rr = dpo_terms(lp[:, 0], lp[:, 1], ref[:, 0], ref[:, 1], spec.beta, spec.label_smoothing)
-        loss = (losses * present).sum() / norms[0]
-    else:
-        avg = lp / mx.maximum(cnt, 1)
-        terms, rc, rr = orpo_terms(avg[:, 0], avg[:, 1], spec.beta)
-        nll = -(lp[:, 0] * present).sum() / norms[1]
-        loss = nll + (terms * present).sum() / norms[0]
-    stats = mx.stack([loss, (rc * present).sum() / norms[0], (rr * present).sum() / norms[0],
-                      ((rc > rr).astype(mx.float32) * present).sum() / norms[0]])
-    return loss, stats
-
-
-def pair_logps(model: nn.Module, inputs: mx.array, targets: mx.array, weights: mx.array,
-               segments: mx.array | None, seq: mx.array, n_pairs: int) -> mx.array:
-    """(P, 2) summed completion log-probs (chosen, rejected): full fine-tuning's reference."""
-    tok = -token_losses(model, inputs, targets, segments, train=False)  # the training values, bit for bit
-    return sequence_logps(tok, weights, seq, 2 * n_pairs)[0].reshape(n_pairs, 2)
 
 
 # ------------------------------------------------------------------ the objectives as components
@@ -200,10 +100,13 @@ class Objective:
     # what the displays show of its runs (the CLI's progress line, the TUI's Train and Runs
     # screens): the step events' values and the eval events', the first of each the headline
     step_shows: tuple[Metric, ...] = (Metric("loss", "loss"),)
-    eval_shows: tuple[Metric, ...] = (Metric("val_loss", "val"),)
+    eval_shows: tuple[Metric, ...] = (Metric("val_loss", "val"), Metric("val_ppl", "ppl", ".2f", chart=False))
     # the record kinds it trains on (mlxtoy.train.formats)
     kinds: tuple[str, ...] = (TextFormat.kind, CompletionFormat.kind, ChatFormat.kind, StreamFormat.kind)
     wanted: str | None = None  # how errors describe those kinds (None: the general formats)
+    # entries of the step's statistics (`value`) that data-parallel ranks combine by "min" or
+    # "max" instead of a sum, by index
+    extremes: dict[int, str] = {}
 
     def __init__(self, cfg: TrainConfig):
         """cfg: validated (TrainConfig.validate resolves beta); built once per run, by the job."""
@@ -215,8 +118,8 @@ class Objective:
     @classmethod
     def shows(cls) -> dict[str, list[list[str]]]:
         """The display declaration, as the start event carries it (events.shows_of reads it)."""
-        return {"step": [[m.key, m.label, m.fmt] for m in cls.step_shows],
-                "eval": [[m.key, m.label, m.fmt] for m in cls.eval_shows]}
+        return {"step": [[m.key, m.label, m.fmt, m.chart] for m in cls.step_shows],
+                "eval": [[m.key, m.label, m.fmt, m.chart] for m in cls.eval_shows]}
 
     # -- data
     def check_records(self, raw: RawSplits) -> None:
@@ -293,6 +196,16 @@ class Objective:
     def memory_rows(self, batch_size: int, seq_len: int) -> tuple[int, int]:
         """(rows, row length) of a step's micro-batch."""
         return batch_size, seq_len
+
+    def memory_loss_tokens(self, rows: int, width: int, fused: bool) -> int:
+        """Tokens of a micro-batch whose logits the loss computes (`fused`: the output layer
+        runs through the chunked loss, which can take a subset of the positions)."""
+        return rows * width
+
+    def memory_decode(self, batch_size: int, grad_accum: int) -> tuple[int, int, int] | None:
+        """(rows decoded together, prompt tokens, generated tokens) of the batched decoding a
+        step runs before its update (its own peak: the KV cache), or None."""
+        return None
 
     def memory_extra_logits(self, tokens: int, vocab: int) -> int:
         """Bytes of vocabulary-wide arrays beyond the policy's loss (unfused loss path)."""
@@ -452,6 +365,7 @@ class GRPO(Objective):
                   Metric("completions/mean_length", "len", ".1f"))
     eval_shows = (Metric("reward", "val reward", ".3f"),)
     max_refill_draws = 4  # --skip-zero-std-groups: prompt batches drawn per micro-batch at most
+    extremes = {grpo.STATS.index(key): how for key, how in grpo.EXTREMES.items()}
 
     def __init__(self, cfg: TrainConfig):
         super().__init__(cfg)
@@ -471,6 +385,7 @@ class GRPO(Objective):
         self.pending: dict[str, Any] = {}  # the rollout's metrics, for the step event
         self.num_tokens = 0  # prompt + completion tokens sampled so far in the run (TRL's num_tokens)
         self.warned_unscorable = False
+        self.longest_prompt = 0  # tokens, over the splits tokenized (the memory estimate's rows)
 
     def check_records(self, raw: RawSplits) -> None:
         super().check_records(raw)
@@ -483,7 +398,10 @@ class GRPO(Objective):
         self.rewards.score([grpo.Prompt(np.zeros(0, np.int32), answer, row, rec.where)], [str(answer)], [1])
 
     def tokenize(self, records, tokenizer, seq_len: int, mask_prompt: bool = True, name: str = "train"):
-        return grpo.tokenize_prompts(records, tokenizer, seq_len, mask_prompt, name=name)
+        prompts, stats = grpo.tokenize_prompts(records, tokenizer, seq_len, mask_prompt, name=name)
+        # the memory estimate's rows: training and the held-out evaluation decode these
+        self.longest_prompt = max([self.longest_prompt, *map(len, prompts)])
+        return prompts, stats
 
     def stream(self, examples: list, shuffle: bool, pad_id: int) -> BatchStream:
         c = self.cfg
@@ -635,9 +553,23 @@ class GRPO(Objective):
                                                grpo.eval_seed(c.seed)))
         return -fields["reward"], len(prompts), fields
 
-    # -- the memory estimate: batch_size x group_size rows of prompt + completion
+    # -- the memory estimate: batch_size x group_size rows of prompt + completion, as
+    # `grpo.completion_batch` lays them out; the loss reads the completions' logits only
     def memory_rows(self, batch_size: int, seq_len: int) -> tuple[int, int]:
-        return batch_size * self.cfg.group_size, seq_len + self.cfg.max_completion_tokens
+        width = self._longest_prompt(seq_len) + self.cfg.max_completion_tokens - 1
+        return batch_size * self.cfg.group_size, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+
+    def memory_loss_tokens(self, rows: int, width: int, fused: bool) -> int:
+        return rows * self.cfg.max_completion_tokens if fused else rows * width
+
+    def memory_decode(self, batch_size: int, grad_accum: int) -> tuple[int, int, int] | None:
+        # a step's micro-batches are one generation (`grpo.collect`)
+        c = self.cfg
+        return batch_size * c.group_size * grad_accum, self._longest_prompt(c.seq_len), c.max_completion_tokens
+
+    def _longest_prompt(self, seq_len: int) -> int:
+        # known once the prompts are tokenized; before that (the preflight) seq_len bounds it
+        return self.longest_prompt or seq_len
 
     def memory_extra(self, trainable_bytes: int) -> int:
         return trainable_bytes if self.cfg.beta and not self.cfg.adapters else 0

@@ -33,7 +33,7 @@ class Reducer(Protocol):
 
     def shard(self, batch: Batch) -> Batch: ...
 
-    def reduce(self, loss: mx.array, grads: Any) -> tuple[mx.array, Any]: ...
+    def reduce(self, loss: mx.array, grads: Any, extremes: dict[int, str] | None = None) -> tuple[mx.array, Any]: ...
 
     def reduce_eval(self, total: float, count: int) -> tuple[float, int]: ...
 
@@ -249,7 +249,7 @@ class Stepper:
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(total, grads)  # bound memory: one micro-batch graph at a time
         if self.reducer is not None:
-            total, grads = self.reducer.reduce(total, grads)
+            total, grads = self.reducer.reduce(total, grads, self.objective.extremes)
         return total, self.apply(grads, total)
 
     def evaluate(self, stream: BatchStream, n_batches: int) -> tuple[float, int, dict[str, float]]:
