@@ -485,7 +485,20 @@ def route_fingerprint() -> dict[str, str]:
     return {"cpu": cpu_model(), "cores": f"{cores} (BLAS threads {threads or 'default'})",
             "mlxtoy": version, "mlx": mx.__version__,
             "blas": f"{_BLAS_NAME} {_BLAS_CORE or ''} {_BLAS_PATH or ''}".strip(),
-            "kernels": kernels_stamp() or "none"}
+            "kernels": kernels_build()}
+
+
+def kernels_build() -> str:
+    """The kernels' build as a route depends on it: the MLX they were built for, and the
+    extension file's size and time (a rebuild of changed kernels measures its routes again)."""
+    stamp = kernels_stamp()
+    if stamp is None:
+        return "none"
+    built = glob.glob(os.path.join(_package_dir("mlxtoy_kernels") or "", "_ext*"))
+    if not built:
+        return stamp
+    info = os.stat(built[0])
+    return f"{stamp} ({info.st_size} bytes, {int(info.st_mtime)})"
 
 
 def compute_dtype() -> mx.Dtype:

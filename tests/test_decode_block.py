@@ -203,6 +203,7 @@ def test_decode_block_input_checks():
     assert np.isfinite(np.array(y)).all()
     bad = {
         "two tokens": dict(x=mx.zeros((1, 2, 32))),
+        "rows the cache has not": dict(x=mx.zeros((2, 1, 32))),
         "H not a multiple of KV": dict(weights=[good["weights"][0], mx.zeros((3, 8, 32))] + good["weights"][2:]),
         "o of the wrong width": dict(weights=good["weights"][:4] + [mx.zeros((32, 24))] + good["weights"][5:]),
         "cache of other heads": dict(keys=mx.zeros((1, 3, 16, 8)), values=mx.zeros((1, 3, 16, 8))),
@@ -220,6 +221,52 @@ def test_decode_block_input_checks():
     before = np.array(good["keys"])
     y, k, _ = K.decode_block(**(good | dict(offset=mx.array([16], dtype=mx.int32))))
     assert np.isnan(np.array(y)).all() and np.array_equal(np.array(k), before)
+
+
+@pytest.mark.parametrize("q4", [False, True], ids=["float32", "q4-packed"])
+def test_decode_block_rows_of_a_left_padded_batch_each_get_what_they_get_alone(q4):
+    """B rows in one call, row b's history in columns starts[b]..offset - 1 of the batch's cache
+    (left padding before it, filled with large values a wrong mask would let through): each row's
+    output and new k/v equal the row's own B = 1 call on its history alone (position offset -
+    starts[b]), to float32 summation order (several rows take the several-rows GEMV; a packed
+    matrix is unpacked for them). Positive control: the batch read from column 0 differs."""
+    D, H, KV, Dh, F, S = 64, 4, 2, 16, 96, 24
+    base = block_args(D=D, H=H, KV=KV, Dh=Dh, F=F, S=S, bias=True, seed=7, q4=q4)
+    r = np.random.default_rng(3)
+    starts, off = [0, 6, 3], 11
+    x = r.standard_normal((3, 1, D)).astype(np.float32)
+    keys = 50.0 * r.standard_normal((3, KV, S, Dh)).astype(np.float32)  # the padding: far off any real key
+    values = 50.0 * r.standard_normal((3, KV, S, Dh)).astype(np.float32)
+    for b, start in enumerate(starts):  # each row's history, at its own columns
+        keys[b, :, start:off] = r.standard_normal((KV, off - start, Dh))
+        values[b, :, start:off] = r.standard_normal((KV, off - start, Dh))
+    batch = base | dict(x=mx.array(x), keys=mx.array(keys), values=mx.array(values),
+                        offset=mx.array([off], dtype=mx.int32), starts=mx.array(starts, dtype=mx.int32))
+    y, k, v = K.decode_block(**batch)
+    mx.eval(y, k, v)
+    y, k, v = np.array(y), np.array(k), np.array(v)
+    for b, start in enumerate(starts):
+        alone_k = np.zeros((1, KV, S, Dh), np.float32)
+        alone_v = np.zeros((1, KV, S, Dh), np.float32)
+        alone_k[0, :, :off - start] = keys[b, :, start:off]
+        alone_v[0, :, :off - start] = values[b, :, start:off]
+        ya, ka, va = K.decode_block(**(base | dict(x=mx.array(x[b:b + 1]), keys=mx.array(alone_k),
+                                                   values=mx.array(alone_v),
+                                                   offset=mx.array([off - start], dtype=mx.int32))))
+        mx.eval(ya, ka, va)
+        np.testing.assert_allclose(y[b], np.array(ya)[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(k[b, :, off], np.array(ka)[0, :, off - start], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(v[b, :, off], np.array(va)[0, :, off - start], rtol=1e-5, atol=1e-5)
+    # control: every row reading from column 0 (its padding included) is not what it gets alone
+    y0, _, _ = K.decode_block(**(batch | dict(keys=mx.array(keys), values=mx.array(values),
+                                              starts=mx.zeros((3,), dtype=mx.int32))))
+    assert np.allclose(np.array(y0)[0], y[0], rtol=1e-5, atol=1e-5)  # row 0 has no padding
+    assert not np.allclose(np.array(y0)[1], y[1], rtol=1e-3, atol=1e-3)
+    # a start past the offset (a row with no column) gives NaNs; starts of another length are refused
+    bad, _, _ = K.decode_block(**(batch | dict(starts=mx.array([0, off + 1, 3], dtype=mx.int32))))
+    assert np.isnan(np.array(bad)).all()
+    with pytest.raises(ValueError, match="starts"):
+        K.decode_block(**(batch | dict(starts=mx.zeros((2,), dtype=mx.int32))))
 
 
 def ref_logsumexp(x: np.ndarray) -> np.ndarray:

@@ -133,6 +133,7 @@ def routed(tmp_path, monkeypatch):
         t = routes.RouteTable(str(tmp_path / "routes.json"), FINGERPRINT, fake_timer(seconds, calls), log=lambda line: None)
         before = fastmath.use_route_table(t)
         monkeypatch.setattr(fastmath, "ROUTED_MACS", 1)  # measure even these small shapes
+        monkeypatch.setattr(fastmath, "FEW_ROUTED_MACS", 1)
         monkeypatch.setattr(attention, "ROUTED_WORK", 1)
         return before
     yield use
@@ -320,7 +321,7 @@ def test_a_batch_of_decoded_rows_takes_the_measured_route_with_float64_values(ro
         pytest.skip("the kernels are off here")
     routed({"blas": 1.0, "gemv": 1.0} | {faster: 0.1})
     r = np.random.default_rng(7)
-    x = r.standard_normal((3, 4, 64))  # 12 rows: three fours
+    x = r.standard_normal((3, 4, 64))  # 12 rows
     w = r.standard_normal((40, 64)) / 8
     heads = r.standard_normal((3, 16, 64)) / 8  # a per-head projection
     xa, wa, ha = (mx.array(a.astype(np.float32)) for a in (x, w, heads))

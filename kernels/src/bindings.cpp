@@ -1,5 +1,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -147,9 +148,10 @@ NB_MODULE(_ext, m) {
         "angle position * scale * inv_freqs[i] on the pair (i, i + dims / 2), or (2i, 2i + 1) if traditional");
   m.def("decode_block", &mlxtoy::decode_block, "x"_a, "weights"_a, "biases"_a, "keys"_a, "values"_a, "offset"_a,
         "inv_freqs"_a, "rope_dims"_a, "traditional"_a, "eps"_a, "attn_scale"_a, "rope_scale"_a, nb::kw_only(),
-        "stream"_a = nb::none(),
-        "one pre-norm Llama block for one token -> (x, keys, values): x (1, 1, D); weights [attn_norm, q (H, Dh, D), "
-        "k (KV, Dh, D), v, o (D, H * Dh), ffn_norm, gate (F, D), up, down (D, F)]; biases [] or [q (H, Dh), k, v]; "
-        "keys/values (1, KV, S, Dh) get the token's k (RoPE'd) and v at slot offset (one int32) and the query "
-        "attends to slots 0..offset; RoPE as the rope kernel's; the caches are updated in place when donated");
+        "starts"_a = nb::none(), "stream"_a = nb::none(),
+        "one pre-norm Llama block for one token of each of B rows -> (x, keys, values): x (B, 1, D); weights "
+        "[attn_norm, q (H, Dh, D), k (KV, Dh, D), v, o (D, H * Dh), ffn_norm, gate (F, D), up, down (D, F)]; biases "
+        "[] or [q (H, Dh), k, v]; keys/values (B, KV, S, Dh) get the token's k (RoPE'd) and v at slot offset (one "
+        "int32) and row b's query attends to slots starts[b]..offset (starts (B,) int32, zeros when None), its "
+        "position offset - starts[b]; RoPE as the rope kernel's; the caches are updated in place when donated");
 }

@@ -1,6 +1,9 @@
-// One pre-norm Llama block for one decoded token, as one MLX primitive: RMSNorm, per-head q/k/v
-// (optional biases), RoPE, the new k/v written into the cache's slot `offset`, one-query GQA
-// attention over positions 0..offset, W_o and the residual, RMSNorm, SwiGLU and the residual.
+// One pre-norm Llama block for one decoded token of each of B rows, as one MLX primitive: RMSNorm,
+// per-head q/k/v (optional biases), RoPE, the new k/v written into the cache's slot `offset`,
+// one-query GQA attention over the row's columns starts[b]..offset (a left-padded batch: column c
+// is the row's position c - starts[b]), W_o and the residual, RMSNorm, SwiGLU and the residual.
+// A row's values are the bits it gets decoded alone (B = 1, start 0), except that a float32
+// matrix's products take the several-rows GEMV (loops.h), which sums in another order.
 //
 // Decoding is bound by memory bandwidth (every weight read once per token), but as ~20 graph
 // nodes per layer each node's dispatch and each step's fork-join on the kernels' threads come
@@ -12,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -38,8 +42,9 @@ bool DecodeBlock::is_equivalent(const mx::Primitive& other) const {
 
 namespace {
 // inputs: x, the nine weights (attn_norm, q, k, v, o, ffn_norm, gate, up, down), keys, values,
-// offset, inv_freqs, then the q/k/v biases if any
-enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kInvFreqs, kBiasQ };
+// offset, starts, inv_freqs, then the q/k/v biases if any
+enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kStarts, kInvFreqs,
+       kBiasQ };
 }  // namespace
 
 void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -73,7 +78,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   float* y = outputs[0].data<float>();
   float* kc = outputs[1].data<float>();
   float* vc = outputs[2].data<float>();
-  const int64_t D = inputs[kX].shape(-1), H = inputs[kQ].shape(0), Dh = inputs[kQ].shape(1);
+  const int64_t B = inputs[kX].shape(0), D = inputs[kX].shape(-1), H = inputs[kQ].shape(0), Dh = inputs[kQ].shape(1);
   const int64_t KV = inputs[kK].shape(0), F = inputs[kGate].shape(0), S = inputs[kKeys].shape(2);
   const int dims = rope_dims_;
   const bool traditional = traditional_, bias = qkv_bias_;
@@ -89,95 +94,122 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
                     form == 2 ? static_cast<const Q8Block*>(in[i]) : nullptr, K};
     };
     const float *x = f(kX), *inv_freqs = f(kInvFreqs);
+    const int32_t* starts = static_cast<const int32_t*>(in[kStarts]);
     const Matrix wq = matrix(kQ, D), wk = matrix(kK, D), wv = matrix(kV, D), wo = matrix(kO, H * Dh),
                  wg = matrix(kGate, D), wu = matrix(kUp, D), wd = matrix(kDown, F);
     const float *bq = bias ? f(kBiasQ) : nullptr, *bk = bias ? f(kBiasQ + 1) : nullptr,
                 *bv = bias ? f(kBiasQ + 2) : nullptr;
-    // the offset is read when the task runs (a traced input of the compiled decode step)
+    // the offset and starts are read when the task runs (traced inputs of the compiled decode step)
     const int64_t off = static_cast<const int32_t*>(in[kOffset])[0];
-    if (off < 0 || off >= S) {  // no slot to write: loud NaNs rather than a write out of bounds
-      std::fill(y, y + D, std::numeric_limits<float>::quiet_NaN());
+    bool bad = off < 0 || off >= S;
+    for (int64_t b = 0; b < B; ++b) bad = bad || starts[b] < 0 || starts[b] > off;
+    if (bad) {  // no slot to write, or a row with no column: loud NaNs rather than a write out of bounds
+      std::fill(y, y + B * D, std::numeric_limits<float>::quiet_NaN());
       return;
     }
-    // positions as mx.fast.rope forms them: (t + offset) in float32, times the scale (t = 0)
-    const float pos = (0.0f + static_cast<float>(off)) * rope_scale;
-    const int64_t group = H / KV, units = H + 2 * KV;
-    // the attention's units: each KV head's positions 0..off in parts (attend.h)
-    const int64_t len = off + 1, parts = attend_parts(len);
+    // row b's position, as mx.fast.rope forms it: (t + offset) in float32, times the scale (t = 0)
+    auto pos = [&](int64_t b) { return (0.0f + static_cast<float>(off - starts[b])) * rope_scale; };
+    auto len = [&](int64_t b) { return off + 1 - starts[b]; };  // the row's positions 0..its own offset
+    const int64_t group = H / KV, heads = H + 2 * KV;
+    // the attention's units: each row's KV heads' positions in parts (attend.h), laid out for the
+    // longest row; a row's parts past its own are empty units
+    const int64_t parts = attend_parts(off + 1);
     const AttendPartials at{group, parts, attend_partial_floats(Dh)};
-    std::vector<float> q(H * Dh), partials(at.floats(KV)), gate(F), up(F), act(F);
+    const int64_t row_partials = at.floats(KV), nxs = std::max(D, std::max(H * Dh, F)) / kQ4 + 1;
+    std::vector<float> q(B * H * Dh), partials(B * row_partials), gate(B * F), up(B * F), act(B * F), down(B * D);
     const int64_t chunk_d = gemv_chunk(D, pool().threads()), chunk_f = gemv_chunk(F, pool().threads());
     auto chunks = [](int64_t n, int64_t chunk) { return static_cast<int>((n + chunk - 1) / chunk); };
-    Phases phases({static_cast<int>(units), static_cast<int>(KV * parts), chunks(D, chunk_d), chunks(F, chunk_f),
-                   chunks(D, chunk_d)});
+    Phases phases({static_cast<int>(heads), static_cast<int>(B * KV * parts), chunks(D, chunk_d),
+                   chunks(F, chunk_f), chunks(D, chunk_d)});
 
     pool().run_crew([&] {
-      std::vector<float> xn(D), tmp(std::max(Dh, chunk_d)), scores(group * kAttendPart), att(H * Dh);
-      std::vector<float> xs(std::max(D, std::max(H * Dh, F)) / kQ4 + 1);  // block sums of a GEMV's input
+      // this thread's: every row's normed input and its block sums, its attention output, a
+      // head's q, k or v for every row, and a packed matrix's rows unpacked for several rows
+      std::vector<float> xn(B * D), xs(B * nxs), tmp(B * Dh), scores(group * kAttendPart), att(B * H * Dh);
+      std::vector<float> unpacked(packed && B > 1 ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
       auto add_bias = [&](float* row, const float* b) {
         if (b)
           for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
       };
-      auto norm_in = [&](const float* v, const float* w) {
-        rms_norm_row(v, w, xn.data(), D, eps);
-        if (packed) block_sums(xn.data(), D, xs.data());
+      auto sums_of = [&](const float* v, int64_t n) {  // each row's (n floats a row)
+        if (packed)
+          for (int64_t b = 0; b < B; ++b) block_sums(v + b * n, n, xs.data() + b * nxs);
       };
-      auto sums_of = [&](const float* v, int64_t n) {
-        if (packed) block_sums(v, n, xs.data());
+      auto norm_in = [&](const float* v, const float* w) {
+        for (int64_t b = 0; b < B; ++b) rms_norm_row(v + b * D, w, xn.data() + b * D, D, eps);
+        sums_of(xn.data(), D);
+      };
+      // rows r0..r1 of w against every row of v (n floats a row), into out's first r1 - r0
+      // columns (N floats a row): one row takes the GEMV (the bits of a step decoded alone);
+      // several rows the several-rows GEMV, a packed matrix's rows unpacked once for all of them
+      auto products = [&](const Matrix& w, const float* v, int64_t n, float* out, int64_t N, int64_t r0, int64_t r1) {
+        const Matrix rows = w.rows(r0);
+        if (B == 1) return rows.gemv(v, xs.data(), out, 0, r1 - r0);
+        const float* wf = rows.f32;
+        if (!wf) {
+          rows.unpack(r1 - r0, unpacked.data());
+          wf = unpacked.data();
+        }
+        gemv_span(v, wf, out, B, N, n, 0, r1 - r0);
       };
 
-      // q, k and v of the normed input, a head at a time; RoPE on q and k; k and v into slot `off`
+      // q, k and v of the normed input, a head at a time for every row; RoPE on q and k; k and v
+      // into slot `off`
       phases.run(0, [&] { norm_in(x, f(kAttnNorm)); }, [&](int64_t u) {
-        if (u < H) {
-          wq.rows(u * Dh).gemv(xn.data(), xs.data(), tmp.data(), 0, Dh);
-          add_bias(tmp.data(), bq ? bq + u * Dh : nullptr);
-          rope_row(tmp.data(), q.data() + u * Dh, Dh, dims, traditional, pos, inv_freqs);
-        } else if (u < H + KV) {
-          int64_t kv = u - H;
-          wk.rows(kv * Dh).gemv(xn.data(), xs.data(), tmp.data(), 0, Dh);
-          add_bias(tmp.data(), bk ? bk + kv * Dh : nullptr);
-          rope_row(tmp.data(), kc + (kv * S + off) * Dh, Dh, dims, traditional, pos, inv_freqs);
-        } else {
-          int64_t kv = u - H - KV;
-          float* slot = vc + (kv * S + off) * Dh;
-          wv.rows(kv * Dh).gemv(xn.data(), xs.data(), slot, 0, Dh);
-          add_bias(slot, bv ? bv + kv * Dh : nullptr);
+        const Matrix& w = u < H ? wq : u < H + KV ? wk : wv;
+        const int64_t head = u < H ? u : u < H + KV ? u - H : u - H - KV;
+        const float* bias_row = u < H ? bq : u < H + KV ? bk : bv;
+        products(w, xn.data(), D, tmp.data(), Dh, head * Dh, (head + 1) * Dh);
+        for (int64_t b = 0; b < B; ++b) {
+          float* row = tmp.data() + b * Dh;
+          add_bias(row, bias_row ? bias_row + head * Dh : nullptr);
+          if (u < H) rope_row(row, q.data() + (b * H + head) * Dh, Dh, dims, traditional, pos(b), inv_freqs);
+          else if (u < H + KV)
+            rope_row(row, kc + ((b * KV + head) * S + off) * Dh, Dh, dims, traditional, pos(b), inv_freqs);
+          else std::copy(row, row + Dh, vc + ((b * KV + head) * S + off) * Dh);
         }
       });
 
-      // each KV head's query heads against a part of its positions 0..off
+      // each row's KV heads' query heads against a part of the row's positions
       phases.run(1, [] {}, [&](int64_t u) {
-        const int64_t kv = u / parts, j0 = (u % parts) * kAttendPart;
-        attend_part(q.data() + kv * group * Dh, group, kc + kv * S * Dh, vc + kv * S * Dh, nullptr, j0,
-                    std::min(len, j0 + kAttendPart), Dh, Dh, attn_scale, scores.data(),
-                    partials.data() + at.part(kv, u % parts));
+        const int64_t b = u / (KV * parts), kv = (u / parts) % KV, p = u % parts, j0 = p * kAttendPart;
+        if (j0 >= len(b)) return;
+        const int64_t first = (b * KV + kv) * S + starts[b];  // the row's position 0
+        attend_part(q.data() + (b * H + kv * group) * Dh, group, kc + first * Dh, vc + first * Dh, nullptr, j0,
+                    std::min(len(b), j0 + kAttendPart), Dh, Dh, attn_scale, scores.data(),
+                    partials.data() + b * row_partials + at.part(kv, p));
       });
 
       // y = x + W_o att, att the parts combined (by each thread that takes a unit, the same bits)
       auto combine = [&] {
-        for (int64_t h = 0; h < H; ++h)
-          attend_combine(partials.data() + at.head(h), parts, at.stride(), Dh, att.data() + h * Dh);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < H; ++h)
+            attend_combine(partials.data() + b * row_partials + at.head(h), attend_parts(len(b)), at.stride(), Dh,
+                           att.data() + (b * H + h) * Dh);
         sums_of(att.data(), H * Dh);
       };
       phases.run(2, combine, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
-        wo.gemv(att.data(), xs.data(), y, r0, r1);
-        for (int64_t r = r0; r < r1; ++r) y[r] = x[r] + y[r];
+        products(wo, att.data(), H * Dh, y + r0, D, r0, r1);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t r = r0; r < r1; ++r) y[b * D + r] = x[b * D + r] + y[b * D + r];
       });
 
       // act = silu(W_gate yn) * (W_up yn), yn the normed y
       phases.run(3, [&] { norm_in(y, f(kFfnNorm)); }, [&](int64_t c) {
         int64_t r0 = c * chunk_f, r1 = std::min(F, r0 + chunk_f);
-        wg.gemv(xn.data(), xs.data(), gate.data(), r0, r1);
-        wu.gemv(xn.data(), xs.data(), up.data(), r0, r1);
-        swiglu_span(gate.data() + r0, up.data() + r0, act.data() + r0, r1 - r0);
+        products(wg, xn.data(), D, gate.data() + r0, F, r0, r1);
+        products(wu, xn.data(), D, up.data() + r0, F, r0, r1);
+        for (int64_t b = 0; b < B; ++b)
+          swiglu_span(gate.data() + b * F + r0, up.data() + b * F + r0, act.data() + b * F + r0, r1 - r0);
       });
 
       // y = y + W_down act
       phases.run(4, [&] { sums_of(act.data(), F); }, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
-        wd.rows(r0).gemv(act.data(), xs.data(), tmp.data(), 0, r1 - r0);
-        for (int64_t r = r0; r < r1; ++r) y[r] = y[r] + tmp[r - r0];
+        products(wd, act.data(), F, down.data() + r0, D, r0, r1);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t r = r0; r < r1; ++r) y[b * D + r] = y[b * D + r] + down[b * D + r];
       });
     });
   });
@@ -187,14 +219,14 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const std::vector<mx::array>& biases, const mx::array& keys,
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
-                                    mx::StreamOrDevice st) {
+                                    const std::optional<mx::array>& starts, mx::StreamOrDevice st) {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("[mlxtoy_kernels] decode_block: " + what);
   };
   if (weights.size() != 9) fail("weights [attn_norm, q, k, v, o, ffn_norm, gate, up, down]");
   if (!biases.empty() && biases.size() != 3) fail("biases [] or [q, k, v]");
-  if (x.ndim() != 3 || x.shape(0) != 1 || x.shape(1) != 1) fail("x (1, 1, D): one token of one sequence");
-  const int D = x.shape(2);
+  if (x.ndim() != 3 || x.shape(0) < 1 || x.shape(1) != 1) fail("x (B, 1, D): one token of each of B rows");
+  const int B = x.shape(0), D = x.shape(2);
   // a matrix's width: K float32, or a packed width (uint8: Q4 or Q8 blocks, told apart by it)
   int packed = 0;
   auto width = [&](int i, int K) {
@@ -219,10 +251,12 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
     fail("gate and up (F, D), down (D, F)");
   const int F = weights[6].shape(0);
   if (weights[8].shape() != mx::Shape{D, width(8, F)}) fail("gate and up (F, D), down (D, F)");
-  if (keys.ndim() != 4 || keys.shape(0) != 1 || keys.shape(1) != KV || keys.shape(3) != Dh ||
+  if (keys.ndim() != 4 || keys.shape(0) != B || keys.shape(1) != KV || keys.shape(3) != Dh ||
       values.shape() != keys.shape())
-    fail("keys and values (1, KV, S, Dh)");
+    fail("keys and values (B, KV, S, Dh)");
   if (offset.size() != 1 || offset.dtype() != mx::int32) fail("offset one int32");
+  const mx::array first = starts ? *starts : mx::zeros({B}, mx::int32, st);
+  if (first.shape() != mx::Shape{B} || first.dtype() != mx::int32) fail("starts (B,) int32");
   if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > Dh || inv_freqs.shape() != mx::Shape{rope_dims / 2})
     fail("rope_dims even and at most Dh, inv_freqs (rope_dims / 2,)");
   if (!biases.empty() && (biases[0].shape() != mx::Shape{H, Dh} || biases[1].shape() != mx::Shape{KV, Dh} ||
@@ -238,6 +272,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   for (auto& a : floats)
     if (a.dtype() != mx::float32) fail("float32 arrays only (a matrix may be Q4-packed uint8)");
   inputs.push_back(offset);
+  inputs.push_back(first);
   inputs.push_back(inv_freqs);
   inputs.insert(inputs.end(), biases.begin(), biases.end());
   auto stream = mx::to_stream(st);

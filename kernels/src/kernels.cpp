@@ -300,7 +300,17 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         const Matrix w{nullptr, bits == 4 ? static_cast<const Q4Block*>(in[1]) : nullptr,
                        bits == 8 ? static_cast<const Q8Block*>(in[1]) : nullptr, last};
         threads.run_dynamic(N, gemv_chunk(N, threads.threads()), [&](int64_t n0, int64_t n1) {
-          for (int64_t r = 0; r < rows; ++r) w.gemv(x + r * last, xs.data() + r * (last / kQ4), y + r * N, n0, n1);
+          if (rows == 1) return w.gemv(x, xs.data(), y, n0, n1);
+          // several rows (a batch of decoded tokens): a few of the matrix's rows at a time
+          // unpacked once (they stay in cache) for the several-rows GEMV, where unpacking them
+          // for every row would bound the product
+          constexpr int64_t kUnpacked = 64;
+          std::vector<float> unpacked(kUnpacked * last);
+          for (int64_t a = n0; a < n1; a += kUnpacked) {
+            int64_t b = std::min(n1, a + kUnpacked);
+            w.rows(a).unpack(b - a, unpacked.data());
+            gemv_span(x, unpacked.data(), y + a, rows, N, last, 0, b - a);
+          }
         });
         break;
       }

@@ -1,6 +1,8 @@
 // mlxtoy's CPU kernels as MLX primitives (see kernels.cpp).
 #pragma once
 
+#include <optional>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -118,6 +120,6 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const std::vector<mx::array>& biases, const mx::array& keys,
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
-                                    mx::StreamOrDevice st = {});
+                                    const std::optional<mx::array>& starts, mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

@@ -238,12 +238,76 @@ inline void gemv_span_avx512(const float* x, const float* w, float* y, int64_t M
       std::copy(out, out + rows, y + m * N + n);
     }
 }
+
+// the sum of 8 lanes
+__attribute__((target("avx2"))) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline bool cpu_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// R rows of W against MR rows of x with AVX2: each W vector loaded once for the MR rows and each
+// x vector once for the R rows, R * MR independent FMA chains (a batch of decoded tokens: one
+// row's loop is bound by the FMA latency, a few rows' by the loads unless they share them). The
+// k tail is a masked load.
+template <int R, int MR>
+__attribute__((target("avx2,fma"))) inline void gemv_block_avx2(const float* x, const float* w, float* y,
+                                                               int64_t N, int64_t K) {
+  __m256 acc[R][MR];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      __m256 wv = _mm256_loadu_ps(w + r * K + k);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  if (k < K) {
+    alignas(32) int32_t lanes[8];
+    for (int i = 0; i < 8; ++i) lanes[i] = k + i < K ? -1 : 0;
+    __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+    __m256 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_maskload_ps(x + m * K + k, tail);
+    for (int r = 0; r < R; ++r) {
+      __m256 wv = _mm256_maskload_ps(w + r * K + k, tail);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
+}
+
+// gemv_span for two or more rows of x with AVX2: four rows of W (one L1-resident block) against
+// every row of x, two at a time, so W is read from memory once whatever the rows
+template <int R>
+inline void gemv_rows_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) gemv_block_avx2<R, 3>(x + m * K, w, y + m * N, N, K);
+  if (M - m == 2) gemv_block_avx2<R, 2>(x + m * K, w, y + m * N, N, K);
+  else if (M - m == 1) gemv_block_avx2<R, 1>(x + m * K, w, y + m * N, N, K);
+}
+
+inline void gemv_span_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                           int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) gemv_rows_avx2<4>(x, w + n * K, y + n, M, N, K);
+  for (; n < n1; ++n) gemv_rows_avx2<1>(x, w + n * K, y + n, M, N, K);
+}
 #endif
 
 HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                    int64_t n0, int64_t n1) {
 #ifdef MLXTOY_AVX2
   if (cpu_avx512()) return gemv_span_avx512(x, w, y, M, N, K, n0, n1);
+  if (M >= 2 && cpu_avx2_fma()) return gemv_span_avx2(x, w, y, M, N, K, n0, n1);
 #endif
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;

@@ -98,13 +98,7 @@ inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
 }
 
 #ifdef MLXTOY_AVX2
-// the sum, min and max of 8 lanes
-__attribute__((target("avx2"))) inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
+// the min and max of 8 lanes (their sum: hsum8, loops.h)
 __attribute__((target("avx2"))) inline float hmin8(__m256 v) {
   __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_min_ps(s, _mm_movehl_ps(s, s));
@@ -362,6 +356,69 @@ inline int64_t packed_width(int64_t K, int bits) {
 }
 
 // A weight matrix (N, K) in float32, Q4- or Q8-packed; rows(n) is the matrix from row n on.
+// Q4/Q8-packed blocks back to the float32 weights they were packed from: fl(fl(d * q) + m) (Q4)
+// and fl(d * q) (Q8), one rounding each as the grid has them (Grid), so never a fused multiply-add
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+inline void unpack_q4_portable(const Q4Block* w, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, out += kQ4)
+    for (int j = 0; j < 16; ++j) {
+      out[j] = w[b].d * static_cast<float>(w[b].qs[j] & 15) + w[b].m;
+      out[j + 16] = w[b].d * static_cast<float>(w[b].qs[j] >> 4) + w[b].m;
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+inline void unpack_q8_portable(const Q8Block* w, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, out += kQ4)
+    for (int j = 0; j < kQ4; ++j) out[j] = w[b].d * static_cast<float>(w[b].qs[j]);
+}
+
+#ifdef MLXTOY_AVX2
+__attribute__((target("avx2"))) inline void unpack_q4_avx2(const Q4Block* w, int64_t blocks, float* out) {
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b, out += kQ4) {
+    const __m256 d = _mm256_set1_ps(w[b].d), m = _mm256_set1_ps(w[b].m);
+    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[b].qs));
+    __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int p = 0; p < 4; ++p) {
+      __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+      _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(d, qf), m));
+    }
+  }
+}
+
+__attribute__((target("avx2"))) inline void unpack_q8_avx2(const Q8Block* w, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, out += kQ4) {
+    const __m256 d = _mm256_set1_ps(w[b].d);
+    for (int p = 0; p < 4; ++p) {
+      __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[b].qs + 8 * p));
+      _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+    }
+  }
+}
+#endif
+
+inline void unpack_q4(const Q4Block* w, int64_t blocks, float* out) {
+#ifdef MLXTOY_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return unpack_q4_avx2(w, blocks, out);
+#endif
+  unpack_q4_portable(w, blocks, out);
+}
+
+inline void unpack_q8(const Q8Block* w, int64_t blocks, float* out) {
+#ifdef MLXTOY_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return unpack_q8_avx2(w, blocks, out);
+#endif
+  unpack_q8_portable(w, blocks, out);
+}
+
 struct Matrix {
   const float* f32;
   const Q4Block* q4;
@@ -371,6 +428,14 @@ struct Matrix {
   Matrix rows(int64_t n) const {
     int64_t nb = K / kQ4;
     return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K};
+  }
+  // its first `rows` rows as float32 (rows x K floats): the weights they were packed from, each
+  // fl(fl(d * q) + m) as the grid has them (Grid), so a product of them is that of the weights
+  void unpack(int64_t rows, float* out) const {
+    const int64_t blocks = rows * (K / kQ4);
+    if (q4) unpack_q4(q4, blocks, out);
+    else if (q8) unpack_q8(q8, blocks, out);
+    else std::copy(f32, f32 + rows * K, out);
   }
   // y[n] for n in [n0, n1) of x times this matrix's rows; xs: x's block sums (Q4 only)
   void gemv(const float* x, const float* xs, float* y, int64_t n0, int64_t n1) const {

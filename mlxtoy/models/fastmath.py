@@ -353,16 +353,8 @@ def gemm(a: mx.array, b: mx.array, trans_a: bool = False, trans_b: bool = False,
     return y.T if trans_out else y
 
 
-FEW_ROWS = 32  # up to this many rows (a batch of decoded tokens), the GEMV by fours is a route
-
-
-def _gemv_by_fours(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
-    """[x @ w.T for w in ws] as the threaded GEMV over four rows of x at a time (no gradient)."""
-    K = x.shape[-1]
-    rows = x.reshape(-1, K)
-    parts = [kernels_module().gemv_many(rows[i:i + _GEMV_ROWS], ws) for i in range(0, rows.shape[0], _GEMV_ROWS)]
-    return [mx.concatenate([p[j] for p in parts], axis=0).reshape(*x.shape[:-1], *w.shape[:-1])
-            for j, w in enumerate(ws)]
+FEW_ROWS = 32  # up to this many rows (a batch of decoded tokens), the threaded GEMV is a route
+FEW_ROUTED_MACS = 1 << 20  # a batch's products smaller than this take the BLAS unmeasured
 
 
 def _few_rows_candidates(M: int, N: int, K: int) -> dict[str, routes.Candidate]:
@@ -377,17 +369,18 @@ def _few_rows_candidates(M: int, N: int, K: int) -> dict[str, routes.Candidate]:
         return [y]
 
     def gemv():
-        y = _gemv_by_fours(x, [w])[0]
+        y = kernels_module().gemv_many(x, [w])[0]
         mx.eval(y)
         return [y]
 
     return {"blas": blas, "gemv": gemv}
 
 
-def _takes_gemv_by_fours(x: mx.array, *weights: mx.array) -> bool:
+def _takes_gemv_rows(x: mx.array, *weights: mx.array) -> bool:
     """Whether a few rows of x (a batch of decoded tokens, no gradient) take the threaded GEMV
-    by fours rather than the BLAS, whose products of a few rows can run on one thread: measured
-    per rows class and matrix (`route_table`), like the products of many rows."""
+    (every row against each block of a weight's rows while it is in cache) rather than the BLAS,
+    whose products of a few rows can run on one thread: measured per rows class and matrix
+    (`route_table`), like the products of many rows."""
     M = _rows(x)
     if not (_GEMV_ROWS < M <= FEW_ROWS and bare(x) and kernel_ok(*weights)):
         return False
@@ -395,7 +388,7 @@ def _takes_gemv_by_fours(x: mx.array, *weights: mx.array) -> bool:
     table = route_table()
     for w in weights:
         shape = (rows, *_flat(w))
-        if rows * w.size < ROUTED_MACS:  # small: the BLAS, as before these were measured
+        if rows * w.size < FEW_ROUTED_MACS:  # tiny: the BLAS, as before these were measured
             return False
         if table.chosen("few", shape) is None:
             with mx.stream(mx.cpu):
@@ -411,8 +404,8 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
     kernels' GEMM where it applies (with its gradient, or bare inside `inference()`)."""
     if _takes_gemv(x, weight):
         return _gemv(x, [weight])[0]
-    if _takes_gemv_by_fours(x, weight):
-        return _gemv_by_fours(x, [weight])[0]
+    if _takes_gemv_rows(x, weight):
+        return _gemv(x, [weight])[0]
     if _takes_gemm(x, weight, training=not bare(x)):
         return kernels_module().gemm_many(x, [weight])[0] if bare(x) else _kernel_linear(x, weight)
     return x @ weight.T
@@ -425,8 +418,8 @@ def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     split over the threads, and no reshapes around it."""
     if _takes_gemv(x, weights[0]) and kernel_ok(*weights):
         return list(_gemv(x, weights))
-    if _takes_gemv_by_fours(x, *weights):
-        return _gemv_by_fours(x, weights)
+    if _takes_gemv_rows(x, *weights):
+        return list(_gemv(x, weights))
     if _takes_gemm(x, *weights) and bare(x):
         return list(kernels_module().gemm_many(x, weights))
     out = []
@@ -551,24 +544,28 @@ def linear_packed(x: mx.array, packed: mx.array) -> mx.array:
 
 
 def decode_block_ok(x: mx.array, *arrays: mx.array) -> bool:
-    """`decode_block` applies: inside `inference()`, one token of one sequence, float32 arrays
-    on CPU with the kernels (MLXTOY_FUSED_DECODE=0 turns it off)."""
-    return FUSED_DECODE and x.ndim == 3 and x.shape[:2] == (1, 1) and bare(x, *arrays)
+    """`decode_block` applies: inside `inference()`, one token of each row, float32 arrays on
+    CPU with the kernels (MLXTOY_FUSED_DECODE=0 turns it off)."""
+    return FUSED_DECODE and x.ndim == 3 and x.shape[1] == 1 and bare(x, *arrays)
 
 
 def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], keys: mx.array,
-                 values: mx.array, offset: mx.array, inv_freqs: mx.array, rope_dims: int,
-                 traditional: bool, eps: float, attn_scale: float,
+                 values: mx.array, offset: mx.array, starts: mx.array | None, inv_freqs: mx.array,
+                 rope_dims: int, traditional: bool, eps: float, attn_scale: float,
                  rope_scale: float) -> tuple[mx.array, mx.array, mx.array]:
-    """A pre-norm Llama block's step for one token as one kernel call -> (x, keys, values):
-    weights [attn_norm, q, k, v (per head), o, ffn_norm, gate, up, down] (a matrix float32 or
-    `pack_lossless`ed), biases [] or [q, k, v]; the token's k (RoPE'd, as `rope`) and v go into
-    slot `offset` of the caches (B = 1, (1, KV, S, Dh)), written in place (the returned caches
-    share the given ones' buffers: the caller keeps no other use of them), and the query attends
-    to slots 0..offset. The same values as the block's kernels one by one."""
+    """A pre-norm Llama block's step for one token of each of B rows as one kernel call ->
+    (x, keys, values): weights [attn_norm, q, k, v (per head), o, ffn_norm, gate, up, down] (a
+    matrix float32 or `pack_lossless`ed), biases [] or [q, k, v]; the token's k (RoPE'd, as
+    `rope`) and v go into slot `offset` of the caches ((B, KV, S, Dh)), written in place (the
+    returned caches share the given ones' buffers: the caller keeps no other use of them), and
+    row b's query attends to slots starts[b]..offset (a left-padded batch; None: all from 0), at
+    its own position offset - starts[b]. The same values as the block's kernels one by one."""
     offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
+    if starts is not None and starts.size != x.shape[0]:  # one start for every row
+        starts = mx.broadcast_to(starts.reshape(-1), (x.shape[0],))
+    starts = None if starts is None else starts.astype(mx.int32)
     y, keys, values = kernels_module().decode_block(x, weights, biases, keys, values, offset, inv_freqs, rope_dims,
-                                      traditional, eps, attn_scale, rope_scale)
+                                      traditional, eps, attn_scale, rope_scale, starts=starts)
     return y, keys, values
 
 

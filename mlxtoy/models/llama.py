@@ -351,7 +351,7 @@ class Block(nn.Module):
         return kept_packs(self, self.fused_weights(), BLOCK_MATRICES)
 
     def decode_fused(self, x: mx.array, cache: SlotCache) -> mx.array | None:
-        """This block's step for one decoded token as one kernel call (`fastmath.decode_block`),
+        """This block's step for one decoded token of each row as one kernel call (`fastmath.decode_block`),
         with the cache's packed matrices where it has them; None where the block is not plain
         or the kernel does not apply."""
         weights = self.fused_weights()
@@ -363,7 +363,7 @@ class Block(nn.Module):
             return None
         weights = [cache.packed.get(str(i), w) for i, w in enumerate(weights)]
         x, cache.keys, cache.values = fastmath.decode_block(
-            x, weights, biases, cache.keys, cache.values, cache.offset, a.rope._inv_freqs, a.rope.dims,
+            x, weights, biases, cache.keys, cache.values, cache.offset, cache.starts, a.rope._inv_freqs, a.rope.dims,
             a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale)
         return x
 
