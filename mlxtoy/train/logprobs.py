@@ -11,8 +11,8 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxtoy.models.fastmath import (Linear, gemm, logits_by_columns, softmax_cross_entropy,
-                                    softmax_cross_entropy_columns)
+from mlxtoy.models.cross_entropy import logits_by_columns, softmax_cross_entropy, softmax_cross_entropy_columns
+from mlxtoy.models.fastmath import Linear, gemm
 from mlxtoy.models.llama import LlamaModel, block_causal_mask
 from mlxtoy.models.quant import QUANTIZED_TYPES, quantized_input_grad, quantized_linear
 
