@@ -39,10 +39,10 @@ class Measured(Exception):
     """Raised after the first step: what follows (evaluation, final weights) is not measured."""
 
 
-def measured_peak(cfg: TrainConfig) -> tuple[int, int]:
-    """(estimated, measured) peak bytes of cfg's first training step: the job prepares (and
-    estimates), the loop trains; MLX's peak is reset when the loop starts (model loaded,
-    optimizer initialised) and read after the step, less what was held before (earlier tests')."""
+def first_step_peak(cfg: TrainConfig):
+    """(the prepared job, the memory held before it, MLX's peak over cfg's first training step):
+    the job prepares (and estimates), the loop trains; MLX's peak is reset when the loop starts
+    (model loaded, optimizer initialised) and read after the step."""
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
@@ -59,13 +59,20 @@ def measured_peak(cfg: TrainConfig) -> tuple[int, int]:
                 raise Measured
 
     try:
-        train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, facts=p.facts,
+        train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, facts=p.facts, objective=p.objective,
               emit=fan_out(MetricsSink(p.run), on_event), handle_sigint=False)
     except Measured:
         pass
     finally:
         p.run.unlock()
-    return p.memory.estimate.peak, max(peaks) - before
+    return p, before, max(peaks)
+
+
+def measured_peak(cfg: TrainConfig) -> tuple[int, int]:
+    """(estimated, measured) peak bytes of cfg's first training step, less what was held before
+    it (earlier tests')."""
+    p, before, peak = first_step_peak(cfg)
+    return p.memory.estimate.peak, peak - before
 
 
 def quick(cfg: TrainConfig) -> TrainConfig:
@@ -109,31 +116,11 @@ def grpo_peaks(cfg: TrainConfig, monkeypatch) -> tuple[memory.MemoryEstimate, in
     """(the estimate, the measured peak of the decoding, of the rest of the step, the
     estimated peak with rows as wide as seq_len allows) of cfg's first GRPO step, measured as
     `measured_peak` measures."""
-    gc.collect()
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    p = prepare(cfg)
     phases = PhasePeaks(monkeypatch)
-    peaks = []
-
-    def on_event(ev):
-        if ev.event == "start":
-            mx.clear_cache()
-            mx.reset_peak_memory()
-        elif ev.event == "step":
-            peaks.append(mx.get_peak_memory())
-            raise Measured
-
-    try:
-        train(p.cfg, p.model, p.tokenizer, p.dataset, p.run, facts=p.facts, objective=p.objective,
-              emit=fan_out(MetricsSink(p.run), on_event), handle_sigint=False)
-    except Measured:
-        pass
-    finally:
-        p.run.unlock()
+    p, before, peak = first_step_peak(cfg)
     p.objective.longest_prompt = 0  # as before the prompts are tokenized: seq_len bounds them
     wide = memory.estimate(cfg, p.model, p.objective).peak
-    return p.memory.estimate, phases.generation[0] - before, peaks[0] - before, wide
+    return p.memory.estimate, phases.generation[0] - before, peak - before, wide
 
 
 @pytest.mark.real
