@@ -17,10 +17,12 @@ from mlx.utils import tree_flatten
 from helpers_train import REPO, run_cli, write_jsonl, write_tiny_model_folder, qa_rows
 from mlxtoy import backend
 from mlxtoy.config import TrainConfig
+from mlxtoy.errors import UserError
 from mlxtoy.events import MetricsSink, fan_out
 from mlxtoy.train import grpo, memory
 from mlxtoy.train.job import load_parts, prepare
 from mlxtoy.train.loop import train
+from mlxtoy.train.objectives import GRPO
 
 TOLERANCE = 0.25  # the acceptance bound: |estimate / measured - 1|
 
@@ -258,3 +260,36 @@ def test_strict_memory_is_an_error_through_the_cli(work, tmp_path):
                  env={memory.MEMORY_ENV: f"{figure:.6f}"})
     assert ok.returncode == 0, ok.stderr
     assert "warning: this run may not fit in memory" in " ".join(ok.stderr.split())
+
+
+def test_grpo_preflight_measures_prompts_before_refusing(work, tmp_path, monkeypatch):
+    """Before the prompts are tokenized, seq_len bounds GRPO's rows (here 512 against prompts of
+    a few tokens): the header's check, about to refuse a --strict-memory run on that bound,
+    measures the prompts and checks what the data holds. A budget between the two estimates
+    passes; one under the measured estimate is still refused before the weights load; with the
+    measurement left out (the code before it) the first budget is refused (positive control)."""
+    data = write_jsonl(str(tmp_path / "grpo.jsonl"), [{"prompt": f"{a}+1", "answer": str(a + 1)}
+                                                      for a in range(10, 30)])
+    cfg = TrainConfig(model=work["model"], data=data, out=str(tmp_path / "r"), method="lora", objective="grpo",
+                      reward="exact", lora_targets=["q", "v"], batch_size=2, group_size=4,
+                      max_completion_tokens=8, seq_len=512, strict_memory=True)
+    model, _, _, _, objective = load_parts(replace(cfg, strict_memory=False))
+    assert 0 < objective.longest_prompt < 32
+    narrow = memory.estimate(cfg, model, objective).peak
+    objective.longest_prompt = 0  # as the preflight starts: seq_len bounds the prompts
+    wide = memory.estimate(cfg, model, objective).peak
+    assert wide > 2 * narrow, (narrow, wide)
+    budget = (narrow + wide) // 2
+    monkeypatch.setattr(backend.INFO, "memory_budget", lambda: (budget, "physical memory"))
+    objective = load_parts(cfg)[4]  # the header's check passes on the measured prompts
+    assert memory.check_memory(cfg, model, objective).fits
+    monkeypatch.setattr(GRPO, "memory_measure", lambda self, raw, tokenizer: False)
+    with pytest.raises(UserError, match="this run does not fit in memory"):
+        load_parts(cfg)  # positive control: the seq_len bound alone refuses this budget
+    monkeypatch.undo()
+    monkeypatch.setattr(backend.INFO, "memory_budget", lambda: (narrow - 1, "physical memory"))
+    loaded = []
+    monkeypatch.setattr("mlxtoy.train.job.build_model", lambda *a, **kw: loaded.append(1))
+    with pytest.raises(UserError, match="this run does not fit in memory"):
+        load_parts(cfg)  # measured and still over: refused from the header, nothing loaded
+    assert not loaded

@@ -10,7 +10,7 @@ import signal
 import sys
 from collections import deque
 
-ADAPTER_METHODS = ("lora", "dora")  # runs served as an adapter on their base; others as the model
+from mlxtoy.config import ADAPTER_METHODS  # runs served as an adapter on their base; others as the model
 
 
 def serve_argv(run_dir: str, method: str) -> list[str]:

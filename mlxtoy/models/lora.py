@@ -102,7 +102,7 @@ class Adapter(nn.Module):
         super().__init__()
         self.base = base
         self.scale = alpha / rank
-        self.disabled = False  # True: the base alone (DPO's reference; objectives.adapters_disabled)
+        self.disabled = False  # True: the base alone (DPO's reference; preference.adapters_disabled)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -23,7 +23,7 @@ from mlxtoy.config import TrainConfig, check_given, resume_check
 from mlxtoy.dashboards import check_dashboards, close_all, open_dashboards
 from mlxtoy.errors import UserError
 from mlxtoy.events import DoneEvent, Event, LogEvent, MetricsSink, fan_out
-from mlxtoy.loading import quant_plan
+from mlxtoy.loading import load_tokenizer, quant_plan
 from mlxtoy.models.quant import QuantPlan
 from mlxtoy.rundir import ACCURACY, CheckpointState, RunDir, RunFacts
 from mlxtoy.taps import PROBE_TEXT, TapsProbe
@@ -88,7 +88,12 @@ def load_parts(cfg: TrainConfig, old: RunFacts | None = None) -> tuple[nn.Module
     raw = read_data(cfg.data, DataOptions.of(cfg))
     objective.check_records(raw)
     quant = quant_plan(cfg.model, cfg.qlora if cfg.adapters else "off", plan=QuantPlan.of(cfg))
-    preflight(cfg, quant, check_shapes, objective)
+
+    def measure() -> bool:  # the data's prompts, through the tokenizer build_model gives (the model's)
+        return objective.memory_measure(
+            raw, lambda: with_template_kwargs(load_tokenizer(cfg.model), cfg.chat_template_kwargs))
+
+    preflight(cfg, quant, check_shapes, objective, measure)
     model, tokenizer, facts = build_model(cfg, char_tokenizer=old.char_tokenizer if old else None, quant=quant)
     tokenizer = with_template_kwargs(tokenizer, cfg.chat_template_kwargs)  # every rendering of the run
     dataset = load_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.mask_prompt, cfg.valid_fraction,

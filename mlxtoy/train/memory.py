@@ -299,19 +299,29 @@ def decode_logits_bytes(rows: int, vocab: int) -> int:
 
 def preflight(cfg: TrainConfig, quant: QuantPlan | None,
               check_shapes: Callable[[TrainConfig, nn.Module], None] | None = None,
-              objective: Objective | None = None) -> None:
+              objective: Objective | None = None, measure: Callable[[], bool] | None = None) -> None:
     """The memory check from the model file's header, before anything is loaded: a run whose
     frozen weights alone exceed the machine's memory (certain not to fit), or that
     `check_memory` refuses, stops here with one error naming settings that fit, instead of
     being killed by the OS halfway through the load. `check_shapes` (the job's) runs first on
-    the planned model, so a shape the model cannot take is the error named."""
+    the planned model, so a shape the model cannot take is the error named.
+
+    Before the data is tokenized an objective's rows may be bounded loosely (GRPO's prompts by
+    seq_len): where the check would refuse, `measure` (the job's: `Objective.memory_measure`
+    on the data read) measures them, and the check runs again on what the data holds. Only a
+    refusal pays for that tokenization."""
     if cfg.method == "scratch":
         return
     model = planned_model(cfg.model, load_dtype(cfg), quant if cfg.adapters else None)
     make_trainable(model, cfg)
     if check_shapes is not None:
         check_shapes(cfg, model)
-    check = check_memory(cfg, model, objective)
+    try:
+        check = check_memory(cfg, model, objective)
+    except UserError:
+        if measure is None or not measure():
+            raise
+        check = check_memory(cfg, model, objective)
     if not check.fits and check.available and check.estimate.weights > check.available:
         raise UserError(check.warning().replace("this run may not fit", "this run does not fit")
                         + " (the model's weights alone exceed it)")

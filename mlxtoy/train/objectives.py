@@ -207,6 +207,11 @@ class Objective:
         step runs before its update (its own peak: the KV cache), or None."""
         return None
 
+    def memory_measure(self, raw: RawSplits, tokenizer: Callable[[], Any]) -> bool:
+        """Before the data is tokenized (the preflight): measure what `memory_rows` bounds by
+        seq_len until then; -> whether anything was (False: the rows are already exact)."""
+        return False
+
     def memory_extra_logits(self, tokens: int, vocab: int) -> int:
         """Bytes of vocabulary-wide arrays beyond the policy's loss (unfused loss path)."""
         return 0
@@ -567,8 +572,17 @@ class GRPO(Objective):
         c = self.cfg
         return batch_size * c.group_size * grad_accum, self._longest_prompt(c.seq_len), c.max_completion_tokens
 
+    def memory_measure(self, raw: RawSplits, tokenizer: Callable[[], Any]) -> bool:
+        # the splits load_dataset tokenizes (a valid split held out of train is in train)
+        if self.longest_prompt:
+            return False
+        tok = tokenizer()
+        for records, name in ((raw.train, raw.train_path), (raw.valid or [], "valid")):
+            self.tokenize(records, tok, self.cfg.seq_len, name=name)
+        return True
+
     def _longest_prompt(self, seq_len: int) -> int:
-        # known once the prompts are tokenized; before that (the preflight) seq_len bounds it
+        # known once the prompts are tokenized (or measured); before that seq_len bounds it
         return self.longest_prompt or seq_len
 
     def memory_extra(self, trainable_bytes: int) -> int:
