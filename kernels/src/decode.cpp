@@ -139,18 +139,13 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         for (int64_t b = 0; b < B; ++b) rms_norm_row(v + b * D, w, xn.data() + b * D, D, eps);
         sums_of(xn.data(), D);
       };
-      // rows r0..r1 of w against every row of v (n floats a row), into out's first r1 - r0
+      // rows r0..r1 of w against every row of v (w's width a row), into out's first r1 - r0
       // columns (N floats a row): one row takes the GEMV (the bits of a step decoded alone);
       // several rows the several-rows GEMV, a packed matrix's rows unpacked once for all of them
-      auto products = [&](const Matrix& w, const float* v, int64_t n, float* out, int64_t N, int64_t r0, int64_t r1) {
+      auto products = [&](const Matrix& w, const float* v, float* out, int64_t N, int64_t r0, int64_t r1) {
         const Matrix rows = w.rows(r0);
         if (B == 1) return rows.gemv(v, xs.data(), out, 0, r1 - r0);
-        const float* wf = rows.f32;
-        if (!wf) {
-          rows.unpack(r1 - r0, unpacked.data());
-          wf = unpacked.data();
-        }
-        gemv_span(v, wf, out, B, N, n, 0, r1 - r0);
+        rows.gemv_rows(v, B, out, N, r1 - r0, unpacked.data());
       };
 
       // q, k and v of the normed input, a head at a time for every row; RoPE on q and k; k and v
@@ -159,7 +154,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         const Matrix& w = u < H ? wq : u < H + KV ? wk : wv;
         const int64_t head = u < H ? u : u < H + KV ? u - H : u - H - KV;
         const float* bias_row = u < H ? bq : u < H + KV ? bk : bv;
-        products(w, xn.data(), D, tmp.data(), Dh, head * Dh, (head + 1) * Dh);
+        products(w, xn.data(), tmp.data(), Dh, head * Dh, (head + 1) * Dh);
         for (int64_t b = 0; b < B; ++b) {
           float* row = tmp.data() + b * Dh;
           add_bias(row, bias_row ? bias_row + head * Dh : nullptr);
@@ -190,7 +185,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       };
       phases.run(2, combine, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
-        products(wo, att.data(), H * Dh, y + r0, D, r0, r1);
+        products(wo, att.data(), y + r0, D, r0, r1);
         for (int64_t b = 0; b < B; ++b)
           for (int64_t r = r0; r < r1; ++r) y[b * D + r] = x[b * D + r] + y[b * D + r];
       });
@@ -198,8 +193,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       // act = silu(W_gate yn) * (W_up yn), yn the normed y
       phases.run(3, [&] { norm_in(y, f(kFfnNorm)); }, [&](int64_t c) {
         int64_t r0 = c * chunk_f, r1 = std::min(F, r0 + chunk_f);
-        products(wg, xn.data(), D, gate.data() + r0, F, r0, r1);
-        products(wu, xn.data(), D, up.data() + r0, F, r0, r1);
+        products(wg, xn.data(), gate.data() + r0, F, r0, r1);
+        products(wu, xn.data(), up.data() + r0, F, r0, r1);
         for (int64_t b = 0; b < B; ++b)
           swiglu_span(gate.data() + b * F + r0, up.data() + b * F + r0, act.data() + b * F + r0, r1 - r0);
       });
@@ -207,7 +202,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       // y = y + W_down act
       phases.run(4, [&] { sums_of(act.data(), F); }, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
-        products(wd, act.data(), F, down.data() + r0, D, r0, r1);
+        products(wd, act.data(), down.data() + r0, D, r0, r1);
         for (int64_t b = 0; b < B; ++b)
           for (int64_t r = r0; r < r1; ++r) y[b * D + r] = y[b * D + r] + down[b * D + r];
       });

@@ -306,11 +306,8 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
           // for every row would bound the product
           constexpr int64_t kUnpacked = 64;
           std::vector<float> unpacked(kUnpacked * last);
-          for (int64_t a = n0; a < n1; a += kUnpacked) {
-            int64_t b = std::min(n1, a + kUnpacked);
-            w.rows(a).unpack(b - a, unpacked.data());
-            gemv_span(x, unpacked.data(), y + a, rows, N, last, 0, b - a);
-          }
+          for (int64_t a = n0; a < n1; a += kUnpacked)
+            w.rows(a).gemv_rows(x, rows, y + a, N, std::min(n1, a + kUnpacked) - a, unpacked.data());
         });
         break;
       }

@@ -246,8 +246,14 @@ __attribute__((target("avx2"))) inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// whether the AVX2 forms run here (those built with target("avx2"), and with "fma" too)
+inline bool cpu_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2");
+  return ok;
+}
+
 inline bool cpu_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool ok = cpu_avx2() && __builtin_cpu_supports("fma");
   return ok;
 }
 
@@ -286,7 +292,7 @@ __attribute__((target("avx2,fma"))) inline void gemv_block_avx2(const float* x, 
 }
 
 // gemv_span for two or more rows of x with AVX2: four rows of W (one L1-resident block) against
-// every row of x, two at a time, so W is read from memory once whatever the rows
+// every row of x, three at a time, so W is read from memory once whatever the rows
 template <int R>
 inline void gemv_rows_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
   int64_t m = 0;

@@ -151,8 +151,7 @@ __attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, bool
 }
 
 inline bool grid_block(const float* x, bool four_bit, Grid& g) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2 ? grid_block_avx2(x, four_bit, g) : grid_block_portable(x, four_bit, g);
+  return cpu_avx2() ? grid_block_avx2(x, four_bit, g) : grid_block_portable(x, four_bit, g);
 }
 #else
 inline bool grid_block(const float* x, bool four_bit, Grid& g) { return grid_block_portable(x, four_bit, g); }
@@ -268,9 +267,8 @@ __attribute__((target("avx512f"))) inline void gemv_q4_span_avx512(const float* 
 
 inline void gemv_q4_span(const float* x, const float* xs, const Q4Block* w, float* y, int64_t K, int64_t n0,
                          int64_t n1) {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (cpu_avx512()) gemv_q4_span_avx512(x, xs, w, y, K, n0, n1);
-  else if (avx2) gemv_q4_span_avx2(x, xs, w, y, K, n0, n1);
+  else if (cpu_avx2_fma()) gemv_q4_span_avx2(x, xs, w, y, K, n0, n1);
   else gemv_q4_span_portable(x, xs, w, y, K, n0, n1);
 }
 #else
@@ -337,9 +335,8 @@ __attribute__((target("avx512f"))) inline void gemv_q8_span_avx512(const float* 
 }
 
 inline void gemv_q8_span(const float* x, const Q8Block* w, float* y, int64_t K, int64_t n0, int64_t n1) {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (cpu_avx512()) gemv_q8_span_avx512(x, w, y, K, n0, n1);
-  else if (avx2) gemv_q8_span_avx2(x, w, y, K, n0, n1);
+  else if (cpu_avx2_fma()) gemv_q8_span_avx2(x, w, y, K, n0, n1);
   else gemv_q8_span_portable(x, w, y, K, n0, n1);
 }
 #else
@@ -405,16 +402,14 @@ __attribute__((target("avx2"))) inline void unpack_q8_avx2(const Q8Block* w, int
 
 inline void unpack_q4(const Q4Block* w, int64_t blocks, float* out) {
 #ifdef MLXTOY_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return unpack_q4_avx2(w, blocks, out);
+  if (cpu_avx2()) return unpack_q4_avx2(w, blocks, out);
 #endif
   unpack_q4_portable(w, blocks, out);
 }
 
 inline void unpack_q8(const Q8Block* w, int64_t blocks, float* out) {
 #ifdef MLXTOY_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return unpack_q8_avx2(w, blocks, out);
+  if (cpu_avx2()) return unpack_q8_avx2(w, blocks, out);
 #endif
   unpack_q8_portable(w, blocks, out);
 }
@@ -436,6 +431,18 @@ struct Matrix {
     if (q4) unpack_q4(q4, blocks, out);
     else if (q8) unpack_q8(q8, blocks, out);
     else std::copy(f32, f32 + rows * K, out);
+  }
+  // y[m * N + n] for n in [0, count) of M rows of x (K floats a row) times this matrix's first
+  // `count` rows, by the several-rows GEMV (gemv_span); a packed matrix's rows are unpacked first
+  // into `scratch` (count x K floats), once for all the rows, where a GEMV of packed blocks would
+  // unpack them again for every row
+  void gemv_rows(const float* x, int64_t M, float* y, int64_t N, int64_t count, float* scratch) const {
+    const float* w = f32;
+    if (!w) {
+      unpack(count, scratch);
+      w = scratch;
+    }
+    gemv_span(x, w, y, M, N, K, 0, count);
   }
   // y[n] for n in [n0, n1) of x times this matrix's rows; xs: x's block sums (Q4 only)
   void gemv(const float* x, const float* xs, float* y, int64_t n0, int64_t n1) const {

@@ -421,9 +421,8 @@ template <int M, int B>
 void qgemv_rows(const float* xo, const float* xs, const uint32_t* w, const float* sc, const float* bi, float* y,
                 int64_t N, int64_t K, int64_t group, int64_t n0, int64_t n1) {
 #ifdef MLXTOY_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (cpu_avx512()) return qgemv_rows_avx512<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
-  if (avx2) return qgemv_rows_avx2<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
+  if (cpu_avx2_fma()) return qgemv_rows_avx2<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
 #endif
   qgemv_rows_portable<M, B>(xo, xs, w, sc, bi, y, N, K, group, n0, n1);
 }
