@@ -6,7 +6,7 @@ llama-cpp-python has it), the same model, prompts and greedy settings, in one ru
 
 For each server and each number of concurrent streams C: C clients at once, each streaming a
 completion of its own prompt (`/v1/completions`, temperature 0, `max_tokens` --tokens), through
-the OpenAI HTTP API. Reported: aggregate tokens/s (every stream's tokens / the wall time from the
+the OpenAI HTTP API. The peers come with `pip install -e ".[bench]"`. Reported: aggregate tokens/s (every stream's tokens / the wall time from the
 first request to the last token) and the median time to first token. Tokens are counted from
 the streamed chunks (a chunk a token for both servers; EOS may end a stream early, which counts
 what was produced).

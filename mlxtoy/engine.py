@@ -2,10 +2,13 @@
 leaving between decode steps (continuous batching). Serving (`mlxtoy.serve`), GRPO's rollouts
 and the greedy evaluations (`generate_batch`) all decode through it.
 
-- A request is prefilled alone (B = 1: a prompt's tokens never wait on another's), from the
-  prompt cache's longest prefix of it when there is one (`PromptCache`), then joins the batch
-  cache left-padded (`mlxtoy.models.cache.join_rows`). `copies` > 1 prefills the prompt once
-  and joins its cache that many times (GRPO's group, OpenAI's `n`).
+- Requests that arrive together (`add_many`: the server's arrivals between two steps, GRPO's
+  prompts, an evaluation's answers) are prefilled together, left-padded, in groups of at most
+  `prefill_step` padded tokens: one product of many rows instead of one of a few rows per
+  prompt. A request the prompt cache holds a prefix of (`PromptCache`), or whose prompt is
+  longer than a group, is prefilled alone from that prefix. Either way its rows then join the
+  batch cache left-padded (`mlxtoy.models.cache.join_rows`). `copies` > 1 prefills the prompt
+  once and joins its cache that many times (GRPO's group, OpenAI's `n`).
 - Each row has its own positions: column c of row b is position c - starts[b], which is
   what a learned position table reads (GPT-2, the tiny model); RoPE sees relative positions
   only. So a row samples what it would sample alone.
@@ -33,7 +36,7 @@ from mlxtoy import backend
 from mlxtoy.generate import PREFILL_STEP, decoder_for, forget_decoder, has_dropout, no_dropout
 from mlxtoy.models import fastmath
 from mlxtoy.models.adapters import adapter_rows_set, adapter_slots
-from mlxtoy.models.cache import KVCache, join_rows, keep_rows, make_cache
+from mlxtoy.models.cache import KVCache, join_rows, keep_rows, make_cache, row_cache
 from mlxtoy.prompt_cache import PromptCache
 from mlxtoy.sampling import SamplingParams, make_sampler
 
@@ -114,6 +117,7 @@ class BatchDecoder:
         self.slots = adapter_slots(model)
         cfg = getattr(model, "config", None)
         self.context = getattr(cfg, "context_length", None)
+        self.logits: mx.array | None = None  # the last forward's (B, V), while its rows are the rows
         self.prompt_tokens = 0  # tokens prefilled (prompt cache hits excluded)
         self.cached_tokens = 0  # prompt tokens served from the prompt cache
 
@@ -121,35 +125,77 @@ class BatchDecoder:
         """Prefill `request.prompt` once and add `copies` rows reading it; copy j draws from
         seed + j (a fresh random seed when the request has none). The prompt must leave at
         least one position of the context (see `generate.check_prompt`)."""
-        prompt = [int(t) for t in request.prompt]
-        if not prompt:
+        return self.add_many([(request, copies)])[0]
+
+    def budget(self, request: Request) -> int:
+        """The tokens `request` may generate: max_tokens clipped to the context; ValueError for
+        an empty prompt or one that leaves no room."""
+        if len(request.prompt) == 0:
             raise ValueError("empty prompt")
         budget = request.max_tokens
         if self.context:
-            budget = min(budget, self.context - len(prompt))
+            budget = min(budget, self.context - len(request.prompt))
         if budget <= 0:
-            raise ValueError(f"the prompt ({len(prompt)} tokens) leaves no room in the context ({self.context})")
-        cache, logits, hit = self.prefill(prompt, request.adapter)
-        join_rows(self.cache, cache, copies)
-        seed = request.sampling.seed
-        if seed is None:
-            seed = int.from_bytes(os.urandom(4), "little")
-        rows = [Row(request, seed + j, budget, logits) for j in range(copies)]
-        for r in rows:
-            r.cached_tokens = hit
-        self.rows += rows
-        return rows
+            raise ValueError(f"the prompt ({len(request.prompt)} tokens) leaves no room in the context ({self.context})")
+        return budget
 
-    def prefill(self, prompt: list[int], adapter: int) -> tuple[list[KVCache], mx.array, int]:
+    def add_many(self, items: Sequence[tuple[Request, int]]) -> list[list[Row]]:
+        """`add` of each (request, copies), their prompts prefilled together where they can
+        be (see the module docstring); -> each item's rows. Every request is checked
+        (`budget`) before anything is prefilled."""
+        budgets = [self.budget(r) for r, _ in items]
+        prompts = [[int(t) for t in r.prompt] for r, _ in items]
+        out: list[list[Row]] = [[] for _ in items]
+        together: list[int] = []  # items prefilled as one left-padded batch, in order
+
+        def flush() -> None:
+            if together:
+                cache, logits = self.prefill_together([prompts[i] for i in together],
+                                                      [items[i][0].adapter for i in together])
+                self.join(cache, logits, [(i, 0) for i in together], items, budgets, out)
+                together.clear()
+
+        for i, ((request, copies), prompt) in enumerate(zip(items, prompts)):
+            hit_cache, hit = (self.prompt_cache.fetch(prompt, request.adapter)
+                              if self.prompt_cache is not None else (None, 0))
+            if hit or len(prompt) > self.prefill_step:
+                cache, logits, hit = self.prefill(prompt, request.adapter, (hit_cache, hit))
+                self.join(cache, logits, [(i, hit)], items, budgets, out)
+                continue
+            width = max([len(prompt)] + [len(prompts[j]) for j in together])
+            if (len(together) + 1) * width > self.prefill_step:
+                flush()
+            together.append(i)
+        flush()
+        return out
+
+    def join(self, cache: list[KVCache], logits: mx.array, which: list[tuple[int, int]],
+             items: Sequence[tuple[Request, int]], budgets: list[int], out: list[list[Row]]) -> None:
+        """Row b of the prefilled `cache` (and of `logits`) is item which[b][0], of which
+        which[b][1] prompt tokens came from the prompt cache: its copies join the batch."""
+        join_rows(self.cache, cache, [items[i][1] for i, _ in which])
+        self.logits = None
+        for b, (i, hit) in enumerate(which):
+            request, copies = items[i]
+            seed = request.sampling.seed
+            if seed is None:
+                seed = int.from_bytes(os.urandom(4), "little")
+            rows = [Row(request, seed + j, budgets[i], logits[b:b + 1]) for j in range(copies)]
+            for r in rows:
+                r.cached_tokens = hit
+            out[i] = rows
+            self.rows += rows
+
+    def prefill(self, prompt: list[int], adapter: int,
+                hit: tuple[list[KVCache] | None, int] = (None, 0)) -> tuple[list[KVCache], mx.array, int]:
         """-> (a B = 1 cache holding `prompt`, the logits (1, V) after its last token, how many
-        of its tokens came from the prompt cache: its longest prefix there; the rest is read)."""
-        cache, hit = None, 0
-        if self.prompt_cache is not None:
-            cache, hit = self.prompt_cache.fetch(prompt, adapter)
+        of its tokens came from the prompt cache: `hit`, its prefix found there, or nothing;
+        the rest is read)."""
+        cache, n_hit = hit
         cache = cache if cache is not None else make_cache(self.model)
-        self.cached_tokens += hit
-        self.prompt_tokens += len(prompt) - hit
-        todo = mx.array(prompt[hit:], dtype=mx.uint32)[None]
+        self.cached_tokens += n_hit
+        self.prompt_tokens += len(prompt) - n_hit
+        todo = mx.array(prompt[n_hit:], dtype=mx.uint32)[None]
         with no_dropout(self.model, self.dropout), fastmath.inference(), \
                 adapter_rows_set(self.model, mx.array([adapter], dtype=mx.int32) if self.slots else None):
             while todo.shape[1] > self.prefill_step:
@@ -160,7 +206,30 @@ class BatchDecoder:
         mx.eval(logits, [c.state for c in cache])
         if self.prompt_cache is not None:
             self.prompt_cache.store(prompt, adapter, cache)
-        return cache, logits, hit
+        return cache, logits, n_hit
+
+    def prefill_together(self, prompts: list[list[int]], adapters: list[int]) -> tuple[list[KVCache], mx.array]:
+        """-> (a cache of len(prompts) rows, each prompt left-padded to the longest, `starts`
+        set; the logits (rows, V) after each prompt's last token). A padding column reads
+        token 0 and attends to itself only, so every value stays finite; real columns never
+        see it."""
+        width = max(len(p) for p in prompts)
+        pads = [width - len(p) for p in prompts]
+        tokens = mx.array([[0] * n + p for n, p in zip(pads, prompts)], dtype=mx.uint32)
+        starts = mx.array(pads, dtype=mx.int32)
+        cache = make_cache(self.model)
+        for c in cache:
+            c.starts = starts
+        mask = padded_causal_mask(starts, width)
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        with no_dropout(self.model, self.dropout), fastmath.inference(), \
+                adapter_rows_set(self.model, mx.array(adapters, dtype=mx.int32) if self.slots else None):
+            logits = self.model.logits(self.hidden(tokens, mask, cache)[:, -1, :])
+        mx.eval(logits, [c.state for c in cache])
+        if self.prompt_cache is not None:
+            for b, (p, a) in enumerate(zip(prompts, adapters)):
+                self.prompt_cache.store(p, a, row_cache(cache, b))
+        return cache, logits
 
     def hidden(self, tokens: mx.array, mask, cache: list) -> mx.array:
         return self.model.hidden(tokens, mask=mask, cache=cache)
@@ -176,7 +245,7 @@ class BatchDecoder:
             self.remove(live)
         if not self.rows:
             return []
-        drawn = [r.draw() for r in self.rows]
+        drawn = self.draw()
         tops = []
         for r in self.rows:
             k = r.request.top_logprobs
@@ -207,10 +276,24 @@ class BatchDecoder:
             self.forward(tokens.astype(mx.int32)[:, None])
         return out
 
+    def draw(self) -> list[tuple[mx.array, mx.array]]:
+        """Every row's (token (1,), logprob ()), lazily: the plain greedy rows (no constraint,
+        penalty or top logprobs) by one argmax over the batch's logits, the others each by its
+        own sampler."""
+        plain = [r.request.sampling.greedy and not r.window and r.request.constraint is None
+                 and not r.request.top_logprobs for r in self.rows]
+        if sum(plain) < 2:
+            return [r.draw() for r in self.rows]
+        logits = self.logits if self.logits is not None else mx.concatenate([r.logits for r in self.rows])
+        tokens = mx.argmax(logits, axis=-1)
+        logprobs = mx.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - fastmath.logsumexp(logits)
+        return [(tokens[i:i + 1], logprobs[i]) if p else r.draw() for i, (r, p) in enumerate(zip(self.rows, plain))]
+
     def remove(self, keep: list[int]) -> None:
         """Keep only the rows at these indices."""
         keep_rows(self.cache, keep)
         self.rows = [self.rows[i] for i in keep]
+        self.logits = None
 
     def release(self) -> None:
         """Free every array this decoder made (rows, the prompt cache, the compiled decode) and
@@ -238,8 +321,18 @@ class BatchDecoder:
                 mask = (cols[None, :] >= starts[:, None])[:, None, None, :]
                 with fastmath.inference(), adapter_rows_set(self.model, adapters):
                     logits = self.model.logits(self.hidden(tokens, mask, self.cache)[:, -1, :])
+        self.logits = logits  # (B, V): row i's pending logits, until rows join or leave
         for i, r in enumerate(self.rows):
             r.logits = logits[i:i + 1]
+
+
+def padded_causal_mask(starts: mx.array, width: int) -> mx.array:
+    """(rows, 1, width, width) bool: causal, and row b's real columns (from starts[b]) see no
+    padding; a padding column sees itself only (attending to nothing would make NaNs, which
+    the padding's keys and values would then carry into every later layer)."""
+    cols = mx.arange(width)
+    query, key = cols[None, :, None], cols[None, None, :]
+    return ((key <= query) & (key >= mx.minimum(starts[:, None, None], query)))[:, None]
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], *, repeats: int = 1,
@@ -254,18 +347,13 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, repeats: int = 1,
     sampling = (sampling or SamplingParams()).validate()
     eos = frozenset(int(t) for t in eos_ids)
     engine = BatchDecoder(model)
-    out: dict[int, list[int]] = {}
-    order = []
-    for i, p in enumerate(prompts):
-        budget = min(max_tokens, engine.context - len(p)) if engine.context else max_tokens
-        if budget <= 0:
-            order += [None] * repeats
-            continue
-        rows = engine.add(Request(p, max_tokens, replace(sampling, seed=seed * 2**20 + i * repeats), eos,
-                                  adapter), copies=repeats)
-        order += [id(r) for r in rows]
-        out.update({id(r): [] for r in rows})
+    items = [(Request(p, max_tokens, replace(sampling, seed=seed * 2**20 + i * repeats), eos, adapter), repeats)
+             for i, p in enumerate(prompts)]
+    fits = [max_tokens > 0 and (not engine.context or len(p) < engine.context) for p in prompts]
+    added = iter(engine.add_many([item for item, ok in zip(items, fits) if ok]))
+    per_prompt = [next(added) if ok else [None] * repeats for ok in fits]
+    out: dict[int, list[int]] = {id(r): [] for rows in per_prompt for r in rows if r is not None}
     while engine.rows:
         for row, tok in engine.step():
             out[id(row)].append(tok.token)
-    return [out[k] if k is not None else [] for k in order]
+    return [out[id(r)] if r is not None else [] for rows in per_prompt for r in rows]

@@ -103,11 +103,7 @@ class EngineThread:
                     room -= job.n
                     start.append(job)
             try:
-                for job in start:
-                    try:
-                        self.start(job)
-                    except ValueError as e:  # checked before submitting; a last guard
-                        job.send((None, str(e)))
+                self.start(start)
                 if self.decoder.rows:
                     self.step()
             except Exception:  # an internal error: fail what is in flight, keep serving
@@ -119,21 +115,31 @@ class EngineThread:
                 self.owner.clear()
                 self.decoder.remove([])
 
-    def start(self, job: Job) -> None:
-        if len(job.cancelled) == job.n:
-            return
-        if job.make_constraint is None:
-            rows = self.decoder.add(job.request, copies=job.n)
-        else:  # each choice matches on its own
+    def start(self, jobs: list[Job]) -> None:
+        """Every choice of these jobs joins the batch, their prompts prefilled together."""
+        items, owners = [], []  # (request, copies) for the decoder; (job, first choice) of each
+        for job in jobs:
+            if len(job.cancelled) == job.n:
+                continue
+            try:
+                self.decoder.budget(job.request)
+            except ValueError as e:  # checked before submitting; a last guard
+                job.send((None, str(e)))
+                continue
+            if job.make_constraint is None:
+                items.append((job.request, job.n))
+                owners.append((job, 0))
+                continue
             seed = job.request.sampling.seed
-            rows = [self.decoder.add(replace(job.request, constraint=job.make_constraint(),
-                                             sampling=replace(job.request.sampling,
-                                                              seed=None if seed is None else seed + j)))[0]
-                    for j in range(job.n)]
-        job.rows = rows
-        for i, row in enumerate(rows):
-            self.owner[id(row)] = (job, i)
-            row.cancelled = i in job.cancelled
+            for j in range(job.n):  # each choice matches on its own
+                items.append((replace(job.request, constraint=job.make_constraint(),
+                                      sampling=replace(job.request.sampling, seed=None if seed is None else seed + j)), 1))
+                owners.append((job, j))
+        for (job, first), rows in zip(owners, self.decoder.add_many(items)):
+            job.rows += rows
+            for i, row in enumerate(rows, start=first):
+                self.owner[id(row)] = (job, i)
+                row.cancelled = i in job.cancelled
 
     def step(self) -> None:
         self.cancelled_rows += sum(r.cancelled for r in self.decoder.rows)

@@ -129,16 +129,41 @@ def test_fused_decode_deep_in_the_cache():
         np.testing.assert_array_equal(got, ref)
 
 
-def test_blocks_that_are_not_plain_decode_unfused_and_still_right():
+ADAPTERS = {"lora": dict(), "dora": dict(dora=True), "per-head-q": dict(per_head_q=True)}
+
+
+@pytest.mark.parametrize("kind", list(ADAPTERS))
+def test_blocks_with_adapters_decode_fused_from_their_merged_weights(kind):
+    """A block whose projections carry LoRA/DoRA adapters (a policy sampling its GRPO rollouts)
+    takes the fused step with the merged weights: the uncached forward through the adapters'
+    own modules gives the same logits. Controls: the adapters change the logits; an adapter
+    with dropout in training mode, or switched off, is not merged."""
     model = tiny(VARIANTS["gqa"])
-    apply_lora(model, ["q", "v"], 4, 8.0)
+    base_logits = uncached_logits(model, decode_steps(model, 4, fused=True)[0])
+    apply_lora(model, ["q", "v", "down"], 4, 8.0, **ADAPTERS[kind])
     for layer in model.layers:  # adapters that change the output
-        layer.attn.q.lora_b = 0.1 * mx.random.normal(layer.attn.q.lora_b.shape)
+        for m in (layer.attn.q, layer.attn.v, layer.ffn.down):
+            m.lora_b = 0.1 * mx.random.normal(m.lora_b.shape)
     mx.eval(model.parameters())
     steps, graphs, _ = decode_steps(model, 4, fused=True)
-    assert "MlxtoyDecodeBlock" not in graphs[-1]
-    for got, ref in zip(steps, uncached_logits(model, steps)):
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
+    ref = uncached_logits(model, steps)
+    for got, want in zip(steps, ref):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert max(np.abs(a - b).max() for a, b in zip(ref, base_logits)) > 1e-2
+    assert all(sorted(layer.decode_packs()) == ["1", "3", "8"] for layer in model.layers)  # q, v, down merged
+
+    model.layers[0].attn.q.disabled = True
+    assert "1" not in model.layers[0].decode_packs()
+    model.layers[0].attn.q.disabled = False
+    dropped = tiny(VARIANTS["gqa"])
+    apply_lora(dropped, ["q"], 4, 8.0, dropout=0.1)
+    dropped.train()
+    assert dropped.layers[0].fused_modules() is None  # (its wrapper is not a plain projection)
+    assert all(layer.decode_packs() == {} for layer in dropped.layers)
+
+
+def test_blocks_that_are_not_plain_decode_unfused_and_still_right():
     qk_norm = tiny(dict(arch="qwen3", qk_norm=True))
     steps, graphs, _ = decode_steps(qk_norm, 3, fused=True)
     assert "MlxtoyDecodeBlock" not in graphs[-1]
@@ -451,7 +476,7 @@ def test_packs_follow_the_weights():
     moved = check()
     assert model.layers[0].decode_packs() == {}
     assert len({tuple(first), tuple(doubled), tuple(moved)}) >= 2  # positive control: the changes show
-    model = q4_model(VARIANTS["gqa"], seed=1)  # packed, then given adapters: decoded unfused and right
+    model = q4_model(VARIANTS["gqa"], seed=1)  # packed, then given adapters: q and v merged, the rest packed
     check()
     assert model.layers[0].decode_packs()
     apply_lora(model, ["q", "v"], 4, 8.0)
@@ -459,4 +484,6 @@ def test_packs_follow_the_weights():
         layer.attn.v.lora_b = 0.2 * mx.random.normal(layer.attn.v.lora_b.shape)
     mx.eval(model.parameters())
     check()
-    assert model.layers[0].decode_packs() == {}
+    packs = model.layers[0].decode_packs()
+    assert sorted(packs) == [str(i) for i in MATRICES]
+    assert [k for k, w in packs.items() if w.dtype == mx.float32] == ["1", "3"]

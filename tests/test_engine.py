@@ -14,7 +14,8 @@ from mlx.utils import tree_flatten
 
 from helpers_export import randomize
 from helpers_train import byte_tokenizer, tiny_model
-from mlxtoy.engine import BatchDecoder, Request, generate_batch
+from mlxtoy import engine as engine_module
+from mlxtoy.engine import BatchDecoder, Request, generate_batch, padded_causal_mask
 from mlxtoy.generate import generate, generate_tokens
 from mlxtoy.loading import build_model
 from mlxtoy.model_config import ModelConfig
@@ -248,3 +249,33 @@ def test_eval_accuracy_answers_are_the_one_at_a_time_answers(tmp_path):
             assert sample["answer"] == text
         else:
             assert sample["answer"].endswith("...") and text.startswith(sample["answer"][:-3])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_prompts_arriving_together_are_prefilled_as_one_batch(arch, monkeypatch):
+    """`add_many` prefills prompts of different lengths as one left-padded batch: each row's
+    first logits are the model's uncached forward of its prompt alone, and its later tokens
+    what it samples alone. Control: padding that real columns may attend to (the mask without
+    `starts`) changes the shorter prompts' logits."""
+    model = arch_model(arch)
+    ps = prompts((5, 23, 11), seed=4)
+    engine = BatchDecoder(model)
+    calls = []
+    monkeypatch.setattr(engine, "prefill", lambda *a: calls.append(a))  # nothing may go alone
+    rows = engine.add_many([(Request(p, 6), 1) for p in ps])
+    assert not calls and engine.prompt_tokens == sum(map(len, ps)) and len(engine.rows) == 3
+    for p, (row,) in zip(ps, rows):
+        want = model(mx.array([p]))[0, -1]
+        assert mx.allclose(row.logits[0], want, atol=1e-4).item(), arch
+    out: dict[int, list[int]] = {}
+    while engine.rows:
+        for row, tok in engine.step():
+            out.setdefault(id(row), []).append(tok.token)
+    for p, (row,) in zip(ps, rows):
+        assert agree(model, p, out[id(row)], alone(model, p, SamplingParams(), 6)), arch
+
+    monkeypatch.setattr(engine_module, "padded_causal_mask", lambda starts, width: padded_causal_mask(
+        mx.zeros_like(starts), width))
+    leaky = BatchDecoder(model).add_many([(Request(p, 6), 1) for p in ps])
+    short = leaky[0][0].logits[0]
+    assert not mx.allclose(short, model(mx.array([ps[0]]))[0, -1], atol=1e-2).item()

@@ -15,6 +15,8 @@ join and leave such a cache between decode steps.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
 
 
@@ -147,26 +149,46 @@ def _padded(x: mx.array, before: int, length: int) -> mx.array:
     return mx.concatenate([mx.zeros((B, H, before, D), x.dtype), x], axis=2)
 
 
-def join_rows(batch: list[KVCache], rows: list[KVCache], copies: int = 1) -> None:
-    """Append `copies` copies of the rows of the cache `rows` (its `offset` columns, all real)
-    to the batch cache `batch`, in place: the shorter side is left-padded so both end at the
-    same column. An empty `batch` becomes the rows (starts 0)."""
+def join_rows(batch: list[KVCache], rows: list[KVCache], copies: int | Sequence[int] = 1) -> None:
+    """Append copies of the rows of the cache `rows` (its `offset` columns; left-padded per its
+    `starts` when it has them, else all real) to the batch cache `batch`, in place: row b
+    `copies[b]` times (or each row `copies` times), and the shorter side left-padded so both
+    end at the same column. An empty `batch` becomes the rows."""
     n_new = rows[0].offset
+    n_rows = rows[0].keys.shape[0]
+    counts = [copies] * n_rows if isinstance(copies, int) else list(copies)
+    pick = None if all(n == 1 for n in counts) else mx.array([b for b, n in enumerate(counts) for _ in range(n)])
     end = max(batch[0].offset, n_new)
     pad_batch = end - batch[0].offset
+    row_starts = rows[0].starts if rows[0].starts is not None else mx.zeros((n_rows,), mx.int32)
+    new_starts = row_starts + (end - n_new)
+    if pick is not None:
+        new_starts = new_starts[pick]
     for b, r in zip(batch, rows):
         k_new = _padded(r.keys, end - n_new, n_new)
         v_new = _padded(r.values, end - n_new, n_new)
-        if copies > 1:
-            k_new, v_new = mx.repeat(k_new, copies, axis=0), mx.repeat(v_new, copies, axis=0)
+        if pick is not None:
+            k_new, v_new = k_new[pick], v_new[pick]
         if b.keys is None or b.starts is None or b.starts.size == 0:
-            b.keys, b.values = k_new, v_new
-            b.starts = mx.zeros((k_new.shape[0],), mx.int32) + (end - n_new)
+            b.keys, b.values, b.starts = k_new, v_new, new_starts
         else:
             b.keys = mx.concatenate([_padded(b.keys, pad_batch, b.offset), k_new], axis=0)
             b.values = mx.concatenate([_padded(b.values, pad_batch, b.offset), v_new], axis=0)
-            b.starts = mx.concatenate([b.starts + pad_batch, mx.full((k_new.shape[0],), end - n_new, mx.int32)])
+            b.starts = mx.concatenate([b.starts + pad_batch, new_starts])
         b.offset = end
+
+
+def row_cache(cache: list[KVCache], row: int) -> list[KVCache]:
+    """Row `row` of a left-padded batch cache as a one-row cache of its real columns only."""
+    start = 0 if cache[0].starts is None else int(cache[0].starts[row].item())
+    out = []
+    for c in cache:
+        k = KVCache()
+        k.keys = c.keys[row:row + 1, :, start:c.offset, :]
+        k.values = c.values[row:row + 1, :, start:c.offset, :]
+        k.offset = c.offset - start
+        out.append(k)
+    return out
 
 
 def keep_rows(cache: list[KVCache], rows: list[int]) -> None:

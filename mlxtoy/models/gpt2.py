@@ -59,7 +59,9 @@ class LearnedPosTransformer(LlamaModel):
         if isinstance(offset, int) and offset + T > self.config.context_length:
             raise UserError(f"{offset + T} positions do not fit this model's learned position "
                             f"table ({self.config.context_length})")
-        positions = mx.arange(T) + offset
+        # (the padding columns of a left-padded batch's prefill have negative positions: they
+        # read position 0, and no real column attends to them)
+        positions = mx.maximum(mx.arange(T) + offset, 0)
         return self.tok_embeddings(tokens) + self.pos_embeddings(positions)
 
 

@@ -326,46 +326,79 @@ class Block(nn.Module):
                 taps.update(head_taps)
         return x
 
-    def fused_weights(self) -> list[mx.array] | None:
+    def fused_modules(self) -> list[nn.Module] | None:
         """[attn_norm, q, k, v, o, ffn_norm, gate, up, down] for `fastmath.decode_block` when this
-        is a plain Llama block (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm
-        or adapter, SwiGLU, no biases but q/k/v's, all three or none), else None."""
+        is a plain Llama block (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm,
+        SwiGLU, no biases but q/k/v's, all three or none), else None. A projection may carry
+        an adapter (LoRA or DoRA around a plain projection, `mlxtoy.models.lora`): the step then
+        reads its merged weight."""
         a, f = self.attn, self.ffn
+        if not (type(a) is Attention and type(f) is FeedForward):
+            return None
+        q, k, v, o, gate, up, down = (plain_projection(m) for m in (a.q, a.k, a.v, a.o, f.gate, f.up, f.down))
         plain = (type(self.attn_norm) is RMSNorm and type(self.ffn_norm) is RMSNorm
                  and self.attn_norm.eps == self.ffn_norm.eps and "post_attn_norm" not in self
-                 and type(a) is Attention and "q_norm" not in a and a.window is None
-                 and all(type(p) is HeadProjection for p in (a.q, a.k, a.v))
-                 and len({"bias" in p for p in (a.q, a.k, a.v)}) == 1  # q, k and v biased alike
-                 and "rope" in a and type(a.rope) is RoPE and a.rope._long is None
-                 and type(f) is FeedForward and f.act is silu
-                 and all(type(m) is Linear and "bias" not in m for m in (a.o, f.gate, f.up, f.down)))
+                 and "q_norm" not in a and a.window is None
+                 and all(type(p) is HeadProjection for p in (q, k, v))
+                 and len({"bias" in p for p in (q, k, v)}) == 1  # q, k and v biased alike
+                 and "rope" in a and type(a.rope) is RoPE and a.rope._long is None and f.act is silu
+                 and all(type(m) is Linear and "bias" not in m for m in (o, gate, up, down)))
         if not plain:
             return None
-        return [self.attn_norm.weight, a.q.weight, a.k.weight, a.v.weight, a.o.weight,
-                self.ffn_norm.weight, f.gate.weight, f.up.weight, f.down.weight]
+        return [self.attn_norm, a.q, a.k, a.v, a.o, self.ffn_norm, f.gate, f.up, f.down]
+
+    def fused_weights(self, merged: bool = True) -> list[mx.array] | None:
+        """The weights of `fused_modules`: an adapter's merged weight (`merged`) or its base's."""
+        modules = self.fused_modules()
+        if modules is None:
+            return None
+        return [m.merged_weight() if merged and m is not plain_projection(m) else plain_projection(m).weight
+                for m in modules]
 
     def decode_packs(self) -> dict[str, mx.array]:
-        """This block's matrices packed for decoding where that is lossless (the weights of a
-        Q4_1 or Q8_0 GGUF: `fastmath.pack_lossless`), keyed by their index in `fused_weights`;
-        kept while the weights are the same (see `kept_packs`)."""
-        return kept_packs(self, self.fused_weights(), BLOCK_MATRICES)
+        """This block's matrices in the form its fused step reads, keyed by their index in
+        `fused_weights`: an adapter's merged weight, made now; a plain matrix packed where that
+        is lossless (the weights of a Q4_1 or Q8_0 GGUF: `fastmath.pack_lossless`), kept while
+        the weights are the same (see `kept_packs`)."""
+        modules = self.fused_modules()
+        if modules is None:
+            return kept_packs(self, None, BLOCK_MATRICES)
+        adapted = [i for i in BLOCK_MATRICES if modules[i] is not plain_projection(modules[i])]
+        packs = kept_packs(self, self.fused_weights(merged=False), [i for i in BLOCK_MATRICES if i not in adapted])
+        if adapted:
+            packs = {**packs, **{str(i): modules[i].merged_weight() for i in adapted}}
+            mx.eval(packs)
+        return packs
 
     def decode_fused(self, x: mx.array, cache: SlotCache) -> mx.array | None:
         """This block's step for one decoded token of each row as one kernel call (`fastmath.decode_block`),
         with the cache's packed matrices where it has them; None where the block is not plain
         or the kernel does not apply."""
-        weights = self.fused_weights()
-        if weights is None:
+        modules = self.fused_modules()
+        if modules is None:
             return None
+        weights = self.fused_weights(merged=False)
         a = self.attn
-        biases = [p.bias for p in (a.q, a.k, a.v) if "bias" in p]
+        biases = [p.bias for p in map(plain_projection, (a.q, a.k, a.v)) if "bias" in p]
         if not fastmath.decode_block_ok(x, cache.keys, cache.values, *weights, *biases):
             return None
-        weights = [cache.packed.get(str(i), w) for i, w in enumerate(weights)]
+        weights = [cache.packed[str(i)] if str(i) in cache.packed else w
+                   for i, w in enumerate(self.fused_weights())]
         x, cache.keys, cache.values = fastmath.decode_block(
             x, weights, biases, cache.keys, cache.values, cache.offset, cache.starts, a.rope._inv_freqs, a.rope.dims,
             a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale)
         return x
+
+
+def plain_projection(m: nn.Module) -> nn.Module:
+    """The projection an active adapter wraps (one with a `merged_weight`, no dropout while
+    training, not switched off), or `m` itself: what the fused decode step reads."""
+    base = getattr(m, "base", None)
+    if base is None or not hasattr(m, "merged_weight") or getattr(m, "disabled", False):
+        return m
+    if getattr(m, "dropout", None) is not None and m.training:
+        return m
+    return base
 
 
 BLOCK_MATRICES = (1, 2, 3, 4, 6, 7, 8)  # the matrices among `Block.fused_weights` (the rest are norms)
@@ -471,7 +504,7 @@ class LlamaModel(nn.Module):
         Only right after such a trace, before anything can have changed the weights."""
         for layer in self.layers:
             if isinstance(layer, Block):
-                repin_packs(layer, layer.fused_weights())
+                repin_packs(layer, layer.fused_weights(merged=False))
         w = self.output_matrix()
         repin_packs(self, None if w is None else [w])
 

@@ -49,10 +49,11 @@ def _answers(model, tokenizer, prompts: list[list[int]], expected: list[str], ma
     rows: dict[int, tuple[int, StreamingDetokenizer]] = {}
     todo = list(range(len(prompts)))
     while todo or engine.rows:
-        while todo and len(engine.rows) < EVAL_ROWS:
-            i = todo.pop(0)
-            budget = check_prompt(model, prompts[i], max_tokens)
-            row = engine.add(Request(prompts[i], budget, SamplingParams(), eos))[0]
+        joining = todo[:EVAL_ROWS - len(engine.rows)]
+        todo = todo[len(joining):]
+        added = engine.add_many([(Request(prompts[i], check_prompt(model, prompts[i], max_tokens), SamplingParams(),
+                                          eos), 1) for i in joining])
+        for i, (row,) in zip(joining, added):
             rows[id(row)] = (i, StreamingDetokenizer(tokenizer))
         for row, tok in engine.step():
             i, detok = rows[id(row)]
