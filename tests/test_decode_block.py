@@ -22,7 +22,7 @@ import mlxtoy_kernels as K
 from mlxtoy.generate import decoder_for, generate_tokens
 from mlxtoy.loading import build_model
 from mlxtoy.model_config import ModelConfig
-from mlxtoy.models import fastmath
+from mlxtoy.models import fastmath, llama
 from mlxtoy.models.cache import make_cache
 from mlxtoy.models.lora import apply_lora
 
@@ -227,7 +227,7 @@ def test_decode_block_input_checks():
     mx.eval(y, k, v)
     assert np.isfinite(np.array(y)).all()
     bad = {
-        "two tokens": dict(x=mx.zeros((1, 2, 32))),
+        "no tokens": dict(x=mx.zeros((1, 0, 32))),
         "rows the cache has not": dict(x=mx.zeros((2, 1, 32))),
         "H not a multiple of KV": dict(weights=[good["weights"][0], mx.zeros((3, 8, 32))] + good["weights"][2:]),
         "o of the wrong width": dict(weights=good["weights"][:4] + [mx.zeros((32, 24))] + good["weights"][5:]),
@@ -245,6 +245,9 @@ def test_decode_block_input_checks():
     # a slot past the cache's capacity is never written: NaNs instead
     before = np.array(good["keys"])
     y, k, _ = K.decode_block(**(good | dict(offset=mx.array([16], dtype=mx.int32))))
+    assert np.isnan(np.array(y)).all() and np.array_equal(np.array(k), before)
+    # nor are a prompt's slots past it (two tokens from slot 15 of 16)
+    y, k, _ = K.decode_block(**(good | dict(x=mx.ones((1, 2, 32)), offset=mx.array([15], dtype=mx.int32))))
     assert np.isnan(np.array(y)).all() and np.array_equal(np.array(k), before)
 
 
@@ -487,3 +490,67 @@ def test_packs_follow_the_weights():
     packs = model.layers[0].decode_packs()
     assert sorted(packs) == [str(i) for i in MATRICES]
     assert [k for k, w in packs.items() if w.dtype == mx.float32] == ["1", "3"]
+
+
+def prefill(model, rows: list[list[int]], history: int = 0) -> tuple[np.ndarray, list, str]:
+    """Rows left-padded (`mlxtoy.engine`'s batch: starts, its mask), the first `history` columns
+    read op by op, the rest in one call of the model's blocks with a KVCache -> (the hidden
+    states of each row's real tokens in that call, the cache, the graph of that call)."""
+    from mlxtoy.engine import padded_causal_mask
+
+    width = max(map(len, rows))
+    starts = mx.array([width - len(r) for r in rows], dtype=mx.int32)
+    tokens = mx.array([[0] * (width - len(r)) + r for r in rows], dtype=mx.uint32)
+    cache = make_cache(model)
+    for c in cache:
+        c.starts = starts
+    mask = padded_causal_mask(starts, width)
+    with fastmath.inference():
+        if history:
+            saved, llama.PREFILL_FUSED_ROWS = llama.PREFILL_FUSED_ROWS, 0
+            try:
+                mx.eval(model.hidden(tokens[:, :history], mask[..., :history, :history], cache))
+            finally:
+                llama.PREFILL_FUSED_ROWS = saved
+        h = model.hidden(tokens[:, history:], mask[..., history:, :], cache)
+        graph = graph_text(h)
+        mx.eval(h, [c.state for c in cache])
+    h = np.array(h)
+    # row b's real tokens among this call's: its last min(len, width - history)
+    return [h[b, h.shape[1] - min(len(r), width - history):] for b, r in enumerate(rows)], cache, graph
+
+
+@pytest.mark.parametrize("q4", [False, True], ids=["float32", "q4-packed"])
+def test_a_short_prompt_is_prefilled_by_the_fused_blocks(q4):
+    """T tokens of each row in one call of each block (a short prompt, PREFILL_FUSED_ROWS): every
+    real token's hidden state is the uncached forward's of its row alone, after a history read
+    op by op too; the cache then decodes on. Rows of a left-padded batch (padding columns that
+    see only themselves) each get what they get alone. Positive control: with the fused prefill
+    off, the op-by-op blocks give the same values, and the graph shows which path ran."""
+    model = q4_model(VARIANTS["mha-qkv-bias"]) if q4 else tiny(VARIANTS["gqa"])
+    rows = [PROMPT, PROMPT[:5], PROMPT[3:12]]
+    for history in (0, 3):
+        got, cache, graph = prefill(model, rows, history)
+        assert graph.count("MlxtoyDecodeBlock") == len(model.layers)
+        for r, g in zip(rows, got):
+            want = np.array(model.hidden(mx.array([r])))[0, len(r) - len(g):]
+            np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
+        saved, llama.PREFILL_FUSED_ROWS = llama.PREFILL_FUSED_ROWS, 0
+        try:
+            ref, ref_cache, ref_graph = prefill(model, rows, history)
+        finally:
+            llama.PREFILL_FUSED_ROWS = saved
+        assert "MlxtoyDecodeBlock" not in ref_graph
+        for g, w in zip(got, ref):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+        n, start = cache[0].offset, np.array(cache[0].starts)
+        for c, u in zip(cache, ref_cache):  # the same keys and values at every real column
+            for b, s0 in enumerate(start):
+                np.testing.assert_allclose(np.array(c.keys[b, :, s0:n]), np.array(u.keys[b, :, s0:n]), atol=1e-4)
+                np.testing.assert_allclose(np.array(c.values[b, :, s0:n]), np.array(u.values[b, :, s0:n]),
+                                           atol=1e-4)
+    # generation (whose prompt goes through the fused prefill) still decodes what the uncached model says
+    tokens = [t for t, _ in generate_tokens(model, PROMPT, max_tokens=6)]
+    logits = np.array(model(mx.array([PROMPT + tokens[:-1]]))[0, len(PROMPT) - 1:])
+    for i, (a, b) in enumerate(zip(tokens, logits.argmax(-1).tolist())):
+        assert a == b or np.sort(logits[i])[-1] - np.sort(logits[i])[-2] < 1e-3, f"step {i}"

@@ -1,9 +1,11 @@
-// One pre-norm Llama block for one decoded token of each of B rows, as one MLX primitive: RMSNorm,
-// per-head q/k/v (optional biases), RoPE, the new k/v written into the cache's slot `offset`,
-// one-query GQA attention over the row's columns starts[b]..offset (a left-padded batch: column c
-// is the row's position c - starts[b]), W_o and the residual, RMSNorm, SwiGLU and the residual.
-// A row's values are the bits it gets decoded alone (B = 1, start 0), except that a float32
-// matrix's products take the several-rows GEMV (loops.h), which sums in another order.
+// One pre-norm Llama block for T new tokens of each of B rows, as one MLX primitive: RMSNorm,
+// per-head q/k/v (optional biases), RoPE, token t's k/v written into the cache's slot offset + t,
+// GQA attention of token t over its row's columns starts[b]..offset + t (a left-padded batch:
+// column c is the row's position c - starts[b]; a padding column, c < starts[b], sees itself
+// only), W_o and the residual, RMSNorm, SwiGLU and the residual. T = 1 is a decode step; T > 1
+// a short prompt's prefill, which reads each weight once for its T tokens. A token's values are
+// the bits it gets decoded alone (B = T = 1, start 0), except that a float32 matrix's products
+// take the several-rows GEMV (loops.h), which sums in another order.
 //
 // Decoding is bound by memory bandwidth (every weight read once per token), but as ~20 graph
 // nodes per layer each node's dispatch and each step's fork-join on the kernels' threads come
@@ -78,7 +80,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   float* y = outputs[0].data<float>();
   float* kc = outputs[1].data<float>();
   float* vc = outputs[2].data<float>();
-  const int64_t B = inputs[kX].shape(0), D = inputs[kX].shape(-1), H = inputs[kQ].shape(0), Dh = inputs[kQ].shape(1);
+  const int64_t B = inputs[kX].shape(0), T = inputs[kX].shape(1), D = inputs[kX].shape(-1);
+  const int64_t H = inputs[kQ].shape(0), Dh = inputs[kQ].shape(1);
   const int64_t KV = inputs[kK].shape(0), F = inputs[kGate].shape(0), S = inputs[kKeys].shape(2);
   const int dims = rope_dims_;
   const bool traditional = traditional_, bias = qkv_bias_;
@@ -101,42 +104,49 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
                 *bv = bias ? f(kBiasQ + 2) : nullptr;
     // the offset and starts are read when the task runs (traced inputs of the compiled decode step)
     const int64_t off = static_cast<const int32_t*>(in[kOffset])[0];
-    bool bad = off < 0 || off >= S;
-    for (int64_t b = 0; b < B; ++b) bad = bad || starts[b] < 0 || starts[b] > off;
+    bool bad = off < 0 || off + T > S;
+    for (int64_t b = 0; b < B; ++b) bad = bad || starts[b] < 0 || starts[b] > off + T - 1;
     if (bad) {  // no slot to write, or a row with no column: loud NaNs rather than a write out of bounds
-      std::fill(y, y + B * D, std::numeric_limits<float>::quiet_NaN());
+      std::fill(y, y + B * T * D, std::numeric_limits<float>::quiet_NaN());
       return;
     }
-    // row b's position, as mx.fast.rope forms it: (t + offset) in float32, times the scale (t = 0)
-    auto pos = [&](int64_t b) { return (0.0f + static_cast<float>(off - starts[b])) * rope_scale; };
-    auto len = [&](int64_t b) { return off + 1 - starts[b]; };  // the row's positions 0..its own offset
+    // R rows of work: token t of row b is row b * T + t, at column off + t of cache row b
+    const int64_t R = B * T;
+    auto col = [&](int64_t r) { return off + r % T; };
+    auto start = [&](int64_t r) { return std::min<int64_t>(starts[r / T], col(r)); };  // its first column
+    // its position, as mx.fast.rope forms it: (t + offset) in float32, times the scale
+    auto pos = [&](int64_t r) {
+      return (static_cast<float>(r % T) + static_cast<float>(off - starts[r / T])) * rope_scale;
+    };
+    auto len = [&](int64_t r) { return col(r) + 1 - start(r); };  // the columns it attends to
+    auto slot = [&](int64_t r, int64_t head) { return ((r / T * KV + head) * S + col(r)) * Dh; };
     const int64_t group = H / KV, heads = H + 2 * KV;
-    // the attention's units: each row's KV heads' positions in parts (attend.h), laid out for the
+    // the attention's units: each row's KV heads' columns in parts (attend.h), laid out for the
     // longest row; a row's parts past its own are empty units
-    const int64_t parts = attend_parts(off + 1);
+    const int64_t parts = attend_parts(off + T);
     const AttendPartials at{group, parts, attend_partial_floats(Dh)};
     const int64_t row_partials = at.floats(KV), nxs = std::max(D, std::max(H * Dh, F)) / kQ4 + 1;
-    std::vector<float> q(B * H * Dh), partials(B * row_partials), gate(B * F), up(B * F), act(B * F), down(B * D);
+    std::vector<float> q(R * H * Dh), partials(R * row_partials), gate(R * F), up(R * F), act(R * F), down(R * D);
     const int64_t chunk_d = gemv_chunk(D, pool().threads()), chunk_f = gemv_chunk(F, pool().threads());
     auto chunks = [](int64_t n, int64_t chunk) { return static_cast<int>((n + chunk - 1) / chunk); };
-    Phases phases({static_cast<int>(heads), static_cast<int>(B * KV * parts), chunks(D, chunk_d),
+    Phases phases({static_cast<int>(heads), static_cast<int>(R * KV * parts), chunks(D, chunk_d),
                    chunks(F, chunk_f), chunks(D, chunk_d)});
 
     pool().run_crew([&] {
       // this thread's: every row's normed input and its block sums, its attention output, a
       // head's q, k or v for every row, and a packed matrix's rows unpacked for several rows
-      std::vector<float> xn(B * D), xs(B * nxs), tmp(B * Dh), scores(group * kAttendPart), att(B * H * Dh);
-      std::vector<float> unpacked(packed && B > 1 ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
+      std::vector<float> xn(R * D), xs(R * nxs), tmp(R * Dh), scores(group * kAttendPart), att(R * H * Dh);
+      std::vector<float> unpacked(packed && R > 1 ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
       auto add_bias = [&](float* row, const float* b) {
         if (b)
           for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
       };
       auto sums_of = [&](const float* v, int64_t n) {  // each row's (n floats a row)
         if (packed)
-          for (int64_t b = 0; b < B; ++b) block_sums(v + b * n, n, xs.data() + b * nxs);
+          for (int64_t b = 0; b < R; ++b) block_sums(v + b * n, n, xs.data() + b * nxs);
       };
       auto norm_in = [&](const float* v, const float* w) {
-        for (int64_t b = 0; b < B; ++b) rms_norm_row(v + b * D, w, xn.data() + b * D, D, eps);
+        for (int64_t b = 0; b < R; ++b) rms_norm_row(v + b * D, w, xn.data() + b * D, D, eps);
         sums_of(xn.data(), D);
       };
       // rows r0..r1 of w against every row of v (w's width a row), into out's first r1 - r0
@@ -144,49 +154,48 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       // several rows the several-rows GEMV, a packed matrix's rows unpacked once for all of them
       auto products = [&](const Matrix& w, const float* v, float* out, int64_t N, int64_t r0, int64_t r1) {
         const Matrix rows = w.rows(r0);
-        if (B == 1) return rows.gemv(v, xs.data(), out, 0, r1 - r0);
-        rows.gemv_rows(v, B, out, N, r1 - r0, unpacked.data());
+        if (R == 1) return rows.gemv(v, xs.data(), out, 0, r1 - r0);
+        rows.gemv_rows(v, R, out, N, r1 - r0, unpacked.data());
       };
 
       // q, k and v of the normed input, a head at a time for every row; RoPE on q and k; k and v
-      // into slot `off`
+      // into their slots
       phases.run(0, [&] { norm_in(x, f(kAttnNorm)); }, [&](int64_t u) {
         const Matrix& w = u < H ? wq : u < H + KV ? wk : wv;
         const int64_t head = u < H ? u : u < H + KV ? u - H : u - H - KV;
         const float* bias_row = u < H ? bq : u < H + KV ? bk : bv;
         products(w, xn.data(), tmp.data(), Dh, head * Dh, (head + 1) * Dh);
-        for (int64_t b = 0; b < B; ++b) {
-          float* row = tmp.data() + b * Dh;
+        for (int64_t r = 0; r < R; ++r) {
+          float* row = tmp.data() + r * Dh;
           add_bias(row, bias_row ? bias_row + head * Dh : nullptr);
-          if (u < H) rope_row(row, q.data() + (b * H + head) * Dh, Dh, dims, traditional, pos(b), inv_freqs);
-          else if (u < H + KV)
-            rope_row(row, kc + ((b * KV + head) * S + off) * Dh, Dh, dims, traditional, pos(b), inv_freqs);
-          else std::copy(row, row + Dh, vc + ((b * KV + head) * S + off) * Dh);
+          if (u < H) rope_row(row, q.data() + (r * H + head) * Dh, Dh, dims, traditional, pos(r), inv_freqs);
+          else if (u < H + KV) rope_row(row, kc + slot(r, head), Dh, dims, traditional, pos(r), inv_freqs);
+          else std::copy(row, row + Dh, vc + slot(r, head));
         }
       });
 
       // each row's KV heads' query heads against a part of the row's positions
       phases.run(1, [] {}, [&](int64_t u) {
-        const int64_t b = u / (KV * parts), kv = (u / parts) % KV, p = u % parts, j0 = p * kAttendPart;
-        if (j0 >= len(b)) return;
-        const int64_t first = (b * KV + kv) * S + starts[b];  // the row's position 0
-        attend_part(q.data() + (b * H + kv * group) * Dh, group, kc + first * Dh, vc + first * Dh, nullptr, j0,
-                    std::min(len(b), j0 + kAttendPart), Dh, Dh, attn_scale, scores.data(),
-                    partials.data() + b * row_partials + at.part(kv, p));
+        const int64_t r = u / (KV * parts), kv = (u / parts) % KV, p = u % parts, j0 = p * kAttendPart;
+        if (j0 >= len(r)) return;
+        const int64_t first = (r / T * KV + kv) * S + start(r);  // the row's first column
+        attend_part(q.data() + (r * H + kv * group) * Dh, group, kc + first * Dh, vc + first * Dh, nullptr, j0,
+                    std::min(len(r), j0 + kAttendPart), Dh, Dh, attn_scale, scores.data(),
+                    partials.data() + r * row_partials + at.part(kv, p));
       });
 
       // y = x + W_o att, att the parts combined (by each thread that takes a unit, the same bits)
       auto combine = [&] {
-        for (int64_t b = 0; b < B; ++b)
+        for (int64_t r = 0; r < R; ++r)
           for (int64_t h = 0; h < H; ++h)
-            attend_combine(partials.data() + b * row_partials + at.head(h), attend_parts(len(b)), at.stride(), Dh,
-                           att.data() + (b * H + h) * Dh);
+            attend_combine(partials.data() + r * row_partials + at.head(h), attend_parts(len(r)), at.stride(), Dh,
+                           att.data() + (r * H + h) * Dh);
         sums_of(att.data(), H * Dh);
       };
       phases.run(2, combine, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
         products(wo, att.data(), y + r0, D, r0, r1);
-        for (int64_t b = 0; b < B; ++b)
+        for (int64_t b = 0; b < R; ++b)
           for (int64_t r = r0; r < r1; ++r) y[b * D + r] = x[b * D + r] + y[b * D + r];
       });
 
@@ -195,7 +204,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         int64_t r0 = c * chunk_f, r1 = std::min(F, r0 + chunk_f);
         products(wg, xn.data(), gate.data() + r0, F, r0, r1);
         products(wu, xn.data(), up.data() + r0, F, r0, r1);
-        for (int64_t b = 0; b < B; ++b)
+        for (int64_t b = 0; b < R; ++b)
           swiglu_span(gate.data() + b * F + r0, up.data() + b * F + r0, act.data() + b * F + r0, r1 - r0);
       });
 
@@ -203,7 +212,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       phases.run(4, [&] { sums_of(act.data(), F); }, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
         products(wd, act.data(), down.data() + r0, D, r0, r1);
-        for (int64_t b = 0; b < B; ++b)
+        for (int64_t b = 0; b < R; ++b)
           for (int64_t r = r0; r < r1; ++r) y[b * D + r] = y[b * D + r] + down[b * D + r];
       });
     });
@@ -220,7 +229,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   };
   if (weights.size() != 9) fail("weights [attn_norm, q, k, v, o, ffn_norm, gate, up, down]");
   if (!biases.empty() && biases.size() != 3) fail("biases [] or [q, k, v]");
-  if (x.ndim() != 3 || x.shape(0) < 1 || x.shape(1) != 1) fail("x (B, 1, D): one token of each of B rows");
+  if (x.ndim() != 3 || x.shape(0) < 1 || x.shape(1) < 1) fail("x (B, T, D): T new tokens of each of B rows");
   const int B = x.shape(0), D = x.shape(2);
   // a matrix's width: K float32, or a packed width (uint8: Q4 or Q8 blocks, told apart by it)
   int packed = 0;

@@ -544,22 +544,23 @@ def linear_packed(x: mx.array, packed: mx.array) -> mx.array:
 
 
 def decode_block_ok(x: mx.array, *arrays: mx.array) -> bool:
-    """`decode_block` applies: inside `inference()`, one token of each row, float32 arrays on
-    CPU with the kernels (MLXTOY_FUSED_DECODE=0 turns it off)."""
-    return FUSED_DECODE and x.ndim == 3 and x.shape[1] == 1 and bare(x, *arrays)
+    """`decode_block` applies: inside `inference()`, x (B, T, D), float32 arrays on CPU with the
+    kernels (MLXTOY_FUSED_DECODE=0 turns it off)."""
+    return FUSED_DECODE and x.ndim == 3 and bare(x, *arrays)
 
 
 def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], keys: mx.array,
                  values: mx.array, offset: mx.array, starts: mx.array | None, inv_freqs: mx.array,
                  rope_dims: int, traditional: bool, eps: float, attn_scale: float,
                  rope_scale: float) -> tuple[mx.array, mx.array, mx.array]:
-    """A pre-norm Llama block's step for one token of each of B rows as one kernel call ->
-    (x, keys, values): weights [attn_norm, q, k, v (per head), o, ffn_norm, gate, up, down] (a
-    matrix float32 or `pack_lossless`ed), biases [] or [q, k, v]; the token's k (RoPE'd, as
-    `rope`) and v go into slot `offset` of the caches ((B, KV, S, Dh)), written in place (the
-    returned caches share the given ones' buffers: the caller keeps no other use of them), and
-    row b's query attends to slots starts[b]..offset (a left-padded batch; None: all from 0), at
-    its own position offset - starts[b]. The same values as the block's kernels one by one."""
+    """A pre-norm Llama block's step for T new tokens of each of B rows (x (B, T, D)) as one
+    kernel call -> (x, keys, values): weights [attn_norm, q, k, v (per head), o, ffn_norm, gate,
+    up, down] (a matrix float32 or `pack_lossless`ed), biases [] or [q, k, v]; token t's k
+    (RoPE'd, as `rope`) and v go into slot offset + t of the caches ((B, KV, S, Dh)), written in
+    place (the returned caches share the given ones' buffers: the caller keeps no other use of
+    them), and its query attends to slots starts[b]..offset + t (a left-padded batch; None: all
+    from 0; a padding slot, before starts[b], sees itself only), at its own position
+    offset + t - starts[b]. The same values as the block's kernels one by one."""
     offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
     if starts is not None and starts.size != x.shape[0]:  # one start for every row
         starts = mx.broadcast_to(starts.reshape(-1), (x.shape[0],))

@@ -27,7 +27,7 @@ import numpy as np
 
 from mlxtoy.model_config import ModelConfig
 from mlxtoy.models import fastmath
-from mlxtoy.models.cache import SlotCache, cache_positions
+from mlxtoy.models.cache import KVCache, SlotCache, cache_positions
 from mlxtoy.models.attention import attention
 from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
 
@@ -306,7 +306,7 @@ class Block(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
                  taps: dict | None = None) -> mx.array:
-        if taps is None and isinstance(cache, SlotCache):
+        if taps is None and (isinstance(cache, SlotCache) or prefill_fits(x, mask, cache)):
             fused = self.decode_fused(x, cache)
             if fused is not None:
                 return fused
@@ -326,16 +326,17 @@ class Block(nn.Module):
                 taps.update(head_taps)
         return x
 
-    def fused_modules(self) -> list[nn.Module] | None:
-        """[attn_norm, q, k, v, o, ffn_norm, gate, up, down] for `fastmath.decode_block` when this
-        is a plain Llama block (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm,
-        SwiGLU, no biases but q/k/v's, all three or none), else None. A projection may carry
-        an adapter (LoRA or DoRA around a plain projection, `mlxtoy.models.lora`): the step then
-        reads its merged weight."""
+    def fused_modules(self) -> list[tuple[nn.Module, nn.Module]] | None:
+        """[attn_norm, q, k, v, o, ffn_norm, gate, up, down] for `fastmath.decode_block`, each as
+        (the block's module, the plain module it reads), when this is a plain Llama block
+        (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm, SwiGLU, no biases but
+        q/k/v's, all three or none), else None. A projection may carry an adapter (LoRA or DoRA
+        around a plain projection, `mlxtoy.models.lora`): the step then reads its merged weight."""
         a, f = self.attn, self.ffn
         if not (type(a) is Attention and type(f) is FeedForward):
             return None
-        q, k, v, o, gate, up, down = (plain_projection(m) for m in (a.q, a.k, a.v, a.o, f.gate, f.up, f.down))
+        wrapped = (a.q, a.k, a.v, a.o, f.gate, f.up, f.down)
+        q, k, v, o, gate, up, down = plains = [plain_projection(m) for m in wrapped]
         plain = (type(self.attn_norm) is RMSNorm and type(self.ffn_norm) is RMSNorm
                  and self.attn_norm.eps == self.ffn_norm.eps and "post_attn_norm" not in self
                  and "q_norm" not in a and a.window is None
@@ -345,49 +346,76 @@ class Block(nn.Module):
                  and all(type(m) is Linear and "bias" not in m for m in (o, gate, up, down)))
         if not plain:
             return None
-        return [self.attn_norm, a.q, a.k, a.v, a.o, self.ffn_norm, f.gate, f.up, f.down]
+        norms = [(self.attn_norm, self.attn_norm), (self.ffn_norm, self.ffn_norm)]
+        pairs = list(zip(wrapped, plains))
+        return [norms[0]] + pairs[:4] + [norms[1]] + pairs[4:]
 
-    def fused_weights(self, merged: bool = True) -> list[mx.array] | None:
-        """The weights of `fused_modules`: an adapter's merged weight (`merged`) or its base's."""
-        modules = self.fused_modules()
+    def fused_weights(self, merged: bool = True, modules: list | None = None) -> list[mx.array] | None:
+        """The weights of `fused_modules` (or of `modules`, what it gave): an adapter's merged
+        weight (`merged`) or its base's."""
+        modules = modules or self.fused_modules()
         if modules is None:
             return None
-        return [m.merged_weight() if merged and m is not plain_projection(m) else plain_projection(m).weight
-                for m in modules]
+        return [m.merged_weight() if merged and m is not plain else plain.weight for m, plain in modules]
 
-    def decode_packs(self) -> dict[str, mx.array]:
+    def decode_packs(self, modules: list | None = None) -> dict[str, mx.array]:
         """This block's matrices in the form its fused step reads, keyed by their index in
         `fused_weights`: an adapter's merged weight, made now; a plain matrix packed where that
         is lossless (the weights of a Q4_1 or Q8_0 GGUF: `fastmath.pack_lossless`), kept while
         the weights are the same (see `kept_packs`)."""
-        modules = self.fused_modules()
+        modules = modules or self.fused_modules()
         if modules is None:
             return kept_packs(self, None, BLOCK_MATRICES)
-        adapted = [i for i in BLOCK_MATRICES if modules[i] is not plain_projection(modules[i])]
-        packs = kept_packs(self, self.fused_weights(merged=False), [i for i in BLOCK_MATRICES if i not in adapted])
+        adapted = [i for i in BLOCK_MATRICES if modules[i][0] is not modules[i][1]]
+        packs = kept_packs(self, self.fused_weights(False, modules), [i for i in BLOCK_MATRICES if i not in adapted])
         if adapted:
-            packs = {**packs, **{str(i): modules[i].merged_weight() for i in adapted}}
+            packs = {**packs, **{str(i): modules[i][0].merged_weight() for i in adapted}}
             mx.eval(packs)
         return packs
 
-    def decode_fused(self, x: mx.array, cache: SlotCache) -> mx.array | None:
-        """This block's step for one decoded token of each row as one kernel call (`fastmath.decode_block`),
-        with the cache's packed matrices where it has them; None where the block is not plain
-        or the kernel does not apply."""
+    def decode_fused(self, x: mx.array, cache: SlotCache | KVCache) -> mx.array | None:
+        """This block's step for the new tokens of each row as one kernel call (`fastmath.decode_block`):
+        a decode step's one token (a SlotCache, its packed matrices with it) or a short prompt's
+        (a KVCache, `prefill_fits`; this block's `decode_packs`); None where the block is not
+        plain or the kernel does not apply."""
         modules = self.fused_modules()
         if modules is None:
             return None
-        weights = self.fused_weights(merged=False)
+        weights = self.fused_weights(False, modules)
         a = self.attn
-        biases = [p.bias for p in map(plain_projection, (a.q, a.k, a.v)) if "bias" in p]
+        biases = [plain.bias for _, plain in modules[1:4] if "bias" in plain]
+        prefill = isinstance(cache, KVCache)
+        if prefill:
+            B, T, _ = x.shape
+            blank = mx.zeros((B, a.n_kv_heads, 1, a.d_head))
+            cache.reserve(T, like=(blank, blank))
         if not fastmath.decode_block_ok(x, cache.keys, cache.values, *weights, *biases):
             return None
-        weights = [cache.packed[str(i)] if str(i) in cache.packed else w
-                   for i, w in enumerate(self.fused_weights())]
+        packs = self.decode_packs(modules) if prefill else cache.packed
+        weights = [packs[str(i)] if str(i) in packs else m.merged_weight() if m is not plain else w
+                   for i, ((m, plain), w) in enumerate(zip(modules, weights))]
+        offset = mx.array([cache.offset], dtype=mx.int32) if prefill else cache.offset
         x, cache.keys, cache.values = fastmath.decode_block(
-            x, weights, biases, cache.keys, cache.values, cache.offset, cache.starts, a.rope._inv_freqs, a.rope.dims,
+            x, weights, biases, cache.keys, cache.values, offset, cache.starts, a.rope._inv_freqs, a.rope.dims,
             a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale)
+        if prefill:
+            cache.offset += x.shape[1]
         return x
+
+
+# A prompt of at most this many tokens (all rows together) is read by the fused block, each weight
+# read once for all of them: a few rows' products are bound by reading the weights, which the
+# packed (4- or 8-bit) matrices make cheap; more rows are a GEMM's work, for the BLAS.
+PREFILL_FUSED_ROWS = 64
+
+
+def prefill_fits(x: mx.array, mask: Any, cache: Any) -> bool:
+    """Whether a block's call on `x` with this cache may be the fused kernel's prefill: a KVCache,
+    at most PREFILL_FUSED_ROWS new tokens, and the mask the kernel applies itself (causal: none
+    or "causal" for a cache without starts; a left-padded batch's mask is its starts', which is
+    what `mlxtoy.engine` passes)."""
+    return (isinstance(cache, KVCache) and x.shape[0] * x.shape[1] <= PREFILL_FUSED_ROWS
+            and (cache.starts is not None or mask is None or isinstance(mask, str)))
 
 
 def plain_projection(m: nn.Module) -> nn.Module:
