@@ -218,8 +218,8 @@ class BatchDecoder:
         tokens = mx.array([[0] * n + p for n, p in zip(pads, prompts)], dtype=mx.uint32)
         starts = mx.array(pads, dtype=mx.int32)
         cache = make_cache(self.model)
-        for c in cache:
-            c.starts = starts
+        for c in cache:  # room for the prompts only: the rows join the batch's cache right after
+            c.starts, c.step = starts, width
         mask = padded_causal_mask(starts, width)
         self.prompt_tokens += sum(len(p) for p in prompts)
         with no_dropout(self.model, self.dropout), fastmath.inference(), \

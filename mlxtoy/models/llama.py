@@ -458,6 +458,32 @@ def kept_packs(owner: nn.Module, weights: list[mx.array] | None, which: Sequence
     return packs
 
 
+def decode_copies_bytes(model: nn.Module) -> int:
+    """The bytes the fused decode step reads besides the weights (`Block.decode_packs`) while a
+    model decodes: each adapted projection's merged float32 weight, held by the compiled decoder
+    and once more while a prompt is prefilled, and the plain matrices' lossless packs (kept on
+    the blocks; sized from the first one, which says as much for all, as `kept_packs` does).
+    0 where the fused step does not run (no kernels, other blocks)."""
+    merged, plain, ratio = 0, 0, None
+    for layer in getattr(model, "layers", []):
+        modules = layer.fused_modules() if isinstance(layer, Block) else None
+        if modules is None:
+            continue
+        with fastmath.inference():
+            if not fastmath.decode_block_ok(mx.zeros((1, 1, 1)), *layer.fused_weights(False, modules)):
+                continue
+        for i in BLOCK_MATRICES:
+            m, base = modules[i]
+            if m is not base:
+                merged += base.weight.nbytes
+                continue
+            if ratio is None:
+                packed = fastmath.pack_lossless(base.weight)
+                ratio = 0.0 if packed is None else packed.nbytes / base.weight.nbytes
+            plain += base.weight.nbytes
+    return 2 * merged + int((ratio or 0.0) * plain)
+
+
 def repin_packs(owner: nn.Module, weights: list[mx.array] | None) -> None:
     """The packs kept on `owner` (`kept_packs`) now kept for these array objects of the same
     weights, without comparing values (right after a trace only)."""

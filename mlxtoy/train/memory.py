@@ -26,9 +26,10 @@ its longest prompt plus the completion tokens) and the tokens whose logits the l
 The step's peak is the largest of three moments: the start of the backward pass (everything
 above), the optimizer update (weights, optimizer state, gradients and the updated arrays),
 and, for a step that samples before it trains (GRPO, `Objective.memory_decode`), the batched
-decoding: weights, optimizer state and the decoder's KV cache (every row of the step's one
-generation, its prompt and the room KVCache grows by), while no gradient or activation is
-alive. Within 10% of MLX's measured peak on SmolLM2 GRPO runs (tests/test_memory.py).
+decoding: weights, optimizer state, the decoder's KV cache (every row of the step's one
+generation, its prompt and the room KVCache grows by) and what its fused blocks read besides
+the weights (`decode_copies_bytes`: adapters merged, 4-bit packs), while no gradient or
+activation is alive. Within 10% of MLX's measured peak on SmolLM2 GRPO runs (tests/test_memory.py).
 The per-block and per-moment factors were measured on the compiled step (`Stepper`) with
 `mx.get_peak_memory()`: within 10% on SmolLM2-135M for LoRA and full fine-tuning (README).
 """
@@ -50,6 +51,7 @@ from mlxtoy.loading import planned_model
 from mlxtoy.models.attention import attention_route
 from mlxtoy.models.cache import KVCache
 from mlxtoy.models.fastmath import kernels_on
+from mlxtoy.models.llama import decode_copies_bytes
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
 from mlxtoy.train.build import load_dtype, make_trainable, train_dtype
 from mlxtoy.train.objectives import Objective, loss_logits_alive, make_objective, output_layer
@@ -278,7 +280,9 @@ def estimate(cfg: TrainConfig, model: nn.Module, objective: Objective | None = N
     # activations are not alive then, the decoder's cache is
     decode = objective.memory_decode(cfg.batch_size, cfg.grad_accum)
     cache = kv_cache_bytes(m, *decode, item) if decode else 0
-    generation = weights + kept + opt + cache + (decode_logits_bytes(decode[0], m.vocab_size) if decode else 0)
+    generation = weights + kept + opt + cache
+    if decode:
+        generation += decode_logits_bytes(decode[0], m.vocab_size) + decode_copies_bytes(model)
     return MemoryEstimate(weights=weights, gradients=grads, optimizer=opt, activations=acts,
                           logits=logits, update=update, peak=max(backward, update, generation),
                           kv_cache=cache, generation=generation)
