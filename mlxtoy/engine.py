@@ -37,6 +37,7 @@ from mlxtoy.generate import PREFILL_STEP, decoder_for, forget_decoder, has_dropo
 from mlxtoy.models import fastmath
 from mlxtoy.models.adapters import adapter_rows_set, adapter_slots
 from mlxtoy.models.cache import KVCache, join_rows, keep_rows, make_cache, row_cache
+from mlxtoy.models.compiled import forget_compiled
 from mlxtoy.prompt_cache import PromptCache
 from mlxtoy.sampling import SamplingParams, make_sampler
 
@@ -304,6 +305,7 @@ class BatchDecoder:
             self.prompt_cache.clear()
         self.decode = None
         forget_decoder(self.model)
+        forget_compiled()
         mx.synchronize()
         mx.clear_cache()
 

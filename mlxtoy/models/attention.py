@@ -17,10 +17,11 @@ import mlx.core as mx
 import numpy as np
 
 from mlxtoy import backend, routes, settings
+from mlxtoy.models.compiled import compiled
 from mlxtoy.models.fastmath import (bare, inference, kernel_ok, kernels_module, poly_exp,
                                     route_table, single_cotangent)
 
-@mx.compile
+@compiled
 def _masked_softmax(s: mx.array, bias: mx.array) -> mx.array:
     s = s + bias
     e = poly_exp(s - s.max(axis=-1, keepdims=True))
@@ -28,7 +29,7 @@ def _masked_softmax(s: mx.array, bias: mx.array) -> mx.array:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-@mx.compile
+@compiled
 def _softmax_input_grad(p: mx.array, dp: mx.array, delta: mx.array) -> mx.array:
     return p * (dp - delta)
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxtoy.models.compiled import compiled
 from mlxtoy.models.fastmath import exp, kernel_ok, kernels_module, kernels_on, logsumexp
 
 
-@mx.compile
+@compiled
 def _ce_and_dlogits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.array]:
     x = logits.astype(mx.float32)
     m = x.max(axis=-1, keepdims=True)
@@ -20,7 +21,7 @@ def _ce_and_dlogits(logits: mx.array, targets: mx.array) -> tuple[mx.array, mx.a
     return (m + mx.log(s))[..., 0] - picked, mx.where(is_target, e / s - 1.0, e / s)
 
 
-@mx.compile
+@compiled
 def _softmax_minus_one_hot(x: mx.array, lse: mx.array, targets: mx.array) -> mx.array:
     # elementwise only (MLX's exp: the polynomial one does not fuse), so one (N, V) array
     p = mx.exp(x - lse[:, None])

@@ -28,6 +28,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxtoy import backend, routes, settings
+from mlxtoy.models.compiled import compiled
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125  # ln 2 split in two so n * ln2 stays exact in float32
@@ -42,12 +43,12 @@ def poly_exp(x: mx.array) -> mx.array:
     return p * ((n.astype(mx.int32) + 127) << 23).view(mx.float32)  # p * 2^n
 
 
-@mx.compile
+@compiled
 def _silu(x: mx.array) -> mx.array:
     return x / (1.0 + poly_exp(-x))
 
 
-@mx.compile
+@compiled
 def _silu_grad(x: mx.array, g: mx.array) -> mx.array:
     s = 1.0 / (1.0 + poly_exp(-x))
     return g * s * (1.0 + x * (1.0 - s))
@@ -188,7 +189,7 @@ def _kernel_swiglu_vjp(primals, cotangent, output):
     return da, db
 
 
-@functools.partial(mx.compile, shapeless=True)
+@compiled(shapeless=True)
 def _compiled_swiglu(a: mx.array, b: mx.array) -> mx.array:
     return nn.silu(a) * b
 
