@@ -350,13 +350,13 @@ class Block(nn.Module):
         pairs = list(zip(wrapped, plains))
         return [norms[0]] + pairs[:4] + [norms[1]] + pairs[4:]
 
-    def fused_weights(self, merged: bool = True, modules: list | None = None) -> list[mx.array] | None:
-        """The weights of `fused_modules` (or of `modules`, what it gave): an adapter's merged
-        weight (`merged`) or its base's."""
+    def fused_weights(self, modules: list | None = None) -> list[mx.array] | None:
+        """The weights of the plain modules of `fused_modules` (or of `modules`, what it gave):
+        an adapter's base's, not merged (`decode_packs` merges)."""
         modules = modules or self.fused_modules()
         if modules is None:
             return None
-        return [m.merged_weight() if merged and m is not plain else plain.weight for m, plain in modules]
+        return [plain.weight for _, plain in modules]
 
     def decode_packs(self, modules: list | None = None) -> dict[str, mx.array]:
         """This block's matrices in the form its fused step reads, keyed by their index in
@@ -367,7 +367,7 @@ class Block(nn.Module):
         if modules is None:
             return kept_packs(self, None, BLOCK_MATRICES)
         adapted = [i for i in BLOCK_MATRICES if modules[i][0] is not modules[i][1]]
-        packs = kept_packs(self, self.fused_weights(False, modules), [i for i in BLOCK_MATRICES if i not in adapted])
+        packs = kept_packs(self, self.fused_weights(modules), [i for i in BLOCK_MATRICES if i not in adapted])
         if adapted:
             packs = {**packs, **{str(i): modules[i][0].merged_weight() for i in adapted}}
             mx.eval(packs)
@@ -381,7 +381,7 @@ class Block(nn.Module):
         modules = self.fused_modules()
         if modules is None:
             return None
-        weights = self.fused_weights(False, modules)
+        weights = self.fused_weights(modules)
         a = self.attn
         biases = [plain.bias for _, plain in modules[1:4] if "bias" in plain]
         prefill = isinstance(cache, KVCache)
@@ -470,7 +470,7 @@ def decode_copies_bytes(model: nn.Module) -> int:
         if modules is None:
             continue
         with fastmath.inference():
-            if not fastmath.decode_block_ok(mx.zeros((1, 1, 1)), *layer.fused_weights(False, modules)):
+            if not fastmath.decode_block_ok(mx.zeros((1, 1, 1)), *layer.fused_weights(modules)):
                 continue
         for i in BLOCK_MATRICES:
             m, base = modules[i]
@@ -558,7 +558,7 @@ class LlamaModel(nn.Module):
         Only right after such a trace, before anything can have changed the weights."""
         for layer in self.layers:
             if isinstance(layer, Block):
-                repin_packs(layer, layer.fused_weights(merged=False))
+                repin_packs(layer, layer.fused_weights())
         w = self.output_matrix()
         repin_packs(self, None if w is None else [w])
 
