@@ -29,7 +29,8 @@ and, for a step that samples before it trains (GRPO, `Objective.memory_decode`),
 decoding: weights, optimizer state, the decoder's KV cache (every row of the step's one
 generation, its prompt and the room KVCache grows by) and what its fused blocks read besides
 the weights (`decode_copies_bytes`: adapters merged, 4-bit packs), while no gradient or
-activation is alive. Within 10% of MLX's measured peak on SmolLM2 GRPO runs (tests/test_memory.py).
+activation is alive. 0.80-0.89 of MLX's measured peak on SmolLM2 GRPO runs (tests/test_memory.py,
+within its 25%); the first generation also measures the routes of its new shapes, not counted.
 The per-block and per-moment factors were measured on the compiled step (`Stepper`) with
 `mx.get_peak_memory()`: within 10% on SmolLM2-135M for LoRA and full fine-tuning (README).
 """
