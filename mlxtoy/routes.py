@@ -1,14 +1,15 @@
 """Which implementation runs each kind of CPU work on this machine, chosen by timing them here.
 
-A float32 product of many rows can run on the kernels' AVX-512 GEMM or on the loaded BLAS (MKL,
-OpenBLAS: MLX's matmul); attention over many positions on the kernels' block attention or on
-MLX's GEMMs around the kernels' softmax. Which is faster depends on the CPU (full-width AVX-512,
-AVX-512 run as two halves, Intel's cores with MKL), the BLAS, the shapes and the cores: no rule
-about a CPU family predicts it. So the first time a shape class is met (or in `mlxtoy doctor
---calibrate`) each candidate route runs on it here: the routes whose values disagree with the
-reference route's are set aside, the others are timed, and the fastest is used from then on.
-The choice is kept in the cache, keyed by what it depends on (CPU model, cores, mlxtoy, MLX,
-the BLAS and the kernels' build); a cache made under another key, or unreadable, is ignored.
+A float32 product of many rows can run on the kernels' GEMM (AVX-512, or AVX2 and FMA) or on
+the loaded BLAS (MKL, OpenBLAS: MLX's matmul); attention over many positions on the kernels'
+block attention or on MLX's GEMMs around the kernels' softmax. Which is faster depends on the
+CPU (full-width AVX-512, AVX-512 run as two halves, AVX2 only, Intel's cores with MKL), the
+BLAS, the shapes and the cores: no rule about a CPU family predicts it. So the first time a
+shape class is met (or in `mlxtoy doctor --calibrate`) each candidate route runs on it here:
+the routes whose values disagree with the reference route's are set aside, the others are
+timed, and the fastest is used from then on. The choice is kept in the cache, keyed by what it
+depends on (CPU model, cores, mlxtoy, MLX, the BLAS and the kernels' build); a cache made under
+another key, or unreadable, is ignored.
 
 No MLX import: the candidates are callables handed in by the code that owns them (fastmath).
 """

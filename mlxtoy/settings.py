@@ -154,7 +154,7 @@ KERNEL_THREADS = Switch("MLXTOY_KERNEL_THREADS", int, None, "threads of the CPU 
                         check=at_least(1))
 
 # --- for tests, benchmarks and comparisons ----------------------------------------------------
-GEMM = Switch("MLXTOY_GEMM", bool, None, "float32 products of many rows: 1 the kernels' AVX-512 GEMM, "
+GEMM = Switch("MLXTOY_GEMM", bool, None, "float32 products of many rows: 1 the kernels' GEMM, "
               "0 the BLAS; unset: whichever measures faster here, per shape (`doctor --calibrate`)",
               audience=DEBUG)
 BLOCK_ATTENTION = Switch("MLXTOY_BLOCK_ATTENTION", bool, None, "attention over many positions: 1 the "
@@ -176,6 +176,8 @@ KERNEL_DONE_SPINS = Switch("MLXTOY_KERNEL_DONE_SPINS", int, 400, "how long the k
 KERNEL_VNNI = Switch("MLXTOY_KERNEL_VNNI", bool, True, "0: decoding from a 4-bit base multiplies in "
                      "float32 instead of AVX-512 VNNI integer products (x rounded to 16 bits a group)",
                      audience=DEBUG, read_by="C++")
+KERNEL_AVX512 = Switch("MLXTOY_KERNEL_AVX512", bool, True, "0: the kernels' GEMM takes its AVX2 form "
+                       "on an AVX-512 CPU (tests, comparisons)", audience=DEBUG, read_by="C++")
 GPU_SLAB_ROWS = Switch("MLXTOY_GPU_SLAB_ROWS", int, 0, "on a GPU, a quantized base's products of at "
                        "least this many rows dequantize slabs into the dense matmul instead of "
                        "mx.quantized_matmul (0: never; bench/gpu_check.sh times both)", audience=DEBUG,
@@ -186,7 +188,8 @@ ROUTES = Switch("MLXTOY_ROUTES", str, "", "the file this machine's measured rout
 
 SWITCHES: tuple[Switch, ...] = (DEVICE, DTYPE, BLAS, KERNELS, MALLOC, CACHE, MEMORY_GB, KERNEL_THREADS,
                                 GEMM, BLOCK_ATTENTION, FUSED_DECODE, PACKED_DECODE, KERNEL_POOL,
-                                KERNEL_SPINS, KERNEL_DONE_SPINS, KERNEL_VNNI, GPU_SLAB_ROWS, ROUTES)
+                                KERNEL_SPINS, KERNEL_DONE_SPINS, KERNEL_VNNI, KERNEL_AVX512, GPU_SLAB_ROWS,
+                                ROUTES)
 
 
 def check_all(switches: tuple[Switch, ...] = SWITCHES) -> None:

@@ -1,6 +1,6 @@
-"""The kernels' AVX-512 GEMM (gemm.h): products against numpy float64 for every transposition,
-the bits on one thread against two, the linear layer's gradient through it, and a prefill
-through it against one through MLX's matmul."""
+"""The kernels' GEMM (gemm.h; AVX-512, or AVX2 and FMA): products against numpy float64 for every
+transposition, in both forms, the bits on one thread against two, the linear layer's gradient
+through it, and a prefill through it against one through MLX's matmul."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from test_generate import tiny_model
 from test_kernels import run_py
 
 pytestmark = pytest.mark.kernels  # the kernels themselves: skipped under MLXTOY_KERNELS=0 (conftest)
-needs_avx512 = pytest.mark.skipif(not K.gemm_ok(), reason="the GEMM kernel needs a CPU with AVX-512")
+needs_gemm = pytest.mark.skipif(not K.gemm_ok(), reason="the GEMM kernel needs a CPU with AVX-512, or AVX2 and FMA")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -39,7 +39,7 @@ def graph(*outputs: mx.array) -> str:
     return f.getvalue()
 
 
-@needs_avx512
+@needs_gemm
 @pytest.mark.parametrize("M", [1, 5, 31, 32, 33, 129, 300])  # one panel short, exact, over; over a chunk of 128
 def test_gemm_many_vs_numpy(M):
     r = np.random.default_rng(M)
@@ -53,7 +53,7 @@ def test_gemm_many_vs_numpy(M):
         np.testing.assert_allclose(np.array(y), ref(x, w), rtol=0, atol=2e-5)
 
 
-@needs_avx512
+@needs_gemm
 def test_gemm_many_head_shaped_weights_and_strided_x():
     r = np.random.default_rng(7)
     w3 = (r.standard_normal((3, 16, 96)) / 10).astype(np.float32)  # (heads, d_head, K)
@@ -74,7 +74,7 @@ np.save(sys.argv[2], np.array(K.gemm_many(mx.array(d["x"]), [mx.array(d["w"])])[
 """
 
 
-@needs_avx512
+@needs_gemm
 def test_gemm_many_one_thread_gives_the_same_bits(tmp_path):
     # every output is one tile's sum in k order, whichever thread takes the tile
     r = np.random.default_rng(3)
@@ -87,7 +87,47 @@ def test_gemm_many_one_thread_gives_the_same_bits(tmp_path):
     np.testing.assert_allclose(here, ref(d["x"], d["w"]), rtol=0, atol=1e-4)  # positive control: right, not merely alike
 
 
-@needs_avx512
+FORMS_SCRIPT = """
+import sys, numpy as np
+import mlxtoy, mlx.core as mx, mlxtoy_kernels as K
+d = dict(np.load(sys.argv[1]))
+out = {}
+for i in range(len(d) // 2):
+    A, B = d[f"a{i}"], d[f"b{i}"]
+    for ta in (0, 1):
+        for tb in (0, 1):
+            y = K.gemm(mx.array(A.T.copy() if ta else A), mx.array(B.T.copy() if tb else B), bool(ta), bool(tb), False)
+            out[f"{i}{ta}{tb}"] = np.array(y)
+np.savez(sys.argv[2], **out)
+"""
+
+
+@needs_gemm
+def test_the_avx2_form_on_every_transposition_and_thread_count(tmp_path):
+    """MLXTOY_KERNEL_AVX512=0 runs the AVX2 form wherever the GEMM runs (on an AVX-512 CPU too, so
+    every machine tests it): each transposition against numpy float64, through the blockings it
+    has (a panel's and a tile's tails; a chunk of rows and several, which the threads share or
+    split between them; a sum long enough to run in blocks), the same bits on one thread as on two."""
+    r = np.random.default_rng(5)
+    shapes = [(37, 577, 29), (130, 64, 13), (1, 5, 1), (20, 1100, 14), (300, 600, 50), (257, 1030, 7)]
+    d = {}
+    for i, (M, S, N) in enumerate(shapes):
+        d[f"a{i}"] = r.standard_normal((M, S)).astype(np.float32)
+        d[f"b{i}"] = r.standard_normal((S, N)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", **d)
+    run_py(FORMS_SCRIPT, tmp_path / "in.npz", tmp_path / "two.npz", MLXTOY_KERNEL_AVX512="0", MLXTOY_KERNEL_THREADS="2")
+    run_py(FORMS_SCRIPT, tmp_path / "in.npz", tmp_path / "one.npz", MLXTOY_KERNEL_AVX512="0", MLXTOY_KERNEL_THREADS="1")
+    two, one = np.load(tmp_path / "two.npz"), np.load(tmp_path / "one.npz")
+    for i, (M, S, N) in enumerate(shapes):
+        want = d[f"a{i}"].astype(np.float64) @ d[f"b{i}"].astype(np.float64)
+        for ta in (0, 1):
+            for tb in (0, 1):
+                key = f"{i}{ta}{tb}"
+                np.testing.assert_allclose(two[key], want, rtol=0, atol=2e-5 * np.sqrt(S), err_msg=key)
+                np.testing.assert_array_equal(one[key], two[key], err_msg=key)
+
+
+@needs_gemm
 @pytest.mark.parametrize("trans_a", [False, True])
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("trans_out", [False, True])
@@ -107,7 +147,7 @@ def test_gemm_each_transposition_vs_numpy(trans_a, trans_b, trans_out):
     assert K.gemm(mx.ones((0, 4)), mx.ones((4, 5))).shape == (0, 5)
 
 
-@needs_avx512
+@needs_gemm
 def test_fastmath_linear_through_the_gemm_and_its_gradient():
     r = np.random.default_rng(5)
     x = mx.array(r.standard_normal((2, 9, 64)).astype(np.float32))
@@ -128,7 +168,7 @@ def test_fastmath_linear_through_the_gemm_and_its_gradient():
     np.testing.assert_allclose(np.array(one), np.array(y)[:, :1], rtol=0, atol=2e-5)
 
 
-@needs_avx512
+@needs_gemm
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias"])
 def test_prefill_through_the_gemm_matches_mlx_matmul(monkeypatch, kind):
     model = tiny_model(kind, seed=2)
@@ -152,7 +192,7 @@ def test_prefill_through_the_gemm_matches_mlx_matmul(monkeypatch, kind):
 
 
 def test_the_portable_stubs_build():
-    """Where the CPU or compiler has no AVX-512 (macOS on ARM, other Linux CPUs), gemm.h's stubs
+    """Where the CPU or compiler has no x86-64 code (macOS on ARM, other Linux CPUs), gemm.h's stubs
     stand in: kernels.cpp must compile with them (the positive control: and without them)."""
     compiler = shutil.which("c++") or shutil.which("g++")
     include = Path(mlx.__path__[0]) / "include"

@@ -469,16 +469,16 @@ std::vector<mx::array> gemv_many(const mx::array& x, const std::vector<mx::array
   return many_products(Kernel::Op::GemvMany, "gemv_many", x, ws, st);
 }
 
-bool gemm_ok() { return gemm_avx512(); }
+bool gemm_ok() { return gemm_x86(); }
 
 std::vector<mx::array> gemm_many(const mx::array& x, const std::vector<mx::array>& ws, mx::StreamOrDevice st) {
-  if (!gemm_avx512()) throw std::runtime_error("[mlxtoy_kernels] gemm_many needs a CPU with AVX-512");
+  if (!gemm_x86()) throw std::runtime_error("[mlxtoy_kernels] gemm_many needs a CPU with AVX-512, or AVX2 and FMA");
   return many_products(Kernel::Op::GemmMany, "gemm_many", x, ws, st);
 }
 
 mx::array gemm(const mx::array& a, const mx::array& b, bool trans_a, bool trans_b, bool trans_out,
                mx::StreamOrDevice st) {
-  if (!gemm_avx512()) throw std::runtime_error("[mlxtoy_kernels] gemm needs a CPU with AVX-512");
+  if (!gemm_x86()) throw std::runtime_error("[mlxtoy_kernels] gemm needs a CPU with AVX-512, or AVX2 and FMA");
   if (a.ndim() != 2 || b.ndim() != 2 || a.shape(trans_a ? 0 : 1) != b.shape(trans_b ? 1 : 0))
     throw std::invalid_argument("[mlxtoy_kernels] gemm: op(a) (M, S) and op(b) (S, N), 2-D");
   int M = a.shape(trans_a ? 1 : 0), N = b.shape(trans_b ? 0 : 1);

@@ -95,7 +95,7 @@ def kernels_status() -> str:
     K = kernels_module()
     if K is not None:
         team = "MKL's OpenMP threads" if K.openmp() else "their own pool"
-        gemms = ("the kernels' AVX-512 GEMM or the BLAS, whichever measures faster per shape (`doctor --calibrate`)"
+        gemms = ("the kernels' GEMM or the BLAS, whichever measures faster per shape (`doctor --calibrate`)"
                  if gemm_on() else "the BLAS")
         quantized = "AVX-512 VNNI integer products" if quant_vnni() else "float32"
         return (f"on ({K.threads()} threads: {team}; float32 products of many rows: {gemms}; "
@@ -233,7 +233,7 @@ def _gemv(x: mx.array, ws: list[mx.array]) -> list[mx.array]:
 
 
 def gemm_on() -> bool:
-    """Whether the kernels' AVX-512 GEMM runs here (the kernels on, an AVX-512 CPU, and not
+    """Whether the kernels' GEMM runs here (the kernels on, an x86-64 CPU with AVX-512 or AVX2, and not
     MLXTOY_GEMM=0); whether a product takes it is then measured per shape (`gemm_route`)."""
     K = kernels_module()
     return K is not None and K.gemm_ok() and settings.GEMM.value() is not False
