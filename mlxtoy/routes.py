@@ -91,6 +91,16 @@ def agrees(values: Outputs, reference: Outputs, rtol: float = PARITY_RTOL) -> bo
     return True
 
 
+def fastest(names: list[str], rates: dict[str, float | None]) -> str:
+    """The route to take by these rates (GFLOP/s; None: its values were wrong): the reference
+    (the first name) unless another beats it by MARGIN."""
+    best = names[0]
+    for name in names[1:]:
+        if rates.get(name) is not None and rates[name] > (rates[best] or 0.0) * (1 + MARGIN):
+            best = name
+    return best
+
+
 @dataclass
 class RouteTable:
     """The measured choices of this machine, by kind of work and shape class, and where they
@@ -137,15 +147,25 @@ class RouteTable:
     def chosen(self, kind: str, shape: Sequence[int | str]) -> Choice | None:
         return self.choices.get(self.key(kind, shape))
 
+    def kept_route(self, kind: str, shape: Sequence[int | str], names: Sequence[str]) -> str | None:
+        """The kept choice among the routes `names` (the first the reference): its route where
+        those were the routes measured; the fastest of them by the kept rates where more were
+        (a switch turned one off); None where one of them was not measured (a route added
+        since), so it is measured again."""
+        kept = self.chosen(kind, shape)
+        if kept is None or not set(names) <= set(kept.gflops):
+            return None
+        return kept.route if set(names) == set(kept.gflops) else fastest(list(names), kept.gflops)
+
     def choose(self, kind: str, shape: Sequence[int | str], candidates: dict[str, Candidate], flops: float,
                what: str) -> str:
         """The route for this shape class: the kept choice, else measured now. The first
         candidate is the reference: the others must give its values (`agrees`) to be timed,
         and beat it by MARGIN to be taken."""
-        kept = self.chosen(kind, shape)
-        if kept is not None and kept.route in candidates:
-            return kept.route
         names = list(candidates)
+        kept = self.kept_route(kind, shape, names)
+        if kept is not None:
+            return kept
         start = time.perf_counter()
         # every route runs once (its values, and a first time), then each is timed again in
         # turn: interleaved, a burst of other work on the machine weighs on every route alike
@@ -166,10 +186,7 @@ class RouteTable:
             seconds = max(self.time_route(name, candidates[name], firsts[name], best), 1e-12)
             best = min(best, seconds)
             rates[name] = flops / seconds / 1e9
-        best = names[0]
-        for name in names[1:]:
-            if rates[name] is not None and rates[name] > rates[best] * (1 + MARGIN):
-                best = name
+        best = fastest(names, rates)
         spent = time.perf_counter() - start
         self.measuring_seconds += spent
         choice = Choice(best, rates, spent)

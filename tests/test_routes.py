@@ -75,6 +75,23 @@ def test_the_reference_keeps_its_place_within_the_margin(tmp_path):
     assert t.choose("gemm", ("nt", 64, 8, 8), {"blas": constant(1.0), "kernels": constant(1.0)}, 1e9, "") == "kernels"
 
 
+def test_a_route_added_since_is_measured_and_one_switched_off_is_left_out(tmp_path):
+    shape = (32, 1536, 576)
+    t = table(tmp_path, {"blas": 3.0, "gemv": 2.0, "kernels": 1.0})
+    two = {"blas": constant(1.0), "gemv": constant(1.0)}
+    assert t.choose("few", shape, two, 1e9, "") == "gemv"
+    # a new candidate: the kept choice did not measure it, so every route is measured again
+    three = {"blas": constant(1.0), "gemv": constant(1.0), "kernels": constant(1.0)}
+    assert t.kept_route("few", shape, list(three)) is None
+    assert t.choose("few", shape, three, 1e9, "") == "kernels"
+    assert three["kernels"].runs > 0
+    # a switch leaves one out (MLXTOY_GEMM=0): the fastest of the others by the kept rates, unmeasured
+    again = {"blas": constant(1.0), "gemv": constant(1.0)}
+    assert t.kept_route("few", shape, list(again)) == "gemv"
+    assert t.choose("few", shape, again, 1e9, "") == "gemv" and again["gemv"].runs == 0
+    assert t.kept_route("few", shape, list(three)) == "kernels"  # positive control: all three kept
+
+
 def test_a_route_with_wrong_values_is_never_taken(tmp_path):
     lines: list[str] = []
     t = table(tmp_path, {"blas": 1.0, "kernels": 0.01}, lines)
@@ -318,11 +335,13 @@ def test_calibrating_the_blas_times_each_library_in_its_own_process(tmp_path, mo
         assert backend.measured_blas(found) == kept["fastest"]
 
 
-@pytest.mark.parametrize("faster", ["blas", "gemv"])
+@pytest.mark.parametrize("faster", ["blas", "gemv", "kernels"])
 def test_a_batch_of_decoded_rows_takes_the_measured_route_with_float64_values(routed, faster):
     if not fastmath.kernels_on():
         pytest.skip("the kernels are off here")
-    routed({"blas": 1.0, "gemv": 1.0, "kernels": 1.0} | {faster: 0.1})  # a GEMM no faster than the BLAS
+    if faster == "kernels" and not fastmath.gemm_on():
+        pytest.skip("the kernels' GEMM does not run here")
+    routed({"blas": 1.0, "gemv": 1.0, "kernels": 1.0} | {faster: 0.1})
     r = np.random.default_rng(7)
     x = r.standard_normal((3, 4, 64))  # 12 rows
     w = r.standard_normal((40, 64)) / 8
@@ -331,7 +350,13 @@ def test_a_batch_of_decoded_rows_takes_the_measured_route_with_float64_values(ro
     with fastmath.inference():
         y, yh = fastmath.linear_many(xa, [wa, ha])
         one = fastmath.linear(xa, wa)
-    assert ("MlxtoyKernel" in _graph(one)) == (faster == "gemv")  # positive control: the route ran
+    # positive control: the route ran, bit for bit
+    assert ("MlxtoyKernel" in _graph(one)) == (faster != "blas")
+    flat = xa.reshape(-1, 64)
+    K = fastmath.kernels_module()
+    ran = {"blas": lambda: flat @ wa.T, "gemv": lambda: K.gemv_many(flat, [wa])[0],
+           "kernels": lambda: K.gemm_many(flat, [wa])[0]}[faster]()
+    np.testing.assert_array_equal(np.array(one).reshape(-1, 40), np.array(ran))
     np.testing.assert_allclose(np.array(y), x @ w.T, rtol=0, atol=2e-5)
     np.testing.assert_allclose(np.array(one), x @ w.T, rtol=0, atol=2e-5)
     np.testing.assert_allclose(np.array(yh), np.einsum("abk,hdk->abhd", x, heads), rtol=0, atol=2e-5)

@@ -374,30 +374,39 @@ def _few_rows_candidates(M: int, N: int, K: int) -> dict[str, routes.Candidate]:
         mx.eval(y)
         return [y]
 
-    return {"blas": blas, "gemv": gemv}
+    def kernels():
+        y = kernels_module().gemm_many(x, [w])[0]
+        mx.eval(y)
+        return [y]
+
+    return {"blas": blas, "gemv": gemv} | ({"kernels": kernels} if gemm_on() else {})
 
 
-def _takes_gemv_rows(x: mx.array, *weights: mx.array) -> bool:
-    """Whether a few rows of x (a batch of decoded tokens, no gradient) take the threaded GEMV
-    (every row against each block of a weight's rows while it is in cache) rather than the BLAS,
-    whose products of a few rows can run on one thread: measured per rows class and matrix
-    (`route_table`), like the products of many rows."""
+def _few_rows_route(x: mx.array, *weights: mx.array) -> str | None:
+    """For a few rows of x (a batch of decoded tokens, no gradient): the route every weight's
+    product takes, measured per rows class and matrix (`route_table`) like the products of many
+    rows: "gemv" (the threaded GEMV, every row against each block of a weight's rows while it is
+    in cache), "kernels" (the kernels' GEMM, where it runs), "blas" (whose products of a few rows
+    can run on one thread), or "mixed" where the weights' routes differ; None where x is not a
+    few rows, or a product is too small to measure (the BLAS, as before these were measured)."""
     M = _rows(x)
     if not (_GEMV_ROWS < M <= FEW_ROWS and bare(x) and kernel_ok(*weights)):
-        return False
+        return None
     rows = 8 if M <= 8 else FEW_ROWS
     table = route_table()
+    names = ["blas", "gemv"] + (["kernels"] if gemm_on() else [])  # those of _few_rows_candidates
+    chosen = set()
     for w in weights:
         shape = (rows, *_flat(w))
-        if rows * w.size < FEW_ROUTED_MACS:  # tiny: the BLAS, as before these were measured
-            return False
-        if table.chosen("few", shape) is None:
+        if rows * w.size < FEW_ROUTED_MACS:
+            return None
+        route = table.kept_route("few", shape, names)
+        if route is None:
             with mx.stream(mx.cpu):
-                table.choose("few", shape, _few_rows_candidates(*shape), 2.0 * rows * w.size,
-                             f"float32 product of {rows} rows x {shape[2]} x {shape[1]}")
-        if table.chosen("few", shape).route != "gemv":
-            return False
-    return True
+                route = table.choose("few", shape, _few_rows_candidates(*shape), 2.0 * rows * w.size,
+                                     f"float32 product of {rows} rows x {shape[2]} x {shape[1]}")
+        chosen.add(route)
+    return chosen.pop() if len(chosen) == 1 else "mixed"
 
 
 def linear(x: mx.array, weight: mx.array) -> mx.array:
@@ -405,8 +414,11 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
     kernels' GEMM where it applies (with its gradient, or bare inside `inference()`)."""
     if _takes_gemv(x, weight):
         return _gemv(x, [weight])[0]
-    if _takes_gemv_rows(x, weight):
+    few = _few_rows_route(x, weight)
+    if few == "gemv":
         return _gemv(x, [weight])[0]
+    if few is not None:
+        return kernels_module().gemm_many(x, [weight])[0] if few == "kernels" else x @ weight.T
     if _takes_gemm(x, weight, training=not bare(x)):
         return kernels_module().gemm_many(x, [weight])[0] if bare(x) else _kernel_linear(x, weight)
     return x @ weight.T
@@ -419,9 +431,12 @@ def linear_many(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     split over the threads, and no reshapes around it."""
     if _takes_gemv(x, weights[0]) and kernel_ok(*weights):
         return list(_gemv(x, weights))
-    if _takes_gemv_rows(x, *weights):
+    few = _few_rows_route(x, *weights)
+    if few == "gemv":
         return list(_gemv(x, weights))
-    if _takes_gemm(x, *weights) and bare(x):
+    if few == "kernels":
+        return list(kernels_module().gemm_many(x, weights))
+    if few is None and _takes_gemm(x, *weights) and bare(x):
         return list(kernels_module().gemm_many(x, weights))
     out = []
     for w in weights:
