@@ -5,6 +5,8 @@ cache."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,31 @@ def test_rows_join_and_leave_between_steps():
         else:
             assert got == want[i], i
     assert engine.cache[0].keys is None  # every row gone: the cache is empty
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_rows_that_end_stay_in_the_cache_until_it_is_compacted(arch):
+    """A row that ends leaves the batch, but its cache row stays (reading token 0) until rows
+    that left are an eighth of the cache or new rows join: the other rows' tokens must not
+    change, whichever rows the cache holds."""
+    model = arch_model(arch)
+    ps = prompts((5, 9, 3, 14, 7, 11, 4, 8), seed=2)
+    budgets = (4, 20, 6, 20, 8, 20, 20, 10)
+    sp = SamplingParams(temp=1.0, top_p=0.9, seed=5)
+    want = [alone(model, p, replace(sp, seed=5 + i), n) for i, (p, n) in enumerate(zip(ps, budgets))]
+    engine = BatchDecoder(model)
+    rows = [engine.add(Request(p, n, replace(sp, seed=5 + i)))[0] for i, (p, n) in enumerate(zip(ps, budgets))]
+    out: dict[int, list[int]] = {}
+    widths = []
+    while engine.rows:
+        for row, tok in engine.step():
+            out.setdefault(id(row), []).append(tok.token)
+        widths.append((len(engine.rows), engine.cache_width()))
+    for i, row in enumerate(rows):
+        assert out[id(row)] == want[i], i
+    assert (7, 8) in widths  # positive control: an ended row kept its cache row
+    assert (6, 6) in widths and (5, 5) in widths  # then a quarter of them gone: compacted
+    assert engine.cache[0].keys is None
 
 
 def test_a_cancelled_row_frees_its_cache_row():
