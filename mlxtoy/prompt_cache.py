@@ -13,7 +13,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlxtoy.models.cache import KVCache
+from mlxtoy.models.cache import KVCache, cache_columns
 
 MIN_PREFIX = 16  # a shorter common prefix is not worth the copy
 
@@ -47,25 +47,14 @@ class PromptCache:
             return None, 0
         self.entries.move_to_end(best)
         self.hits += 1
-        copy = []
-        for c in self.entries[best]:
-            k = KVCache()
-            k.keys, k.values = c.keys[..., :best_n, :], c.values[..., :best_n, :]
-            k.offset = best_n
-            copy.append(k)
-        return copy, best_n
+        return cache_columns(self.entries[best], 0, best_n), best_n
 
     def store(self, prompt: Sequence[int], adapter: int, cache: list[KVCache]) -> None:
         """Keep a copy of a single-row cache holding `prompt` (only its valid columns)."""
         key = (adapter, tuple(int(t) for t in prompt))
         if key in self.entries or len(prompt) < MIN_PREFIX:
             return
-        kept = []
-        for c in cache:
-            k = KVCache()
-            k.keys, k.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
-            k.offset = c.offset
-            kept.append(k)
+        kept = cache_columns(cache)
         mx.eval([c.state for c in kept])
         size = sum(c.nbytes for c in kept)
         if size > self.max_bytes:

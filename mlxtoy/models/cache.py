@@ -178,17 +178,25 @@ def join_rows(batch: list[KVCache], rows: list[KVCache], copies: int | Sequence[
         b.offset = end
 
 
+def cache_columns(cache: list[KVCache], start: int = 0, end: int | None = None,
+                  row: int | None = None) -> list[KVCache]:
+    """A new cache of columns [start, end) (end: the filled ones) of every row, or of row `row`
+    only: slices of the same arrays, copied only when evaluated."""
+    rows = slice(None) if row is None else slice(row, row + 1)
+    out = []
+    for c in cache:
+        stop = c.offset if end is None else end
+        k = KVCache()
+        k.keys, k.values = c.keys[rows, :, start:stop, :], c.values[rows, :, start:stop, :]
+        k.offset = stop - start
+        out.append(k)
+    return out
+
+
 def row_cache(cache: list[KVCache], row: int) -> list[KVCache]:
     """Row `row` of a left-padded batch cache as a one-row cache of its real columns only."""
     start = 0 if cache[0].starts is None else int(cache[0].starts[row].item())
-    out = []
-    for c in cache:
-        k = KVCache()
-        k.keys = c.keys[row:row + 1, :, start:c.offset, :]
-        k.values = c.values[row:row + 1, :, start:c.offset, :]
-        k.offset = c.offset - start
-        out.append(k)
-    return out
+    return cache_columns(cache, start, row=row)
 
 
 def keep_rows(cache: list[KVCache], rows: list[int]) -> None:
