@@ -23,8 +23,8 @@ from helpers_train import REPO, run_cli
 from mlxtoy import backend, settings
 from mlxtoy.cli import COMMANDS, build_parser
 
-PYTHON_READ = re.compile(r"(?:environ(?:\.get)?\(?\[?|getenv\()\s*[\"'](MLXTOY_[A-Z_]+)")
-CPP_READ = re.compile(r"getenv\(\"(MLXTOY_[A-Z_]+)\"\)")
+PYTHON_READ = re.compile(r"(?:environ(?:\.get)?\(?\[?|getenv\()\s*[\"'](MLXTOY_[A-Z0-9_]+)")
+CPP_READ = re.compile(r"getenv\(\"(MLXTOY_[A-Z0-9_]+)\"\)")
 
 
 def source_files(*folders: str, suffixes: tuple[str, ...]) -> list[Path]:
