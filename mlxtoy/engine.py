@@ -338,10 +338,12 @@ class BatchDecoder:
         """Every row reads its token (B, 1); its pending logits become the result's row."""
         starts = self.cache[0].starts
         width = self.cache_width()
-        adapter = [0] * width
-        for r, c in zip(self.rows, self.cache_rows):
-            adapter[c] = r.request.adapter
-        adapters = mx.array(adapter, dtype=mx.int32) if self.slots else None
+        adapters = None
+        if self.slots:  # each cache row's adapter; rows that left read the base's slot
+            adapter = [0] * width
+            for r, c in zip(self.rows, self.cache_rows):
+                adapter[c] = r.request.adapter
+            adapters = mx.array(adapter, dtype=mx.int32)
         if len(self.rows) < width:  # rows that left read token 0 in their cache rows
             tokens = mx.zeros((width, 1), dtype=tokens.dtype).at[mx.array(self.cache_rows)].add(tokens)
         with no_dropout(self.model, self.dropout):

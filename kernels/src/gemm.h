@@ -211,11 +211,13 @@ __attribute__((target("avx2,fma"))) inline void gemm_tile_avx2(const float* pane
 // a time (their panels stay in L2), the blocks a long sum runs in (a tile's panel and rows of B
 // then stay in cache), and whether the threads split many rows of A between them (each packing
 // its own chunks, kept in its core's L2) rather than the tiles of B (sharing A's panels). The
-// AVX2 blocking is the best of those tried on a Zen 3 (kernels/README.md).
+// AVX2 blocking is the best of those tried on a Zen 3 (kernels/README.md); pack_b: a B stored
+// s-major is copied tile by tile (below). The AVX-512 form keeps the blocking it was measured with
+// on AVX-512 CPUs: B read in place, the threads sharing A's panels.
 struct GemmAvx512 {
   static constexpr int64_t panel = 32, chunk = 128, long_sum = 2048, depth = 512;
   static constexpr int rows = 12;
-  static constexpr bool split_rows = false;
+  static constexpr bool split_rows = false, pack_b = false;
   template <int R, bool along>
   static void tile(const float* p, GemmOperand b, int64_t S, int64_t mp, float* out, int64_t ors, int64_t ocs, bool add) {
     gemm_tile_avx512<R, along>(p, b, S, mp, out, ors, ocs, add);
@@ -225,7 +227,7 @@ struct GemmAvx512 {
 struct GemmAvx2 {
   static constexpr int64_t panel = 16, chunk = 64, long_sum = 512, depth = 512;
   static constexpr int rows = 6;
-  static constexpr bool split_rows = true;
+  static constexpr bool split_rows = true, pack_b = true;
   template <int R, bool along>
   static void tile(const float* p, GemmOperand b, int64_t S, int64_t mp, float* out, int64_t ors, int64_t ocs, bool add) {
     gemm_tile_avx2<R, along>(p, b, S, mp, out, ors, ocs, add);
@@ -242,13 +244,19 @@ inline void gemm_tile_rows(const float* panel, GemmOperand b, int64_t S, int64_t
   Isa::template tile<R, along>(panel, b, S, mp, out, ors, ocs, add);
 }
 
-// this thread's 64-byte aligned scratch of at least n floats (kept for its next call)
+// n floats, 64-byte aligned (at least one line)
+inline std::unique_ptr<float[], AlignedFree> gemm_floats(size_t n) {
+  return std::unique_ptr<float[], AlignedFree>(
+      static_cast<float*>(std::aligned_alloc(64, std::max<size_t>((n * sizeof(float) + 63) / 64 * 64, 64))));
+}
+
+// this thread's aligned scratch of at least n floats (kept for its next call)
 inline float* gemm_scratch(size_t n) {
   thread_local std::unique_ptr<float[], AlignedFree> buf;
   thread_local size_t size = 0;
   if (n > size) {
     size = std::max(n, size * 2);
-    buf.reset(static_cast<float*>(std::aligned_alloc(64, (size * sizeof(float) + 63) / 64 * 64)));
+    buf = gemm_floats(size);
   }
   return buf.get();
 }
@@ -264,15 +272,12 @@ inline void gemm_run_isa(Pool& threads, GemmOperand a, int64_t M, int64_t S, con
   // a long sum (the vocabulary's, in the loss's input gradient) in equal blocks
   const int64_t n_sums = (S + Isa::depth - 1) / Isa::depth;
   const int64_t kc = S <= Isa::long_sum ? S : (S + n_sums - 1) / n_sums;
-  auto aligned = [](size_t floats) {
-    return std::unique_ptr<float[], AlignedFree>(
-        static_cast<float*>(std::aligned_alloc(64, std::max<size_t>((floats * sizeof(float) + 63) / 64 * 64, 64))));
-  };
-  auto panels = aligned(static_cast<size_t>(CH * kc));
+  auto panels = gemm_floats(static_cast<size_t>(CH * kc));
   // B stored s-major (the gradients' forms): a tile's R floats of each s sit in one line with the
   // next tiles', so a kc block of B is copied once, tile by tile, [s][r], and read from L1
-  const bool pack_b = M > P && std::all_of(targets.begin(), targets.end(), [](const GemmTarget& t) { return t.b.red != 1; });
-  auto packed_b = aligned(pack_b ? static_cast<size_t>(blocks * kc * R) : 0);
+  const bool pack_b = Isa::pack_b && M > P &&
+                      std::all_of(targets.begin(), targets.end(), [](const GemmTarget& t) { return t.b.red != 1; });
+  auto packed_b = gemm_floats(pack_b ? static_cast<size_t>(blocks * kc * R) : 0);
   auto tile_b = [&](int64_t blk, int64_t s0, int64_t sc, const GemmTarget*& t, int64_t& j0, int& rows) {
     size_t ti = std::upper_bound(first_block.begin(), first_block.end(), blk) - first_block.begin() - 1;
     t = &targets[ti];
