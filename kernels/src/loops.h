@@ -198,7 +198,7 @@ HOT void swiglu_grad_span(const float* a, const float* b, const float* g, float*
 
 // y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1). (Four rows at a time, as four
 // reductions in one simd loop, measured 1.6x slower: gcc does not vectorize it as well. For one
-// row, AVX2 with four rows of W a pass was slower too, and four accumulators on a row no faster.)
+// row, AVX2 with four rows of W a pass was slower too; one row's four accumulators are below.)
 #ifdef MLXTOY_AVX2
 // whether the AVX-512 forms run here (the functions built with target("avx512f"))
 inline bool cpu_avx512() {
@@ -291,6 +291,31 @@ __attribute__((target("avx2,fma"))) inline void gemv_block_avx2(const float* x, 
     for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
 }
 
+// gemv_span for one row of x with AVX2: each row of W as four independent FMA chains, summed
+// (a + b) + (c + d) and then across lanes. The loop streams W from memory; gcc's own vectorizing
+// of the plain loop keeps one chain, whose FMA latency leaves fewer loads in flight.
+__attribute__((target("avx2,fma"))) inline void gemv_row_avx2(const float* x, const float* w, float* y,
+                                                              int64_t K, int64_t n0, int64_t n1) {
+  alignas(32) int32_t lanes[8];
+  const int64_t tail = K % 8;
+  for (int i = 0; i < 8; ++i) lanes[i] = i < tail ? -1 : 0;
+  const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 8), _mm256_loadu_ps(x + k + 8), b);
+      c = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 16), _mm256_loadu_ps(x + k + 16), c);
+      d = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 24), _mm256_loadu_ps(x + k + 24), d);
+    }
+    for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), a);
+    if (tail) a = _mm256_fmadd_ps(_mm256_maskload_ps(wr + k, mask), _mm256_maskload_ps(x + k, mask), a);
+    y[n] = hsum8(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
+  }
+}
+
 // gemv_span for two or more rows of x with AVX2: four rows of W (one L1-resident block) against
 // every row of x, three at a time, so W is read from memory once whatever the rows
 template <int R>
@@ -313,7 +338,7 @@ HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t 
                    int64_t n0, int64_t n1) {
 #ifdef MLXTOY_AVX2
   if (cpu_avx512()) return gemv_span_avx512(x, w, y, M, N, K, n0, n1);
-  if (M >= 2 && cpu_avx2_fma()) return gemv_span_avx2(x, w, y, M, N, K, n0, n1);
+  if (cpu_avx2_fma()) return M >= 2 ? gemv_span_avx2(x, w, y, M, N, K, n0, n1) : gemv_row_avx2(x, w, y, K, n0, n1);
 #endif
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;
