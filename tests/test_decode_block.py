@@ -23,6 +23,7 @@ from mlxtoy.generate import decoder_for, generate_tokens
 from mlxtoy.loading import build_model
 from mlxtoy.model_config import ModelConfig
 from mlxtoy.models import fastmath, llama
+from mlxtoy.models import prefill as prefill_module
 from mlxtoy.models.cache import make_cache
 from mlxtoy.models.lora import apply_lora
 
@@ -507,11 +508,11 @@ def prefill(model, rows: list[list[int]], history: int = 0) -> tuple[np.ndarray,
     mask = padded_causal_mask(starts, width)
     with fastmath.inference():
         if history:
-            saved, llama.PREFILL_FUSED_ROWS = llama.PREFILL_FUSED_ROWS, 0
+            saved, prefill_module.PREFILL_FUSED_ROWS = prefill_module.PREFILL_FUSED_ROWS, 0
             try:
                 mx.eval(model.hidden(tokens[:, :history], mask[..., :history, :history], cache))
             finally:
-                llama.PREFILL_FUSED_ROWS = saved
+                prefill_module.PREFILL_FUSED_ROWS = saved
         h = model.hidden(tokens[:, history:], mask[..., history:, :], cache)
         graph = graph_text(h)
         mx.eval(h, [c.state for c in cache])
@@ -535,11 +536,11 @@ def test_a_short_prompt_is_prefilled_by_the_fused_blocks(q4):
         for r, g in zip(rows, got):
             want = np.array(model.hidden(mx.array([r])))[0, len(r) - len(g):]
             np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4)
-        saved, llama.PREFILL_FUSED_ROWS = llama.PREFILL_FUSED_ROWS, 0
+        saved, prefill_module.PREFILL_FUSED_ROWS = prefill_module.PREFILL_FUSED_ROWS, 0
         try:
             ref, ref_cache, ref_graph = prefill(model, rows, history)
         finally:
-            llama.PREFILL_FUSED_ROWS = saved
+            prefill_module.PREFILL_FUSED_ROWS = saved
         assert "MlxtoyDecodeBlock" not in ref_graph
         for g, w in zip(got, ref):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)

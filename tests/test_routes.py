@@ -360,3 +360,28 @@ def test_a_batch_of_decoded_rows_takes_the_measured_route_with_float64_values(ro
     np.testing.assert_allclose(np.array(y), x @ w.T, rtol=0, atol=2e-5)
     np.testing.assert_allclose(np.array(one), x @ w.T, rtol=0, atol=2e-5)
     np.testing.assert_allclose(np.array(yh), np.einsum("abk,hdk->abhd", x, heads), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("faster", ["ops", "fused"])
+def test_a_short_prompt_takes_the_prefill_route_measured_faster(routed, faster):
+    """A prompt of a few tokens goes through each block as the fused kernel's one call or op by
+    op, whichever measured faster for its rows class (timings injected); either gives the
+    uncached forward's hidden states. Positive control: the graph shows which ran. The class is
+    measured once for every block of one shape, and a prompt of 4 tokens or fewer is not measured."""
+    if not fastmath.kernels_on():
+        pytest.skip("the kernels are off here")
+    from test_decode_block import PROMPT, VARIANTS, prefill, tiny
+
+    calls: list[str] = []
+    others = dict.fromkeys(["blas", "gemv", "kernels", "fast", "grouped", "block"], 1.0)  # the ops' own routes
+    routed(others | {"ops": 1.0, "fused": 1.0} | {faster: 0.1}, calls)
+    model = tiny(VARIANTS["gqa"])
+    for tokens in (PROMPT[:10], PROMPT[:12]):  # both of the class of 16 new tokens
+        got, _, graph = prefill(model, [tokens])
+        assert graph.count("MlxtoyDecodeBlock") == (len(model.layers) if faster == "fused" else 0)
+        want = np.array(model.hidden(mx.array([tokens])))[0]
+        np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
+    measured = lambda: [c for c in calls if c in ("ops", "fused")]  # noqa: E731
+    assert measured() == ["ops", "fused"]
+    _, _, graph = prefill(model, [PROMPT[:4]])
+    assert graph.count("MlxtoyDecodeBlock") == len(model.layers) and measured() == ["ops", "fused"]

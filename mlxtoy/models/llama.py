@@ -30,6 +30,7 @@ from mlxtoy.models import fastmath
 from mlxtoy.models.cache import KVCache, SlotCache, cache_positions
 from mlxtoy.models.attention import attention
 from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
+from mlxtoy.models.prefill import prefill_fits, prefill_route
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
 
@@ -306,10 +307,15 @@ class Block(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
                  taps: dict | None = None) -> mx.array:
-        if taps is None and (isinstance(cache, SlotCache) or prefill_fits(x, mask, cache)):
+        prefill = taps is None and prefill_fits(x, mask, cache) and self.prefill_fused(x)
+        if taps is None and (isinstance(cache, SlotCache) or prefill):
             fused = self.decode_fused(x, cache)
             if fused is not None:
                 return fused
+        return self.forward_ops(x, mask, cache, taps)
+
+    def forward_ops(self, x: mx.array, mask: Any = None, cache: Any = None, taps: dict | None = None) -> mx.array:
+        """The block op by op (the fused kernel's reference, and every block it does not fit)."""
         h = self.attn_norm(x)
         head_taps = {} if taps is not None and taps.get("_heads") else None
         a = self.attn(h, mask, cache, head_taps)
@@ -373,6 +379,30 @@ class Block(nn.Module):
             mx.eval(packs)
         return packs
 
+    def prefill_fused(self, x: mx.array) -> bool:
+        """Whether a short prompt's new tokens `x` go through this block as one fused call rather
+        than op by op: measured on this machine (`prefill.prefill_route`) for blocks of this shape
+        and these matrices' forms (float32, an adapter's merged float32, packed 4- or 8-bit)."""
+        modules = self.fused_modules()
+        if modules is None:
+            return False
+        weights = self.fused_weights(modules)
+        biases = [plain.bias for _, plain in modules[1:4] if "bias" in plain]
+        if not fastmath.decode_block_ok(x, *weights, *biases):
+            return False
+        plain = [i for i in BLOCK_MATRICES if modules[i][0] is modules[i][1]]
+        packs = kept_packs(self, weights, plain)  # (what decode_packs keeps; no adapter merged here)
+
+        def form(i: int) -> str:
+            p = packs.get(str(i))
+            return "f32" if p is None else "q4" if p.shape[-1] * 32 == weights[i].shape[-1] * 24 else "q8"
+
+        a = self.attn
+        shape = (x.shape[-1], weights[6].shape[0], a.n_heads, a.n_kv_heads, a.d_head,
+                 "/".join(form(i) for i in BLOCK_MATRICES))
+        return prefill_route(x.shape[0] * x.shape[1], shape, self.decode_fused,
+                             lambda v, c: self.forward_ops(v, "causal", c)) == "fused"
+
     def decode_fused(self, x: mx.array, cache: SlotCache | KVCache) -> mx.array | None:
         """This block's step for the new tokens of each row as one kernel call (`fastmath.decode_block`):
         a decode step's one token (a SlotCache, its packed matrices with it) or a short prompt's
@@ -401,21 +431,6 @@ class Block(nn.Module):
         if prefill:
             cache.offset += x.shape[1]
         return x
-
-
-# A prompt of at most this many tokens (all rows together) is read by the fused block, each weight
-# read once for all of them: a few rows' products are bound by reading the weights, which the
-# packed (4- or 8-bit) matrices make cheap; more rows are a GEMM's work, for the BLAS.
-PREFILL_FUSED_ROWS = 64
-
-
-def prefill_fits(x: mx.array, mask: Any, cache: Any) -> bool:
-    """Whether a block's call on `x` with this cache may be the fused kernel's prefill: a KVCache,
-    at most PREFILL_FUSED_ROWS new tokens, and the mask the kernel applies itself (causal: none
-    or "causal" for a cache without starts; a left-padded batch's mask is its starts', which is
-    what `mlxtoy.engine` passes)."""
-    return (isinstance(cache, KVCache) and x.shape[0] * x.shape[1] <= PREFILL_FUSED_ROWS
-            and (cache.starts is not None or mask is None or isinstance(mask, str)))
 
 
 def plain_projection(m: nn.Module) -> nn.Module:
