@@ -22,7 +22,7 @@ import mlxtoy_kernels as K
 from mlxtoy.generate import decoder_for, generate_tokens
 from mlxtoy.loading import build_model
 from mlxtoy.model_config import ModelConfig
-from mlxtoy.models import fastmath, llama
+from mlxtoy.models import fastmath
 from mlxtoy.models import prefill as prefill_module
 from mlxtoy.models.cache import make_cache
 from mlxtoy.models.lora import apply_lora

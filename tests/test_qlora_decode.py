@@ -64,7 +64,7 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
     rng = np.random.default_rng(7)
     for rows in (1, 2, 3, 4):
         x = rng.standard_normal((rows, 640)).astype(np.float32)
-        y = fastmath.quant_linear(mx.array(x[:, None]), q, scales, biases, group, bits)  # (rows, 1, 67)
+        y = quant.quant_linear(mx.array(x[:, None]), q, scales, biases, group, bits)  # (rows, 1, 67)
         assert y.shape == (rows, 1, 67) and y.dtype == mx.float32
         # float32 sums of 640 terms: within a few eps of sum |x_k w_k|
         bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
@@ -74,8 +74,8 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
     # positive control: one word of row 66 (the tail) changed -> that output, and only it, moves
     bad = np.array(q)
     bad[66, 3] ^= 0x0F0F0F0F if bits == 4 else 0x7F7F7F7F
-    y_bad = np.array(fastmath.quant_linear(mx.array(x), mx.array(bad), scales, biases, group, bits))
-    y_ok = np.array(fastmath.quant_linear(mx.array(x), q, scales, biases, group, bits))
+    y_bad = np.array(quant.quant_linear(mx.array(x), mx.array(bad), scales, biases, group, bits))
+    y_ok = np.array(quant.quant_linear(mx.array(x), q, scales, biases, group, bits))
     assert np.abs(y_bad[:, 66] - y_ok[:, 66]).max() > 1e-2
     np.testing.assert_array_equal(y_bad[:, :66], y_ok[:, :66])
 
@@ -97,8 +97,8 @@ def test_a_prompt_takes_the_vnni_gemv_at_inference(symmetric):
         want = x.astype(np.float64) @ dense.T
         eps = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
         with fastmath.inference():
-            y = np.array(fastmath.quant_linear(mx.array(x), q, scales, biases, 32, 4, symmetric))
-        exact = np.array(fastmath.quant_linear(mx.array(x), q, scales, biases, 32, 4))  # slabs
+            y = np.array(quant.quant_linear(mx.array(x), q, scales, biases, 32, 4, symmetric))
+        exact = np.array(quant.quant_linear(mx.array(x), q, scales, biases, 32, 4))  # slabs
         assert (np.abs(exact - want) <= eps).all()
         assert (np.abs(y - want) <= eps + _x_rounding_bound(x, q, scales, biases, 32)).all()
         if fastmath.quant_vnni():  # rounded: not the slab product's values
@@ -106,7 +106,7 @@ def test_a_prompt_takes_the_vnni_gemv_at_inference(symmetric):
     bad = np.array(q)
     bad[66, 3] ^= 0x0F0F0F0F
     with fastmath.inference():
-        y_bad = np.array(fastmath.quant_linear(mx.array(x), mx.array(bad), scales, biases, 32, 4, symmetric))
+        y_bad = np.array(quant.quant_linear(mx.array(x), mx.array(bad), scales, biases, 32, 4, symmetric))
     assert np.abs(y_bad[:, 66] - y[:, 66]).max() > 1e-2
     np.testing.assert_array_equal(y_bad[:, :66], y[:, :66])
 
@@ -136,11 +136,11 @@ def test_symmetric_gemv_leaves_the_biases_unread(dtype):
         bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
         if bits == 4:
             bound = bound + _x_rounding_bound(x, q, s, b, 32)
-        y = np.array(fastmath.quant_linear(mx.array(x), q, s, b, 32, bits, symmetric=True))
+        y = np.array(quant.quant_linear(mx.array(x), q, s, b, 32, bits, symmetric=True))
         assert (np.abs(y - want) <= bound).all()
         wrong = b + 1.0
-        general = np.array(fastmath.quant_linear(mx.array(x), q, s, wrong, 32, bits))
-        sym = np.array(fastmath.quant_linear(mx.array(x), q, s, wrong, 32, bits, symmetric=True))
+        general = np.array(quant.quant_linear(mx.array(x), q, s, wrong, 32, bits))
+        sym = np.array(quant.quant_linear(mx.array(x), q, s, wrong, 32, bits, symmetric=True))
         assert np.abs(general - want).max() > 1.0  # the general form reads the biases
         if bits == 4 and fastmath.quant_vnni():
             assert (np.abs(sym - want) <= bound).all()  # the symmetric one does not
@@ -161,11 +161,11 @@ _FLOAT_FORM = r"""
 import json, sys
 import numpy as np, mlx.core as mx
 import mlxtoy
-from mlxtoy.models import fastmath
+from mlxtoy.models import quant
 w = mx.array(np.random.default_rng(0).standard_normal((67, 640)).astype(np.float32))
 q, s, b = mx.quantize(w, 32, 4)
 x = mx.array(np.random.default_rng(1).standard_normal((1, 640)).astype(np.float32))
-print(json.dumps(np.array(fastmath.quant_linear(x, q, s.astype(mx.float16), b.astype(mx.float16), 32, 4)).tolist()))
+print(json.dumps(np.array(quant.quant_linear(x, q, s.astype(mx.float16), b.astype(mx.float16), 32, 4)).tolist()))
 """
 
 

@@ -17,7 +17,6 @@ tests compare with); MLXTOY_KERNELS=0 turns the kernels off.
 
 from __future__ import annotations
 
-import functools
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -478,64 +477,10 @@ FUSED_DECODE = settings.FUSED_DECODE.value()  # tests compare both ways
 PACKED_DECODE = settings.PACKED_DECODE.value()
 
 
-def dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
-                      ) -> mx.array | None:
-    """mx.dequantize's float32 values for a 2-D affine-quantized matrix, by the kernels (threaded:
-    MLX's CPU dequantize runs on one thread); None where the kernels are off."""
-    if kernels_module() is None or w.ndim != 2:
-        return None
-    return kernels_module().dequantize_affine(w, scales, biases, group_size, bits)
-
-
-def quant_linear_ok(x: mx.array) -> bool:
-    """Whether `quant_linear` takes x (the kernels are on, float32)."""
-    return kernels_module() is not None and x.dtype == mx.float32
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_quant_linear(group_size: int, bits: int, symmetric: bool):
-    @mx.custom_function
-    def product(x, w, scales, biases):
-        rows = x.reshape(-1, x.shape[-1])
-        return kernels_module().quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric
-                               ).reshape(*x.shape[:-1], w.shape[0])
-
-    @product.vjp
-    def product_vjp(primals, cotangent, output):
-        x, w, scales, biases = primals
-        g = single_cotangent(cotangent).reshape(-1, cotangent.shape[-1])
-        dx = quant_linear_input_grad(g, w, scales, biases, group_size, bits).reshape(x.shape)
-        return dx, mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
-
-    return product
-
-
-def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-                 symmetric: bool = False) -> mx.array:
-    """x @ W.T for an affine-quantized W by the kernels (a slab of W dequantized at a time into
-    the BLAS's SGEMM, forward and input gradient; at most 4 rows of x, decoding, the fused
-    quantized GEMV that reads the packed words as they are, and not the biases where they are
-    -2^(bits - 1) scales: `symmetric`); see `quant_linear_ok`. Inside `inference()` the kernel is
-    called bare (no gradient node), and a prompt's rows take the GEMV's VNNI form as well where it
-    runs (x rounded to 16 bits a group, as in decoding)."""
-    if bare(x):
-        rows = x.reshape(-1, x.shape[-1])
-        return kernels_module().quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric, inference=True
-                               ).reshape(*x.shape[:-1], w.shape[0])
-    return _kernel_quant_linear(group_size, bits, symmetric)(x, w, scales, biases)
-
-
 def quant_vnni() -> bool:
     """Whether `quant_linear`'s 4-bit GEMV (groups of 32) runs as AVX-512 VNNI integer products here
     (x rounded to 16 bits a group) rather than in float32."""
     return kernels_module() is not None and kernels_module().quant_vnni_ok()
-
-
-def quant_linear_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-                            bits: int) -> mx.array:
-    """g (N, rows) @ W for an affine-quantized W (rows, d_in) by the kernels, with no gradient of its
-    own (`quant_linear`'s input gradient, and the fused loss's through a quantized output layer)."""
-    return kernels_module().quant_linear(g, w, scales, biases, group_size, bits, True)
 
 
 def pack_lossless(w: mx.array) -> mx.array | None:

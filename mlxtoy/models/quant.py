@@ -5,7 +5,7 @@ w = scale * q + bias), and the one product they all take.
 On Metal and CUDA `mx.quantized_matmul` multiplies them as they are. MLX's CPU quantized
 matmul runs at a few GFLOP/s, so on CPU the product dequantizes a slab of rows at a time to
 float32 for the float32 GEMM: inside one kernel where the CPU kernels are on
-(`fastmath.quant_linear`), else as MLX ops. Its backward dequantizes again for the input
+(`quant_linear`), else as MLX ops. Its backward dequantizes again for the input
 gradient (a frozen base needs no weight gradient), so no float32 copy of a matrix outlives its
 own product.
 """
@@ -21,8 +21,7 @@ import mlx.nn as nn
 
 from mlxtoy import backend, settings
 from mlxtoy.errors import UserError
-from mlxtoy.models.fastmath import (dequantize_affine, gemm, quant_linear, quant_linear_input_grad,
-                                    quant_linear_ok)
+from mlxtoy.models.fastmath import bare, gemm, kernels_module, single_cotangent
 from mlxtoy.models.llama import HeadProjection
 
 BITS = (4, 8)
@@ -33,6 +32,62 @@ SLAB_BYTES = 64 << 20
 # On a GPU, products of at least this many rows take the dequantized slabs too (0: never): an
 # experiment against MLX's quantized matmul, which ran QLoRA at a third of LoRA's rate on an H200
 GPU_SLAB_ROWS = settings.GPU_SLAB_ROWS.value()
+
+
+# ---- the kernels' quantized products (x @ W.T and its input gradient for an affine-quantized W) ----
+
+def dequantize_affine(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int
+                      ) -> mx.array | None:
+    """mx.dequantize's float32 values for a 2-D affine-quantized matrix, by the kernels (threaded:
+    MLX's CPU dequantize runs on one thread); None where the kernels are off."""
+    if kernels_module() is None or w.ndim != 2:
+        return None
+    return kernels_module().dequantize_affine(w, scales, biases, group_size, bits)
+
+
+def quant_linear_ok(x: mx.array) -> bool:
+    """Whether `quant_linear` takes x (the kernels are on, float32)."""
+    return kernels_module() is not None and x.dtype == mx.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_quant_linear(group_size: int, bits: int, symmetric: bool):
+    @mx.custom_function
+    def product(x, w, scales, biases):
+        rows = x.reshape(-1, x.shape[-1])
+        return kernels_module().quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric
+                               ).reshape(*x.shape[:-1], w.shape[0])
+
+    @product.vjp
+    def product_vjp(primals, cotangent, output):
+        x, w, scales, biases = primals
+        g = single_cotangent(cotangent).reshape(-1, cotangent.shape[-1])
+        dx = quant_linear_input_grad(g, w, scales, biases, group_size, bits).reshape(x.shape)
+        return dx, mx.zeros_like(w), mx.zeros_like(scales), mx.zeros_like(biases)
+
+    return product
+
+
+def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+                 symmetric: bool = False) -> mx.array:
+    """x @ W.T for an affine-quantized W by the kernels (a slab of W dequantized at a time into
+    the BLAS's SGEMM, forward and input gradient; at most 4 rows of x, decoding, the fused
+    quantized GEMV that reads the packed words as they are, and not the biases where they are
+    -2^(bits - 1) scales: `symmetric`); see `quant_linear_ok`. Inside `inference()` the kernel is
+    called bare (no gradient node), and a prompt's rows take the GEMV's VNNI form as well where it
+    runs (x rounded to 16 bits a group, as in decoding)."""
+    if bare(x):
+        rows = x.reshape(-1, x.shape[-1])
+        return kernels_module().quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric, inference=True
+                               ).reshape(*x.shape[:-1], w.shape[0])
+    return _kernel_quant_linear(group_size, bits, symmetric)(x, w, scales, biases)
+
+
+def quant_linear_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                            bits: int) -> mx.array:
+    """g (N, rows) @ W for an affine-quantized W (rows, d_in) by the kernels, with no gradient of its
+    own (`quant_linear`'s input gradient, and the fused loss's through a quantized output layer)."""
+    return kernels_module().quant_linear(g, w, scales, biases, group_size, bits, True)
 
 
 def _gpu_slabs(rows: int) -> bool:
