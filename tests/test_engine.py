@@ -5,6 +5,7 @@ cache."""
 
 from __future__ import annotations
 
+import io
 from dataclasses import replace
 
 import numpy as np
@@ -21,10 +22,11 @@ from mlxtoy.engine import BatchDecoder, Request, generate_batch, padded_causal_m
 from mlxtoy.generate import generate, generate_tokens
 from mlxtoy.loading import build_model
 from mlxtoy.model_config import ModelConfig
-from mlxtoy.models.adapters import attach_adapters
-from mlxtoy.models.cache import KVCache, SlotCache
-from mlxtoy.models.lora import apply_lora, lora_parameters, merge_lora
+from mlxtoy.models import fastmath
 from mlxtoy.models import prefill as prefill_module
+from mlxtoy.models.adapters import adapter_rows_set, attach_adapters
+from mlxtoy.models.cache import KVCache, SlotCache, make_cache
+from mlxtoy.models.lora import apply_lora, lora_parameters, merge_lora
 from mlxtoy.prompt_cache import PromptCache
 from mlxtoy.sampling import SamplingParams
 from mlxtoy.train.evaluate import accuracy
@@ -233,6 +235,40 @@ def test_adapters_of_one_base_share_a_batch(arch):
         assert out[id(row)] == want, slot
     # control: the adapters change what is sampled (else the check above says nothing)
     assert len({tuple(alone(m, ps[0], SamplingParams(), 12)) for m in merged}) == 4
+
+
+def test_lora_banks_on_q_and_v_decode_through_the_fused_block(monkeypatch):
+    """A served base with LoRA adapters on q and v (ranks 4 and 8, one per-head q): the banks'
+    per-row updates are added inside the fused block, so rows of every adapter decode fused, and
+    each row still gets what the merged model of its adapter gets alone. Positive controls: the
+    blocks' prefill graph is the fused kernel's, and the adapters change what is decoded."""
+    base = arch_model("llama")
+    targets = ("q", "v")
+    specs = [dict(rank=4), dict(rank=8, per_head_q=True)]
+    adapters = [_adapter(base, 20 + i, targets, **s) for i, s in enumerate(specs)]
+    merged = [base] + [_merged(base, w, targets, **s) for (w, _), s in zip(adapters, specs)]
+    served = build_model(base.config, dict(tree_flatten(base.parameters())))
+    attach_adapters(served, [(f"a{i}", w, layout) for i, (w, layout) in enumerate(adapters)])
+    assert all(layer.fused_modules() is not None for layer in served.layers)
+    ps = prompts((6, 13, 9), seed=3)
+    engine = BatchDecoder(served)
+    order = [(slot, ps[slot], engine.add(Request(ps[slot], 10, adapter=slot))[0]) for slot in (1, 0, 2, 2, 1)]
+    out: dict[int, list[int]] = {}
+    while engine.rows:
+        for row, tok in engine.step():
+            out.setdefault(id(row), []).append(tok.token)
+    for slot, p, row in order:
+        assert agree(merged[slot], p, out[id(row)], alone(merged[slot], p, SamplingParams(), 10)), slot
+    assert len({tuple(alone(m, ps[0], SamplingParams(), 10)) for m in merged}) == 3
+    # the fused block runs for the adapter rows: the prefill of a row of adapter 2 (the fused
+    # call taken unmeasured; which is faster is test_routes's)
+    monkeypatch.setattr(prefill_module, "PREFILL_UNMEASURED_ROWS", prefill_module.PREFILL_FUSED_ROWS)
+    cache = make_cache(served)
+    with fastmath.inference(), adapter_rows_set(served, mx.array([2], dtype=mx.int32)):
+        h = served.hidden(mx.array([ps[2]]), "causal", cache)
+    graph = io.StringIO()
+    mx.export_to_dot(graph, h)
+    assert graph.getvalue().count("MlxtoyDecodeBlock") == len(served.layers)
 
 
 def test_the_prompt_cache_serves_a_shared_prefix():

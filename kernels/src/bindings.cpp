@@ -148,11 +148,12 @@ NB_MODULE(_ext, m) {
         "angle position * scale * inv_freqs[i] on the pair (i, i + dims / 2), or (2i, 2i + 1) if traditional");
   m.def("decode_block", &mlxtoy::decode_block, "x"_a, "weights"_a, "biases"_a, "keys"_a, "values"_a, "offset"_a,
         "inv_freqs"_a, "rope_dims"_a, "traditional"_a, "eps"_a, "attn_scale"_a, "rope_scale"_a, nb::kw_only(),
-        "starts"_a = nb::none(), "stream"_a = nb::none(),
+        "starts"_a = nb::none(), "deltas"_a = std::vector<mx::array>{}, "stream"_a = nb::none(),
         "one pre-norm Llama block for T new tokens of each of B rows -> (x, keys, values): x (B, T, D); weights "
         "[attn_norm, q (H, Dh, D), k (KV, Dh, D), v, o (D, H * Dh), ffn_norm, gate (F, D), up, down (D, F)]; biases "
         "[] or [q (H, Dh), k, v]; keys/values (B, KV, S, Dh) get token t's k (RoPE'd) and v at slot offset + t "
         "(offset one int32) and its query attends to slots starts[b]..offset + t (starts (B,) int32, zeros when "
         "None; a slot before starts[b] sees itself only), its position offset + t - starts[b]; RoPE as the rope "
-        "kernel's; the caches are updated in place when donated");
+        "kernel's; deltas [] or [q (B, T, H * Dh), k and v (B, T, KV * Dh)]: each row's additions to its q, k and v "
+        "products (with the biases, before RoPE); the caches are updated in place when donated");
 }

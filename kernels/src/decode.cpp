@@ -39,12 +39,13 @@ void DecodeBlock::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>
 bool DecodeBlock::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const DecodeBlock&>(other);
   return rope_dims_ == o.rope_dims_ && traditional_ == o.traditional_ && qkv_bias_ == o.qkv_bias_ &&
+         qkv_delta_ == o.qkv_delta_ &&
          eps_ == o.eps_ && attn_scale_ == o.attn_scale_ && rope_scale_ == o.rope_scale_ && packed_ == o.packed_;
 }
 
 namespace {
 // inputs: x, the nine weights (attn_norm, q, k, v, o, ffn_norm, gate, up, down), keys, values,
-// offset, starts, inv_freqs, then the q/k/v biases if any
+// offset, starts, inv_freqs, then the q/k/v biases if any, then the q/k/v deltas if any
 enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kStarts, kInvFreqs,
        kBiasQ };
 }  // namespace
@@ -84,7 +85,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const int64_t H = inputs[kQ].shape(0), Dh = inputs[kQ].shape(1);
   const int64_t KV = inputs[kK].shape(0), F = inputs[kGate].shape(0), S = inputs[kKeys].shape(2);
   const int dims = rope_dims_;
-  const bool traditional = traditional_, bias = qkv_bias_;
+  const bool traditional = traditional_, bias = qkv_bias_, delta = qkv_delta_;
   const float eps = eps_, attn_scale = attn_scale_, rope_scale = rope_scale_;
   const int packed = packed_;
 
@@ -102,6 +103,11 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
                  wg = matrix(kGate, D), wu = matrix(kUp, D), wd = matrix(kDown, F);
     const float *bq = bias ? f(kBiasQ) : nullptr, *bk = bias ? f(kBiasQ + 1) : nullptr,
                 *bv = bias ? f(kBiasQ + 2) : nullptr;
+    // each row's own addition to its q, k and v products (rows of B, T, heads * Dh): an adapter's
+    // low-rank update, made by the caller from the normed input
+    const int kDelta = kBiasQ + (bias ? 3 : 0);
+    const float *dq = delta ? f(kDelta) : nullptr, *dk = delta ? f(kDelta + 1) : nullptr,
+                *dv = delta ? f(kDelta + 2) : nullptr;
     // the offset and starts are read when the task runs (traced inputs of the compiled decode step)
     const int64_t off = static_cast<const int32_t*>(in[kOffset])[0];
     bool bad = off < 0 || off + T > S;
@@ -164,10 +170,13 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         const Matrix& w = u < H ? wq : u < H + KV ? wk : wv;
         const int64_t head = u < H ? u : u < H + KV ? u - H : u - H - KV;
         const float* bias_row = u < H ? bq : u < H + KV ? bk : bv;
+        const float* delta_rows = u < H ? dq : u < H + KV ? dk : dv;
+        const int64_t delta_width = (u < H ? H : KV) * Dh;
         products(w, xn.data(), tmp.data(), Dh, head * Dh, (head + 1) * Dh);
         for (int64_t r = 0; r < R; ++r) {
           float* row = tmp.data() + r * Dh;
           add_bias(row, bias_row ? bias_row + head * Dh : nullptr);
+          add_bias(row, delta_rows ? delta_rows + r * delta_width + head * Dh : nullptr);
           if (u < H) rope_row(row, q.data() + (r * H + head) * Dh, Dh, dims, traditional, pos(r), inv_freqs);
           else if (u < H + KV) rope_row(row, kc + slot(r, head), Dh, dims, traditional, pos(r), inv_freqs);
           else std::copy(row, row + Dh, vc + slot(r, head));
@@ -223,7 +232,8 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const std::vector<mx::array>& biases, const mx::array& keys,
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
-                                    const std::optional<mx::array>& starts, mx::StreamOrDevice st) {
+                                    const std::optional<mx::array>& starts, const std::vector<mx::array>& deltas,
+                                    mx::StreamOrDevice st) {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("[mlxtoy_kernels] decode_block: " + what);
   };
@@ -266,6 +276,10 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   if (!biases.empty() && (biases[0].shape() != mx::Shape{H, Dh} || biases[1].shape() != mx::Shape{KV, Dh} ||
                           biases[2].shape() != mx::Shape{KV, Dh}))
     fail("biases q (H, Dh), k and v (KV, Dh)");
+  const int T = x.shape(1);
+  if (!deltas.empty() && (deltas.size() != 3 || deltas[0].shape() != mx::Shape{B, T, H * Dh} ||
+                          deltas[1].shape() != mx::Shape{B, T, KV * Dh} || deltas[2].shape() != mx::Shape{B, T, KV * Dh}))
+    fail("deltas [] or [q (B, T, H * Dh), k and v (B, T, KV * Dh)]");
   std::vector<mx::array> inputs{x};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   inputs.insert(inputs.end(), {keys, values});
@@ -273,16 +287,18 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   for (size_t i = 0; i < weights.size(); ++i)
     if (weights[i].dtype() != mx::uint8) floats.push_back(weights[i]);
   floats.insert(floats.end(), biases.begin(), biases.end());
+  floats.insert(floats.end(), deltas.begin(), deltas.end());
   for (auto& a : floats)
     if (a.dtype() != mx::float32) fail("float32 arrays only (a matrix may be Q4-packed uint8)");
   inputs.push_back(offset);
   inputs.push_back(first);
   inputs.push_back(inv_freqs);
   inputs.insert(inputs.end(), biases.begin(), biases.end());
+  inputs.insert(inputs.end(), deltas.begin(), deltas.end());
   auto stream = mx::to_stream(st);
   if (stream.device != mx::Device::cpu) fail("CPU stream only");
-  auto prim = std::make_shared<DecodeBlock>(stream, rope_dims, traditional, !biases.empty(), eps, attn_scale,
-                                            rope_scale, packed);
+  auto prim = std::make_shared<DecodeBlock>(stream, rope_dims, traditional, !biases.empty(), !deltas.empty(), eps,
+                                            attn_scale, rope_scale, packed);
   return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
                                 prim, std::move(inputs));
 }

@@ -38,10 +38,10 @@ class DecodeBlock : public mx::Primitive {
  public:
   // packed: for weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down), bits
   // 2 (w - 1) .. 2 (w - 1) + 1: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack)
-  DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, float eps, float attn_scale,
-              float rope_scale, int packed)
-      : mx::Primitive(stream), rope_dims_(rope_dims), traditional_(traditional), qkv_bias_(qkv_bias), eps_(eps),
-        attn_scale_(attn_scale), rope_scale_(rope_scale), packed_(packed) {}
+  DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, bool qkv_delta, float eps,
+              float attn_scale, float rope_scale, int packed)
+      : mx::Primitive(stream), rope_dims_(rope_dims), traditional_(traditional), qkv_bias_(qkv_bias),
+        qkv_delta_(qkv_delta), eps_(eps), attn_scale_(attn_scale), rope_scale_(rope_scale), packed_(packed) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -50,7 +50,7 @@ class DecodeBlock : public mx::Primitive {
 
  private:
   int rope_dims_;
-  bool traditional_, qkv_bias_;
+  bool traditional_, qkv_bias_, qkv_delta_;
   float eps_, attn_scale_, rope_scale_;
   int packed_;
 };
@@ -120,6 +120,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const std::vector<mx::array>& biases, const mx::array& keys,
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
-                                    const std::optional<mx::array>& starts, mx::StreamOrDevice st = {});
+                                    const std::optional<mx::array>& starts, const std::vector<mx::array>& deltas = {},
+                                    mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

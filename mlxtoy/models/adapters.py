@@ -67,14 +67,21 @@ class AdapterBank(nn.Module):
         self.rows = rows
         self.freeze()
 
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self.base(x)
+    def row_update(self, x: mx.array) -> mx.array:
+        """Each row's low-rank update x_b A[s_b]^T B[s_b]^T, (B, T, out) for x (B, ..., in) (out
+        flattened for a per-head projection): all a LoRA bank adds to the base's product, which
+        the fused decode block adds to its q, k and v (DoRA's rescale is not an addition)."""
         ids = self.rows.ids
         a = self.lora_a[ids].astype(x.dtype)  # (B, r, in)
         b = self.lora_b[ids].astype(x.dtype)  # (B, out, r)
-        lead = x.shape[:-1]
         xf = x.reshape(x.shape[0], -1, x.shape[-1])  # (B, T, in)
-        d = ((xf @ a.swapaxes(1, 2)) @ b.swapaxes(1, 2)).reshape(y.shape).astype(y.dtype)
+        return (xf @ a.swapaxes(1, 2)) @ b.swapaxes(1, 2)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)
+        ids = self.rows.ids
+        lead = x.shape[:-1]
+        d = self.row_update(x).reshape(y.shape).astype(y.dtype)
         if "dora_k" not in self:
             return y + d
         k = self.dora_k[ids].astype(y.dtype).reshape((ids.shape[0],) + (1,) * (len(lead) - 1) + y.shape[len(lead):])

@@ -513,7 +513,7 @@ def decode_block_ok(x: mx.array, *arrays: mx.array) -> bool:
 def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], keys: mx.array,
                  values: mx.array, offset: mx.array, starts: mx.array | None, inv_freqs: mx.array,
                  rope_dims: int, traditional: bool, eps: float, attn_scale: float,
-                 rope_scale: float) -> tuple[mx.array, mx.array, mx.array]:
+                 rope_scale: float, deltas: list[mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """A pre-norm Llama block's step for T new tokens of each of B rows (x (B, T, D)) as one
     kernel call -> (x, keys, values): weights [attn_norm, q, k, v (per head), o, ffn_norm, gate,
     up, down] (a matrix float32 or `pack_lossless`ed), biases [] or [q, k, v]; token t's k
@@ -521,13 +521,16 @@ def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], k
     place (the returned caches share the given ones' buffers: the caller keeps no other use of
     them), and its query attends to slots starts[b]..offset + t (a left-padded batch; None: all
     from 0; a padding slot, before starts[b], sees itself only), at its own position
-    offset + t - starts[b]. The same values as the block's kernels one by one."""
+    offset + t - starts[b]. deltas [] or [q (B, T, H * Dh), k, v (B, T, KV * Dh)]: each row's
+    additions to its q, k and v products (a LoRA bank's per-row update), with the biases, before
+    RoPE. The same values as the block's kernels one by one."""
     offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
     if starts is not None and starts.size != x.shape[0]:  # one start for every row
         starts = mx.broadcast_to(starts.reshape(-1), (x.shape[0],))
     starts = None if starts is None else starts.astype(mx.int32)
     y, keys, values = kernels_module().decode_block(x, weights, biases, keys, values, offset, inv_freqs, rope_dims,
-                                      traditional, eps, attn_scale, rope_scale, starts=starts)
+                                      traditional, eps, attn_scale, rope_scale, starts=starts,
+                                      deltas=[d.astype(mx.float32) for d in deltas or []])
     return y, keys, values
 
 

@@ -349,7 +349,8 @@ class Block(nn.Module):
                  and all(type(p) is HeadProjection for p in (q, k, v))
                  and len({"bias" in p for p in (q, k, v)}) == 1  # q, k and v biased alike
                  and "rope" in a and type(a.rope) is RoPE and a.rope._long is None and f.act is silu
-                 and all(type(m) is Linear and "bias" not in m for m in (o, gate, up, down)))
+                 and all(type(m) is Linear and "bias" not in m for m in (o, gate, up, down))
+                 and not any(banked(m) for m in wrapped[3:]))  # their inputs exist inside the kernel only
         if not plain:
             return None
         norms = [(self.attn_norm, self.attn_norm), (self.ffn_norm, self.ffn_norm)]
@@ -372,7 +373,7 @@ class Block(nn.Module):
         modules = modules or self.fused_modules()
         if modules is None:
             return kept_packs(self, None, BLOCK_MATRICES)
-        adapted = [i for i in BLOCK_MATRICES if modules[i][0] is not modules[i][1]]
+        adapted = [i for i in BLOCK_MATRICES if merged_in(*modules[i])]
         packs = kept_packs(self, self.fused_weights(modules), [i for i in BLOCK_MATRICES if i not in adapted])
         if adapted:
             packs = {**packs, **{str(i): modules[i][0].merged_weight() for i in adapted}}
@@ -390,18 +391,45 @@ class Block(nn.Module):
         biases = [plain.bias for _, plain in modules[1:4] if "bias" in plain]
         if not fastmath.decode_block_ok(x, *weights, *biases):
             return False
-        plain = [i for i in BLOCK_MATRICES if modules[i][0] is modules[i][1]]
+        plain = [i for i in BLOCK_MATRICES if not merged_in(*modules[i])]
         packs = kept_packs(self, weights, plain)  # (what decode_packs keeps; no adapter merged here)
 
         def form(i: int) -> str:
             p = packs.get(str(i))
-            return "f32" if p is None else "q4" if p.shape[-1] * 32 == weights[i].shape[-1] * 24 else "q8"
+            kind = "f32" if p is None else "q4" if p.shape[-1] * 32 == weights[i].shape[-1] * 24 else "q8"
+            return kind + ("+lora" if banked(modules[i][0]) else "")
+
+        # the LoRA banks' rows are the batch's; the route is measured on one row of the base
+        rows = next((m.rows for m, _ in modules[1:4] if banked(m)), None)
+
+        def one_row(way: Callable[[mx.array, KVCache], mx.array | None]) -> Callable:
+            def run(v: mx.array, c: KVCache) -> mx.array | None:
+                if rows is None:
+                    return way(v, c)
+                before, rows.ids = rows.ids, mx.zeros((v.shape[0],), dtype=mx.int32)
+                try:
+                    return way(v, c)  # (the graph holds the ids it read)
+                finally:
+                    rows.ids = before
+            return run
 
         a = self.attn
         shape = (x.shape[-1], weights[6].shape[0], a.n_heads, a.n_kv_heads, a.d_head,
                  "/".join(form(i) for i in BLOCK_MATRICES))
-        return prefill_route(x.shape[0] * x.shape[1], shape, self.decode_fused,
-                             lambda v, c: self.forward_ops(v, "causal", c)) == "fused"
+        return prefill_route(x.shape[0] * x.shape[1], shape, one_row(self.decode_fused),
+                             one_row(lambda v, c: self.forward_ops(v, "causal", c))) == "fused"
+
+    def row_updates(self, x: mx.array, modules: list) -> list[mx.array]:
+        """What the LoRA banks among q, k and v (`banked`) add to each row's product, (B, T,
+        heads * Dh) each (zeros for one without a bank), for the fused step; [] without banks."""
+        qkv = [m for m, _ in modules[1:4]]
+        if not any(banked(m) for m in qkv):
+            return []
+        a = self.attn
+        B, T, _ = x.shape
+        xn = self.attn_norm(x)
+        return [m.row_update(xn).reshape(B, T, -1) if banked(m) else mx.zeros((B, T, n * a.d_head))
+                for m, n in zip(qkv, (a.n_heads, a.n_kv_heads, a.n_kv_heads))]
 
     def decode_fused(self, x: mx.array, cache: SlotCache | KVCache) -> mx.array | None:
         """This block's step for the new tokens of each row as one kernel call (`fastmath.decode_block`):
@@ -422,12 +450,12 @@ class Block(nn.Module):
         if not fastmath.decode_block_ok(x, cache.keys, cache.values, *weights, *biases):
             return None
         packs = self.decode_packs(modules) if prefill else cache.packed
-        weights = [packs[str(i)] if str(i) in packs else m.merged_weight() if m is not plain else w
+        weights = [packs[str(i)] if str(i) in packs else m.merged_weight() if merged_in(m, plain) else w
                    for i, ((m, plain), w) in enumerate(zip(modules, weights))]
         offset = mx.array([cache.offset], dtype=mx.int32) if prefill else cache.offset
         x, cache.keys, cache.values = fastmath.decode_block(
             x, weights, biases, cache.keys, cache.values, offset, cache.starts, a.rope._inv_freqs, a.rope.dims,
-            a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale)
+            a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale, self.row_updates(x, modules))
         if prefill:
             cache.offset += x.shape[1]
         return x
@@ -435,13 +463,27 @@ class Block(nn.Module):
 
 def plain_projection(m: nn.Module) -> nn.Module:
     """The projection an active adapter wraps (one with a `merged_weight`, no dropout while
-    training, not switched off), or `m` itself: what the fused decode step reads."""
+    training, not switched off) or a LoRA bank wraps (`banked`), or `m` itself: what the fused
+    decode step reads."""
+    if banked(m):
+        return m.base
     base = getattr(m, "base", None)
     if base is None or not hasattr(m, "merged_weight") or getattr(m, "disabled", False):
         return m
     if getattr(m, "dropout", None) is not None and m.training:
         return m
     return base
+
+
+def banked(m: nn.Module) -> bool:
+    """Whether `m` is a bank of LoRA adapters read by rows (`mlxtoy.models.adapters`, no DoRA):
+    the fused step reads its base and adds each row's update (`row_update`) to q, k or v."""
+    return hasattr(m, "row_update") and "dora_k" not in m
+
+
+def merged_in(m: nn.Module, plain: nn.Module) -> bool:
+    """Whether the fused step reads `m`'s merged weight (an adapter around `plain`)."""
+    return m is not plain and not banked(m)
 
 
 BLOCK_MATRICES = (1, 2, 3, 4, 6, 7, 8)  # the matrices among `Block.fused_weights` (the rest are norms)
@@ -489,7 +531,7 @@ def decode_copies_bytes(model: nn.Module) -> int:
                 continue
         for i in BLOCK_MATRICES:
             m, base = modules[i]
-            if m is not base:
+            if merged_in(m, base):
                 merged += base.weight.nbytes
                 continue
             if ratio is None:
