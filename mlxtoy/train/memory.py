@@ -52,7 +52,7 @@ from mlxtoy.loading import planned_model
 from mlxtoy.models.attention import attention_route
 from mlxtoy.models.cache import KVCache
 from mlxtoy.models.fastmath import kernels_on
-from mlxtoy.models.llama import decode_copies_bytes
+from mlxtoy.models.fused_weights import decode_copies_bytes
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
 from mlxtoy.train.build import load_dtype, make_trainable, train_dtype
 from mlxtoy.train.objectives import Objective, loss_logits_alive, make_objective, output_layer

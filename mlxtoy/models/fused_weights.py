@@ -1,0 +1,101 @@
+"""The weights a Llama block's fused step reads (`Block.fused_modules`, `fastmath.decode_block`):
+an adapter's merged weight, a LoRA bank's base (its rows' updates added inside the kernel), a
+plain matrix's lossless 4-/8-bit pack, kept on the block while its weights are the same arrays;
+and the bytes they hold besides the weights (`decode_copies_bytes`, the memory estimate's)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxtoy.models import fastmath
+
+
+def plain_projection(m: nn.Module) -> nn.Module:
+    """The projection an active adapter wraps (one with a `merged_weight`, no dropout while
+    training, not switched off) or a LoRA bank wraps (`banked`), or `m` itself: what the fused
+    decode step reads."""
+    if banked(m):
+        return m.base
+    base = getattr(m, "base", None)
+    if base is None or not hasattr(m, "merged_weight") or getattr(m, "disabled", False):
+        return m
+    if getattr(m, "dropout", None) is not None and m.training:
+        return m
+    return base
+
+
+def banked(m: nn.Module) -> bool:
+    """Whether `m` is a bank of LoRA adapters read by rows (`mlxtoy.models.adapters`, no DoRA):
+    the fused step reads its base and adds each row's update (`row_update`) to q, k or v."""
+    return hasattr(m, "row_update") and "dora_k" not in m
+
+
+def merged_in(m: nn.Module, plain: nn.Module) -> bool:
+    """Whether the fused step reads `m`'s merged weight (an adapter around `plain`)."""
+    return m is not plain and not banked(m)
+
+
+BLOCK_MATRICES = (1, 2, 3, 4, 6, 7, 8)  # the matrices among `Block.fused_weights` (the rest are norms)
+
+
+def kept_packs(owner: nn.Module, weights: list[mx.array] | None, which: Sequence[int]) -> dict[str, mx.array]:
+    """`fastmath.pack_lossless` of weights[i] for i in `which`, keyed str(i), kept on `owner`
+    while the weights are the same arrays: the same objects, or equal values (tracing a compiled
+    function hands a module new objects for the same weights). Packing stops at the first matrix
+    that does not pack (trained weights: one says as much for all). What is kept always matches
+    the weights last looked at, which `repin_packs` relies on; nothing for None weights or
+    weights that do not pack."""
+    if weights is None:
+        object.__setattr__(owner, "mlxtoy_packs", None)
+        return {}
+    kept = vars(owner).get("mlxtoy_packs")
+    if kept is not None and len(kept[0]) == len(weights) and all(
+            a is b or (a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item())
+            for a, b in zip(kept[0], weights)):
+        object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), kept[1]))
+        return kept[1]
+    packs = {}
+    for i in which:
+        packed = fastmath.pack_lossless(weights[i])
+        if packed is None:
+            break
+        packs[str(i)] = packed
+    object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), packs) if packs else None)
+    return packs
+
+
+def decode_copies_bytes(model: nn.Module) -> int:
+    """The bytes the fused decode step reads besides the weights (`Block.decode_packs`) while a
+    model decodes: each adapted projection's merged float32 weight, held by the compiled decoder
+    and once more while a prompt is prefilled, and the plain matrices' lossless packs (kept on
+    the blocks; sized from the first one, which says as much for all, as `kept_packs` does).
+    0 where the fused step does not run (no kernels, other blocks)."""
+    merged, plain, ratio = 0, 0, None
+    for layer in getattr(model, "layers", []):
+        modules = layer.fused_modules() if hasattr(layer, "fused_modules") else None
+        if modules is None:
+            continue
+        with fastmath.inference():
+            if not fastmath.decode_block_ok(mx.zeros((1, 1, 1)), *layer.fused_weights(modules)):
+                continue
+        for i in BLOCK_MATRICES:
+            m, base = modules[i]
+            if merged_in(m, base):
+                merged += base.weight.nbytes
+                continue
+            if ratio is None:
+                packed = fastmath.pack_lossless(base.weight)
+                ratio = 0.0 if packed is None else packed.nbytes / base.weight.nbytes
+            plain += base.weight.nbytes
+    return 2 * merged + int((ratio or 0.0) * plain)
+
+
+def repin_packs(owner: nn.Module, weights: list[mx.array] | None) -> None:
+    """The packs kept on `owner` (`kept_packs`) now kept for these array objects of the same
+    weights, without comparing values (right after a trace only)."""
+    kept = vars(owner).get("mlxtoy_packs")
+    if kept is not None and weights is not None:
+        object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), kept[1]))
