@@ -74,7 +74,7 @@ def routes_summary() -> str:
     if not backend.INFO.on_cpu:
         return f"not measured (device {backend.INFO.device}: MLX's own ops)"
     rows = calibrate.measured()
-    kernels = sum(row["route"] in ("kernels", "block") for row in rows)
+    kernels = sum(row["route"] in ("kernels", "block", "gemv", "fused") for row in rows)
     where = fastmath.route_table().path
     if not rows:
         return f"none measured yet ({where}; `mlxtoy doctor --calibrate` measures them)"
