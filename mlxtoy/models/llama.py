@@ -417,7 +417,8 @@ class Block(nn.Module):
         a = self.attn
         shape = (x.shape[-1], weights[6].shape[0], a.n_heads, a.n_kv_heads, a.d_head,
                  "/".join(form(i) for i in BLOCK_MATRICES))
-        return prefill_route(x.shape[0] * x.shape[1], shape, one_row(self.decode_fused),
+        macs = sum(weights[i].size for i in BLOCK_MATRICES)
+        return prefill_route(x.shape[0] * x.shape[1], shape, macs, one_row(self.decode_fused),
                              one_row(lambda v, c: self.forward_ops(v, "causal", c))) == "fused"
 
     def row_updates(self, x: mx.array, modules: list) -> list[mx.array]:

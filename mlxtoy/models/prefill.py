@@ -37,10 +37,11 @@ def rows_class(rows: int) -> int:
     return max(8, 1 << (rows - 1).bit_length())
 
 
-def prefill_route(rows: int, shape: tuple, fused: Callable[[mx.array, KVCache], mx.array | None],
+def prefill_route(rows: int, shape: tuple, macs: int, fused: Callable[[mx.array, KVCache], mx.array | None],
                   ops: Callable[[mx.array, KVCache], mx.array]) -> str:
     """"fused" or "ops" for a prefill of `rows` new tokens through a block of `shape` (its
-    dimensions and its matrices' forms), measured once per rows class on this machine: each of
+    dimensions and its matrices' forms; `macs` its matrices' multiply-adds a token, which the
+    measured rates are reported in), measured once per rows class on this machine: each of
     `fused(x, cache)` and `ops(x, cache)` (the block's two ways, "ops" the reference whose values
     the fused call must give) runs on random tokens with a fresh cache."""
     if rows <= PREFILL_UNMEASURED_ROWS:
@@ -65,14 +66,6 @@ def prefill_route(rows: int, shape: tuple, fused: Callable[[mx.array, KVCache], 
             return [y]
         return once
 
-    macs = n * sum(a * b for a, b in block_matrices(shape))
     with mx.stream(mx.cpu):
-        return table.choose("prefill", key, {"ops": run(ops), "fused": run(fused)}, 2.0 * macs,
+        return table.choose("prefill", key, {"ops": run(ops), "fused": run(fused)}, 2.0 * n * macs,
                             f"prefill of {n} tokens through a block {d_model} x {shape[1]} ({shape[5]})")
-
-
-def block_matrices(shape: tuple) -> list[tuple[int, int]]:
-    """(outputs, inputs) of q, k, v, o, gate, up and down for a block of `shape` (d_model, d_ff,
-    n_heads, n_kv_heads, d_head, ...)."""
-    d, f, h, kv, dh = shape[:5]
-    return [(h * dh, d), (kv * dh, d), (kv * dh, d), (d, h * dh), (f, d), (f, d), (d, f)]
