@@ -20,9 +20,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                       "for a bug report")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure which route (the kernels' GEMM or the BLAS, the attention forms) runs each "
-                        "shape class of the built-in model's and a 1B model's training and prompt steps "
-                        "fastest here, keep the choices, and show them with each route's GFLOP/s")
+                   help="measure which route (the kernels' GEMM or the BLAS, the attention forms, the fused "
+                        "block or op by op for a short prompt) runs each shape class of the built-in "
+                        "model's and a 1B model's training and prompt steps fastest here, keep the choices, and show them with each route's GFLOP/s")
     return p
 
 
@@ -94,6 +94,7 @@ def run(args) -> int:
         for shapes in calibrate.REFERENCE_SHAPES:
             calibrate.calibrate(shapes, batch=4, seq_len=256, training=True)  # a training step
             calibrate.calibrate(shapes, batch=1, seq_len=256, training=False)  # a prompt
+            calibrate.calibrate_prefill(shapes)  # a short prompt: the fused block or op by op
         print(f"calibrated in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     facts = report()
     facts["routes"] = routes_summary()

@@ -1,6 +1,6 @@
 """This machine's routes measured for a model's shapes up front (`mlxtoy doctor --calibrate`),
 instead of when a training step or a prompt first meets each shape (`fastmath.gemm_route`,
-`attention.attention_route`), and the table of what was measured."""
+`attention.attention_route`, `prefill.prefill_route`), and the table of what was measured."""
 
 from __future__ import annotations
 
@@ -10,10 +10,17 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import gguf
+import mlx.core as mx
+import numpy as np
+
 from mlxtoy import backend, fsutil, settings
 from mlxtoy.model_config import ModelConfig
+from mlxtoy.models import fastmath, prefill
 from mlxtoy.models.attention import attention_route
 from mlxtoy.models.fastmath import gemm_on, gemm_route, route_table
+from mlxtoy.models.fused_weights import BLOCK_MATRICES
+from mlxtoy.models.llama import Block
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,44 @@ def calibrate(shapes: BlockShapes, batch: int, seq_len: int, training: bool) -> 
             if training:
                 gemm_route("nn", rows, k_in, n_out)
     attention_route(batch, shapes.n_heads, shapes.n_kv_heads, seq_len, seq_len, shapes.d_head, training)
+
+
+# the matrices' forms a prompt's prefill route is measured for: float32 (a Hugging Face folder,
+# a trained run) and the 4-bit grid of a Q4_1 / Q4_0 GGUF (the built-in model), which the fused
+# block reads packed
+PREFILL_FORMS = ("f32", "q4")
+
+
+def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
+    """A Llama block of these shapes with random weights, its matrices float32 ("f32") or on the
+    grid a Q4_1 GGUF loads as ("q4", by gguf-py's own quantizer), as a model's blocks are."""
+    cfg = ModelConfig(arch="llama", vocab_size=16, d_model=shapes.d_model, n_layers=1, n_heads=shapes.n_heads,
+                      n_kv_heads=shapes.n_kv_heads, d_head=shapes.d_head, d_ff=shapes.d_ff)
+    mx.random.seed(seed)
+    block = Block(cfg)
+    if form == "q4":
+        q4 = gguf.GGMLQuantizationType.Q4_1
+        for i, m in enumerate(block.fused_modules()):
+            if i in BLOCK_MATRICES:
+                flat = np.array(m[1].weight)
+                m[1].weight = mx.array(gguf.quants.dequantize(gguf.quants.quantize(flat, q4), q4))
+    elif form != "f32":
+        raise ValueError(f"unknown form {form!r} (one of {PREFILL_FORMS})")
+    mx.eval(block.parameters())
+    return block
+
+
+def calibrate_prefill(shapes: BlockShapes, forms: tuple[str, ...] = PREFILL_FORMS) -> None:
+    """Measure (where not yet measured) whether a prompt's new tokens go through blocks of these
+    shapes as the fused kernel's one call or op by op, for every rows class that is measured
+    (`prefill.prefill_route`), with the matrices in each of `forms`."""
+    top = prefill.PREFILL_FUSED_ROWS
+    classes = sorted({prefill.rows_class(n) for n in range(prefill.PREFILL_UNMEASURED_ROWS + 1, top + 1)})
+    for form in forms:
+        block = reference_block(shapes, form)
+        with fastmath.inference():
+            for rows in classes:
+                block.prefill_fused(mx.zeros((1, rows, shapes.d_model)))
 
 
 # float32 products the BLAS is timed on: (rows, inputs, outputs) of SmolLM2's and a 1B model's FFN
