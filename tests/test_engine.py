@@ -116,7 +116,12 @@ def test_learned_positions_need_each_rows_own_positions(monkeypatch):
     assert got[0] != want[0] and got[2] != want[2]
 
 
-def test_rows_join_and_leave_between_steps():
+def test_rows_join_and_leave_between_steps(monkeypatch):
+    """Each row gets its tokens alone while others join, end and go away. The cache's buffers
+    are a whole number of steps long (16 positions here, so rows cross several boundaries)
+    after every join and compaction, whatever the prompts' lengths: batches of one size then
+    share the compiled decode's shapes."""
+    monkeypatch.setattr(KVCache, "step", 16)
     model = arch_model("gpt2")
     ps = prompts((7, 30, 4, 12), seed=1)
     want = [alone(model, p, SamplingParams(), n) for p, n in zip(ps, (15, 6, 12, 9))]
@@ -127,12 +132,15 @@ def test_rows_join_and_leave_between_steps():
     schedule = {3: 1, 5: 2, 8: 3}  # after that many steps, request i joins
     cancelled = None
     steps = 0
+    capacities = set()
     while engine.rows:
         if steps in schedule:
             i = schedule[steps]
             rows[i] = engine.add(Request(ps[i], (15, 6, 12, 9)[i]))[0]
         for row, tok in engine.step():
             out.setdefault(id(row), []).append(tok.token)
+        if engine.rows:
+            capacities.add(engine.cache[0].capacity)
         steps += 1
         if steps == 10:  # a client goes away mid-stream: its row leaves the batch
             cancelled = rows[2]
@@ -144,6 +152,7 @@ def test_rows_join_and_leave_between_steps():
         else:
             assert got == want[i], i
     assert engine.cache[0].keys is None  # every row gone: the cache is empty
+    assert len(capacities) > 1 and all(c % 16 == 0 for c in capacities), capacities
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

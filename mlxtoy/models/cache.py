@@ -1,16 +1,16 @@
 """The KV cache: per layer, the keys and values of every token the model has already read.
 
 Keys/values are stored (B, kv_heads, T, d_head), the layout attention consumes, in a buffer
-that grows in steps of `step` positions (as mlx-lm does) so a decode step writes one slot in
-place instead of concatenating a new array every token. `offset` counts the valid positions;
+whose length is a whole number of `step` positions (mlx-lm grows by steps too) so a decode step
+writes one slot in place instead of concatenating a new array every token. `offset` counts the valid positions;
 `trim(n)` forgets the last n of them (the buffer is kept), which is how a chat session reuses
 the shared prefix of a conversation.
 
 A batch of sequences of different lengths (`mlxtoy.engine`) shares one cache, its rows
 left-padded: `starts[b]` is row b's first real column, so its own position of column c is
 c - starts[b] (`positions`, what a learned position table reads) and its attention sees
-columns starts[b] .. offset only. `join_rows`, `keep_rows` and `drop_columns` are how rows
-join and leave such a cache between decode steps.
+columns starts[b] .. offset only. `join_rows` and `keep_rows` are how rows join and leave such
+a cache between decode steps.
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
+
+
+def rounded_capacity(positions: int, step: int) -> int:
+    """The buffer length that holds `positions`: whole steps, whatever the prompt's length, so
+    that caches of prompts of different lengths (each batch a server or GRPO decodes) have the
+    same shapes and share the compiled decode's trace instead of paying a new one."""
+    return -(-positions // step) * step
 
 
 class KVCache:
@@ -48,7 +55,8 @@ class KVCache:
         return 0 if self.keys is None else self.keys.shape[2]
 
     def reserve(self, n: int, like: tuple[mx.array, mx.array] | None = None) -> None:
-        """Make room for n more positions, growing by whole steps.
+        """Make room for n more positions, the buffers' length a whole number of steps
+        (`rounded_capacity`).
 
         `like` gives (keys, values) to take batch, heads, widths and dtype from when the
         cache is still empty.
@@ -59,9 +67,9 @@ class KVCache:
         k_ref, v_ref = (self.keys, self.values) if like is None else like
         B, n_kv, _, d_k = k_ref.shape
         d_v = v_ref.shape[3]
-        n_steps = (self.step + n - 1) // self.step
-        new_k = mx.zeros((B, n_kv, n_steps * self.step, d_k), k_ref.dtype)
-        new_v = mx.zeros((B, n_kv, n_steps * self.step, d_v), v_ref.dtype)
+        room = rounded_capacity(prev + n, self.step) - prev
+        new_k = mx.zeros((B, n_kv, room, d_k), k_ref.dtype)
+        new_v = mx.zeros((B, n_kv, room, d_v), v_ref.dtype)
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:
@@ -140,20 +148,23 @@ def cache_positions(cache: list | None) -> int | mx.array:
     return cache[0].positions if cache else 0
 
 
-def _padded(x: mx.array, before: int, length: int) -> mx.array:
-    """x's first `length` columns (axis 2) after `before` zero columns."""
-    x = x[..., :length, :]
-    if before == 0:
-        return x
-    B, H, _, D = x.shape
-    return mx.concatenate([mx.zeros((B, H, before, D), x.dtype), x], axis=2)
+def _assembled(parts: list[tuple[mx.array, int, int]], rows: int, capacity: int) -> mx.array:
+    """A (rows, heads, capacity, d) buffer of zeros with each (x, first row, first column) of
+    `parts` written at its place: one copy of each part (where concatenating the rows and then
+    growing the columns for the next token would copy every row twice)."""
+    x = parts[0][0]
+    out = mx.zeros((rows, x.shape[1], capacity, x.shape[3]), x.dtype)
+    for part, row, column in parts:
+        out = mx.slice_update(out, part, mx.array([row, 0, column, 0]), axes=(0, 1, 2, 3))
+    return out
 
 
 def join_rows(batch: list[KVCache], rows: list[KVCache], copies: int | Sequence[int] = 1) -> None:
     """Append copies of the rows of the cache `rows` (its `offset` columns; left-padded per its
     `starts` when it has them, else all real) to the batch cache `batch`, in place: row b
     `copies[b]` times (or each row `copies` times), and the shorter side left-padded so both
-    end at the same column. An empty `batch` becomes the rows."""
+    end at the same column. An empty `batch` becomes the rows. The buffers get room for the
+    next token (a decode step's)."""
     n_new = rows[0].offset
     n_rows = rows[0].keys.shape[0]
     counts = [copies] * n_rows if isinstance(copies, int) else list(copies)
@@ -164,17 +175,22 @@ def join_rows(batch: list[KVCache], rows: list[KVCache], copies: int | Sequence[
     new_starts = row_starts + (end - n_new)
     if pick is not None:
         new_starts = new_starts[pick]
+    capacity = rounded_capacity(end + 1, KVCache.step)
     for b, r in zip(batch, rows):
-        k_new = _padded(r.keys, end - n_new, n_new)
-        v_new = _padded(r.values, end - n_new, n_new)
+        k_new, v_new = r.keys[..., :n_new, :], r.values[..., :n_new, :]
         if pick is not None:
             k_new, v_new = k_new[pick], v_new[pick]
         if b.keys is None or b.starts is None or b.starts.size == 0:
-            b.keys, b.values, b.starts = k_new, v_new, new_starts
+            old_rows, keys, values, starts = 0, [], [], new_starts
         else:
-            b.keys = mx.concatenate([_padded(b.keys, pad_batch, b.offset), k_new], axis=0)
-            b.values = mx.concatenate([_padded(b.values, pad_batch, b.offset), v_new], axis=0)
-            b.starts = mx.concatenate([b.starts + pad_batch, new_starts])
+            old_rows = b.keys.shape[0]
+            keys = [(b.keys[..., :b.offset, :], 0, pad_batch)]
+            values = [(b.values[..., :b.offset, :], 0, pad_batch)]
+            starts = mx.concatenate([b.starts + pad_batch, new_starts])
+        total = old_rows + k_new.shape[0]
+        b.keys = _assembled(keys + [(k_new, old_rows, end - n_new)], total, capacity)
+        b.values = _assembled(values + [(v_new, old_rows, end - n_new)], total, capacity)
+        b.starts = starts
         b.offset = end
 
 
@@ -201,23 +217,17 @@ def row_cache(cache: list[KVCache], row: int) -> list[KVCache]:
 
 def keep_rows(cache: list[KVCache], rows: list[int]) -> None:
     """Keep only these rows of a batch cache (in this order), then drop the leading columns
-    that every kept row has as padding."""
+    that every kept row has as padding (the buffers with room for the next token)."""
     if not rows:
         for c in cache:
             c.keys = c.values = c.starts = None
             c.offset = 0
         return
     idx = mx.array(rows, dtype=mx.int32)
+    n = int(cache[0].starts[idx].min().item())
+    capacity = rounded_capacity(cache[0].offset - n + 1, KVCache.step)
     for c in cache:
-        c.keys, c.values, c.starts = c.keys[idx], c.values[idx], c.starts[idx]
-    drop_columns(cache, int(cache[0].starts.min().item()))
-
-
-def drop_columns(cache: list[KVCache], n: int) -> None:
-    """Forget the first n columns of every row (padding all rows share); positions are kept."""
-    if n <= 0:
-        return
-    for c in cache:
-        c.keys, c.values = c.keys[..., n:c.offset, :], c.values[..., n:c.offset, :]
-        c.starts = c.starts - n
+        c.keys = _assembled([(c.keys[idx][..., n:c.offset, :], 0, 0)], len(rows), capacity)
+        c.values = _assembled([(c.values[idx][..., n:c.offset, :], 0, 0)], len(rows), capacity)
+        c.starts = c.starts[idx] - n
         c.offset -= n

@@ -50,7 +50,7 @@ from mlxtoy.config import TrainConfig
 from mlxtoy.errors import UserError
 from mlxtoy.loading import planned_model
 from mlxtoy.models.attention import attention_route
-from mlxtoy.models.cache import KVCache
+from mlxtoy.models.cache import KVCache, rounded_capacity
 from mlxtoy.models.fastmath import kernels_on
 from mlxtoy.models.fused_weights import decode_copies_bytes
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan
@@ -291,9 +291,9 @@ def estimate(cfg: TrainConfig, model: nn.Module, objective: Objective | None = N
 
 def kv_cache_bytes(cfg_model, rows: int, prompt: int, generated: int, item: int) -> int:
     """The batched decoder's cache (`mlxtoy.engine`): per layer keys and values of every row,
-    the prompt's positions then room that grows KVCache.step positions at a time."""
+    its buffers a whole number of KVCache.step positions (`rounded_capacity`)."""
     m = cfg_model
-    positions = prompt + -(-generated // KVCache.step) * KVCache.step
+    positions = rounded_capacity(prompt + generated, KVCache.step)
     return 2 * m.n_layers * rows * m.n_kv_heads * m.d_head * positions * item
 
 
