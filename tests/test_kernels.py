@@ -410,11 +410,13 @@ def ref_decode_attention(q, k, v, bias, scale):
     return out
 
 
-@pytest.mark.parametrize("H, KV, S, D, Dv", [(9, 3, 300, 64, 48), (6, 2, 150, 20, 24), (8, 2, 700, 64, 64)])
+@pytest.mark.parametrize("H, KV, S, D, Dv", [(9, 3, 300, 64, 48), (6, 2, 150, 20, 24), (8, 2, 700, 64, 64),
+                                             (4, 2, 90, 128, 80)])
 def test_decode_attention_vs_numpy(H, KV, S, D, Dv):
-    """GQA groups over the cache in parts of 512 positions (the AVX-512 forms for rows of a
-    multiple of 16 floats, the portable loops for 20/24), a part's keys all masked, whole rows
-    masked."""
+    """GQA groups over the cache in parts of 512 positions (the AVX-512 forms for value rows of
+    a multiple of 16 floats, the AVX2 forms for a multiple of 8, 64 columns at a time, the
+    portable loops otherwise; keys of 20 floats end in a partial vector), a part's keys all
+    masked, whole rows masked."""
     r = rng(21)
     B = 2
     q, k, v = r.standard_normal((B, H, 1, D)), r.standard_normal((B, KV, S, D)), r.standard_normal((B, KV, S, Dv))

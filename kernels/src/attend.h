@@ -75,12 +75,65 @@ __attribute__((target("avx512f"))) inline void weigh_values_avx512(const float* 
     default: return weigh_values_avx512<8>(p, v, out, len);
   }
 }
+
+// The same with AVX2, for 8 C value floats of a row (C <= 8: the sums and a value vector in
+// registers); two sets of sums where they fit (C <= 4), one otherwise.
+template <int C>
+__attribute__((target("avx2,fma"))) inline void add_weighted_avx2(__m256* sums, float e, const float* row) {
+  if (e == 0.0f) return;
+  const __m256 ev = _mm256_set1_ps(e);
+  for (int c = 0; c < C; ++c) sums[c] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(row + 8 * c), sums[c]);
+}
+
+// out[0 : 8 C] = sum_j p[j] v[j][0 : 8 C], the rows Dv floats apart
+template <int C>
+__attribute__((target("avx2,fma"))) inline void weigh_values_avx2(const float* p, const float* v, float* out,
+                                                                 int64_t len, int64_t Dv) {
+  __m256 a[C], b[C];
+  for (int c = 0; c < C; ++c) a[c] = b[c] = _mm256_setzero_ps();
+  int64_t j = 0;
+  if (C <= 4)
+    for (; j + 2 <= len; j += 2) {
+      add_weighted_avx2<C>(a, p[j], v + j * Dv);
+      add_weighted_avx2<C>(b, p[j + 1], v + (j + 1) * Dv);
+    }
+  for (; j < len; ++j) add_weighted_avx2<C>(a, p[j], v + j * Dv);
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(a[c], b[c]));
+}
+
+// out = sum_j p[j] v[j] for Dv a multiple of 8: 64 columns at a time
+__attribute__((target("avx2,fma"))) inline void weigh_values_avx2(const float* p, const float* v, float* out,
+                                                                 int64_t len, int64_t Dv) {
+  for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+    const float* vc = v + c0;
+    float* oc = out + c0;
+    switch (std::min<int64_t>(Dv - c0, 64) / 8) {
+      case 1: weigh_values_avx2<1>(p, vc, oc, len, Dv); break;
+      case 2: weigh_values_avx2<2>(p, vc, oc, len, Dv); break;
+      case 3: weigh_values_avx2<3>(p, vc, oc, len, Dv); break;
+      case 4: weigh_values_avx2<4>(p, vc, oc, len, Dv); break;
+      case 5: weigh_values_avx2<5>(p, vc, oc, len, Dv); break;
+      case 6: weigh_values_avx2<6>(p, vc, oc, len, Dv); break;
+      case 7: weigh_values_avx2<7>(p, vc, oc, len, Dv); break;
+      default: weigh_values_avx2<8>(p, vc, oc, len, Dv); break;
+    }
+  }
+}
 #endif
 
-// The AVX-512 forms take value rows of 16 to 128 floats, a multiple of 16.
+// The AVX-512 forms take value rows of 16 to 128 floats, a multiple of 16; the AVX2 forms rows
+// of a multiple of 8 floats.
 inline bool attend_avx512(int64_t Dv) {
 #ifdef MLXTOY_AVX2
   return cpu_avx512() && Dv % 16 == 0 && Dv > 0 && Dv <= 128;
+#else
+  return false;
+#endif
+}
+
+inline bool attend_avx2(int64_t Dv) {
+#ifdef MLXTOY_AVX2
+  return cpu_avx2_fma() && Dv % 8 == 0 && Dv > 0;
 #else
   return false;
 #endif
@@ -94,20 +147,10 @@ HOT void attend_part(const float* q, int64_t n, const float* k, const float* v, 
   const int64_t len = j1 - j0;
   k += j0 * D;
   v += j0 * Dv;
-  const bool avx512 = attend_avx512(Dv);
-  // scores[r * len + j] = q_r . k_j
-#ifdef MLXTOY_AVX2
-  if (avx512) gemv_span_avx512(q, k, scores, n, len, D, 0, len);  // four keys a pass, each read once for the rows
-#endif
-  if (!avx512)
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t j = 0; j < len; ++j) {
-        const float *qr = q + r * D, *kr = k + j * D;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-        scores[r * len + j] = dot;
-      }
+  const bool avx512 = attend_avx512(Dv), avx2 = !avx512 && attend_avx2(Dv);
+  // scores[r * len + j] = q_r . k_j: the several-rows GEMV, four keys a pass, each read once for
+  // the group's rows
+  gemv_span(q, k, scores, n, len, D, 0, len);
   for (int64_t r = 0; r < n; ++r) {
     float* s = scores + r * len;
     float* out = partial + r * attend_partial_floats(Dv);
@@ -130,6 +173,12 @@ HOT void attend_part(const float* q, int64_t n, const float* k, const float* v, 
       weigh_values_avx512(s, v, acc, len, Dv);
       continue;
     }
+    if (avx2) {
+      weigh_values_avx2(s, v, acc, len, Dv);
+      continue;
+    }
+#else
+    (void)avx2;
 #endif
     std::fill(acc, acc + Dv, 0.0f);
     for (int64_t j = 0; j < len; ++j) {
