@@ -208,7 +208,8 @@ class API:
 
     def submit(self, p: Parsed) -> Job:
         tok = self.served.tokenizer
-        request = Request(p.prompt, p.max_tokens, p.sampling, frozenset(tok.eos_ids), p.adapter, p.top_logprobs)
+        request = Request(p.prompt, p.max_tokens, p.sampling, frozenset(tok.eos_ids), p.adapter, p.top_logprobs,
+                          logprobs=p.logprobs)
         grammars, grammar = self.grammars, p.grammar
         make = (lambda: grammars.constraint(grammar)) if grammar is not None else None
         job = Job(request, p.n, asyncio.get_running_loop(), asyncio.Queue(), make)

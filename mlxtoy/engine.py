@@ -61,12 +61,19 @@ class Request:
     adapter: int = 0  # the slot of the model's adapter this row reads (0: the base)
     top_logprobs: int = 0  # how many of the most likely tokens to report with each token
     constraint: Constraint | None = None
+    # report each token's log-probability (a logsumexp over the vocabulary for every token: a
+    # few percent of a step, so only for a request that asks; top_logprobs asks too)
+    logprobs: bool = False
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
 
 @dataclass
 class Token:
     token: int
-    logprob: float  # the model's (raw logits, temperature 1)
+    logprob: float | None  # the model's (raw logits, temperature 1), where the request asked
     top: list[tuple[int, float]] | None = None  # (token, logprob) of the most likely, best first
     finish: str | None = None  # "stop" (an end-of-sequence token, included), "length"
 
@@ -87,8 +94,8 @@ class Row:
         self.cancelled = False
         self.cached_tokens = 0  # prompt tokens its prefill took from the prompt cache
 
-    def draw(self) -> tuple[mx.array, mx.array]:
-        """-> (token (1,), logprob ()) from the pending logits, lazily."""
+    def draw(self) -> tuple[mx.array, mx.array | None]:
+        """-> (token (1,), logprob () where the request wants it) from the pending logits, lazily."""
         logits = self.logits
         allowed = self.request.constraint.allowed() if self.request.constraint is not None else None
         masked = logits if allowed is None else mx.where(allowed, logits, -mx.inf)
@@ -96,8 +103,9 @@ class Row:
         if not self.request.sampling.greedy:
             self.key, sub = mx.random.split(self.key)
         token = self.sampler(masked, self.recent, sub)
-        logprob = logits[0, token[0]] - fastmath.logsumexp(logits[0])
-        return token, logprob
+        if not self.request.wants_logprob:
+            return token, None
+        return token, logits[0, token[0]] - fastmath.logsumexp(logits[0])
 
 
 DEAD_ROWS = 0.125  # the share of the batch cache that rows which left may hold before it is compacted
@@ -264,7 +272,7 @@ class BatchDecoder:
                 tops.append((order, logp[order]))
             else:
                 tops.append(None)
-        mx.eval(drawn, [t for t in tops if t is not None])
+        mx.eval([d for pair in drawn for d in pair if d is not None], [t for t in tops if t is not None])
         out, keep = [], []
         for i, (r, (tok, logprob), top) in enumerate(zip(self.rows, drawn, tops)):
             t = int(tok.item())
@@ -273,7 +281,7 @@ class BatchDecoder:
                 r.request.constraint.advance(t)
             finish = "stop" if t in r.request.eos else "length" if r.generated >= r.budget else None
             top_list = list(zip(top[0].tolist(), top[1].tolist())) if top is not None else None
-            out.append((r, Token(t, float(logprob.item()), top_list, finish)))
+            out.append((r, Token(t, None if logprob is None else float(logprob.item()), top_list, finish)))
             if finish is None:
                 keep.append(i)
                 if r.window:
@@ -285,18 +293,24 @@ class BatchDecoder:
             self.forward(tokens.astype(mx.int32)[:, None])
         return out
 
-    def draw(self) -> list[tuple[mx.array, mx.array]]:
-        """Every row's (token (1,), logprob ()), lazily: the plain greedy rows (no constraint,
-        penalty or top logprobs) by one argmax over the batch's logits, the others each by its
-        own sampler."""
+    def draw(self) -> list[tuple[mx.array, mx.array | None]]:
+        """Every row's (token (1,), logprob () where its request wants it), lazily: the plain
+        greedy rows (no constraint, penalty or top logprobs) by one argmax over the batch's
+        logits, the others each by its own sampler."""
         plain = [r.request.sampling.greedy and not r.window and r.request.constraint is None
                  and not r.request.top_logprobs for r in self.rows]
         if sum(plain) < 2:
             return [r.draw() for r in self.rows]
         logits = self.logits if self.logits is not None else mx.concatenate([r.logits for r in self.rows])
         tokens = mx.argmax(logits, axis=-1)
-        logprobs = mx.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - fastmath.logsumexp(logits)
-        return [(tokens[i:i + 1], logprobs[i]) if p else r.draw() for i, (r, p) in enumerate(zip(self.rows, plain))]
+        wanted = [i for i, (r, p) in enumerate(zip(self.rows, plain)) if p and r.request.wants_logprob]
+        logprob = {}
+        if wanted:
+            idx = mx.array(wanted)
+            some = logits[idx]
+            chosen = mx.take_along_axis(some, tokens[idx][:, None], axis=-1)[:, 0]
+            logprob = dict(zip(wanted, chosen - fastmath.logsumexp(some)))
+        return [(tokens[i:i + 1], logprob.get(i)) if p else r.draw() for i, (r, p) in enumerate(zip(self.rows, plain))]
 
     def remove(self, keep: list[int]) -> None:
         """Keep only the rows at these indices. Their cache rows stay where they are while

@@ -355,3 +355,32 @@ def test_prompts_arriving_together_are_prefilled_as_one_batch(arch, monkeypatch)
     leaky = BatchDecoder(model).add_many([(Request(p, 6), 1) for p in ps])
     short = leaky[0][0].logits[0]
     assert not mx.allclose(short, model(mx.array([ps[0]]))[0, -1], atol=1e-2).item()
+
+
+def test_a_tokens_logprob_is_reported_where_the_request_asks_for_it():
+    """Rows that ask for log-probabilities get each token's, as numpy's log-softmax of the
+    uncached forward's logits gives it, whether drawn by the batch's one argmax (greedy) or by
+    the row's own sampler; rows that do not ask get none (no logsumexp over the vocabulary)."""
+    model = arch_model("llama")
+    ps = prompts((5, 9, 7), seed=4)
+    engine = BatchDecoder(model)
+    asks = [Request(ps[0], 6, SamplingParams(temp=0.0), logprobs=True),
+            Request(ps[1], 6, SamplingParams(temp=0.0)),
+            Request(ps[2], 6, SamplingParams(temp=0.8, seed=2), logprobs=True)]
+    rows = [engine.add(r)[0] for r in asks]
+    out: dict[int, list] = {id(r): [] for r in rows}
+    while engine.rows:
+        for row, tok in engine.step():
+            out[id(row)].append(tok)
+    for request, row in zip(asks, rows):
+        got = out[id(row)]
+        assert len(got) == 6
+        if not request.logprobs:
+            assert all(t.logprob is None for t in got)
+            continue
+        tokens = list(request.prompt) + [t.token for t in got]
+        logits = np.array(model(mx.array([tokens[:-1]]))[0, len(request.prompt) - 1:], dtype=np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        want = logp[np.arange(6), [t.token for t in got]]
+        np.testing.assert_allclose([t.logprob for t in got], want, rtol=0, atol=1e-4)
