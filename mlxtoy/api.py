@@ -228,10 +228,13 @@ class API:
         polled = time.monotonic()
         try:
             while open_choices:
-                try:
-                    i, token = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL)
-                except asyncio.TimeoutError:
-                    i = token = -1
+                if client is None:  # (a stream: no polling, no timer a token)
+                    i, token = await job.queue.get()
+                else:
+                    try:
+                        i, token = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL)
+                    except asyncio.TimeoutError:
+                        i = token = -1
                 if client is not None and time.monotonic() - polled >= DISCONNECT_POLL:
                     polled = time.monotonic()
                     if await client.is_disconnected():

@@ -38,10 +38,7 @@ class Job:
     cancelled: set[int] = field(default_factory=set)
 
     def send(self, item: tuple) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        deliver(self.loop, [(self, item)])
 
     def cancel(self, index: int | None = None) -> None:
         """Stop choice `index` (every choice: None). Safe from any thread: rows read the flag
@@ -50,6 +47,19 @@ class Job:
         for i, row in enumerate(self.rows):
             if i in self.cancelled:
                 row.cancelled = True
+
+
+def deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[Job, tuple]]) -> None:
+    """Put each (job, event) into its job's queue, on `loop` (its thread): one wakeup of the
+    loop for all of them (a decode step's tokens for every stream), where one each would wake
+    it once per stream and take that much more CPU from the decoding threads."""
+    def put() -> None:
+        for job, item in items:
+            job.queue.put_nowait(item)
+    try:
+        loop.call_soon_threadsafe(put)
+    except RuntimeError:  # the loop is closed: nobody is listening any more
+        pass
 
 
 class EngineThread:
@@ -145,9 +155,12 @@ class EngineThread:
         self.cancelled_rows += sum(r.cancelled for r in self.decoder.rows)
         self.peak_rows = max(self.peak_rows, sum(not r.cancelled for r in self.decoder.rows))
         events: list[tuple[Row, Token]] = self.decoder.step()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, tuple]]] = {}
         for row, token in events:
             job, i = self.owner[id(row)]
-            job.send((i, token))
+            by_loop.setdefault(job.loop, []).append((job, (i, token)))
+        for loop, items in by_loop.items():
+            deliver(loop, items)
         live = {id(r) for r in self.decoder.rows}
         for key in [k for k in self.owner if k not in live]:
             del self.owner[key]
