@@ -302,7 +302,7 @@ class BatchDecoder:
         if sum(plain) < 2:
             return [r.draw() for r in self.rows]
         logits = self.logits if self.logits is not None else mx.concatenate([r.logits for r in self.rows])
-        tokens = mx.argmax(logits, axis=-1)
+        tokens = fastmath.argmax(logits)
         wanted = [i for i, (r, p) in enumerate(zip(self.rows, plain)) if p and r.request.wants_logprob]
         logprob = {}
         if wanted:

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from mlxtoy.errors import UserError
+from mlxtoy.models import fastmath
 
 
 @dataclass
@@ -107,7 +108,7 @@ def make_sampler(params: SamplingParams) -> Sampler:
         if params.repetition_penalty != 1.0 and params.repetition_window > 0:
             logits = apply_repetition_penalty(logits, recent, params.repetition_penalty)
         if params.greedy:
-            return mx.argmax(logits, axis=-1)
+            return fastmath.argmax(logits)
         logits = apply_top_k(logits, params.top_k)
         logits = apply_top_p(logits, params.top_p)
         logits = apply_min_p(logits, params.min_p)

@@ -318,6 +318,28 @@ def test_logsumexp_kernel_vs_float64():
     assert got[0] == -np.inf and abs(got[1] - np.log(2.0)) < 1e-6  # masked entries add nothing
 
 
+def test_argmax_kernel_is_numpys_first_index_of_the_largest():
+    """The threaded argmax that picks each greedy token: numpy's and MLX's index on rows of
+    every length class (a vector tail, 49K, 3-D), the first of tied maxima (placed after the
+    first vector of eight and at the end), -inf entries, a row of -inf (index 0), and NaN
+    entries, which are never taken; fastmath.argmax and the greedy sampler give the same."""
+    r = np.random.default_rng(2)
+    for shape in [(49152,), (3, 20001), (2, 1), (2, 3, 37)]:
+        x = (5 * r.standard_normal(shape)).astype(np.float32)
+        got = np.array(K.argmax(mx.array(x))).reshape(shape[:-1] or ())
+        np.testing.assert_array_equal(got, x.argmax(-1))
+        np.testing.assert_array_equal(got, np.array(mx.argmax(mx.array(x), axis=-1)))
+        np.testing.assert_array_equal(np.array(fastmath.argmax(mx.array(x))), got)
+    x = r.standard_normal((4, 1003)).astype(np.float32)
+    x[0, [9, 500, 1002]] = 7.0  # ties: the first
+    x[1, :] = -np.inf
+    x[2, 40] = np.nan
+    x[2, 41] = 9.0  # a NaN before the largest is not taken
+    x[3, ::2] = -np.inf
+    got = np.array(K.argmax(mx.array(x)))
+    assert got.dtype == np.uint32 and got.tolist() == [9, 0, 41, int(np.nanargmax(x[3]))]
+
+
 DECODE_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, "tests")

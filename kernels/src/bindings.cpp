@@ -130,6 +130,9 @@ NB_MODULE(_ext, m) {
   m.def("logsumexp", &mlxtoy::logsumexp, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "log(sum(exp(x))) over the last axis -> x.shape[:-1] ((1,) for a vector): the polynomial exp, "
         "summed in double over fixed blocks of each row, threaded; no gradient");
+  m.def("argmax", &mlxtoy::argmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "the index of the largest entry of each row (the last axis), the first of equal ones, as uint32 "
+        "-> x.shape[:-1] ((1,) for a vector); NaN entries are never taken; threaded over rows; no gradient");
   m.def("pack", &mlxtoy::pack, "w"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "w (..., K) float32 -> (packed uint8, ok (1,) int32): each block of 32 weights along K as bits 4: "
         "float32 d and m then 16 bytes (weight j in the low nibble of byte j, j + 16 in the high one), "

@@ -277,6 +277,14 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         }
         break;
       }
+      case Op::ArgMax: {
+        auto x = static_cast<const float*>(in[0]);
+        auto y = static_cast<uint32_t*>(out[0]);
+        threads.run(rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(last, 1)), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) y[r] = static_cast<uint32_t>(argmax_row(x + r * last, last));
+        });
+        break;
+      }
       case Op::Pack: {
         auto w = static_cast<const float*>(in[0]);
         std::atomic<bool> lossless{true};
@@ -530,6 +538,13 @@ mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrD
   mx::Shape out(x.shape().begin(), x.shape().end() - 1);
   out.push_back(packed.shape(0));
   return make(Kernel::Op::GemvPacked, 0, {out}, {mx::float32}, {f32(x, "x"), packed}, st, bits)[0];
+}
+
+mx::array argmax(const mx::array& x, mx::StreamOrDevice st) {
+  if (x.ndim() == 0 || x.shape(-1) == 0) throw std::invalid_argument("[mlxtoy_kernels] argmax: x (..., V), V > 0");
+  mx::Shape out(x.shape().begin(), x.shape().end() - 1);
+  if (out.empty()) out.push_back(1);
+  return make(Kernel::Op::ArgMax, 0, {out}, {mx::uint32}, {f32(x, "x")}, st)[0];
 }
 
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st) {

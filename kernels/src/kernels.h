@@ -13,7 +13,7 @@ namespace mlxtoy {
 class Kernel : public mx::Primitive {
  public:
   enum class Op { Softmax, SoftmaxGrad, CrossEntropyColumns, CrossEntropyColumnsGrad, RmsNorm, RmsNormGrad, Swiglu, SwigluGrad, GemvMany,
-                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, Pack, GemvPacked,
+                  DecodeAttention, AdamW, SumSquares, Rope, LogSumExp, ArgMax, Pack, GemvPacked,
                   GemmMany, Gemm };
 
   // param: the norms' eps, the attention's or RoPE's scale; iparam: RoPE's 2 * dims + traditional,
@@ -109,6 +109,7 @@ std::vector<mx::array> attention_grad(const mx::array& q, const mx::array& k, co
                                       float scale, mx::StreamOrDevice st = {});
 mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st = {});
+mx::array argmax(const mx::array& x, mx::StreamOrDevice st = {});
 std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st = {});
 mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st = {});
 std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,

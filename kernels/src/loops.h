@@ -396,6 +396,55 @@ HOT void adamw_span(const float* p, const float* g, const float* m, const float*
   }
 }
 
+// The index of a row's largest entry, the first of equal ones (as mx.argmax and numpy); NaN
+// entries are never taken (a row of NaN gives 0).
+inline int64_t argmax_row_portable(const float* x, int64_t n) {
+  int64_t best = 0;
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] > m) {
+      m = x[i];
+      best = i;
+    }
+  return best;
+}
+
+#ifdef MLXTOY_AVX2
+// The same with AVX2: the maximum over four vectors of lanes (max(x, m) keeps m where x is NaN),
+// then the first entry equal to it, eight at a time (the row is in cache by then).
+__attribute__((target("avx2"))) inline int64_t argmax_row_avx2(const float* x, int64_t n) {
+  __m256 m0 = _mm256_set1_ps(kNegInf), m1 = m0, m2 = m0, m3 = m0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+    m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+    m2 = _mm256_max_ps(_mm256_loadu_ps(x + i + 16), m2);
+    m3 = _mm256_max_ps(_mm256_loadu_ps(x + i + 24), m3);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  float m = kNegInf;
+  for (float v : lanes) m = v > m ? v : m;
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  if (m == kNegInf) return argmax_row_portable(x, n);  // nothing above -inf: the portable rule
+  const __m256 mv = _mm256_set1_ps(m);
+  for (i = 0; i + 8 <= n; i += 8) {
+    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;
+}
+#endif
+
+inline int64_t argmax_row(const float* x, int64_t n) {
+#ifdef MLXTOY_AVX2
+  if (cpu_avx2()) return argmax_row_avx2(x, n);
+#endif
+  return argmax_row_portable(x, n);
+}
+
 constexpr int64_t kSumBlock = 1 << 16;  // sum_squares' fixed blocks
 constexpr int64_t kLseBlock = 1 << 13;  // logsumexp's fixed blocks of a row
 

@@ -561,6 +561,15 @@ def adamw_step(parameter: mx.array, gradient: mx.array, m: mx.array, v: mx.array
     return p, m, v
 
 
+def argmax(x: mx.array) -> mx.array:
+    """The index (uint32) of the largest entry over the last axis, the first of equal ones, as
+    mx.argmax gives it: float32 on CPU takes the threaded kernel (MLX's is one thread through a
+    scalar loop, milliseconds a decode step for a batch of rows over a large vocabulary)."""
+    if kernel_ok(x) and x.size:
+        return kernels_module().argmax(x).reshape(x.shape[:-1])
+    return mx.argmax(x, axis=-1)
+
+
 def logsumexp(x: mx.array) -> mx.array:
     """log(sum(exp(x))) over the last axis (no gradient with the kernel): float32 on CPU takes
     the threaded kernel (MLX's runs its exp on one thread; a sampled token's log-probability
