@@ -2,9 +2,9 @@
 
 Keys/values are stored (B, kv_heads, T, d_head), the layout attention consumes, in a buffer
 whose length is a whole number of `step` positions (mlx-lm grows by steps too) so a decode step
-writes one slot in place instead of concatenating a new array every token. `offset` counts the valid positions;
-`trim(n)` forgets the last n of them (the buffer is kept), which is how a chat session reuses
-the shared prefix of a conversation.
+writes one slot in place instead of concatenating a new array every token. `offset` counts the
+valid positions; `trim(n)` forgets the last n of them (the buffer is kept), which is how a chat
+session reuses the shared prefix of a conversation.
 
 A batch of sequences of different lengths (`mlxtoy.engine`) shares one cache, its rows
 left-padded: `starts[b]` is row b's first real column, so its own position of column c is
