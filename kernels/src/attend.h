@@ -139,6 +139,22 @@ inline bool attend_avx2(int64_t Dv) {
 #endif
 }
 
+// out = sum_j p[j] v[j] (Dv floats a row, the rows Dv apart) in the widest form that applies;
+// where p[j] is exactly 0 (a masked key) the row is not read
+inline void weigh_values(const float* p, const float* v, float* out, int64_t len, int64_t Dv) {
+#ifdef MLXTOY_AVX2
+  if (attend_avx512(Dv)) return weigh_values_avx512(p, v, out, len, Dv);
+  if (attend_avx2(Dv)) return weigh_values_avx2(p, v, out, len, Dv);
+#endif
+  std::fill(out, out + Dv, 0.0f);
+  for (int64_t j = 0; j < len; ++j) {
+    if (p[j] == 0.0f) continue;
+    const float e = p[j], *vr = v + j * Dv;
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) out[d] += e * vr[d];
+  }
+}
+
 // n query rows (q, n x D: a GQA group) against positions [j0, j1) of their KV head (k, v: the
 // head's rows from position 0), bias (0 or -inf per position) optional; per row r, its partial
 // into partial + r * attend_partial_floats(Dv). scores: n * kAttendPart floats of scratch.
@@ -147,7 +163,6 @@ HOT void attend_part(const float* q, int64_t n, const float* k, const float* v, 
   const int64_t len = j1 - j0;
   k += j0 * D;
   v += j0 * Dv;
-  const bool avx512 = attend_avx512(Dv), avx2 = !avx512 && attend_avx2(Dv);
   // scores[r * len + j] = q_r . k_j: the several-rows GEMV, four keys a pass, each read once for
   // the group's rows
   gemv_span(q, k, scores, n, len, D, 0, len);
@@ -167,26 +182,7 @@ HOT void attend_part(const float* q, int64_t n, const float* k, const float* v, 
     }
     out[0] = m;
     out[1] = sum;
-    float* acc = out + 2;
-#ifdef MLXTOY_AVX2
-    if (avx512) {
-      weigh_values_avx512(s, v, acc, len, Dv);
-      continue;
-    }
-    if (avx2) {
-      weigh_values_avx2(s, v, acc, len, Dv);
-      continue;
-    }
-#else
-    (void)avx2;
-#endif
-    std::fill(acc, acc + Dv, 0.0f);
-    for (int64_t j = 0; j < len; ++j) {
-      if (s[j] == 0.0f) continue;  // a masked key's value is not read
-      const float e = s[j], *vr = v + j * Dv;
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) acc[d] += e * vr[d];
-    }
+    weigh_values(s, v, out + 2, len, Dv);
   }
 }
 

@@ -227,7 +227,7 @@ def keep_rows(cache: list[KVCache], rows: list[int]) -> None:
     n = int(cache[0].starts[idx].min().item())
     capacity = rounded_capacity(cache[0].offset - n + 1, KVCache.step)
     for c in cache:
-        c.keys = _assembled([(c.keys[idx][..., n:c.offset, :], 0, 0)], len(rows), capacity)
-        c.values = _assembled([(c.values[idx][..., n:c.offset, :], 0, 0)], len(rows), capacity)
+        c.keys = _assembled([(c.keys[idx, :, n:c.offset], 0, 0)], len(rows), capacity)
+        c.values = _assembled([(c.values[idx, :, n:c.offset], 0, 0)], len(rows), capacity)
         c.starts = c.starts[idx] - n
         c.offset -= n
