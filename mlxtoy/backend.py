@@ -122,10 +122,11 @@ def blas_candidates(vendor: str, flags: set[str]) -> list[tuple[str, str]]:
     measured = measured_blas(blas_paths())
     if measured:  # `doctor --calibrate` timed each here
         return found[measured] + [c for kind, paths in found.items() if kind != measured for c in paths]
-    # Unmeasured: MKL runs its generic AVX2 code on CPUs that are not Intel's, and on an AVX-512
-    # AMD core (Zen 4/5) OpenBLAS's GEMM was faster; elsewhere MKL first (the kernels then share
-    # its OpenMP threads). `doctor --calibrate` replaces this guess with a measurement.
-    if vendor == "AuthenticAMD" and "avx512f" in flags:
+    # Unmeasured: on a CPU that is not Intel's, MKL loads its generic kernels (libmkl_def), and
+    # OpenBLAS's GEMM was faster on every AMD core measured (Zen 3, 4, 5); on Intel's, MKL first
+    # (the kernels then share its OpenMP threads). `doctor --calibrate` replaces this guess with a
+    # measurement.
+    if vendor == "AuthenticAMD":
         return found["openblas"] + found["mkl"] + found["blis"]
     return found["mkl"] + found["openblas"] + found["blis"]
 
@@ -189,7 +190,9 @@ def _load_fast_blas() -> None:
     if platform.system() != "Linux":
         _BLAS_NAME = "accelerate" if platform.system() == "Darwin" else None
         return
-    threads = str(os.cpu_count() or 1)
+    # the cores this process may run on (taskset, a container's cpuset), not the machine's: 16
+    # threads on 2 allowed cores spin against each other
+    threads = str(usable_cores() or 1)
     os.environ.setdefault("MKL_NUM_THREADS", threads)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", threads)
     # OpenBLAS's idle threads spin ~0.1 s after each GEMM (2^28 cycles) on the cores the kernels'
@@ -200,6 +203,8 @@ def _load_fast_blas() -> None:
             if name == "openblas+prefix":
                 if not _load_prefixed(path):
                     continue
+            elif name == "mkl":
+                _load_mkl(path)
             else:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
@@ -207,9 +212,7 @@ def _load_fast_blas() -> None:
                 settings.BLAS.warn(f"cannot be loaded ({e}): using the reference BLAS")
             continue
         _BLAS_NAME, _BLAS_PATH = name.removesuffix("+prefix"), path
-        if name == "mkl":
-            _load_mkl_openmp(os.path.dirname(path))
-        elif name.startswith("openblas"):
+        if name.startswith("openblas"):
             _BLAS_CORE = _core_name(name, path)
             if _BLAS_CORE and os.environ.get("OPENBLAS_CORETYPE"):  # not OpenBLAS's own pick
                 _BLAS_CORE += " (set by OPENBLAS_CORETYPE)"
@@ -217,16 +220,26 @@ def _load_fast_blas() -> None:
     _BLAS_NAME = None
 
 
-def _load_mkl_openmp(lib_dir: str) -> None:
-    """MKL's OpenMP runtime (libiomp5, which MKL would otherwise load privately at its first
-    GEMM) with global symbols: the kernels' parallel loops (mlxtoy_kernels) then bind to it and
-    run on the threads MKL's GEMMs run on, instead of a second set of threads fighting them."""
-    for path in sorted(glob.glob(os.path.join(lib_dir, "libiomp5.so*"))):
+MKL_THREADING_INTEL = 0  # mkl_service.h: MKL_Set_Threading_Layer's Intel OpenMP layer
+
+
+def _load_mkl(path: str) -> None:
+    """MKL with global symbols, after its OpenMP runtime (libiomp5, beside it): the kernels'
+    parallel loops (mlxtoy_kernels) then bind to it and run on the threads MKL's GEMMs run on,
+    instead of a second set of threads fighting them. MKL is told that runtime's layer before
+    its first GEMM: left to choose, libmkl_rt took its GNU OpenMP layer on an Intel host (a
+    library the PyPI wheel has, which a partial install may lack) and exited there."""
+    openmp = False
+    for candidate in sorted(glob.glob(os.path.join(os.path.dirname(path), "libiomp5.so*"))):
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            return
+            ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
+            openmp = True
+            break
         except OSError:
             continue
+    mkl = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    if openmp and hasattr(mkl, "MKL_Set_Threading_Layer"):
+        mkl.MKL_Set_Threading_Layer(MKL_THREADING_INTEL)
 
 
 _load_fast_blas()

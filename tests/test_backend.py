@@ -41,14 +41,15 @@ ours, theirs = mx.grad(loss, argnums=(0, 1, 2))(q, k, v), mx.grad(ref, argnums=(
 attention_err = max(float(mx.abs(x - y).max()) for x, y in zip(ours, theirs))
 maps = open("/proc/self/maps").read()
 print(json.dumps({"blas": backend.INFO.blas, "path": backend.INFO.blas_path, "core": backend.INFO.blas_core,
-                  "mapped": [name for name in ("libscipy_openblas.so", "libmkl_rt", "libmlxtoy_blas") if name in maps],
+                  "mapped": [name for name in ("libscipy_openblas.so", "libmkl_rt", "libmkl_intel_thread", "libmkl_gnu_thread",
+                                               "libmlxtoy_blas") if name in maps],
                   "gemm_err": gemm_err, "attention_err": attention_err, "block_attention": attention.block_attention_on(),
                   "threads_before": before, "threads_after": forwarder() if forwarder else None}))
 """
 
 
-def probe(blas: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=os.environ | {"MLXTOY_BLAS": blas},
+def probe(blas: str, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=os.environ | {"MLXTOY_BLAS": blas} | env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -63,12 +64,47 @@ def test_each_blas_is_the_one_mapped_and_computes_mlx_gemms_and_block_attention(
         assert "libscipy_openblas" in got["path"] and got["core"]
         assert {"libscipy_openblas.so", "libmlxtoy_blas"} <= set(got["mapped"]) and "libmkl_rt" not in got["mapped"]
         # the block attention set OpenBLAS to one thread for its GEMMs and gave the count back
-        assert got["threads_before"] == got["threads_after"] == int(os.environ.get("OPENBLAS_NUM_THREADS", os.cpu_count()))
-    else:
-        assert got["mapped"] == ["libmkl_rt"]
+        assert got["threads_before"] == got["threads_after"] == int(os.environ.get("OPENBLAS_NUM_THREADS", len(os.sched_getaffinity(0))))
+    else:  # MKL on its Intel OpenMP layer, the runtime the kernels' loops share
+        assert got["mapped"] == ["libmkl_rt", "libmkl_intel_thread"]
     assert got["block_attention"]
     assert got["gemm_err"] < 1e-3  # float32 sums of 300 products against float64
     assert got["attention_err"] < 1e-4
+
+
+MKL_LAYER = r"""
+import ctypes, glob, os, sys
+lib = os.path.join(sys.prefix, "lib")
+mkl = ctypes.CDLL(glob.glob(os.path.join(lib, "libmkl_rt.so*"))[0], mode=ctypes.RTLD_GLOBAL)
+a = (ctypes.c_float * 4)(1, 2, 3, 4); c = (ctypes.c_float * 4)()
+mkl.cblas_sgemm(101, 111, 111, 2, 2, 2, ctypes.c_float(1), a, 2, a, 2, ctypes.c_float(0), c, 2)
+print([name for name in ("libmkl_intel_thread", "libmkl_gnu_thread") if name in open("/proc/self/maps").read()], list(c))
+"""
+
+
+def test_mkl_runs_its_intel_openmp_layer_whatever_the_environment_asks():
+    """mlxtoy sets MKL's threading layer itself (libmkl_rt took its GNU layer on an Intel host);
+    the control: MKL loaded by hand with MKL_THREADING_LAYER=GNU maps its GNU layer, so the
+    map check sees the difference."""
+    got = probe("mkl", MKL_THREADING_LAYER="GNU")
+    assert got["blas"] == "mkl" and "libmkl_gnu_thread" not in got["mapped"]
+    assert "libmkl_intel_thread" in got["mapped"] and got["gemm_err"] < 1e-3
+    control = subprocess.run([sys.executable, "-c", MKL_LAYER], env=os.environ | {"MKL_THREADING_LAYER": "GNU"},
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    assert control.strip() == "['libmkl_gnu_thread'] [7.0, 10.0, 15.0, 22.0]"
+
+
+def test_blas_threads_follow_the_cores_this_process_may_use():
+    """Under taskset (or a container's cpuset) the BLAS gets as many threads as allowed cores,
+    not the machine's count; the control is the same process on every allowed core."""
+    code = "import os, mlxtoy; print(os.environ['MKL_NUM_THREADS'], os.environ['OPENBLAS_NUM_THREADS'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    allowed = sorted(os.sched_getaffinity(0))
+    one = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {allowed[0]})).stdout.split()
+    every = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                           check=True).stdout.split()
+    assert one == ["1", "1"] and every == [str(len(allowed))] * 2
 
 
 def test_reference_blas_when_none_is_asked_for():
@@ -79,11 +115,13 @@ def test_reference_blas_when_none_is_asked_for():
     assert got["gemm_err"] < 1e-3
 
 
-def test_openblas_first_on_avx512_amd_and_mkl_first_elsewhere(monkeypatch):
+def test_unmeasured_openblas_first_on_amd_and_mkl_first_on_intel(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLXTOY_CACHE", str(tmp_path))  # nothing measured here
     monkeypatch.delenv("MLXTOY_BLAS", raising=False)
     names = {}
-    for vendor, flags in [("AuthenticAMD", {"avx2", "avx512f"}), ("AuthenticAMD", {"avx2"}), ("GenuineIntel", {"avx512f"})]:
+    for vendor, flags in [("AuthenticAMD", {"avx2", "avx512f"}), ("AuthenticAMD", {"avx2"}),
+                          ("GenuineIntel", {"avx512f"}), ("GenuineIntel", {"avx2"})]:
         names[vendor, "avx512f" in flags] = [name for name, _ in backend.blas_candidates(vendor, flags)]
-    assert names["AuthenticAMD", True][0] == "openblas+prefix"
-    assert names["AuthenticAMD", False][0] == names["GenuineIntel", True][0] == "mkl"
+    assert names["AuthenticAMD", True][0] == names["AuthenticAMD", False][0] == "openblas+prefix"
+    assert names["GenuineIntel", True][0] == names["GenuineIntel", False][0] == "mkl"
     assert set(names["GenuineIntel", True]) >= {"mkl", "openblas+prefix"}  # CI installs both

@@ -45,7 +45,8 @@ def report() -> dict[str, str]:
         measured = backend.measured_blas(backend.blas_paths())
         blas += ("; measured fastest here" if measured == info.blas else
                  "; not measured here (`mlxtoy doctor --calibrate`)" if measured is None else
-                 f"; {measured} measured fastest here, {settings.BLAS.name} chose this")
+                 f"; {measured} measured fastest here, {settings.BLAS.name} chose this" if settings.BLAS.value() else
+                 f"; {measured} measured fastest here, loaded from the next command on")
     figure, what = info.memory_budget()
     facts = {
         "mlxtoy": mlxtoy.__version__,

@@ -264,7 +264,7 @@ def affine_blocks(tensor: GGUFTensor) -> tuple[mx.array, mx.array, mx.array, int
     scales = np.empty((rows, d_in // 32), np.float16)
     biases = np.empty((rows, d_in // 32), np.float32)
     # numpy lets go of the GIL inside each operation: row ranges convert on all the cores
-    workers = min(os.cpu_count() or 1, max(1, rows // 256))
+    workers = min(backend.usable_cores() or 1, max(1, rows // 256))
     step = -(-rows // workers)
 
     def convert(r0: int) -> None:
