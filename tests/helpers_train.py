@@ -110,10 +110,12 @@ def qa_rows(n: int, seed: int = 0) -> list[dict]:
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m mlxtoy ARGS`, its output as text exactly as written: decoded here rather than with
+    text=True, whose universal newlines turn a generated '\r' into '\n'."""
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "mlxtoy", *args], capture_output=True, text=True,
-                          cwd=REPO, env=e, timeout=timeout)
+    r = subprocess.run([sys.executable, "-m", "mlxtoy", *args], capture_output=True, cwd=REPO, env=e, timeout=timeout)
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
 
 
 def unigram_entropy_nats(ids) -> float:

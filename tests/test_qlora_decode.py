@@ -172,8 +172,9 @@ print(json.dumps(np.array(quant.quant_linear(x, q, s.astype(mx.float16), b.astyp
 @needs_kernels
 def test_the_float_form_of_the_4_bit_gemv_is_exact_to_float32_rounding():
     """MLXTOY_KERNEL_VNNI=0 (read once, so in a process of its own): 4-bit/g32 decoding in float32
-    sums, within a few eps of float64; the default (VNNI where the CPU has it) agrees within the
-    16-bit rounding of x."""
+    sums, within a few eps of float64; the default (x rounded to 16 bits: VNNI where the CPU has it,
+    else the AVX2 integer form) agrees within that rounding, and differs from the float form where
+    either runs (the switch reached the kernel)."""
     import json
     import os
     import subprocess
@@ -193,6 +194,8 @@ def test_the_float_form_of_the_4_bit_gemv_is_exact_to_float32_rounding():
     plain, default = run({"MLXTOY_KERNEL_VNNI": "0"}), run({})
     assert (np.abs(plain - want) <= 1e-6 * (np.abs(x) @ np.abs(dense).T)).all()
     assert (np.abs(default - want) <= 1e-6 * (np.abs(x) @ np.abs(dense).T) + _x_rounding_bound(x, q, s, b, 32)).all()
+    if "avx2" in backend.cpu_features()[1]:
+        assert not np.array_equal(plain, default)
 
 
 @pytest.mark.core

@@ -44,6 +44,9 @@ NB_MODULE(_ext, m) {
         "GEMV's VNNI form too (x rounded to 16 bits a group; no gradient)");
   m.def("quant_vnni_ok", &mlxtoy::cpu_vnni,
         "whether quant_linear's 4-bit GEMV (groups of 32) takes AVX-512 VNNI here (MLXTOY_KERNEL_VNNI=0: no)");
+  m.def("quant_x16_ok", &mlxtoy::cpu_x16,
+        "whether quant_linear's 4-bit GEMV (groups of 32) may take its AVX2 16-bit integer form here (where "
+        "the VNNI form does not run; MLXTOY_KERNEL_VNNI=0: no)");
   m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm and gemm_many run here (an x86-64 CPU with AVX-512, or AVX2 and FMA)");
   m.def("gemm_many", &mlxtoy::gemm_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "gemv_many's products for many rows of x (prefill): an AVX-512 GEMM, no gradient");

@@ -13,6 +13,7 @@
 
 #include "loops.h"
 #include "packed.h"
+#include "qgemv_x16.h"
 
 namespace mlxtoy {
 
@@ -198,7 +199,6 @@ __attribute__((target("avx512f"))) void qgemv_rows_avx512(const float* xo, const
 // `symmetric`) they are not read: -8 sum(x16_g) goes into the integer sum, and a weight costs 4.5
 // bits of memory where it costs 5 with biases (float16).
 constexpr int64_t kVnniAheadPasses = 2;
-constexpr float kX16 = 32639.0f;  // the largest |x16| whose high byte stays within a signed byte
 
 // 4 (or 16) scales or biases of type T from p as float32 (T: float, or uint16_t holding float16
 // (F16 true) or bfloat16 bits)
@@ -450,11 +450,15 @@ inline void group_sums(const float* x, int64_t M, int64_t K, int64_t group, floa
 
 }  // namespace
 
+// MLXTOY_KERNEL_VNNI=0: the float32 form instead of x rounded to 16 bits (tests, comparisons)
+static bool x16_allowed() {
+  static const bool ok = !(std::getenv("MLXTOY_KERNEL_VNNI") && std::string(std::getenv("MLXTOY_KERNEL_VNNI")) == "0");
+  return ok;
+}
+
 bool cpu_vnni() {
 #ifdef MLXTOY_AVX2
-  // MLXTOY_KERNEL_VNNI=0: the float32 form instead (tests, comparisons)
-  static const bool ok = !(std::getenv("MLXTOY_KERNEL_VNNI") && std::string(std::getenv("MLXTOY_KERNEL_VNNI")) == "0") &&
-                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool ok = x16_allowed() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
@@ -466,14 +470,28 @@ bool vnni_form(int64_t K, int64_t group, int bits) {
   return bits == 4 && group == 32 && K % kVnniBlock == 0 && cpu_vnni();
 }
 
+bool cpu_x16() {
+#ifdef MLXTOY_AVX2
+  return x16_allowed() && cpu_avx2_fma();
+#else
+  return false;
+#endif
+}
+
+// the AVX2 integer form (qgemv_x16.h) where the VNNI form does not run
+static bool x16_form(int64_t K, int64_t group, int bits) {
+  return bits == 4 && group == 32 && K % 32 == 0 && cpu_x16() && !vnni_form(K, group, bits);
+}
+
 // y (M, N) = x (M, K) W^T, W's rows split over the kernels' threads first come, first served;
 // M <= kGemvRows, or any M in the VNNI form (`vnni_form`)
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
   const int64_t groups = K / group;
   const size_t elem = st == ScaleType::F32 ? 4 : 2;
-  const bool vnni = vnni_form(K, group, bits);
-  std::vector<float> xo(vnni ? 0 : M * K), xs(M * groups), xsl(vnni ? M * K / 8 : 0);
+  const bool vnni = vnni_form(K, group, bits), x16 = x16_form(K, group, bits);
+  std::vector<float> xo(vnni || x16 ? 0 : M * K), xs(M * groups), xsl(vnni ? M * K / 8 : 0), xsc(x16 ? M * groups : 0);
+  std::vector<int16_t> xq(x16 ? M * K : 0);
   std::vector<int8_t> xbytes(vnni ? 2 * M * K : 0);
   std::vector<int32_t> corr(vnni ? M * K / 8 : 0);
 #ifdef MLXTOY_AVX2
@@ -508,7 +526,8 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
     return;
   }
 #endif
-  order_x(x, xo.data(), M, K, bits);
+  if (x16) round_x16(x, M, K, xq.data(), xsc.data());
+  else order_x(x, xo.data(), M, K, bits);
   group_sums(x, M, K, group, xs.data());
   // a block of rows' scales and biases are widened to float32 into the thread's own buffers
   // first (kept small: read again from L1/L2 by the block's rows)
@@ -522,6 +541,10 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
       const int64_t n1 = std::min(c1, n0 + kBlockRows);
       scales_to_f32(static_cast<const char*>(scales) + n0 * groups * elem, st, sc.data(), (n1 - n0) * groups);
       scales_to_f32(static_cast<const char*>(biases) + n0 * groups * elem, st, bi.data(), (n1 - n0) * groups);
+#ifdef MLXTOY_AVX2
+      if (x16) qgemv4_span_x16(M, xq.data(), xsc.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1);
+      else
+#endif
       if (bits == 4) qgemv_span<4>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
       else qgemv_span<8>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
     }

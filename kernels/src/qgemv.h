@@ -28,6 +28,9 @@ inline ScaleType scale_type(const mx::array& a) {
 // whether the 4-bit GEMV (groups of 32) takes AVX-512 VNNI here; MLXTOY_KERNEL_VNNI=0: no
 bool cpu_vnni();
 
+// whether the 4-bit GEMV's AVX2 16-bit integer form runs here (for groups of 32 where VNNI does not)
+bool cpu_x16();
+
 // whether qgemv takes the VNNI form for this W (4 bits, groups of 32, K whole blocks, and the CPU):
 // the form that takes any number of rows of x
 bool vnni_form(int64_t K, int64_t group, int bits);

@@ -96,7 +96,8 @@ def kernels_status() -> str:
         team = "MKL's OpenMP threads" if K.openmp() else "their own pool"
         gemms = ("the kernels' GEMM or the BLAS, whichever measures faster per shape (`doctor --calibrate`)"
                  if gemm_on() else "the BLAS")
-        quantized = "AVX-512 VNNI integer products" if quant_vnni() else "float32"
+        quantized = ("AVX-512 VNNI integer products" if quant_vnni() else
+                     "AVX2 16-bit integer products" if K.quant_x16_ok() else "float32")
         return (f"on ({K.threads()} threads: {team}; float32 products of many rows: {gemms}; "
                 f"decoding from a 4-bit base: {quantized})")
     if not backend.INFO.on_cpu:
