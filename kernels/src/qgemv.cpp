@@ -472,7 +472,7 @@ bool vnni_form(int64_t K, int64_t group, int bits) {
 
 bool cpu_x16() {
 #ifdef MLXTOY_AVX2
-  return x16_allowed() && cpu_avx2_fma();
+  return x16_allowed() && cpu_avx2_fma() && __builtin_cpu_supports("f16c");
 #else
   return false;
 #endif
@@ -526,9 +526,18 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
     return;
   }
 #endif
-  if (x16) round_x16(x, M, K, xq.data(), xsc.data());
-  else order_x(x, xo.data(), M, K, bits);
   group_sums(x, M, K, group, xs.data());
+#ifdef MLXTOY_AVX2
+  if (x16) {
+    round_x16(x, M, K, xq.data(), xsc.data());
+    threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
+      if (symmetric) qgemv4_x16<true>(st, M, xq.data(), xsc.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+      else qgemv4_x16<false>(st, M, xq.data(), xsc.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+    });
+    return;
+  }
+#endif
+  order_x(x, xo.data(), M, K, bits);
   // a block of rows' scales and biases are widened to float32 into the thread's own buffers
   // first (kept small: read again from L1/L2 by the block's rows)
   constexpr int64_t kBlockRows = 32;
@@ -541,10 +550,6 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
       const int64_t n1 = std::min(c1, n0 + kBlockRows);
       scales_to_f32(static_cast<const char*>(scales) + n0 * groups * elem, st, sc.data(), (n1 - n0) * groups);
       scales_to_f32(static_cast<const char*>(biases) + n0 * groups * elem, st, bi.data(), (n1 - n0) * groups);
-#ifdef MLXTOY_AVX2
-      if (x16) qgemv4_span_x16(M, xq.data(), xsc.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, n0, n1);
-      else
-#endif
       if (bits == 4) qgemv_span<4>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
       else qgemv_span<8>(M, xo.data(), xs.data(), w, sc.data(), bi.data(), y, N, K, group, n0, n1);
     }
