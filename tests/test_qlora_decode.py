@@ -83,10 +83,11 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
 @needs_kernels
 @pytest.mark.core
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_a_prompt_takes_the_vnni_gemv_at_inference(symmetric):
+def test_a_prompt_takes_the_rounded_gemv_at_inference(symmetric):
     """At inference a prompt's rows (more than decoding's 4; 5 to 37: tails past the fours and the
-    tiles of 16 rows of W) take the 4-bit GEMV too, within x's 16-bit rounding of float64; outside
-    inference they take the exact slab product; a changed weight moves its output only."""
+    tiles of 16 rows of W) take the 4-bit GEMV too (the VNNI form, or AVX2's integer form up to 48
+    rows), within x's 16-bit rounding of float64; outside inference, or past 48 rows in the AVX2
+    form, they take the exact slab product; a changed weight moves its output only."""
     q, scales, biases = _quantized(67, 640, 4, 32, mx.float16, seed=11)
     if symmetric:  # Q4_0's blocks: levels - 8 times the scale
         biases = (-8 * scales.astype(mx.float32)).astype(mx.float16)
@@ -101,8 +102,13 @@ def test_a_prompt_takes_the_vnni_gemv_at_inference(symmetric):
         exact = np.array(quant.quant_linear(mx.array(x), q, scales, biases, 32, 4))  # slabs
         assert (np.abs(exact - want) <= eps).all()
         assert (np.abs(y - want) <= eps + _x_rounding_bound(x, q, scales, biases, 32)).all()
-        if fastmath.quant_vnni():  # rounded: not the slab product's values
+        if fastmath.quant_vnni() or fastmath.kernels_module().quant_x16_ok():  # rounded: not the slab product's
             assert np.abs(y - exact).max() > 0
+    if fastmath.kernels_module().quant_x16_ok() and not fastmath.quant_vnni():  # 49 rows: the slabs
+        x49 = mx.array(rng.standard_normal((49, 640)).astype(np.float32))
+        with fastmath.inference():
+            y49 = quant.quant_linear(x49, q, scales, biases, 32, 4, symmetric)
+        np.testing.assert_array_equal(np.array(y49), np.array(quant.quant_linear(x49, q, scales, biases, 32, 4)))
     bad = np.array(q)
     bad[66, 3] ^= 0x0F0F0F0F
     with fastmath.inference():

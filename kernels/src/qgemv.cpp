@@ -470,6 +470,15 @@ bool vnni_form(int64_t K, int64_t group, int bits) {
   return bits == 4 && group == 32 && K % kVnniBlock == 0 && cpu_vnni();
 }
 
+// the AVX2 integer form (qgemv_x16.h) where the VNNI form does not run
+static bool x16_form(int64_t K, int64_t group, int bits) {
+  return bits == 4 && group == 32 && K % 32 == 0 && cpu_x16() && !vnni_form(K, group, bits);
+}
+
+int64_t gemv_max_rows(int64_t K, int64_t group, int bits) {
+  return vnni_form(K, group, bits) ? kVnniMaxRows : x16_form(K, group, bits) ? kX16MaxRows : kGemvRows;
+}
+
 bool cpu_x16() {
 #ifdef MLXTOY_AVX2
   return x16_allowed() && cpu_avx2_fma() && __builtin_cpu_supports("f16c");
@@ -478,13 +487,9 @@ bool cpu_x16() {
 #endif
 }
 
-// the AVX2 integer form (qgemv_x16.h) where the VNNI form does not run
-static bool x16_form(int64_t K, int64_t group, int bits) {
-  return bits == 4 && group == 32 && K % 32 == 0 && cpu_x16() && !vnni_form(K, group, bits);
-}
 
 // y (M, N) = x (M, K) W^T, W's rows split over the kernels' threads first come, first served;
-// M <= kGemvRows, or any M in the VNNI form (`vnni_form`)
+// M <= kGemvRows, or at inference M <= gemv_max_rows (a prompt, in the VNNI or AVX2 integer form)
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
   const int64_t groups = K / group;
@@ -526,18 +531,32 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
     return;
   }
 #endif
-  group_sums(x, M, K, group, xs.data());
 #ifdef MLXTOY_AVX2
   if (x16) {
-    round_x16(x, M, K, xq.data(), xsc.data());
+    // x's rows rounded on the threads when there are many (a prompt); more than kGemvRows rows go
+    // through in fours over a tile of W's rows while it is in cache, as in the VNNI form
+    threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
+      round_x16(x + m0 * K, m1 - m0, K, xq.data() + m0 * K, xsc.data() + m0 * groups);
+      group_sums(x + m0 * K, m1 - m0, K, group, xs.data() + m0 * groups);
+    });
+    constexpr int64_t kTileRows = 16;
+    const bool few = M <= kGemvRows;
+    const int64_t tile = few ? N : kTileRows;
     threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
-      if (symmetric) qgemv4_x16<true>(st, M, xq.data(), xsc.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
-      else qgemv4_x16<false>(st, M, xq.data(), xsc.data(), xs.data(), w, scales, biases, y, N, K, n0, n1);
+      for (int64_t t0 = n0; t0 < n1; t0 += tile)
+        for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {
+          const int64_t t1 = std::min(n1, t0 + tile), rows = std::min(kGemvRows, M - m0);
+          const int16_t* xr = xq.data() + m0 * K;
+          const float *xscr = xsc.data() + m0 * groups, *xsr = xs.data() + m0 * groups;
+          if (symmetric) qgemv4_x16<true>(st, rows, xr, xscr, xsr, w, scales, biases, y + m0 * N, N, K, t0, t1);
+          else qgemv4_x16<false>(st, rows, xr, xscr, xsr, w, scales, biases, y + m0 * N, N, K, t0, t1);
+        }
     });
     return;
   }
 #endif
   order_x(x, xo.data(), M, K, bits);
+  group_sums(x, M, K, group, xs.data());
   // a block of rows' scales and biases are widened to float32 into the thread's own buffers
   // first (kept small: read again from L1/L2 by the block's rows)
   constexpr int64_t kBlockRows = 32;

@@ -18,6 +18,8 @@ constexpr int64_t kVnniBlock = 128;  // weights of a row a block: 4 groups of 32
 // Up to this many rows of x (a prompt, at inference) the VNNI form, compute-bound past a few rows,
 // beats dequantizing slabs for the SGEMM (docs/performance.md, "Decoding from a quantized base")
 constexpr int64_t kVnniMaxRows = 256;
+// and the AVX2 integer form's, compute-bound sooner (even with the slabs near 48 rows on a Zen 3)
+constexpr int64_t kX16MaxRows = 48;
 
 enum class ScaleType { F32, F16, BF16 };
 
@@ -35,8 +37,12 @@ bool cpu_x16();
 // the form that takes any number of rows of x
 bool vnni_form(int64_t K, int64_t group, int bits);
 
-// y (M, N) = x (M, K) W^T, W's rows split over `threads`; M <= kGemvRows, or any M in the VNNI form
-// (`vnni_form`); symmetric: the biases are -2^(bits - 1) scales and need not be read
+// the most rows of x that qgemv takes for this W at inference (a prompt's): kGemvRows, or more in
+// the VNNI and the AVX2 integer forms
+int64_t gemv_max_rows(int64_t K, int64_t group, int bits);
+
+// y (M, N) = x (M, K) W^T, W's rows split over `threads`; M <= kGemvRows, or M <= gemv_max_rows at
+// inference; symmetric: the biases are -2^(bits - 1) scales and need not be read
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads);
 

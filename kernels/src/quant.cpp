@@ -159,7 +159,7 @@ mx::array quant_linear(const mx::array& a, const mx::array& w, const mx::array& 
   if (a.ndim() != 2 || a.dtype() != mx::float32 || a.shape(1) != (grad ? N : K))
     throw std::invalid_argument("[mlxtoy_kernels] quant_linear: a float32 (M, K), or (M, N) for the gradient");
   const bool few = (a.shape(0) <= kGemvRows && group_size % kChunk == 0) ||
-                   (inference && a.shape(0) <= kVnniMaxRows && vnni_form(K, group_size, bits));
+                   (inference && a.shape(0) <= gemv_max_rows(K, group_size, bits));
   const auto op = grad ? QuantLinear::Op::InputGrad : few ? QuantLinear::Op::Gemv : QuantLinear::Op::Product;
   return make(op, {a.shape(0), static_cast<int>(grad ? K : N)}, {a, w, scales, biases}, group_size, bits, s,
               symmetric);
