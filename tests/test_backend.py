@@ -1,4 +1,4 @@
-"""The BLAS mlxtoy.backend puts under MLX on Linux CPU: which library each choice loads (read back
+"""The BLAS mlxtoy.cpublas puts under MLX on Linux CPU: which library each choice loads (read back
 from the process's own memory map), that MLX's GEMMs and the kernels' block attention on it
 agree with numpy float64 and mx.fast (numpy keeps its own OpenBLAS, libscipy_openblas64_), and that PyPI's prefixed OpenBLAS gets its thread count
 back after the block attention sets it to one. Each BLAS in a fresh interpreter, since the choice
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
-from mlxtoy import backend
+from mlxtoy import cpublas
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,7 +121,7 @@ def test_unmeasured_openblas_first_on_amd_and_mkl_first_on_intel(monkeypatch, tm
     names = {}
     for vendor, flags in [("AuthenticAMD", {"avx2", "avx512f"}), ("AuthenticAMD", {"avx2"}),
                           ("GenuineIntel", {"avx512f"}), ("GenuineIntel", {"avx2"})]:
-        names[vendor, "avx512f" in flags] = [name for name, _ in backend.blas_candidates(vendor, flags)]
+        names[vendor, "avx512f" in flags] = [name for name, _ in cpublas.blas_candidates(vendor, flags)]
     assert names["AuthenticAMD", True][0] == names["AuthenticAMD", False][0] == "openblas+prefix"
     assert names["GenuineIntel", True][0] == names["GenuineIntel", False][0] == "mkl"
     assert set(names["GenuineIntel", True]) >= {"mkl", "openblas+prefix"}  # CI installs both

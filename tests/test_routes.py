@@ -18,7 +18,7 @@ import pytest
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 
-from mlxtoy import backend, loading, routes
+from mlxtoy import backend, cpublas, loading, routes
 from mlxtoy.models import attention, calibrate, fastmath
 
 pytestmark = pytest.mark.core
@@ -304,35 +304,35 @@ def test_the_blas_measured_fastest_loads_first_and_a_stale_or_broken_measurement
     monkeypatch.setenv("MLXTOY_CACHE", str(tmp_path))
     monkeypatch.delenv("MLXTOY_BLAS", raising=False)
     libraries = {"mkl": "/lib/libmkl_rt.so.2", "openblas": "/lib/libopenblas.so.0"}
-    monkeypatch.setattr(backend, "blas_libraries", lambda: {"mkl": [("mkl", libraries["mkl"])],
+    monkeypatch.setattr(cpublas, "blas_libraries", lambda: {"mkl": [("mkl", libraries["mkl"])],
                                                             "openblas": [("openblas", libraries["openblas"])], "blis": []})
     intel, zen5 = ("GenuineIntel", {"avx512f"}), ("AuthenticAMD", {"avx512f"})
-    first = lambda cpu: backend.blas_candidates(*cpu)[0][0]
+    first = lambda cpu: cpublas.blas_candidates(*cpu)[0][0]
     assert (first(intel), first(zen5)) == ("mkl", "openblas")  # unmeasured: the guess (the control)
-    path = tmp_path / backend.BLAS_FILE
+    path = tmp_path / cpublas.BLAS_FILE
     for fastest in ("openblas", "mkl"):
-        path.write_text(json.dumps({"fingerprint": backend.blas_fingerprint(libraries), "fastest": fastest}))
+        path.write_text(json.dumps({"fingerprint": cpublas.blas_fingerprint(libraries), "fastest": fastest}))
         assert first(intel) == first(zen5) == fastest
-    stale = dict(backend.blas_fingerprint(libraries), cpu="another CPU")
+    stale = dict(cpublas.blas_fingerprint(libraries), cpu="another CPU")
     for text in ("{broken", json.dumps({"fingerprint": stale, "fastest": "openblas"}),
-                 json.dumps({"fingerprint": backend.blas_fingerprint(libraries), "fastest": "blis"})):
+                 json.dumps({"fingerprint": cpublas.blas_fingerprint(libraries), "fastest": "blis"})):
         path.write_text(text)
-        assert backend.measured_blas(libraries) is None and first(intel) == "mkl"
+        assert cpublas.measured_blas(libraries) is None and first(intel) == "mkl"
     monkeypatch.setenv("MLXTOY_BLAS", "mkl")  # the switch wins over the measurement
-    path.write_text(json.dumps({"fingerprint": backend.blas_fingerprint(libraries), "fastest": "openblas"}))
+    path.write_text(json.dumps({"fingerprint": cpublas.blas_fingerprint(libraries), "fastest": "openblas"}))
     assert first(zen5) == "mkl"
 
 
 def test_calibrating_the_blas_times_each_library_in_its_own_process(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXTOY_CACHE", str(tmp_path))
     monkeypatch.setattr(calibrate, "BLAS_SHAPES", ((64, 64, 64),))
-    found = backend.blas_paths()
+    found = cpublas.blas_paths()
     rates = calibrate.calibrate_blas()
     assert set(rates) == set(found) and all(rate and rate > 0 for rate in rates.values())
     if len(found) > 1:
-        kept = json.loads((tmp_path / backend.BLAS_FILE).read_text())
+        kept = json.loads((tmp_path / cpublas.BLAS_FILE).read_text())
         assert kept["fastest"] == max(rates, key=rates.get)
-        assert backend.measured_blas(found) == kept["fastest"]
+        assert cpublas.measured_blas(found) == kept["fastest"]
 
 
 @pytest.mark.parametrize("faster", ["blas", "gemv", "kernels"])

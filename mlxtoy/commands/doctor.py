@@ -11,7 +11,7 @@ import time
 import mlx.core as mx
 
 import mlxtoy
-from mlxtoy import backend, settings
+from mlxtoy import backend, cpublas, settings
 from mlxtoy.models import calibrate, fastmath
 
 
@@ -42,7 +42,7 @@ def report() -> dict[str, str]:
     if info.blas_path:
         blas += f" ({info.blas_path})"
     if info.blas and platform.system() == "Linux":
-        measured = backend.measured_blas(backend.blas_paths())
+        measured = cpublas.measured_blas(cpublas.blas_paths())
         blas += ("; measured fastest here" if measured == info.blas else
                  "; not measured here (`mlxtoy doctor --calibrate`)" if measured is None else
                  f"; {measured} measured fastest here, {settings.BLAS.name} chose this" if settings.BLAS.value() else

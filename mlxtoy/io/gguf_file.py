@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxtoy import backend
+from mlxtoy import backend, cpublas
 from mlxtoy.errors import UserError
 
 # the compiled kernels dequantize the common block types natively (threaded); else gguf-py
@@ -264,7 +264,7 @@ def affine_blocks(tensor: GGUFTensor) -> tuple[mx.array, mx.array, mx.array, int
     scales = np.empty((rows, d_in // 32), np.float16)
     biases = np.empty((rows, d_in // 32), np.float32)
     # numpy lets go of the GIL inside each operation: row ranges convert on all the cores
-    workers = min(backend.usable_cores() or 1, max(1, rows // 256))
+    workers = min(cpublas.usable_cores() or 1, max(1, rows // 256))
     step = -(-rows // workers)
 
     def convert(r0: int) -> None:

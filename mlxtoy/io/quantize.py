@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import IO, Iterator
 
-from mlxtoy import backend
+from mlxtoy import cpublas
 from mlxtoy.errors import UserError
 from mlxtoy.io.gguf_file import read_gguf
 
@@ -88,7 +88,7 @@ def quantize_gguf(src: str, dst: str, dtype: str, threads: int | None = None, ve
     Its log goes to stderr only when `verbose` (a failure quotes its last line)."""
     name = QUANT_TYPES[dtype]
     q = find_quantizer(dtype)
-    threads = threads or backend.usable_cores() or 1
+    threads = threads or cpublas.usable_cores() or 1
     if q.kind == "llama-cpp-python":
         llama_cpp = _llama_cpp()
         params = llama_cpp.llama_model_quantize_default_params()

@@ -14,7 +14,7 @@ import gguf
 import mlx.core as mx
 import numpy as np
 
-from mlxtoy import backend, fsutil, settings
+from mlxtoy import cpublas, fsutil, settings
 from mlxtoy.model_config import ModelConfig
 from mlxtoy.models import fastmath, prefill
 from mlxtoy.models.attention import attention_route
@@ -125,9 +125,9 @@ print(json.dumps({"blas": backend.INFO.blas, "gflops": flops / seconds / 1e9}))
 
 def calibrate_blas() -> dict[str, float | None]:
     """Time MLX's float32 products under each optimized BLAS found here (MKL, OpenBLAS), each in a
-    process of its own, and keep the fastest for the next processes (`backend.measured_blas`);
+    process of its own, and keep the fastest for the next processes (`cpublas.measured_blas`);
     -> GFLOP/s by BLAS (None where it would not load)."""
-    libraries = backend.blas_paths()
+    libraries = cpublas.blas_paths()
     rates: dict[str, float | None] = {}
     for kind in libraries:
         env = dict(os.environ, **{settings.BLAS.name: kind, settings.KERNELS.name: "0"})
@@ -140,9 +140,9 @@ def calibrate_blas() -> dict[str, float | None]:
             rates[kind] = None
     timed = {kind: rate for kind, rate in rates.items() if rate is not None}
     if len(timed) > 1:
-        data = {"fingerprint": backend.blas_fingerprint(libraries), "fastest": max(timed, key=timed.get),
+        data = {"fingerprint": cpublas.blas_fingerprint(libraries), "fastest": max(timed, key=timed.get),
                 "gflops": {kind: round(rate, 1) for kind, rate in timed.items()}}
-        fsutil.write_text_atomic(str(settings.cache_dir() / backend.BLAS_FILE), json.dumps(data, indent=1) + "\n")
+        fsutil.write_text_atomic(str(settings.cache_dir() / cpublas.BLAS_FILE), json.dumps(data, indent=1) + "\n")
     return rates
 
 
