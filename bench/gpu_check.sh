@@ -244,19 +244,19 @@ cpu2)
     tests/test_distributed.py tests/test_kernels.py tests/test_routes.py tests/test_decode_block.py -rfE
   step "models: random weights of SmolLM2-135M's and Llama-3.2-1B's shapes"
   for size in 135m 1b; do run "hf-$size" 120 $PY bench/bench_scale.py --work "$WORK" --tokenizer "$KIT/tok" --write-hf $size; done
-  lora="--methods lora --rounds 1 --steps 6 --work $WORK"
+  lora="--methods lora --rounds 1 --work $WORK"
   step "135M LoRA r8 q,v, float32, 4 x 256, every core: each route, torch + peft, mlx-lm"
-  TAIL=9 run lora-135m 200 $PY bench/bench_train.py $lora --model "$WORK/random-135m-hf" \
+  TAIL=9 run lora-135m 200 $PY bench/bench_train.py $lora --steps 6 --model "$WORK/random-135m-hf" \
     --tools mlxtoy,mlxtoy-blas,torch,mlxtoy-mlx,mlx-lm
   step "the same on 2 cores (taskset: two physical cores), as the README's rows"
   two=$(lscpu -p=CPU,CORE | grep -v "^#" | sort -t, -k2,2 -n -u | head -2 | cut -d, -f1 | paste -sd,)
-  TAIL=6 run lora-135m-2cores 150 taskset -c "$two" $PY bench/bench_train.py $lora --model "$WORK/random-135m-hf" \
+  TAIL=6 run lora-135m-2cores 150 taskset -c "$two" $PY bench/bench_train.py $lora --steps 6 --model "$WORK/random-135m-hf" \
     --tools mlxtoy,torch
   step "1B LoRA, 2 x 256, every core"
   TAIL=5 run lora-1b 150 $PY bench/bench_train.py $lora --model "$WORK/random-1b-hf" --batch 2 --steps 4 --tools mlxtoy,torch
   step "135M LoRA, every core, with each BLAS (doctor --calibrate picked one by a single product)"
   for blas in mkl openblas; do
-    TAIL=1 run "lora-135m-$blas" 60 env MLXTOY_BLAS=$blas $PY bench/bench_train.py $lora --model "$WORK/random-135m-hf" \
+    TAIL=1 run "lora-135m-$blas" 60 env MLXTOY_BLAS=$blas $PY bench/bench_train.py $lora --steps 6 --model "$WORK/random-135m-hf" \
       --tools mlxtoy
   done
   step "135M full fine-tuning, every core"
