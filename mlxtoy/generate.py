@@ -81,7 +81,7 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], 
     for a model serving several adapters at once (`mlxtoy.models.adapters`).
 
     The graph's shapes depend only on the cache buffers' capacity, which grows every
-    `KVCache.step` tokens (a new trace then, ~50 ms). Building the eager graph costs ~6 ms of
+    `KVCache.step` tokens, and on the number of rows (a new trace then, ~50 ms). Building the eager graph costs ~6 ms of
     Python per token on a 2-core CPU, taken from the cores the matmuls need; the compiled
     call ~2 ms. The model's own modules are traced (LoRA included), with its parameters as
     inputs, so weights updated by training are picked up; `decoder_for` makes a new compiled
@@ -99,7 +99,7 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], 
 
     compiled = mx.compile(forward, inputs=model.state)
 
-    traced: set[int] = set()  # the cache capacities traced for
+    traced: set[tuple] = set()  # the input shapes traced for (MLX traces again for new ones)
 
     def step(tokens: mx.array, cache: list, packs: list[dict], head: list, start: mx.array,
              rows: list) -> mx.array:
@@ -109,8 +109,11 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], 
         with fastmath.inference():  # (traced here, on the first call and when shapes change)
             logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
                                             [c.values for c in cache], packs, head, start, rows)
-        if cache[0].capacity not in traced:  # a trace: the model holds new objects for its weights
-            traced.add(cache[0].capacity)
+        # a trace (a new capacity, or rows joining or leaving): the model holds new objects for
+        # its weights, which the fused blocks' kept packs are then pinned to
+        shapes = (tokens.shape, cache[0].keys.shape, start.shape, tuple(r.shape for r in rows))
+        if shapes not in traced:
+            traced.add(shapes)
             if hasattr(model, "repin_packs"):
                 model.repin_packs()
         for c, k, v in zip(cache, keys, values):

@@ -18,6 +18,7 @@ import pytest
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 import mlxtoy_kernels as K
+from mlx.utils import tree_map
 
 from mlxtoy.generate import decoder_for, generate_tokens
 from mlxtoy.loading import build_model
@@ -473,8 +474,6 @@ def test_packs_follow_the_weights():
     """A generation after the weights change never decodes from the old packs: weights scaled by 2
     (still a grid: packed again), then moved off the grid (float32 again); checked against the
     uncached forward each time."""
-    from mlx.utils import tree_map
-
     model = q4_model(VARIANTS["gqa"])
     prompt = PROMPT * 2
 
@@ -513,6 +512,31 @@ def test_packs_follow_the_weights():
     packs = model.layers[0].decode_packs()
     assert sorted(packs) == [str(i) for i in MATRICES]
     assert [k for k, w in packs.items() if w.dtype == mx.float32] == ["1", "3"]
+
+
+def test_packs_stay_pinned_when_rows_join_the_batch(monkeypatch):
+    """Rows joining a batch make the compiled decode trace again (another row count), which hands
+    the model new objects for the same weights; the packs are then pinned to them, so the next
+    join's prefill does not compare every weight by value (a whole model read per join)."""
+    from mlxtoy.engine import BatchDecoder, Request
+    from mlxtoy.models import fused_weights
+    from mlxtoy.sampling import SamplingParams
+
+    model = q4_model(VARIANTS["gqa"])
+    compared = []
+    equal = mx.array_equal
+    monkeypatch.setattr(fused_weights.mx, "array_equal", lambda a, b: compared.append(1) or equal(a, b))
+    engine = BatchDecoder(model)
+    for joins in range(4):
+        engine.add_many([(Request(PROMPT[: 3 + joins], 12, SamplingParams(), frozenset(), 0), 1)])
+        for _ in range(3):
+            engine.step()
+        assert model.layers[0].mlxtoy_packs  # (the blocks decode from packs)
+    assert engine.rows and len(compared) == 0
+    # positive control: the same weights in new objects (as a trace hands over) are compared
+    model.update(tree_map(lambda p: p + 0.0, model.parameters()))
+    model.layers[0].decode_packs()
+    assert len(compared) > 0
 
 
 def prefill(model, rows: list[list[int]], history: int = 0) -> tuple[np.ndarray, list, str]:
