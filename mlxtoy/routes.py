@@ -158,10 +158,10 @@ class RouteTable:
         return kept.route if set(names) == set(kept.gflops) else fastest(list(names), kept.gflops)
 
     def choose(self, kind: str, shape: Sequence[int | str], candidates: dict[str, Candidate], flops: float,
-               what: str) -> str:
+               what: str, rtol: float = PARITY_RTOL) -> str:
         """The route for this shape class: the kept choice, else measured now. The first
-        candidate is the reference: the others must give its values (`agrees`) to be timed,
-        and beat it by MARGIN to be taken."""
+        candidate is the reference: the others must give its values (`agrees`, within rtol) to
+        be timed, and beat it by MARGIN to be taken."""
         names = list(candidates)
         kept = self.kept_route(kind, shape, names)
         if kept is not None:
@@ -175,7 +175,7 @@ class RouteTable:
             values, firsts[name] = timed(candidates[name])
             if name == names[0]:
                 reference = values
-            elif not agrees(values, reference):
+            elif not agrees(values, reference, rtol):
                 firsts[name] = float("nan")
         rates: dict[str, float | None] = {}
         best = float("inf")

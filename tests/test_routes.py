@@ -19,7 +19,7 @@ import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 
 from mlxtoy import backend, cpublas, loading, routes
-from mlxtoy.models import attention, calibrate, fastmath
+from mlxtoy.models import attention, calibrate, fastmath, quant
 
 pytestmark = pytest.mark.core
 
@@ -151,10 +151,44 @@ def routed(tmp_path, monkeypatch):
         before = fastmath.use_route_table(t)
         monkeypatch.setattr(fastmath, "ROUTED_MACS", 1)  # measure even these small shapes
         monkeypatch.setattr(fastmath, "FEW_ROUTED_MACS", 1)
+        monkeypatch.setattr(quant, "PROMPT_ROUTED_MACS", 1)
         monkeypatch.setattr(attention, "ROUTED_WORK", 1)
         return before
     yield use
     fastmath.use_route_table(None)
+
+
+@pytest.mark.parametrize("faster", ["slabs", "gemv"])
+def test_a_prompt_through_a_4_bit_matrix_takes_the_route_measured_faster(routed, faster):
+    """A prompt's rows through a 4-bit matrix (groups of 32) take the GEMV's rounded form or the
+    exact slabs, whichever measured faster for their rows class (timings injected), once per
+    class; decoding's 4 rows are not measured. Positive control: the values show which ran (the
+    slabs' exactly, the GEMV's within x's rounding). A form whose values are wrong is never taken:
+    weights that are not symmetric, multiplied as if they were, leave the slabs even where the
+    GEMV is timed faster."""
+    if not fastmath.kernels_on() or fastmath.kernels_module().quant_gemv_max_rows(640, 32, 4) <= 4:
+        pytest.skip("no rounded 4-bit GEMV for a prompt on this CPU")
+    calls: list[str] = []
+    routed({"slabs": 1.0, "gemv": 1.0} | {faster: 0.1}, calls)
+    rng = np.random.default_rng(0)
+    q, s, b = mx.quantize(mx.array(rng.standard_normal((67, 640)).astype(np.float32)), 32, 4)
+    s, b = s.astype(mx.float16), b.astype(mx.float16)
+    dense = np.array(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), 32, 4)).astype(np.float64)
+    for rows in (9, 12, 4):  # one class of 16 rows; then decoding's
+        x = rng.standard_normal((rows, 640)).astype(np.float32)
+        with fastmath.inference():
+            y = np.array(quant.quant_linear(mx.array(x), q, s, b, 32, 4))
+        want = x.astype(np.float64) @ dense.T
+        assert np.abs(y - want).max() <= 1e-3 * np.abs(want).max()
+        if rows > 4:
+            slabs = np.array(quant.quant_linear(mx.array(x), q, s, b, 32, 4))  # outside inference: the slabs
+            assert (not np.array_equal(y, slabs)) if faster == "gemv" else np.array_equal(y, slabs)
+    assert [c for c in calls if c in ("slabs", "gemv")] == ["slabs", "gemv"]
+    calls.clear()
+    with fastmath.inference():  # not symmetric: the GEMV's values are wrong, the slabs' right
+        y = np.array(quant.quant_linear(mx.array(x[:1].repeat(9, 0)), q, s, b, 32, 4, symmetric=True))
+    assert calls == ["slabs"]  # (the GEMV ran once, disagreed, and was not timed)
+    np.testing.assert_allclose(y, np.repeat(x[:1], 9, 0) @ dense.T, rtol=0, atol=1e-3)
 
 
 def _attention_problem(B=2, H=4, KV=2, T=24, D=16, seed=0):

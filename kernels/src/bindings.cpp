@@ -47,6 +47,9 @@ NB_MODULE(_ext, m) {
   m.def("quant_x16_ok", &mlxtoy::cpu_x16,
         "whether quant_linear's 4-bit GEMV (groups of 32) may take its AVX2 16-bit integer form here (where "
         "the VNNI form does not run; MLXTOY_KERNEL_VNNI=0: no)");
+  m.def("quant_gemv_max_rows", &mlxtoy::gemv_max_rows, "K"_a, "group_size"_a, "bits"_a,
+        "the most rows of x quant_linear(inference=True) takes through the 4-bit GEMV for a W of this width, "
+        "group size and bits (4; more in the VNNI and AVX2 integer forms), past which it takes the slabs");
   m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm and gemm_many run here (an x86-64 CPU with AVX-512, or AVX2 and FMA)");
   m.def("gemm_many", &mlxtoy::gemm_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "gemv_many's products for many rows of x (prefill): an AVX-512 GEMM, no gradient");

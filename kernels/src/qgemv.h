@@ -16,10 +16,11 @@ constexpr int64_t kGemvRows = 4;
 constexpr int64_t kChunk = 32;  // weights a step of the loops (16 bytes at 4 bits, 32 at 8)
 constexpr int64_t kVnniBlock = 128;  // weights of a row a block: 4 groups of 32
 // Up to this many rows of x (a prompt, at inference) the VNNI form, compute-bound past a few rows,
-// beats dequantizing slabs for the SGEMM (docs/performance.md, "Decoding from a quantized base")
+// may beat dequantizing slabs for the SGEMM (docs/performance.md, "Decoding from a quantized
+// base"), and the AVX2 integer form, compute-bound sooner (even with the slabs near 48 rows on a
+// Zen 3): the bounds of what `quant.quant_linear` measures against the slabs per rows class
 constexpr int64_t kVnniMaxRows = 256;
-// and the AVX2 integer form's, compute-bound sooner (even with the slabs near 48 rows on a Zen 3)
-constexpr int64_t kX16MaxRows = 48;
+constexpr int64_t kX16MaxRows = 128;
 
 enum class ScaleType { F32, F16, BF16 };
 

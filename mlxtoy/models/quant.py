@@ -18,10 +18,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxtoy import backend, settings
 from mlxtoy.errors import UserError
-from mlxtoy.models.fastmath import bare, gemm, kernels_module, single_cotangent
+from mlxtoy.models.fastmath import bare, gemm, kernels_module, route_table, single_cotangent
 from mlxtoy.models.llama import HeadProjection
 
 BITS = (4, 8)
@@ -74,13 +75,58 @@ def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     the BLAS's SGEMM, forward and input gradient; at most 4 rows of x, decoding, the fused
     quantized GEMV that reads the packed words as they are, and not the biases where they are
     -2^(bits - 1) scales: `symmetric`); see `quant_linear_ok`. Inside `inference()` the kernel is
-    called bare (no gradient node), and a prompt's rows take the GEMV's VNNI form as well where it
-    runs (x rounded to 16 bits a group, as in decoding)."""
+    called bare (no gradient node), and a prompt's rows take the GEMV's VNNI or AVX2 integer form
+    (x rounded to 16 bits a group, as in decoding) where that measured faster than the slabs here
+    for their rows class (`prompt_takes_gemv`)."""
     if bare(x):
         rows = x.reshape(-1, x.shape[-1])
-        return kernels_module().quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric, inference=True
-                               ).reshape(*x.shape[:-1], w.shape[0])
+        gemv = prompt_takes_gemv(rows.shape[0], w, scales, biases, group_size, bits, symmetric)
+        return kernels_module().quant_linear(rows, w, scales, biases, group_size, bits, symmetric=symmetric,
+                                             inference=gemv).reshape(*x.shape[:-1], w.shape[0])
     return _kernel_quant_linear(group_size, bits, symmetric)(x, w, scales, biases)
+
+
+PROMPT_ROWS = (8, 16, 32, 64, 128, 256)  # the rows classes a prompt's 4-bit products are measured at
+PROMPT_ROUTED_MACS = 1 << 22  # smaller products take the GEMV unmeasured (measuring would cost more)
+# The GEMV's values against the slabs': x rounded to 16 bits a group (each input within 1 / 65278
+# of its group's largest) moved products of random rows by up to 6e-5 of the largest output (128
+# rows, 8192 inputs), against ~1e-6 for sums in another order; a wrong product is off by far more
+PROMPT_PARITY_RTOL = 1e-3
+
+
+def prompt_takes_gemv(rows: int, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+                      symmetric: bool) -> bool:
+    """Whether `rows` rows of x (no gradient) take the 4-bit GEMV rather than the slabs and the
+    SGEMM: up to decoding's 4 rows always; a prompt's, where the kernels have the GEMV's rounded
+    form for this W (up to `quant_gemv_max_rows`), if that measured faster here for the rows
+    class and matrix shape (`mlxtoy.routes`; the slabs, exact, are the reference)."""
+    K = kernels_module()
+    d_in = scales.shape[-1] * group_size
+    most = K.quant_gemv_max_rows(d_in, group_size, bits)
+    if rows <= 4 or rows > most:
+        return rows <= most
+    cls = min(next((c for c in PROMPT_ROWS if c >= rows), PROMPT_ROWS[-1]), most)
+    if cls * w.shape[0] * d_in < PROMPT_ROUTED_MACS:
+        return True
+    shape = (cls, w.shape[0], d_in, bits, group_size, "sym" if symmetric else "affine")
+    table = route_table()
+    route = table.kept_route("quant-prompt", shape, ["slabs", "gemv"])
+    if route is None:
+        x = mx.array(np.random.default_rng(0).standard_normal((cls, d_in), dtype=np.float32))
+        mx.eval(x)
+
+        def product(gemv: bool):
+            def run():
+                y = K.quant_linear(x, w, scales, biases, group_size, bits, symmetric=symmetric, inference=gemv)
+                mx.eval(y)
+                return [np.array(y)]
+            return run
+
+        with mx.stream(mx.cpu):
+            route = table.choose("quant-prompt", shape, {"slabs": product(False), "gemv": product(True)},
+                                 2.0 * cls * w.shape[0] * d_in,
+                                 f"{bits}-bit product of {cls} rows x {d_in} x {w.shape[0]}", PROMPT_PARITY_RTOL)
+    return route == "gemv"
 
 
 def quant_linear_input_grad(g: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
