@@ -4,8 +4,9 @@ and the greedy evaluations (`generate_batch`) all decode through it.
 
 - Requests that arrive together (`add_many`: the server's arrivals between two steps, GRPO's
   prompts, an evaluation's answers) are prefilled together, left-padded, in groups of at most
-  `prefill_step` padded tokens: one product of many rows instead of one of a few rows per
-  prompt. A request the prompt cache holds a prefix of (`PromptCache`), or whose prompt is
+  `prefill_step` padded tokens, shortest prompts first (so a group's prompts are of like
+  lengths and pad little): one product of many rows instead of one of a few rows per prompt.
+  A request the prompt cache holds a prefix of (`PromptCache`), or whose prompt is
   longer than a group, is prefilled alone from that prefix. Either way its rows then join the
   batch cache left-padded (`mlxtoy.models.cache.join_rows`). `copies` > 1 prefills the prompt
   once and joins its cache that many times (GRPO's group, OpenAI's `n`).
@@ -135,6 +136,7 @@ class BatchDecoder:
         self.logits: mx.array | None = None  # the last forward's (B, V), while its rows are the rows
         self.prompt_tokens = 0  # tokens prefilled (prompt cache hits excluded)
         self.cached_tokens = 0  # prompt tokens served from the prompt cache
+        self.padded_tokens = 0  # columns of the prompts prefilled together, padding included
 
     def add(self, request: Request, copies: int = 1) -> list[Row]:
         """Prefill `request.prompt` once and add `copies` rows reading it; copy j draws from
@@ -170,6 +172,7 @@ class BatchDecoder:
                 self.join(cache, logits, [(i, 0) for i in together], items, budgets, out)
                 together.clear()
 
+        short = []  # the items prefilled together: grouped by length, so that a group pads little
         for i, ((request, copies), prompt) in enumerate(zip(items, prompts)):
             hit_cache, hit = (self.prompt_cache.fetch(prompt, request.adapter)
                               if self.prompt_cache is not None else (None, 0))
@@ -177,8 +180,9 @@ class BatchDecoder:
                 cache, logits, hit = self.prefill(prompt, request.adapter, (hit_cache, hit))
                 self.join(cache, logits, [(i, hit)], items, budgets, out)
                 continue
-            width = max([len(prompt)] + [len(prompts[j]) for j in together])
-            if (len(together) + 1) * width > self.prefill_step:
+            short.append(i)
+        for i in sorted(short, key=lambda j: len(prompts[j])):
+            if (len(together) + 1) * len(prompts[i]) > self.prefill_step:  # (the longest so far)
                 flush()
             together.append(i)
         flush()
@@ -239,6 +243,7 @@ class BatchDecoder:
             c.starts, c.step = starts, width
         mask = padded_causal_mask(starts, width)
         self.prompt_tokens += sum(len(p) for p in prompts)
+        self.padded_tokens += width * len(prompts)
         with no_dropout(self.model, self.dropout), fastmath.inference(), \
                 adapter_rows_set(self.model, mx.array(adapters, dtype=mx.int32) if self.slots else None):
             logits = self.model.logits(self.hidden(tokens, mask, cache)[:, -1, :])

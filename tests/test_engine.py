@@ -200,6 +200,37 @@ def test_a_group_prefills_its_prompt_once():
     assert engine.prompt_tokens == len(prompts()[1]) and len(engine.rows) == 8
 
 
+def _padded_columns(lengths: list[int], step: int) -> int:
+    """Columns that greedy groups of at most `step` padded tokens take, the prompts in this order."""
+    total, group = 0, []
+    for n in lengths:
+        if group and (len(group) + 1) * max(group + [n]) > step:
+            total += len(group) * max(group)
+            group = []
+        group.append(n)
+    return total + len(group) * max(group)
+
+
+def test_prompts_prefilled_together_are_grouped_by_length():
+    """Prompts of mixed lengths arriving together are grouped shortest first, so a group pads to
+    a like length: fewer padded columns than in arrival order (computed here), and each row gets
+    what it gets alone."""
+    model = arch_model("llama")
+    lengths = [40, 3, 38, 2, 41, 4, 39, 5]
+    ps = prompts(lengths, seed=4)
+    engine = BatchDecoder(model, prefill_step=90)
+    rows = engine.add_many([(Request(p, 6, SamplingParams(temp=0.0)), 1) for p in ps])
+    assert engine.prompt_tokens == sum(lengths)
+    assert engine.padded_tokens == _padded_columns(sorted(lengths), 90) == 180
+    assert _padded_columns(lengths, 90) == 316  # arrival order (the control): 1.8x as many
+    out = {id(r[0]): [] for r in rows}
+    while engine.rows:
+        for row, tok in engine.step():
+            out[id(row)].append(tok.token)
+    for p, r in zip(ps, rows):
+        assert agree(model, p, out[id(r[0])], alone(model, p, SamplingParams(temp=0.0), 6))
+
+
 def _adapter(model, seed: int, targets=("q", "v", "down"), rank=4, per_head_q=False, dora=False):
     """A trained-looking adapter for `model`'s shape: (weights, layout) as loading.adapter_weights gives."""
     mx.random.seed(seed)
