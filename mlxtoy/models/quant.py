@@ -100,11 +100,13 @@ def prompt_takes_gemv(rows: int, w: mx.array, scales: mx.array, biases: mx.array
     SGEMM: up to decoding's 4 rows always; a prompt's, where the kernels have the GEMV's rounded
     form for this W (up to `quant_gemv_max_rows`), if that measured faster here for the rows
     class and matrix shape (`mlxtoy.routes`; the slabs, exact, are the reference)."""
+    if rows <= 4:
+        return True
     K = kernels_module()
     d_in = scales.shape[-1] * group_size
     most = K.quant_gemv_max_rows(d_in, group_size, bits)
-    if rows <= 4 or rows > most:
-        return rows <= most
+    if rows > most:
+        return False
     cls = min(next((c for c in PROMPT_ROWS if c >= rows), PROMPT_ROWS[-1]), most)
     if cls * w.shape[0] * d_in < PROMPT_ROUTED_MACS:
         return True
