@@ -81,9 +81,9 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], 
     for a model serving several adapters at once (`mlxtoy.models.adapters`).
 
     The graph's shapes depend only on the cache buffers' capacity, which grows every
-    `KVCache.step` tokens, and on the number of rows (a new trace then, ~50 ms). Building the eager graph costs ~6 ms of
-    Python per token on a 2-core CPU, taken from the cores the matmuls need; the compiled
-    call ~2 ms. The model's own modules are traced (LoRA included), with its parameters as
+    `KVCache.step` tokens, and on the number of rows (a new trace then, ~50 ms). Building the
+    eager graph costs ~6 ms of Python per token on a 2-core CPU, taken from the cores the
+    matmuls need; the compiled call ~2 ms. The model's own modules are traced (LoRA included), with its parameters as
     inputs, so weights updated by training are picked up; `decoder_for` makes a new compiled
     function when the model's structure changes, so it is never served a stale trace.
     """

@@ -448,6 +448,22 @@ inline void group_sums(const float* x, int64_t M, int64_t K, int64_t group, floa
     }
 }
 
+// fn(m0, rows, t0, t1) for rows [m0, m0 + rows) of x (M in all) against W's rows [t0, t1), W's N
+// rows split over the threads first come, first served. Decoding (M <= kGemvRows): every row of x
+// over a thread's whole range at once. A prompt: passes of `step` rows of x over a tile of W's
+// rows while it is in cache, so that W is still read from memory once.
+template <typename Fn>
+void over_tiles(Pool& threads, int64_t M, int64_t N, int64_t step, Fn&& fn) {
+  constexpr int64_t kTileRows = 16;
+  const bool few = M <= kGemvRows;
+  const int64_t tile = few ? N : kTileRows;
+  step = few ? M : step;
+  threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += tile)
+      for (int64_t m0 = 0; m0 < M; m0 += step) fn(m0, std::min(step, M - m0), t0, std::min(n1, t0 + tile));
+  });
+}
+
 }  // namespace
 
 // MLXTOY_KERNEL_VNNI=0: the float32 form instead of x rounded to 16 bits (tests, comparisons)
@@ -487,7 +503,6 @@ bool cpu_x16() {
 #endif
 }
 
-
 // y (M, N) = x (M, K) W^T, W's rows split over the kernels' threads first come, first served;
 // M <= kGemvRows, or at inference M <= gemv_max_rows (a prompt, in the VNNI or AVX2 integer form)
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
@@ -507,50 +522,32 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
              xs.data() + m0 * groups);
     });
     const VnniX vx{xbytes.data(), xsl.data(), corr.data(), xs.data()};
-    // More than kGemvRows rows of x (a prompt) go through in twos over a tile of W's rows while
-    // it is in cache: W is still read from memory once. Two rows of x a pass (with 4 rows of W)
-    // keep the pass's vectors in registers, where four spill them (20 against 17 ms for 32 rows
-    // of x and a 14336 x 4096 W, a Zen 4).
-    constexpr int64_t kTileRows = 16, kPromptRows = 2;
-    const bool few = M <= kGemvRows;  // decoding: all rows of x over all of the range at once
-    const int64_t tile = few ? N : kTileRows, step = few ? M : kPromptRows;
-    threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
-      for (int64_t t0 = n0; t0 < n1; t0 += tile)
-        for (int64_t m0 = 0; m0 < M; m0 += step) {
-          const int64_t t1 = std::min(n1, t0 + tile), rows = std::min(step, M - m0);
-          const VnniX part{vx.bytes + m0 * 2 * K, vx.xsl + m0 * (K / 8), vx.corr + m0 * (K / 8), vx.sums + m0 * groups};
-          float* yp = y + m0 * N;
-          if (st == ScaleType::F16)
-            qgemv4_vnni<ScaleType::F16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
-          else if (st == ScaleType::BF16)
-            qgemv4_vnni<ScaleType::BF16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
-          else
-            qgemv4_vnni<ScaleType::F32>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
-        }
+    // Two rows of x a pass (with 4 rows of W) keep the pass's vectors in registers, where four
+    // spill them (20 against 17 ms for 32 rows of x and a 14336 x 4096 W, a Zen 4).
+    constexpr int64_t kPromptRows = 2;
+    over_tiles(threads, M, N, kPromptRows, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+      const VnniX part{vx.bytes + m0 * 2 * K, vx.xsl + m0 * (K / 8), vx.corr + m0 * (K / 8), vx.sums + m0 * groups};
+      float* yp = y + m0 * N;
+      if (st == ScaleType::F16)
+        qgemv4_vnni<ScaleType::F16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+      else if (st == ScaleType::BF16)
+        qgemv4_vnni<ScaleType::BF16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+      else
+        qgemv4_vnni<ScaleType::F32>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
     });
     return;
   }
-#endif
-#ifdef MLXTOY_AVX2
   if (x16) {
-    // x's rows rounded on the threads when there are many (a prompt); more than kGemvRows rows go
-    // through in fours over a tile of W's rows while it is in cache, as in the VNNI form
+    // x's rows rounded on the threads when there are many (a prompt), then in fours a pass
     threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
       round_x16(x + m0 * K, m1 - m0, K, xq.data() + m0 * K, xsc.data() + m0 * groups);
       group_sums(x + m0 * K, m1 - m0, K, group, xs.data() + m0 * groups);
     });
-    constexpr int64_t kTileRows = 16;
-    const bool few = M <= kGemvRows;
-    const int64_t tile = few ? N : kTileRows;
-    threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
-      for (int64_t t0 = n0; t0 < n1; t0 += tile)
-        for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {
-          const int64_t t1 = std::min(n1, t0 + tile), rows = std::min(kGemvRows, M - m0);
-          const int16_t* xr = xq.data() + m0 * K;
-          const float *xscr = xsc.data() + m0 * groups, *xsr = xs.data() + m0 * groups;
-          if (symmetric) qgemv4_x16<true>(st, rows, xr, xscr, xsr, w, scales, biases, y + m0 * N, N, K, t0, t1);
-          else qgemv4_x16<false>(st, rows, xr, xscr, xsr, w, scales, biases, y + m0 * N, N, K, t0, t1);
-        }
+    over_tiles(threads, M, N, kGemvRows, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
+      const int16_t* xr = xq.data() + m0 * K;
+      const float *xscr = xsc.data() + m0 * groups, *xsr = xs.data() + m0 * groups;
+      if (symmetric) qgemv4_x16<true>(st, rows, xr, xscr, xsr, w, scales, biases, y + m0 * N, N, K, t0, t1);
+      else qgemv4_x16<false>(st, rows, xr, xscr, xsr, w, scales, biases, y + m0 * N, N, K, t0, t1);
     });
     return;
   }

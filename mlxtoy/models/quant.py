@@ -24,6 +24,7 @@ from mlxtoy import backend, settings
 from mlxtoy.errors import UserError
 from mlxtoy.models.fastmath import bare, gemm, kernels_module, route_table, single_cotangent
 from mlxtoy.models.llama import HeadProjection
+from mlxtoy.models.prefill import rows_class
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64)
@@ -86,7 +87,6 @@ def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     return _kernel_quant_linear(group_size, bits, symmetric)(x, w, scales, biases)
 
 
-PROMPT_ROWS = (8, 16, 32, 64, 128, 256)  # the rows classes a prompt's 4-bit products are measured at
 PROMPT_ROUTED_MACS = 1 << 22  # smaller products take the GEMV unmeasured (measuring would cost more)
 # The GEMV's values against the slabs': x rounded to 16 bits a group (each input within 1 / 65278
 # of its group's largest) moved products of random rows by up to 6e-5 of the largest output (128
@@ -107,7 +107,7 @@ def prompt_takes_gemv(rows: int, w: mx.array, scales: mx.array, biases: mx.array
     most = K.quant_gemv_max_rows(d_in, group_size, bits)
     if rows > most:
         return False
-    cls = min(next((c for c in PROMPT_ROWS if c >= rows), PROMPT_ROWS[-1]), most)
+    cls = min(rows_class(rows), most)  # measured at the next power of two, as a prefill's block is
     if cls * w.shape[0] * d_in < PROMPT_ROUTED_MACS:
         return True
     shape = (cls, w.shape[0], d_in, bits, group_size, "sym" if symmetric else "affine")
