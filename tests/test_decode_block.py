@@ -18,7 +18,7 @@ import pytest
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
 import mlxtoy_kernels as K
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from mlxtoy.generate import decoder_for, generate_tokens
 from mlxtoy.loading import build_model
@@ -27,6 +27,7 @@ from mlxtoy.models import fastmath
 from mlxtoy.models import prefill as prefill_module
 from mlxtoy.models.cache import make_cache
 from mlxtoy.models.lora import apply_lora
+from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan, install_quantized, quantize_dense
 
 pytestmark = pytest.mark.kernels  # the kernels themselves: skipped under MLXTOY_KERNELS=0 (conftest)
 
@@ -165,6 +166,44 @@ def test_blocks_with_adapters_decode_fused_from_their_merged_weights(kind):
     assert all(layer.decode_packs() == {} for layer in dropped.layers)
 
 
+def quantized_base(model):
+    """The model's block matrices kept in MLX's affine 4-bit layout, groups of 32 (float16 scales
+    and biases), as a QLoRA base holds them; the embeddings and norms dense."""
+    weights = dict(tree_flatten(model.parameters()))
+    for name, w in weights.items():
+        if name.startswith("layers.") and name.endswith(".weight") and w.ndim >= 2:
+            weights[name] = quantize_dense(w.reshape(-1, w.shape[-1]), QuantPlan(4, 32))[0]
+    install_quantized(model, weights)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("name", ["gqa", "mha-qkv-bias"])
+def test_a_4_bit_base_decodes_fused_reading_its_matrices_as_they_are(name):
+    """A quantized base's blocks take the fused step, which reads each 4-bit matrix as it is (no
+    float32 copy, no pack) by the quantized GEMV's integer form: its logits are the unfused
+    quantized GEMVs' (the same products) and, within what rounding x to 16 bits a group moves,
+    the uncached forward's (dequantized slabs and the SGEMM on the float x). Positive control: the
+    float32 model before quantizing is beyond that tolerance."""
+    if not K.quant_integer_form(64, 32, 4):
+        pytest.skip("no integer form of the 4-bit GEMV on this CPU")
+    dense = tiny(VARIANTS[name])
+    dense_steps, _, _ = decode_steps(dense, 6, fused=True)
+    model = quantized_base(tiny(VARIANTS[name]))
+    assert sum(isinstance(m, QUANTIZED_TYPES) for _, m in model.named_modules()) == 7 * len(model.layers)
+    fused, graphs, cache = decode_steps(model, 6, fused=True)
+    assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
+    assert all(layer.decode_packs() == {} for layer in model.layers)  # nothing copied or packed
+    unfused, unfused_graphs, _ = decode_steps(model, 6, fused=False)
+    assert "MlxtoyDecodeBlock" not in unfused_graphs[-1]
+    for got, ref in zip(fused, unfused):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    for i, (got, ref) in enumerate(zip(fused, uncached_logits(model, fused))):
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3, err_msg=f"{name}: step {i}")
+    # control: the tolerance tells the quantized model from the float32 one it was made from
+    assert max(np.abs(a - b).max() for a, b in zip(fused, dense_steps)) > 0.1
+
+
 def test_blocks_that_are_not_plain_decode_unfused_and_still_right():
     qk_norm = tiny(dict(arch="qwen3", qk_norm=True))
     steps, graphs, _ = decode_steps(qk_norm, 3, fused=True)
@@ -211,13 +250,24 @@ def q4_model(variant: dict, seed: int = 0, qtype=Q4_1, head=False):
 
 
 def block_args(D=32, H=4, KV=2, Dh=8, F=48, S=16, bias=False, seed=0, q4=False):
+    """decode_block's arguments for a random block; q4: its matrices "packed" (on a Q4_1 grid,
+    packed losslessly) or "affine" (MLX's affine 4-bit layout, groups of 32, float16 scales and
+    biases: a quantized base's, given as they are)."""
     r = np.random.default_rng(seed)
     a = lambda *shape: mx.array(r.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]))  # noqa: E731
     weights = [1 + a(D), a(H, Dh, D), a(KV, Dh, D), a(KV, Dh, D), a(D, H * Dh), 1 + a(D), a(F, D), a(F, D), a(D, F)]
-    if q4:  # the matrices on a Q4_1 grid, packed
+    extra = {}
+    if q4 in (True, "packed"):  # the matrices on a Q4_1 grid, packed
         weights = [K.pack(mx.array(q4_grid(np.array(w))), 4)[0] if i in MATRICES else w for i, w in enumerate(weights)]
+    elif q4 == "affine":
+        affine = []
+        for i in MATRICES:
+            words, scales, biases = mx.quantize(weights[i].reshape(-1, weights[i].shape[-1]), 32, 4)
+            weights[i] = words.reshape(*weights[i].shape[:-1], -1)
+            affine += [scales.astype(mx.float16), biases.astype(mx.float16)]
+        extra = dict(affine=affine)
     biases = [a(H, Dh), a(KV, Dh), a(KV, Dh)] if bias else []
-    return dict(x=a(1, 1, D), weights=weights, biases=biases, keys=a(1, KV, S, Dh), values=a(1, KV, S, Dh),
+    return extra | dict(x=a(1, 1, D), weights=weights, biases=biases, keys=a(1, KV, S, Dh), values=a(1, KV, S, Dh),
                 offset=mx.array([5], dtype=mx.int32), inv_freqs=mx.array(10000.0 ** (-np.arange(0, Dh, 2) / Dh),
                                                                             dtype=mx.float32),
                 rope_dims=Dh, traditional=False, eps=1e-5, attn_scale=Dh**-0.5, rope_scale=1.0)
@@ -241,6 +291,17 @@ def test_decode_block_input_checks():
         "packed of the wrong width": dict(weights=good["weights"][:6] + [mx.zeros((48, 23), dtype=mx.uint8)]
                                           + good["weights"][7:]),
     }
+    if K.quant_integer_form(32, 32, 4):  # affine 4-bit matrices: a well-formed call, then bad ones
+        affine = block_args(F=64, q4="affine")
+        mx.eval(K.decode_block(**affine))
+        words, scales = affine["weights"], affine["affine"]
+        bad |= {
+            "affine without its scales": dict(weights=words, affine=scales[:-2]),
+            "affine scales to spare": dict(weights=words, affine=scales + scales[:2]),
+            "affine scales of the wrong width": dict(weights=words, affine=[s[:, :-1] for s in scales]),
+            "affine scales and biases of two dtypes": dict(weights=words, affine=[s.astype(mx.float32) if j % 2
+                                                                                  else s for j, s in enumerate(scales)]),
+        }
     for what, change in bad.items():
         with pytest.raises(ValueError, match="decode_block"):
             K.decode_block(**(good | change))
@@ -253,13 +314,16 @@ def test_decode_block_input_checks():
     assert np.isnan(np.array(y)).all() and np.array_equal(np.array(k), before)
 
 
-@pytest.mark.parametrize("q4", [False, True], ids=["float32", "q4-packed"])
+@pytest.mark.parametrize("q4", [False, "packed", "affine"], ids=["float32", "q4-packed", "affine-4-bit"])
 def test_decode_block_rows_of_a_left_padded_batch_each_get_what_they_get_alone(q4):
     """B rows in one call, row b's history in columns starts[b]..offset - 1 of the batch's cache
     (left padding before it, filled with large values a wrong mask would let through): each row's
     output and new k/v equal the row's own B = 1 call on its history alone (position offset -
     starts[b]), to float32 summation order (several rows take the several-rows GEMV; a packed
-    matrix is unpacked for them). Positive control: the batch read from column 0 differs."""
+    matrix is unpacked for them; an affine 4-bit one's rows are each rounded and multiplied alone).
+    Positive control: the batch read from column 0 differs."""
+    if q4 == "affine" and not K.quant_integer_form(64, 32, 4):
+        pytest.skip("no integer form of the 4-bit GEMV on this CPU")
     D, H, KV, Dh, F, S = 64, 4, 2, 16, 96, 24
     base = block_args(D=D, H=H, KV=KV, Dh=Dh, F=F, S=S, bias=True, seed=7, q4=q4)
     r = np.random.default_rng(3)

@@ -247,8 +247,14 @@ def test_greedy_generation_from_the_quantized_base_equals_the_dequantized_model(
     assert not any(isinstance(m, QUANTIZED_TYPES) for _, m in dmodel.named_modules())
     prompt = list(range(40, 60))
     want = _greedy(dmodel, prompt)
+    # with the kernels, a 4-bit base's blocks decode fused, reading its matrices as they are
+    fused = kind != "q8_0" and fastmath.kernels_on() and fastmath.affine_decode_ok(qmodel.config.d_model)
+    assert (qmodel.layers[0].fused_modules() is not None) == fused
     assert _greedy(qmodel, prompt) == want
-    # the same from the MLX-only product (slab_product: what runs without the kernels)
+    # the same op by op (quant_linear's GEMV), and from the MLX-only product (slab_product: what
+    # runs without the kernels)
+    monkeypatch.setattr(fastmath, "FUSED_DECODE", False)
+    assert _greedy(qmodel, prompt) == want
     monkeypatch.setattr(quant, "quant_linear_ok", lambda x: False)
     assert _greedy(qmodel, prompt) == want
     # positive control: another prompt gives another continuation (the comparison can fail)

@@ -47,6 +47,9 @@ NB_MODULE(_ext, m) {
   m.def("quant_x16_ok", &mlxtoy::cpu_x16,
         "whether quant_linear's 4-bit GEMV (groups of 32) may take its AVX2 16-bit integer form here (where "
         "the VNNI form does not run; MLXTOY_KERNEL_VNNI=0: no)");
+  m.def("quant_integer_form", &mlxtoy::integer_form, "K"_a, "group_size"_a, "bits"_a,
+        "whether quant_linear's GEMV takes an integer form (VNNI or AVX2; x rounded to 16 bits a group) for a W of "
+        "this width, group size and bits here: the form decode_block reads an affine 4-bit matrix in");
   m.def("quant_gemv_max_rows", &mlxtoy::gemv_max_rows, "K"_a, "group_size"_a, "bits"_a,
         "the most rows of x quant_linear(inference=True) takes through the 4-bit GEMV for a W of this width, "
         "group size and bits (4; more in the VNNI and AVX2 integer forms), past which it takes the slabs");
@@ -157,12 +160,15 @@ NB_MODULE(_ext, m) {
         "angle position * scale * inv_freqs[i] on the pair (i, i + dims / 2), or (2i, 2i + 1) if traditional");
   m.def("decode_block", &mlxtoy::decode_block, "x"_a, "weights"_a, "biases"_a, "keys"_a, "values"_a, "offset"_a,
         "inv_freqs"_a, "rope_dims"_a, "traditional"_a, "eps"_a, "attn_scale"_a, "rope_scale"_a, nb::kw_only(),
-        "starts"_a = nb::none(), "deltas"_a = std::vector<mx::array>{}, "stream"_a = nb::none(),
+        "starts"_a = nb::none(), "deltas"_a = std::vector<mx::array>{}, "affine"_a = std::vector<mx::array>{},
+        "symmetric"_a = 0, "stream"_a = nb::none(),
         "one pre-norm Llama block for T new tokens of each of B rows -> (x, keys, values): x (B, T, D); weights "
         "[attn_norm, q (H, Dh, D), k (KV, Dh, D), v, o (D, H * Dh), ffn_norm, gate (F, D), up, down (D, F)]; biases "
         "[] or [q (H, Dh), k, v]; keys/values (B, KV, S, Dh) get token t's k (RoPE'd) and v at slot offset + t "
         "(offset one int32) and its query attends to slots starts[b]..offset + t (starts (B,) int32, zeros when "
         "None; a slot before starts[b] sees itself only), its position offset + t - starts[b]; RoPE as the rope "
         "kernel's; deltas [] or [q (B, T, H * Dh), k and v (B, T, KV * Dh)]: each row's additions to its q, k and v "
-        "products (with the biases, before RoPE); the caches are updated in place when donated");
+        "products (with the biases, before RoPE); a matrix may be MLX's affine 4-bit layout (uint32 words, groups "
+        "of 32), its scales and biases then next in affine (symmetric: bit i set where weights[i]'s biases are -8 "
+        "scales), multiplied by the integer forms as quant_linear's GEMV; the caches are updated in place when donated");
 }

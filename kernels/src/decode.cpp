@@ -40,12 +40,14 @@ bool DecodeBlock::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const DecodeBlock&>(other);
   return rope_dims_ == o.rope_dims_ && traditional_ == o.traditional_ && qkv_bias_ == o.qkv_bias_ &&
          qkv_delta_ == o.qkv_delta_ &&
-         eps_ == o.eps_ && attn_scale_ == o.attn_scale_ && rope_scale_ == o.rope_scale_ && packed_ == o.packed_;
+         eps_ == o.eps_ && attn_scale_ == o.attn_scale_ && rope_scale_ == o.rope_scale_ && packed_ == o.packed_ &&
+         affine_ == o.affine_;
 }
 
 namespace {
 // inputs: x, the nine weights (attn_norm, q, k, v, o, ffn_norm, gate, up, down), keys, values,
-// offset, starts, inv_freqs, then the q/k/v biases if any, then the q/k/v deltas if any
+// offset, starts, inv_freqs, then the q/k/v biases if any, then the q/k/v deltas if any, then each
+// affine 4-bit matrix's scales and biases, in the order of the matrices
 enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kStarts, kInvFreqs,
        kBiasQ };
 }  // namespace
@@ -87,15 +89,29 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const int dims = rope_dims_;
   const bool traditional = traditional_, bias = qkv_bias_, delta = qkv_delta_;
   const float eps = eps_, attn_scale = attn_scale_, rope_scale = rope_scale_;
-  const int packed = packed_;
+  const int packed = packed_, affine = affine_;
+
+  bool lossless = false, affine_any = false;  // a matrix in a lossless pack's form; in the affine form
+  for (int i = 0; i < 7; ++i) {
+    const int form = (packed >> (2 * i)) & 3;
+    lossless = lossless || form == 1 || form == 2, affine_any = affine_any || form == 3;
+  }
 
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
     for (const auto& c : copies) c.run();
     auto f = [&](int i) { return static_cast<const float*>(in[i]); };
+    int next_affine = kBiasQ + (bias ? 3 : 0) + (delta ? 3 : 0);  // the first affine matrix's scales
     auto matrix = [&](int i, int64_t K) {
-      int form = (packed >> (2 * (i - kQ))) & 3;  // 0 float32, 1 Q4, 2 Q8
+      int form = (packed >> (2 * (i - kQ))) & 3;  // 0 float32, 1 Q4, 2 Q8, 3 affine 4-bit
+      Affine4 a{};
+      if (form == 3) {
+        const int bits = affine >> (3 * (i - kQ));
+        a = {static_cast<const uint32_t*>(in[i]), in[next_affine], in[next_affine + 1],
+             static_cast<ScaleType>(bits & 3), ((bits >> 2) & 1) != 0};
+        next_affine += 2;
+      }
       return Matrix{form == 0 ? f(i) : nullptr, form == 1 ? static_cast<const Q4Block*>(in[i]) : nullptr,
-                    form == 2 ? static_cast<const Q8Block*>(in[i]) : nullptr, K};
+                    form == 2 ? static_cast<const Q8Block*>(in[i]) : nullptr, K, a};
     };
     const float *x = f(kX), *inv_freqs = f(kInvFreqs);
     const int32_t* starts = static_cast<const int32_t*>(in[kStarts]);
@@ -142,14 +158,16 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       // this thread's: every row's normed input and its block sums, its attention output, a
       // head's q, k or v for every row, and a packed matrix's rows unpacked for several rows
       std::vector<float> xn(R * D), xs(R * nxs), tmp(R * Dh), scores(group * kAttendPart), att(R * H * Dh);
-      std::vector<float> unpacked(packed && R > 1 ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
+      std::vector<float> unpacked(lossless && R > 1 ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
+      QuantRows prepared;  // the input as the affine matrices' integer forms read it
       auto add_bias = [&](float* row, const float* b) {
         if (b)
           for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
       };
       auto sums_of = [&](const float* v, int64_t n) {  // each row's (n floats a row)
-        if (packed)
+        if (lossless)
           for (int64_t b = 0; b < R; ++b) block_sums(v + b * n, n, xs.data() + b * nxs);
+        if (affine_any) prepared.reserve(R, n), prepared.prepare(v, 0, R);
       };
       auto norm_in = [&](const float* v, const float* w) {
         for (int64_t b = 0; b < R; ++b) rms_norm_row(v + b * D, w, xn.data() + b * D, D, eps);
@@ -160,6 +178,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       // several rows the several-rows GEMV, a packed matrix's rows unpacked once for all of them
       auto products = [&](const Matrix& w, const float* v, float* out, int64_t N, int64_t r0, int64_t r1) {
         const Matrix rows = w.rows(r0);
+        if (rows.affine.w) return rows.affine_rows(prepared, R, out, N, r1 - r0);
         if (R == 1) return rows.gemv(v, xs.data(), out, 0, r1 - r0);
         rows.gemv_rows(v, R, out, N, r1 - r0, unpacked.data());
       };
@@ -233,7 +252,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
                                     const std::optional<mx::array>& starts, const std::vector<mx::array>& deltas,
-                                    mx::StreamOrDevice st) {
+                                    const std::vector<mx::array>& affine, int symmetric, mx::StreamOrDevice st) {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("[mlxtoy_kernels] decode_block: " + what);
   };
@@ -241,10 +260,26 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   if (!biases.empty() && biases.size() != 3) fail("biases [] or [q, k, v]");
   if (x.ndim() != 3 || x.shape(0) < 1 || x.shape(1) < 1) fail("x (B, T, D): T new tokens of each of B rows");
   const int B = x.shape(0), D = x.shape(2);
-  // a matrix's width: K float32, or a packed width (uint8: Q4 or Q8 blocks, told apart by it)
-  int packed = 0;
+  // a matrix's width: K float32, or a packed width (uint8: Q4 or Q8 blocks, told apart by it;
+  // uint32: MLX's affine 4-bit words, K / 8, with the next two arrays of `affine`)
+  int packed = 0, affine_bits = 0;
+  size_t next_affine = 0;
   auto width = [&](int i, int K) {
     const mx::array& w = weights[i];
+    if (w.dtype() == mx::uint32) {
+      if (next_affine + 2 > affine.size()) fail("affine: scales and biases for each uint32 matrix");
+      const mx::array &sc = affine[next_affine], &bi = affine[next_affine + 1];
+      next_affine += 2;
+      const int64_t rows = w.size() / w.shape(-1);
+      if (w.shape(-1) * 8 != K || !integer_form(K, 32, 4) || sc.ndim() < 2 || sc.shape(-1) != K / 32 ||
+          sc.size() != rows * (K / 32) || bi.shape() != sc.shape() || bi.dtype() != sc.dtype() ||
+          !(sc.dtype() == mx::float32 || sc.dtype() == mx::float16 || sc.dtype() == mx::bfloat16))
+        fail("an affine 4-bit matrix: words (.., K / 8), scales and biases (rows, K / 32) float32, float16 or "
+             "bfloat16, and a K the integer forms take here (quant_gemv_max_rows)");
+      packed |= 3 << (2 * (i - 1));
+      affine_bits |= (static_cast<int>(scale_type(sc)) | ((symmetric >> i) & 1) << 2) << (3 * (i - 1));
+      return w.shape(-1);
+    }
     if (w.dtype() != mx::uint8) return K;
     int form = w.shape(-1) == packed_width(K, 4) ? 1 : w.shape(-1) == packed_width(K, 8) ? 2 : 0;
     packed |= form << (2 * (i - 1));
@@ -285,20 +320,22 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   inputs.insert(inputs.end(), {keys, values});
   std::vector<mx::array> floats{x, keys, values, inv_freqs};
   for (size_t i = 0; i < weights.size(); ++i)
-    if (weights[i].dtype() != mx::uint8) floats.push_back(weights[i]);
+    if (weights[i].dtype() != mx::uint8 && weights[i].dtype() != mx::uint32) floats.push_back(weights[i]);
   floats.insert(floats.end(), biases.begin(), biases.end());
   floats.insert(floats.end(), deltas.begin(), deltas.end());
   for (auto& a : floats)
-    if (a.dtype() != mx::float32) fail("float32 arrays only (a matrix may be Q4-packed uint8)");
+    if (a.dtype() != mx::float32) fail("float32 arrays only (a matrix may be packed uint8, or affine 4-bit uint32)");
+  if (next_affine != affine.size()) fail("affine: scales and biases for each uint32 matrix, no more");
   inputs.push_back(offset);
   inputs.push_back(first);
   inputs.push_back(inv_freqs);
   inputs.insert(inputs.end(), biases.begin(), biases.end());
   inputs.insert(inputs.end(), deltas.begin(), deltas.end());
+  inputs.insert(inputs.end(), affine.begin(), affine.end());
   auto stream = mx::to_stream(st);
   if (stream.device != mx::Device::cpu) fail("CPU stream only");
   auto prim = std::make_shared<DecodeBlock>(stream, rope_dims, traditional, !biases.empty(), !deltas.empty(), eps,
-                                            attn_scale, rope_scale, packed);
+                                            attn_scale, rope_scale, packed, affine_bits);
   return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
                                 prim, std::move(inputs));
 }

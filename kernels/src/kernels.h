@@ -37,11 +37,14 @@ class Kernel : public mx::Primitive {
 class DecodeBlock : public mx::Primitive {
  public:
   // packed: for weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down), bits
-  // 2 (w - 1) .. 2 (w - 1) + 1: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack)
+  // 2 (w - 1) .. 2 (w - 1) + 1: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack), 3 MLX's affine 4-bit
+  // layout (groups of 32); affine: for such a matrix, bits 3 (w - 1) .. + 2: its scales' ScaleType,
+  // then whether it is symmetric
   DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, bool qkv_delta, float eps,
-              float attn_scale, float rope_scale, int packed)
+              float attn_scale, float rope_scale, int packed, int affine)
       : mx::Primitive(stream), rope_dims_(rope_dims), traditional_(traditional), qkv_bias_(qkv_bias),
-        qkv_delta_(qkv_delta), eps_(eps), attn_scale_(attn_scale), rope_scale_(rope_scale), packed_(packed) {}
+        qkv_delta_(qkv_delta), eps_(eps), attn_scale_(attn_scale), rope_scale_(rope_scale), packed_(packed),
+        affine_(affine) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -52,7 +55,7 @@ class DecodeBlock : public mx::Primitive {
   int rope_dims_;
   bool traditional_, qkv_bias_, qkv_delta_;
   float eps_, attn_scale_, rope_scale_;
-  int packed_;
+  int packed_, affine_;
 };
 
 // MLX's affine quantized matrix (w uint32 (rows, d_in * bits / 32), scales and biases
@@ -122,6 +125,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
                                     const std::optional<mx::array>& starts, const std::vector<mx::array>& deltas = {},
+                                    const std::vector<mx::array>& affine = {}, int symmetric = 0,
                                     mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

@@ -1,12 +1,13 @@
 // mlxtoy kernels: weights kept packed for decoding where that is lossless (4-bit and 8-bit
-// blocks of 32), their packers and GEMVs, and the Matrix a decode reads through in any of the
-// three forms (included by kernels.cpp and decode.cpp).
+// blocks of 32), their packers and GEMVs, and the Matrix a decode reads through in any of its
+// forms: those, float32, or MLX's affine 4-bit layout (included by kernels.cpp and decode.cpp).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "loops.h"  // gemv_span for the float32 form; immintrin.h and MLXTOY_AVX2 for the AVX2 forms
+#include "qgemv.h"  // QuantRows for the affine form
 
 namespace mlxtoy {
 
@@ -414,15 +415,37 @@ inline void unpack_q8(const Q8Block* w, int64_t blocks, float* out) {
   unpack_q8_portable(w, blocks, out);
 }
 
+struct Affine4 {  // MLX's affine 4-bit layout, groups of 32 (qgemv.h: the integer forms read it)
+  const uint32_t* w;
+  const void *scales, *biases;
+  ScaleType st;
+  bool symmetric;  // the biases are -8 scales, and not read
+};
+
 struct Matrix {
   const float* f32;
   const Q4Block* q4;
   const Q8Block* q8;
   int64_t K;
+  Affine4 affine = {};
 
   Matrix rows(int64_t n) const {
     int64_t nb = K / kQ4;
-    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K};
+    Affine4 a = affine;
+    if (a.w) {
+      const int64_t bytes = n * (K / 32) * (a.st == ScaleType::F32 ? 4 : 2);
+      a.w += n * (K / 8), a.scales = static_cast<const char*>(a.scales) + bytes;
+      a.biases = static_cast<const char*>(a.biases) + bytes;
+    }
+    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K, a};
+  }
+  // y[m * N + n] for n in [0, count) of x's M rows (prepared: `x`) times this affine matrix's
+  // first `count` rows, by the integer forms in passes of kGemvRows rows of x (each row's values
+  // those of its own GEMV: quant_linear's)
+  void affine_rows(const QuantRows& x, int64_t M, float* y, int64_t N, int64_t count) const {
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvRows)
+      x.products(m0, std::min(kGemvRows, M - m0), affine.w, affine.scales, affine.biases, affine.st, affine.symmetric,
+                 y + m0 * N, N, 0, count);
   }
   // its first `rows` rows as float32 (rows x K floats): the weights they were packed from, each
   // fl(fl(d * q) + m) as the grid has them (Grid), so a product of them is that of the weights

@@ -503,55 +503,70 @@ bool cpu_x16() {
 #endif
 }
 
+bool integer_form(int64_t K, int64_t group, int bits) {
+  return vnni_form(K, group, bits) || x16_form(K, group, bits);
+}
+
+void QuantRows::reserve(int64_t M, int64_t K) {
+  vnni_ = vnni_form(K, 32, 4), K_ = K;
+  sums_.resize(M * K / 32);
+  steps_.resize(vnni_ ? 0 : M * K / 32), x16_.resize(vnni_ ? 0 : M * K);
+  bytes_.resize(vnni_ ? 2 * M * K : 0), xsl_.resize(vnni_ ? M * K / 8 : 0), corr_.resize(vnni_ ? M * K / 8 : 0);
+}
+
+void QuantRows::prepare(const float* x, int64_t m0, int64_t m1) {
+#ifdef MLXTOY_AVX2
+  const int64_t K = K_, groups = K / 32;
+  if (vnni_) {
+    vnni_x(x + m0 * K, m1 - m0, K, bytes_.data() + m0 * 2 * K, xsl_.data() + m0 * (K / 8),
+           corr_.data() + m0 * (K / 8), sums_.data() + m0 * groups);
+    return;
+  }
+  round_x16(x + m0 * K, m1 - m0, K, x16_.data() + m0 * K, steps_.data() + m0 * groups);
+  group_sums(x + m0 * K, m1 - m0, K, 32, sums_.data() + m0 * groups);
+#endif
+}
+
+void QuantRows::products(int64_t m0, int64_t count, const uint32_t* w, const void* scales, const void* biases,
+                         ScaleType st, bool symmetric, float* y, int64_t N, int64_t n0, int64_t n1) const {
+#ifdef MLXTOY_AVX2
+  const int64_t K = K_, groups = K / 32;
+  if (vnni_) {
+    const VnniX x{bytes_.data() + m0 * 2 * K, xsl_.data() + m0 * (K / 8), corr_.data() + m0 * (K / 8),
+                  sums_.data() + m0 * groups};
+    if (st == ScaleType::F16) qgemv4_vnni<ScaleType::F16>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
+    else if (st == ScaleType::BF16) qgemv4_vnni<ScaleType::BF16>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
+    else qgemv4_vnni<ScaleType::F32>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
+    return;
+  }
+  const int16_t* xr = x16_.data() + m0 * K;
+  const float *steps = steps_.data() + m0 * groups, *sums = sums_.data() + m0 * groups;
+  if (symmetric) qgemv4_x16<true>(st, count, xr, steps, sums, w, scales, biases, y, N, K, n0, n1);
+  else qgemv4_x16<false>(st, count, xr, steps, sums, w, scales, biases, y, N, K, n0, n1);
+#endif
+}
+
 // y (M, N) = x (M, K) W^T, W's rows split over the kernels' threads first come, first served;
 // M <= kGemvRows, or at inference M <= gemv_max_rows (a prompt, in the VNNI or AVX2 integer form)
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
   const int64_t groups = K / group;
   const size_t elem = st == ScaleType::F32 ? 4 : 2;
-  const bool vnni = vnni_form(K, group, bits), x16 = x16_form(K, group, bits);
-  std::vector<float> xo(vnni || x16 ? 0 : M * K), xs(M * groups), xsl(vnni ? M * K / 8 : 0), xsc(x16 ? M * groups : 0);
-  std::vector<int16_t> xq(x16 ? M * K : 0);
-  std::vector<int8_t> xbytes(vnni ? 2 * M * K : 0);
-  std::vector<int32_t> corr(vnni ? M * K / 8 : 0);
-#ifdef MLXTOY_AVX2
-  if (vnni) {
-    // x's rows rounded and laid out on the threads when there are many (a prompt)
-    threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
-      vnni_x(x + m0 * K, m1 - m0, K, xbytes.data() + m0 * 2 * K, xsl.data() + m0 * (K / 8), corr.data() + m0 * (K / 8),
-             xs.data() + m0 * groups);
-    });
-    const VnniX vx{xbytes.data(), xsl.data(), corr.data(), xs.data()};
-    // Two rows of x a pass (with 4 rows of W) keep the pass's vectors in registers, where four
-    // spill them (20 against 17 ms for 32 rows of x and a 14336 x 4096 W, a Zen 4).
-    constexpr int64_t kPromptRows = 2;
-    over_tiles(threads, M, N, kPromptRows, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
-      const VnniX part{vx.bytes + m0 * 2 * K, vx.xsl + m0 * (K / 8), vx.corr + m0 * (K / 8), vx.sums + m0 * groups};
-      float* yp = y + m0 * N;
-      if (st == ScaleType::F16)
-        qgemv4_vnni<ScaleType::F16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
-      else if (st == ScaleType::BF16)
-        qgemv4_vnni<ScaleType::BF16>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
-      else
-        qgemv4_vnni<ScaleType::F32>(symmetric, rows, part, w, scales, biases, yp, N, K, t0, t1);
+  if (integer_form(K, group, bits)) {
+    QuantRows rows;
+    rows.reserve(M, K);
+    // x's rows prepared on the threads when there are many (a prompt)
+    threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) { rows.prepare(x, m0, m1); });
+    // A prompt's rows of x in passes of 4 (AVX2), or of 2 with VNNI, where a pass's vectors then
+    // stay in registers (four spilled them: 20 against 17 ms for 32 rows of x and a 14336 x 4096
+    // W, a Zen 4)
+    const int64_t step = vnni_form(K, group, bits) ? 2 : kGemvRows;
+    over_tiles(threads, M, N, step, [&](int64_t m0, int64_t count, int64_t t0, int64_t t1) {
+      rows.products(m0, count, w, scales, biases, st, symmetric, y + m0 * N, N, t0, t1);
     });
     return;
   }
-  if (x16) {
-    // x's rows rounded on the threads when there are many (a prompt), then in fours a pass
-    threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) {
-      round_x16(x + m0 * K, m1 - m0, K, xq.data() + m0 * K, xsc.data() + m0 * groups);
-      group_sums(x + m0 * K, m1 - m0, K, group, xs.data() + m0 * groups);
-    });
-    over_tiles(threads, M, N, kGemvRows, [&](int64_t m0, int64_t rows, int64_t t0, int64_t t1) {
-      const int16_t* xr = xq.data() + m0 * K;
-      const float *xscr = xsc.data() + m0 * groups, *xsr = xs.data() + m0 * groups;
-      if (symmetric) qgemv4_x16<true>(st, rows, xr, xscr, xsr, w, scales, biases, y + m0 * N, N, K, t0, t1);
-      else qgemv4_x16<false>(st, rows, xr, xscr, xsr, w, scales, biases, y + m0 * N, N, K, t0, t1);
-    });
-    return;
-  }
-#endif
+  std::vector<float> xo(M * K), xs(M * groups);
   order_x(x, xo.data(), M, K, bits);
   group_sums(x, M, K, group, xs.data());
   // a block of rows' scales and biases are widened to float32 into the thread's own buffers

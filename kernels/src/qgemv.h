@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "mlx/array.h"
 #include "pool.h"
@@ -41,6 +42,32 @@ bool vnni_form(int64_t K, int64_t group, int bits);
 // the most rows of x that qgemv takes for this W at inference (a prompt's): kGemvRows, or more in
 // the VNNI and the AVX2 integer forms
 int64_t gemv_max_rows(int64_t K, int64_t group, int bits);
+
+// whether qgemv takes an integer form for this W (4 bits, groups of 32, and the CPU: VNNI, else AVX2):
+// x rounded to 16 bits a group, a form that `QuantRows` prepares
+bool integer_form(int64_t K, int64_t group, int bits);
+
+// Rows of x prepared once for the integer forms (`integer_form`'s W), then multiplied by any range
+// of W's rows on any thread: qgemv's own products, and the fused decode block's 4-bit matrices
+// (decode.cpp), which so give the bits of quant_linear's GEMV
+class QuantRows {
+ public:
+  // room for M rows of K; then `prepare` rows [m0, m1) of x (M, K), disjoint ranges on any threads
+  void reserve(int64_t M, int64_t K);
+  void prepare(const float* x, int64_t m0, int64_t m1);
+  // y[m * N + n] = x[m0 + m] . W[n] for m < count (at most kGemvRows) and n in [n0, n1); W (N, K)
+  // 4-bit in groups of 32, scales and biases (N, K / 32) of type st (symmetric: biases not read)
+  void products(int64_t m0, int64_t count, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
+                bool symmetric, float* y, int64_t N, int64_t n0, int64_t n1) const;
+
+ private:
+  bool vnni_ = false;
+  int64_t K_ = 0;
+  std::vector<float> sums_, steps_, xsl_;  // group sums; AVX2: each group's step; VNNI: its layout's
+  std::vector<int16_t> x16_;
+  std::vector<int8_t> bytes_;
+  std::vector<int32_t> corr_;
+};
 
 // y (M, N) = x (M, K) W^T, W's rows split over `threads`; M <= kGemvRows, or M <= gemv_max_rows at
 // inference; symmetric: the biases are -2^(bits - 1) scales and need not be read

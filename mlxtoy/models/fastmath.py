@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -506,18 +506,34 @@ def linear_packed(x: mx.array, packed: mx.array) -> mx.array:
 
 
 def decode_block_ok(x: mx.array, *arrays: mx.array) -> bool:
-    """`decode_block` applies: inside `inference()`, x (B, T, D), float32 arrays on CPU with the
-    kernels (MLXTOY_FUSED_DECODE=0 turns it off)."""
-    return FUSED_DECODE and x.ndim == 3 and bare(x, *arrays)
+    """`decode_block` applies: inside `inference()`, x (B, T, D), float32 arrays (and an affine
+    matrix's uint32 words) on CPU with the kernels (MLXTOY_FUSED_DECODE=0 turns it off)."""
+    return FUSED_DECODE and x.ndim == 3 and bare(x, *(a for a in arrays if a.dtype != mx.uint32))
 
 
-def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], keys: mx.array,
+class AffineMatrix(NamedTuple):
+    """A matrix `decode_block` reads in MLX's affine layout as it is: 4 bits in groups of 32
+    (`affine_decode_ok`), words (.., d_in / 8) shaped as the float32 matrix's leading axes, scales
+    and biases (rows, d_in / 32); symmetric: the biases are -8 scales (Q4_0's), never read."""
+    words: mx.array
+    scales: mx.array
+    biases: mx.array
+    symmetric: bool
+
+
+def affine_decode_ok(d_in: int) -> bool:
+    """Whether `decode_block` takes an affine 4-bit matrix (groups of 32) of this width here: where
+    the quantized GEMV has an integer form (AVX-512 VNNI or AVX2), whose values it then gives."""
+    return kernels_module() is not None and kernels_module().quant_integer_form(d_in, 32, 4)
+
+
+def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: list[mx.array], keys: mx.array,
                  values: mx.array, offset: mx.array, starts: mx.array | None, inv_freqs: mx.array,
                  rope_dims: int, traditional: bool, eps: float, attn_scale: float,
                  rope_scale: float, deltas: list[mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """A pre-norm Llama block's step for T new tokens of each of B rows (x (B, T, D)) as one
     kernel call -> (x, keys, values): weights [attn_norm, q, k, v (per head), o, ffn_norm, gate,
-    up, down] (a matrix float32 or `pack_lossless`ed), biases [] or [q, k, v]; token t's k
+    up, down] (a matrix float32, `pack_lossless`ed or an AffineMatrix), biases [] or [q, k, v]; token t's k
     (RoPE'd, as `rope`) and v go into slot offset + t of the caches ((B, KV, S, Dh)), written in
     place (the returned caches share the given ones' buffers: the caller keeps no other use of
     them), and its query attends to slots starts[b]..offset + t (a left-padded batch; None: all
@@ -529,9 +545,13 @@ def decode_block(x: mx.array, weights: list[mx.array], biases: list[mx.array], k
     if starts is not None and starts.size != x.shape[0]:  # one start for every row
         starts = mx.broadcast_to(starts.reshape(-1), (x.shape[0],))
     starts = None if starts is None else starts.astype(mx.int32)
+    affine = [a for w in weights if isinstance(w, AffineMatrix) for a in (w.scales, w.biases)]
+    symmetric = sum(1 << i for i, w in enumerate(weights) if isinstance(w, AffineMatrix) and w.symmetric)
+    weights = [w.words if isinstance(w, AffineMatrix) else w for w in weights]
     y, keys, values = kernels_module().decode_block(x, weights, biases, keys, values, offset, inv_freqs, rope_dims,
                                       traditional, eps, attn_scale, rope_scale, starts=starts,
-                                      deltas=[d.astype(mx.float32) for d in deltas or []])
+                                      deltas=[d.astype(mx.float32) for d in deltas or []], affine=affine,
+                                      symmetric=symmetric)
     return y, keys, values
 
 

@@ -1,6 +1,7 @@
 """The weights a Llama block's fused step reads (`Block.fused_modules`, `fastmath.decode_block`):
 an adapter's merged weight, a LoRA bank's base (its rows' updates added inside the kernel), a
-plain matrix's lossless 4-/8-bit pack, kept on the block while its weights are the same arrays;
+plain matrix's lossless 4-/8-bit pack, kept on the block while its weights are the same arrays,
+or a quantized base's 4-bit matrix as it is;
 and the bytes they hold besides the weights (`decode_copies_bytes`, the memory estimate's)."""
 
 from __future__ import annotations
@@ -31,6 +32,23 @@ def banked(m: nn.Module) -> bool:
     """Whether `m` is a bank of LoRA adapters read by rows (`mlxtoy.models.adapters`, no DoRA):
     the fused step reads its base and adds each row's update (`row_update`) to q, k or v."""
     return hasattr(m, "row_update") and "dora_k" not in m
+
+
+def affine4(m: nn.Module) -> bool:
+    """Whether `m` is a frozen quantized projection the fused step reads as it is (no float32 copy,
+    no pack): MLX's affine layout, 4 bits in groups of 32, of a width the kernels take here
+    (`fastmath.affine_decode_ok`; a QLoRA base, a Q4_0 / Q4_1 GGUF loaded quantized)."""
+    return ("scales" in m and getattr(m, "bits", None) == 4 and getattr(m, "group_size", None) == 32
+            and getattr(m, "mode", "affine") == "affine" and fastmath.affine_decode_ok(m.weight.shape[-1] * 8))
+
+
+def kernel_matrix(plain: nn.Module, heads: tuple[int, int] | None = None) -> mx.array | fastmath.AffineMatrix:
+    """`plain`'s matrix as the fused step takes it: its weight, or an affine 4-bit one as it is
+    (`affine4`), its words shaped (heads, d_head, d_in / 8) for a per-head projection (`heads`)."""
+    if not affine4(plain):
+        return plain.weight
+    words = plain.weight if heads is None else plain.weight.reshape(*heads, -1)
+    return fastmath.AffineMatrix(words, plain.scales, plain.biases, bool(getattr(plain, "symmetric", False)))
 
 
 def merged_in(m: nn.Module, plain: nn.Module) -> bool:
@@ -83,6 +101,8 @@ def decode_copies_bytes(model: nn.Module) -> int:
                 continue
         for i in BLOCK_MATRICES:
             m, base = modules[i]
+            if affine4(base):  # read as it is
+                continue
             if merged_in(m, base):
                 merged += base.weight.nbytes
                 continue

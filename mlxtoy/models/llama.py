@@ -30,7 +30,8 @@ from mlxtoy.models import fastmath
 from mlxtoy.models.cache import KVCache, SlotCache, cache_positions
 from mlxtoy.models.attention import attention
 from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
-from mlxtoy.models.fused_weights import BLOCK_MATRICES, banked, kept_packs, merged_in, plain_projection, repin_packs
+from mlxtoy.models.fused_weights import (BLOCK_MATRICES, affine4, banked, kernel_matrix, kept_packs, merged_in,
+                                         plain_projection, repin_packs)
 from mlxtoy.models.prefill import prefill_fits, prefill_route
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
@@ -338,7 +339,9 @@ class Block(nn.Module):
         (the block's module, the plain module it reads), when this is a plain Llama block
         (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm, SwiGLU, no biases but
         q/k/v's, all three or none), else None. A projection may carry an adapter (LoRA or DoRA
-        around a plain projection, `mlxtoy.models.lora`): the step then reads its merged weight."""
+        around a plain projection, `mlxtoy.models.lora`): the step then reads its merged weight. A
+        plain one may be a quantized base's 4-bit matrix (`affine4`), read as it is; an adapter
+        around one (a QLoRA run's) keeps the block op by op."""
         a, f = self.attn, self.ffn
         if not (type(a) is Attention and type(f) is FeedForward):
             return None
@@ -347,11 +350,12 @@ class Block(nn.Module):
         plain = (type(self.attn_norm) is RMSNorm and type(self.ffn_norm) is RMSNorm
                  and self.attn_norm.eps == self.ffn_norm.eps and "post_attn_norm" not in self
                  and "q_norm" not in a and a.window is None
-                 and all(type(p) is HeadProjection for p in (q, k, v))
+                 and all(type(p) is HeadProjection or isinstance(p, HeadProjection) and affine4(p) for p in (q, k, v))
                  and len({"bias" in p for p in (q, k, v)}) == 1  # q, k and v biased alike
                  and "rope" in a and type(a.rope) is RoPE and a.rope._long is None and f.act is silu
-                 and all(type(m) is Linear and "bias" not in m for m in (o, gate, up, down))
-                 and not any(banked(m) for m in wrapped[3:]))  # their inputs exist inside the kernel only
+                 and all((type(m) is Linear or affine4(m)) and "bias" not in m for m in (o, gate, up, down))
+                 and not any(banked(m) for m in wrapped[3:])  # their inputs exist inside the kernel only
+                 and not any(merged_in(m, p) and affine4(p) for m, p in zip(wrapped, plains)))
         if not plain:
             return None
         norms = [(self.attn_norm, self.attn_norm), (self.ffn_norm, self.ffn_norm)]
@@ -375,7 +379,8 @@ class Block(nn.Module):
         if modules is None:
             return kept_packs(self, None, BLOCK_MATRICES)
         adapted = [i for i in BLOCK_MATRICES if merged_in(*modules[i])]
-        packs = kept_packs(self, self.fused_weights(modules), [i for i in BLOCK_MATRICES if i not in adapted])
+        packs = kept_packs(self, self.fused_weights(modules), [i for i in BLOCK_MATRICES if i not in adapted
+                                                               and not affine4(modules[i][1])])
         if adapted:
             packs = {**packs, **{str(i): modules[i][0].merged_weight() for i in adapted}}
             mx.eval(packs)
@@ -392,12 +397,13 @@ class Block(nn.Module):
         biases = [plain.bias for _, plain in modules[1:4] if "bias" in plain]
         if not fastmath.decode_block_ok(x, *weights, *biases):
             return False
-        plain = [i for i in BLOCK_MATRICES if not merged_in(*modules[i])]
+        plain = [i for i in BLOCK_MATRICES if not merged_in(*modules[i]) and not affine4(modules[i][1])]
         packs = kept_packs(self, weights, plain)  # (what decode_packs keeps; no adapter merged here)
 
         def form(i: int) -> str:
             p = packs.get(str(i))
-            kind = "f32" if p is None else "q4" if p.shape[-1] * 32 == weights[i].shape[-1] * 24 else "q8"
+            kind = ("a4" if affine4(modules[i][1]) else "f32" if p is None
+                    else "q4" if p.shape[-1] * 32 == weights[i].shape[-1] * 24 else "q8")
             return kind + ("+lora" if banked(modules[i][0]) else "")
 
         # the LoRA banks' rows are the batch's; the route is measured on one row of the base
@@ -452,8 +458,9 @@ class Block(nn.Module):
         if not fastmath.decode_block_ok(x, cache.keys, cache.values, *weights, *biases):
             return None
         packs = self.decode_packs(modules) if prefill else cache.packed
-        weights = [packs[str(i)] if str(i) in packs else m.merged_weight() if merged_in(m, plain) else w
-                   for i, ((m, plain), w) in enumerate(zip(modules, weights))]
+        heads = {1: (a.n_heads, a.d_head), 2: (a.n_kv_heads, a.d_head), 3: (a.n_kv_heads, a.d_head)}
+        weights = [packs[str(i)] if str(i) in packs else m.merged_weight() if merged_in(m, plain)
+                   else kernel_matrix(plain, heads.get(i)) for i, (m, plain) in enumerate(modules)]
         offset = mx.array([cache.offset], dtype=mx.int32) if prefill else cache.offset
         x, cache.keys, cache.values = fastmath.decode_block(
             x, weights, biases, cache.keys, cache.values, offset, cache.starts, a.rope._inv_freqs, a.rope.dims,
