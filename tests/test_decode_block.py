@@ -204,6 +204,33 @@ def test_a_4_bit_base_decodes_fused_reading_its_matrices_as_they_are(name):
     assert max(np.abs(a - b).max() for a, b in zip(fused, dense_steps)) > 0.1
 
 
+@pytest.mark.parametrize("targets,fused", [(["q", "v"], True), (["q", "k", "v"], True), (["q", "down"], False)])
+def test_a_qlora_run_decodes_fused_with_its_updates_added(targets, fused):
+    """LoRA on a 4-bit base's q, k or v (a QLoRA run, unmerged): the fused step reads the 4-bit
+    matrices as they are and adds each adapter's update to its product (no float32 copy merged);
+    an adapter on another matrix keeps the block op by op. Either way the logits are the unfused
+    path's and the uncached forward's; control: the adapters change them."""
+    if not K.quant_integer_form(64, 32, 4):
+        pytest.skip("no integer form of the 4-bit GEMV on this CPU")
+    model = quantized_base(tiny(VARIANTS["gqa"]))
+    base_steps, _, _ = decode_steps(model, 4, fused=True)
+    apply_lora(model, targets, 4, 8.0)
+    for layer in model.layers:  # adapters that change the output
+        for name in targets:
+            m = getattr(layer.attn, name, None) or getattr(layer.ffn, name)
+            m.lora_b = 0.1 * mx.random.normal(m.lora_b.shape)
+    mx.eval(model.parameters())
+    steps, graphs, _ = decode_steps(model, 4, fused=True)
+    assert graphs[-1].count("MlxtoyDecodeBlock") == (len(model.layers) if fused else 0)
+    assert all(layer.decode_packs() == {} for layer in model.layers)  # nothing merged or packed
+    unfused, _, _ = decode_steps(model, 4, fused=False)
+    for got, ref in zip(steps, unfused):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(steps, uncached_logits(model, steps)):
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3)
+    assert max(np.abs(a - b).max() for a, b in zip(steps, base_steps)) > 0.05
+
+
 def test_blocks_that_are_not_plain_decode_unfused_and_still_right():
     qk_norm = tiny(dict(arch="qwen3", qk_norm=True))
     steps, graphs, _ = decode_steps(qk_norm, 3, fused=True)

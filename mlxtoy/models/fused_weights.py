@@ -51,9 +51,23 @@ def kernel_matrix(plain: nn.Module, heads: tuple[int, int] | None = None) -> mx.
     return fastmath.AffineMatrix(words, plain.scales, plain.biases, bool(getattr(plain, "symmetric", False)))
 
 
+def added_in(m: nn.Module, plain: nn.Module) -> bool:
+    """Whether the fused step adds `m`'s low-rank update to `plain`'s product (q, k and v only)
+    rather than reading one weight: a LoRA bank's rows' (`banked`), or a LoRA's around a quantized
+    base's 4-bit matrix (`affine4`; merged, it would be a float32 copy of that matrix). DoRA's
+    rescale is not an addition."""
+    return banked(m) or (m is not plain and affine4(plain) and "magnitude" not in m)
+
+
+def update_of(m: nn.Module, x: mx.array) -> mx.array:
+    """What `m` (`added_in`) adds to its base's product for the input x (B, T, in): (B, T, out)."""
+    update = m.row_update(x) if banked(m) else m.delta(x)
+    return update.reshape(*x.shape[:2], -1)
+
+
 def merged_in(m: nn.Module, plain: nn.Module) -> bool:
     """Whether the fused step reads `m`'s merged weight (an adapter around `plain`)."""
-    return m is not plain and not banked(m)
+    return m is not plain and not added_in(m, plain)
 
 
 BLOCK_MATRICES = (1, 2, 3, 4, 6, 7, 8)  # the matrices among `Block.fused_weights` (the rest are norms)

@@ -30,8 +30,8 @@ from mlxtoy.models import fastmath
 from mlxtoy.models.cache import KVCache, SlotCache, cache_positions
 from mlxtoy.models.attention import attention
 from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
-from mlxtoy.models.fused_weights import (BLOCK_MATRICES, affine4, banked, kernel_matrix, kept_packs, merged_in,
-                                         plain_projection, repin_packs)
+from mlxtoy.models.fused_weights import (BLOCK_MATRICES, added_in, affine4, banked, kernel_matrix, kept_packs,
+                                         merged_in, plain_projection, repin_packs, update_of)
 from mlxtoy.models.prefill import prefill_fits, prefill_route
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
@@ -340,8 +340,9 @@ class Block(nn.Module):
         (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm, SwiGLU, no biases but
         q/k/v's, all three or none), else None. A projection may carry an adapter (LoRA or DoRA
         around a plain projection, `mlxtoy.models.lora`): the step then reads its merged weight. A
-        plain one may be a quantized base's 4-bit matrix (`affine4`), read as it is; an adapter
-        around one (a QLoRA run's) keeps the block op by op."""
+        plain one may be a quantized base's 4-bit matrix (`affine4`), read as it is, a LoRA around
+        it on q, k or v then added to its product (`added_in`: a QLoRA run's); a DoRA around one,
+        or an adapter around one of the others, keeps the block op by op."""
         a, f = self.attn, self.ffn
         if not (type(a) is Attention and type(f) is FeedForward):
             return None
@@ -354,7 +355,8 @@ class Block(nn.Module):
                  and len({"bias" in p for p in (q, k, v)}) == 1  # q, k and v biased alike
                  and "rope" in a and type(a.rope) is RoPE and a.rope._long is None and f.act is silu
                  and all((type(m) is Linear or affine4(m)) and "bias" not in m for m in (o, gate, up, down))
-                 and not any(banked(m) for m in wrapped[3:])  # their inputs exist inside the kernel only
+                 and not any(added_in(m, p) for m, p in zip(wrapped[3:], plains[3:]))  # their inputs
+                 # exist inside the kernel only
                  and not any(merged_in(m, p) and affine4(p) for m, p in zip(wrapped, plains)))
         if not plain:
             return None
@@ -404,7 +406,7 @@ class Block(nn.Module):
             p = packs.get(str(i))
             kind = ("a4" if affine4(modules[i][1]) else "f32" if p is None
                     else "q4" if p.shape[-1] * 32 == weights[i].shape[-1] * 24 else "q8")
-            return kind + ("+lora" if banked(modules[i][0]) else "")
+            return kind + ("+lora" if added_in(*modules[i]) else "")
 
         # the LoRA banks' rows are the batch's; the route is measured on one row of the base
         rows = next((m.rows for m, _ in modules[1:4] if banked(m)), None)
@@ -423,21 +425,23 @@ class Block(nn.Module):
         a = self.attn
         shape = (x.shape[-1], weights[6].shape[0], a.n_heads, a.n_kv_heads, a.d_head,
                  "/".join(form(i) for i in BLOCK_MATRICES))
-        macs = sum(weights[i].size for i in BLOCK_MATRICES)
+        macs = sum(weights[i].size * (8 if weights[i].dtype == mx.uint32 else 1) for i in BLOCK_MATRICES)
         return prefill_route(x.shape[0] * x.shape[1], shape, macs, one_row(self.decode_fused),
                              one_row(lambda v, c: self.forward_ops(v, "causal", c))) == "fused"
 
     def row_updates(self, x: mx.array, modules: list) -> list[mx.array]:
-        """What the LoRA banks among q, k and v (`banked`) add to each row's product, (B, T,
-        heads * Dh) each (zeros for one without a bank), for the fused step; [] without banks."""
+        """What the adapters among q, k and v that the fused step adds (`added_in`: LoRA banks, a
+        LoRA around a 4-bit base) add to each row's product, (B, T, heads * Dh) each (zeros for a
+        projection without one); [] without any."""
+        added = [added_in(m, p) for m, p in modules[1:4]]
         qkv = [m for m, _ in modules[1:4]]
-        if not any(banked(m) for m in qkv):
+        if not any(added):
             return []
         a = self.attn
         B, T, _ = x.shape
         xn = self.attn_norm(x)
-        return [m.row_update(xn).reshape(B, T, -1) if banked(m) else mx.zeros((B, T, n * a.d_head))
-                for m, n in zip(qkv, (a.n_heads, a.n_kv_heads, a.n_kv_heads))]
+        return [update_of(m, xn) if add else mx.zeros((B, T, n * a.d_head))
+                for m, add, n in zip(qkv, added, (a.n_heads, a.n_kv_heads, a.n_kv_heads))]
 
     def decode_fused(self, x: mx.array, cache: SlotCache | KVCache) -> mx.array | None:
         """This block's step for the new tokens of each row as one kernel call (`fastmath.decode_block`):
