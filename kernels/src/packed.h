@@ -440,12 +440,10 @@ struct Matrix {
     return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K, a};
   }
   // y[m * N + n] for n in [0, count) of x's M rows (prepared: `x`) times this affine matrix's
-  // first `count` rows, by the integer forms in passes of kGemvRows rows of x (each row's values
-  // those of its own GEMV: quant_linear's)
+  // first `count` rows, by the integer forms (QuantRows::span; each row's values those of its own
+  // GEMV: quant_linear's)
   void affine_rows(const QuantRows& x, int64_t M, float* y, int64_t N, int64_t count) const {
-    for (int64_t m0 = 0; m0 < M; m0 += kGemvRows)
-      x.products(m0, std::min(kGemvRows, M - m0), affine.w, affine.scales, affine.biases, affine.st, affine.symmetric,
-                 y + m0 * N, N, 0, count);
+    x.span(M, affine.w, affine.scales, affine.biases, affine.st, affine.symmetric, y, N, 0, count);
   }
   // its first `rows` rows as float32 (rows x K floats): the weights they were packed from, each
   // fl(fl(d * q) + m) as the grid has them (Grid), so a product of them is that of the weights

@@ -448,21 +448,6 @@ inline void group_sums(const float* x, int64_t M, int64_t K, int64_t group, floa
     }
 }
 
-// fn(m0, rows, t0, t1) for rows [m0, m0 + rows) of x (M in all) against W's rows [t0, t1), W's N
-// rows split over the threads first come, first served. Decoding (M <= kGemvRows): every row of x
-// over a thread's whole range at once. A prompt: passes of `step` rows of x over a tile of W's
-// rows while it is in cache, so that W is still read from memory once.
-template <typename Fn>
-void over_tiles(Pool& threads, int64_t M, int64_t N, int64_t step, Fn&& fn) {
-  constexpr int64_t kTileRows = 16;
-  const bool few = M <= kGemvRows;
-  const int64_t tile = few ? N : kTileRows;
-  step = few ? M : step;
-  threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += tile)
-      for (int64_t m0 = 0; m0 < M; m0 += step) fn(m0, std::min(step, M - m0), t0, std::min(n1, t0 + tile));
-  });
-}
 
 }  // namespace
 
@@ -527,6 +512,19 @@ void QuantRows::prepare(const float* x, int64_t m0, int64_t m1) {
 #endif
 }
 
+void QuantRows::span(int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
+                     bool symmetric, float* y, int64_t N, int64_t n0, int64_t n1) const {
+  constexpr int64_t kTileRows = 16;
+  // A prompt's rows of x in passes of 4 (AVX2), or of 2 with VNNI, where a pass's vectors then
+  // stay in registers (four spilled them: 20 against 17 ms for 32 rows of x and a 14336 x 4096
+  // W, a Zen 4)
+  const bool few = M <= kGemvRows;
+  const int64_t tile = few ? n1 - n0 : kTileRows, step = few ? M : vnni_ ? 2 : kGemvRows;
+  for (int64_t t0 = n0; t0 < n1; t0 += tile)
+    for (int64_t m0 = 0; m0 < M; m0 += step)
+      products(m0, std::min(step, M - m0), w, scales, biases, st, symmetric, y + m0 * N, N, t0, std::min(n1, t0 + tile));
+}
+
 void QuantRows::products(int64_t m0, int64_t count, const uint32_t* w, const void* scales, const void* biases,
                          ScaleType st, bool symmetric, float* y, int64_t N, int64_t n0, int64_t n1) const {
 #ifdef MLXTOY_AVX2
@@ -557,12 +555,8 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
     rows.reserve(M, K);
     // x's rows prepared on the threads when there are many (a prompt)
     threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) { rows.prepare(x, m0, m1); });
-    // A prompt's rows of x in passes of 4 (AVX2), or of 2 with VNNI, where a pass's vectors then
-    // stay in registers (four spilled them: 20 against 17 ms for 32 rows of x and a 14336 x 4096
-    // W, a Zen 4)
-    const int64_t step = vnni_form(K, group, bits) ? 2 : kGemvRows;
-    over_tiles(threads, M, N, step, [&](int64_t m0, int64_t count, int64_t t0, int64_t t1) {
-      rows.products(m0, count, w, scales, biases, st, symmetric, y + m0 * N, N, t0, t1);
+    threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {
+      rows.span(M, w, scales, biases, st, symmetric, y, N, n0, n1);
     });
     return;
   }

@@ -59,6 +59,11 @@ class QuantRows {
   // 4-bit in groups of 32, scales and biases (N, K / 32) of type st (symmetric: biases not read)
   void products(int64_t m0, int64_t count, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
                 bool symmetric, float* y, int64_t N, int64_t n0, int64_t n1) const;
+  // the same for all M prepared rows: at once up to kGemvRows (decoding), else (a prompt) over tiles
+  // of 16 rows of W, each multiplied by passes of the form's rows of x while it is in cache, so W
+  // is still read from memory once
+  void span(int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st, bool symmetric,
+            float* y, int64_t N, int64_t n0, int64_t n1) const;
 
  private:
   bool vnni_ = false;
