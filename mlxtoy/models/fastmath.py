@@ -206,11 +206,11 @@ def swiglu(a: mx.array, b: mx.array) -> mx.array:
     return _compiled_swiglu(a, b)
 
 
-_GEMV_ROWS = 4  # at most this many rows of x take the threaded GEMV (decoding)
+GEMV_ROWS = 4  # at most this many rows of x take the threaded GEMVs, float32 and quantized (decoding)
 
 
 def _takes_gemv(x: mx.array, weight: mx.array) -> bool:
-    return x.size <= _GEMV_ROWS * x.shape[-1] and kernel_ok(x, weight)
+    return x.size <= GEMV_ROWS * x.shape[-1] and kernel_ok(x, weight)
 
 
 @mx.custom_function
@@ -390,7 +390,7 @@ def _few_rows_route(x: mx.array, *weights: mx.array) -> str | None:
     can run on one thread), or "mixed" where the weights' routes differ; None where x is not a
     few rows, or a product is too small to measure (the BLAS, as before these were measured)."""
     M = _rows(x)
-    if not (_GEMV_ROWS < M <= FEW_ROWS and bare(x) and kernel_ok(*weights)):
+    if not (GEMV_ROWS < M <= FEW_ROWS and bare(x) and kernel_ok(*weights)):
         return None
     rows = 8 if M <= 8 else FEW_ROWS
     table = route_table()

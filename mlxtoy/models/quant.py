@@ -22,7 +22,7 @@ import numpy as np
 
 from mlxtoy import backend, settings
 from mlxtoy.errors import UserError
-from mlxtoy.models.fastmath import bare, gemm, kernels_module, route_table, single_cotangent
+from mlxtoy.models.fastmath import GEMV_ROWS, bare, gemm, kernels_module, route_table, single_cotangent
 from mlxtoy.models.llama import HeadProjection
 from mlxtoy.models.prefill import rows_class
 
@@ -100,7 +100,7 @@ def prompt_takes_gemv(rows: int, w: mx.array, scales: mx.array, biases: mx.array
     SGEMM: up to decoding's 4 rows always; a prompt's, where the kernels have the GEMV's rounded
     form for this W (up to `quant_gemv_max_rows`), if that measured faster here for the rows
     class and matrix shape (`mlxtoy.routes`; the slabs, exact, are the reference)."""
-    if rows <= 4:
+    if rows <= GEMV_ROWS:
         return True
     K = kernels_module()
     d_in = scales.shape[-1] * group_size
