@@ -18,7 +18,7 @@ import mlx.nn as nn
 import mlxtoy_kernels as K
 from mlx.utils import tree_flatten
 
-from mlxtoy import backend
+from mlxtoy import backend, cpublas
 from mlxtoy.models import attention, fastmath
 
 pytestmark = pytest.mark.kernels  # the kernels themselves: skipped under MLXTOY_KERNELS=0 (conftest)
@@ -319,12 +319,18 @@ def test_gemv_vs_numpy(K_):
     r = rng(12)
     N = 1537  # 1537 rows of w: split over threads
     w = r.standard_normal((N, K_)) / np.sqrt(K_)
+    alone = None
     for M in (1, 2, 3, 4):
         x = r.standard_normal((M, K_))
         y = np_(K.gemv(arr(x), arr(w)))
         assert y.shape == (M, N)
         np.testing.assert_allclose(y, x.astype(np.float32).astype(f64) @ w.astype(np.float32).astype(f64).T,
                                    rtol=0, atol=2e-5)
+        if M == 1:
+            alone = (x, y)
+        elif "avx512f" in cpublas.cpu_features()[1]:  # a row among others sums as it does alone
+            y1 = np_(K.gemv(arr(np.concatenate([alone[0], x])), arr(w)))
+            assert np.array_equal(y1[0], alone[1][0]) and np.array_equal(y1[1:M], y[:M - 1])
     x3 = r.standard_normal((1, 1, K_))
     y3 = np_(K.gemv(arr(x3), arr(w)))
     assert y3.shape == (1, 1, N)

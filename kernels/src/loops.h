@@ -206,37 +206,56 @@ inline bool cpu_avx512() {
   return ok;
 }
 
-// gemv_span with AVX-512: four rows of W a pass, each x vector loaded once for the four (four
-// independent FMA chains where one chain's latency bounded the loop), the k tail masked
-template <int R>
-__attribute__((target("avx512f"))) inline void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t K) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+// gemv_span with AVX-512: R rows of W against MR rows of x a pass, each W vector loaded once for
+// the MR rows and each x vector once for the R rows: R * MR independent FMA chains (one chain's
+// latency bounded a row's loop; a batch of decoded tokens was bound by loading W's vectors again
+// for every row of x). Each chain is the one a row of x alone takes, in the same order, so a row
+// of a batch gets the bits it gets decoded alone. The k tail is masked.
+template <int R, int MR>
+__attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x, const float* w, float* y, int64_t N,
+                                                                 int64_t K) {
+  __m512 acc[R][MR];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    __m512 xv = _mm512_loadu_ps(x + k);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, acc[r]);
+    __m512 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_loadu_ps(w + r * K + k);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
   }
   if (k < K) {
-    __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 xv = _mm512_maskz_loadu_ps(tail, x + k);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + r * K + k), xv, acc[r]);
+    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm512_maskz_loadu_ps(tail, x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = _mm512_maskz_loadu_ps(tail, w + r * K + k);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
   }
-  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// R rows of W (L1-resident) against every row of x, four at a time
+template <int R>
+inline void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) gemv_block_avx512<R, 4>(x + m * K, w, y + m * N, N, K);
+  switch (M - m) {
+    case 3: return gemv_block_avx512<R, 3>(x + m * K, w, y + m * N, N, K);
+    case 2: return gemv_block_avx512<R, 2>(x + m * K, w, y + m * N, N, K);
+    case 1: return gemv_block_avx512<R, 1>(x + m * K, w, y + m * N, N, K);
+  }
 }
 
 inline void gemv_span_avx512(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                              int64_t n1) {
-  float out[4];
-  for (int64_t n = n0; n < n1; n += 4)
-    for (int64_t m = 0; m < M; ++m) {
-      int64_t rows = std::min<int64_t>(4, n1 - n);
-      const float* xr = x + m * K;
-      const float* wr = w + n * K;
-      if (rows == 4) gemv_rows_avx512<4>(xr, wr, out, K);
-      else for (int64_t r = 0; r < rows; ++r) gemv_rows_avx512<1>(xr, wr + r * K, out + r, K);
-      std::copy(out, out + rows, y + m * N + n);
-    }
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) gemv_rows_avx512<4>(x, w + n * K, y + n, M, N, K);
+  for (; n < n1; ++n) gemv_rows_avx512<1>(x, w + n * K, y + n, M, N, K);
 }
 
 // the sum of 8 lanes
