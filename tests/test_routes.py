@@ -423,32 +423,39 @@ def test_a_short_prompt_takes_the_prefill_route_measured_faster(routed, faster):
 
 def test_calibration_measures_the_prefill_routes_that_a_model_of_those_shapes_then_takes(routed):
     """`calibrate_prefill` (`doctor --calibrate`) measures each rows class of a short prompt for
-    float32 and 4-bit blocks of a shape up front (timings injected: the fused call faster); a
-    model of that shape, float32 or on a Q4_1 grid, then prefills through the fused blocks with
-    nothing measured. Positive control: a model of another shape is measured when it first
-    meets a prompt."""
+    float32 and 4-bit blocks of a shape up front (timings injected: the fused call faster), and
+    blocks kept 4-bit where the fused call reads them (their products' prompt routes measured on
+    the way); a model of that shape, float32, on a Q4_1 grid or kept 4-bit, then prefills through
+    the fused blocks with nothing measured. Positive control: a model of another shape is
+    measured when it first meets a prompt."""
     if not fastmath.kernels_on():
         pytest.skip("the kernels are off here")
-    from test_decode_block import PROMPT, VARIANTS, prefill, q4_model, tiny
+    from test_decode_block import PROMPT, VARIANTS, prefill, q4_model, quantized_base, tiny
 
     calls: list[str] = []
-    others = dict.fromkeys(["blas", "gemv", "kernels", "fast", "grouped", "block"], 1.0)
+    others = dict.fromkeys(["blas", "gemv", "kernels", "fast", "grouped", "block", "slabs"], 1.0)
     routed(others | {"ops": 1.0, "fused": 0.1}, calls)
     model = tiny(VARIANTS["gqa"])
+    a4 = fastmath.affine_decode_ok(model.config.d_model) and fastmath.affine_decode_ok(model.config.d_ff)
+    forms = ["f32", "q4"] + (["a4"] if a4 else [])
     calibrate.calibrate_prefill(calibrate.BlockShapes.of(model.config))
     rows = [row for row in calibrate.measured() if row["work"].startswith("prefill:")]
-    assert sorted(int(row["work"].split(":")[1].split("x")[0]) for row in rows) == [8, 8, 16, 16, 32, 32, 64, 64, 128, 128]
-    assert sorted({row["work"].rsplit("x", 1)[1] for row in rows}) == ["f32/f32/f32/f32/f32/f32/f32",
-                                                                       "q4/q4/q4/q4/q4/q4/q4"]
+    assert sorted(int(row["work"].split(":")[1].split("x")[0]) for row in rows) == sorted([8, 16, 32, 64, 128] * len(forms))
+    assert sorted({row["work"].rsplit("x", 1)[1] for row in rows}) == ["/".join([f] * 7) for f in sorted(forms)]
     assert {row["route"] for row in rows} == {"fused"}
+    if a4:  # the 4-bit products' prompt routes, measured by the op-by-op runs (a Q4_0 block's: symmetric)
+        quant_rows = [row["work"] for row in calibrate.measured() if row["work"].startswith("quant-prompt:")]
+        assert quant_rows and all(work.endswith("xsym") for work in quant_rows)
     prefills = lambda: [c for c in calls if c in ("ops", "fused")]  # noqa: E731
-    assert prefills() == ["ops", "fused"] * 10
-    for m in (model, q4_model(VARIANTS["gqa"])):
+    assert prefills() == ["ops", "fused"] * 5 * len(forms)
+    models = [model, q4_model(VARIANTS["gqa"])] + ([quantized_base(tiny(VARIANTS["gqa"]))] if a4 else [])
+    for i, m in enumerate(models):
+        tol = 2e-3 if i == 2 else 1e-4  # kept 4-bit: x rounded to 16 bits a group, against the slabs
         for tokens in (PROMPT[:6], PROMPT[:13]):  # the classes of 8 and 16 new tokens
             got, _, graph = prefill(m, [tokens])
             assert graph.count("MlxtoyDecodeBlock") == len(m.layers)
-            np.testing.assert_allclose(got[0], np.array(m.hidden(mx.array([tokens])))[0], rtol=1e-4, atol=1e-4)
-    assert len(prefills()) == 20  # nothing measured since
+            np.testing.assert_allclose(got[0], np.array(m.hidden(mx.array([tokens])))[0], rtol=tol, atol=tol)
+    assert len(prefills()) == 10 * len(forms)  # nothing measured since
     other = tiny(VARIANTS["gqa"] | {"d_ff": 128})
     prefill(other, [PROMPT[:6]])
-    assert len(prefills()) == 22
+    assert len(prefills()) == 10 * len(forms) + 2

@@ -18,9 +18,10 @@ from mlxtoy import cpublas, fsutil, settings
 from mlxtoy.model_config import ModelConfig
 from mlxtoy.models import fastmath, prefill
 from mlxtoy.models.attention import attention_route
-from mlxtoy.models.fastmath import gemm_on, gemm_route, route_table
+from mlxtoy.models.fastmath import gemm_on, gemm_route, kernels_module, route_table
 from mlxtoy.models.fused_weights import BLOCK_MATRICES
 from mlxtoy.models.llama import Block
+from mlxtoy.models.quant import PackedMatrix, install_quantized
 
 
 @dataclass(frozen=True)
@@ -63,26 +64,37 @@ def calibrate(shapes: BlockShapes, batch: int, seq_len: int, training: bool) -> 
 
 
 # the matrices' forms a prompt's prefill route is measured for: float32 (a Hugging Face folder,
-# a trained run) and the 4-bit grid of a Q4_1 / Q4_0 GGUF (the built-in model), which the fused
-# block reads packed
-PREFILL_FORMS = ("f32", "q4")
+# a trained run), the 4-bit grid of a Q4_1 / Q4_0 GGUF (the built-in model), which the fused
+# block reads packed, and a Q4_0 GGUF's blocks kept 4-bit (`--quantized`, a 1B-class model's
+# default), which it reads as they are where the kernels can (`fastmath.affine_decode_ok`; their
+# products' prompt routes are measured on the way, `quant.prompt_takes_gemv`)
+PREFILL_FORMS = ("f32", "q4", "a4")
+_PATHS = {1: "attn.q", 2: "attn.k", 3: "attn.v", 4: "attn.o", 6: "ffn.gate", 7: "ffn.up", 8: "ffn.down"}
 
 
 def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
-    """A Llama block of these shapes with random weights, its matrices float32 ("f32") or on the
-    grid a Q4_1 GGUF loads as ("q4", by gguf-py's own quantizer), as a model's blocks are."""
+    """A Llama block of these shapes with random weights, its matrices float32 ("f32"), on the
+    grid a Q4_1 GGUF loads as ("q4", by gguf-py's own quantizer), or Q4_0 blocks kept as a
+    quantized base keeps them ("a4", needs the kernels), as a model's blocks are."""
+    if form not in PREFILL_FORMS:
+        raise ValueError(f"unknown form {form!r} (one of {PREFILL_FORMS})")
     cfg = ModelConfig(arch="llama", vocab_size=16, d_model=shapes.d_model, n_layers=1, n_heads=shapes.n_heads,
                       n_kv_heads=shapes.n_kv_heads, d_head=shapes.d_head, d_ff=shapes.d_ff)
     mx.random.seed(seed)
     block = Block(cfg)
-    if form == "q4":
-        q4 = gguf.GGMLQuantizationType.Q4_1
-        for i, m in enumerate(block.fused_modules()):
-            if i in BLOCK_MATRICES:
-                flat = np.array(m[1].weight)
-                m[1].weight = mx.array(gguf.quants.dequantize(gguf.quants.quantize(flat, q4), q4))
-    elif form != "f32":
-        raise ValueError(f"unknown form {form!r} (one of {PREFILL_FORMS})")
+    qtype = gguf.GGMLQuantizationType.Q4_1 if form == "q4" else gguf.GGMLQuantizationType.Q4_0
+    packed = {}
+    for i, (_, plain) in (enumerate(block.fused_modules()) if form != "f32" else []):
+        if i in BLOCK_MATRICES:
+            flat = np.array(plain.weight).reshape(-1, plain.weight.shape[-1])
+            blocks = gguf.quants.quantize(flat, qtype)
+            if form == "q4":
+                plain.weight = mx.array(gguf.quants.dequantize(blocks, qtype).reshape(plain.weight.shape))
+            else:  # the loader's conversion of a Q4_0 tensor (`gguf_file.affine_blocks`)
+                words, scales, biases, bits = kernels_module().affine_blocks(
+                    np.ascontiguousarray(blocks).reshape(-1), int(qtype), flat.shape[0], flat.shape[1])
+                packed[_PATHS[i] + ".weight"] = PackedMatrix(words, scales, biases, 32, bits, symmetric=True)
+    install_quantized(block, packed)
     mx.eval(block.parameters())
     return block
 
@@ -90,7 +102,10 @@ def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
 def calibrate_prefill(shapes: BlockShapes, forms: tuple[str, ...] = PREFILL_FORMS) -> None:
     """Measure (where not yet measured) whether a prompt's new tokens go through blocks of these
     shapes as the fused kernel's one call or op by op, for every rows class that is measured
-    (`prefill.prefill_route`), with the matrices in each of `forms`."""
+    (`prefill.prefill_route`), with the matrices in each of `forms` (the 4-bit blocks kept as
+    they are only where the fused block reads them here)."""
+    readable = fastmath.affine_decode_ok(shapes.d_model) and fastmath.affine_decode_ok(shapes.d_ff)
+    forms = tuple(f for f in forms if f != "a4" or readable)
     top = prefill.PREFILL_FUSED_ROWS
     classes = sorted({prefill.rows_class(n) for n in range(prefill.PREFILL_UNMEASURED_ROWS + 1, top + 1)})
     for form in forms:
