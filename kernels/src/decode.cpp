@@ -275,7 +275,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
           sc.size() != rows * (K / 32) || bi.shape() != sc.shape() || bi.dtype() != sc.dtype() ||
           !(sc.dtype() == mx::float32 || sc.dtype() == mx::float16 || sc.dtype() == mx::bfloat16))
         fail("an affine 4-bit matrix: words (.., K / 8), scales and biases (rows, K / 32) float32, float16 or "
-             "bfloat16, and a K the integer forms take here (quant_gemv_max_rows)");
+             "bfloat16, and a K the integer forms take here (quant_integer_form)");
       packed |= 3 << (2 * (i - 1));
       affine_bits |= (static_cast<int>(scale_type(sc)) | ((symmetric >> i) & 1) << 2) << (3 * (i - 1));
       return w.shape(-1);

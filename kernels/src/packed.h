@@ -433,7 +433,7 @@ struct Matrix {
     int64_t nb = K / kQ4;
     Affine4 a = affine;
     if (a.w) {
-      const int64_t bytes = n * (K / 32) * (a.st == ScaleType::F32 ? 4 : 2);
+      const int64_t bytes = n * (K / 32) * scale_bytes(a.st);
       a.w += n * (K / 8), a.scales = static_cast<const char*>(a.scales) + bytes;
       a.biases = static_cast<const char*>(a.biases) + bytes;
     }

@@ -233,7 +233,7 @@ struct VnniX {
 template <int M, int R, ScaleType T, bool Sym>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void qgemv4_pass_vnni(
     const VnniX& x, const uint8_t* q, const char* s, const char* b, float* y, int64_t N, int64_t K) {
-  constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
+  constexpr int64_t elem = scale_bytes(T);
   // prefetched into L2 (into L1 they evicted the pass's own lines), two passes ahead
   const int64_t groups = K / 32, row_bytes = K / 2, ahead = kVnniAheadPasses * R;
   for (int r = 0; r < R; ++r)  // the rows' scales and biases
@@ -295,7 +295,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void qgemv4
     const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y, int64_t N, int64_t K,
     int64_t n0, int64_t n1) {
   constexpr int R = M == 1 ? 8 : M == 2 ? 4 : 2;
-  constexpr int64_t elem = T == ScaleType::F32 ? 4 : 2;
+  constexpr int64_t elem = scale_bytes(T);
   const int64_t words = K / 8, row_sc = K / 32 * elem;
   auto sc = static_cast<const char*>(scales), bi = static_cast<const char*>(biases);
   int64_t n = n0;
@@ -448,7 +448,6 @@ inline void group_sums(const float* x, int64_t M, int64_t K, int64_t group, floa
     }
 }
 
-
 }  // namespace
 
 // MLXTOY_KERNEL_VNNI=0: the float32 form instead of x rounded to 16 bits (tests, comparisons)
@@ -548,8 +547,6 @@ void QuantRows::products(int64_t m0, int64_t count, const uint32_t* w, const voi
 // M <= kGemvRows, or at inference M <= gemv_max_rows (a prompt, in the VNNI or AVX2 integer form)
 void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
-  const int64_t groups = K / group;
-  const size_t elem = st == ScaleType::F32 ? 4 : 2;
   if (integer_form(K, group, bits)) {
     QuantRows rows;
     rows.reserve(M, K);
@@ -560,6 +557,7 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
     });
     return;
   }
+  const int64_t groups = K / group, elem = scale_bytes(st);
   std::vector<float> xo(M * K), xs(M * groups);
   order_x(x, xo.data(), M, K, bits);
   group_sums(x, M, K, group, xs.data());

@@ -25,6 +25,9 @@ constexpr int64_t kX16MaxRows = 128;
 
 enum class ScaleType { F32, F16, BF16 };
 
+// bytes of one scale (or bias) of type t
+constexpr int64_t scale_bytes(ScaleType t) { return t == ScaleType::F32 ? 4 : 2; }
+
 inline ScaleType scale_type(const mx::array& a) {
   return a.dtype() == mx::float16 ? ScaleType::F16 : a.dtype() == mx::bfloat16 ? ScaleType::BF16 : ScaleType::F32;
 }

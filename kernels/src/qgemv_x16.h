@@ -45,7 +45,7 @@ template <ScaleType T>
 __attribute__((target("avx2,f16c"))) inline __m256 load8(const void* p, int64_t i, int64_t n = 8) {
   if (n < 8) {
     alignas(32) uint16_t h[16] = {};
-    std::memcpy(h, static_cast<const char*>(p) + i * (T == ScaleType::F32 ? 4 : 2), n * (T == ScaleType::F32 ? 4 : 2));
+    std::memcpy(h, static_cast<const char*>(p) + i * scale_bytes(T), n * scale_bytes(T));
     return load8<T>(h, 0);
   }
   if constexpr (T == ScaleType::F32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);

@@ -21,6 +21,7 @@ from mlxtoy.models.attention import attention_route
 from mlxtoy.models.fastmath import gemm_on, gemm_route, kernels_module, route_table
 from mlxtoy.models.fused_weights import BLOCK_MATRICES
 from mlxtoy.models.llama import Block
+from mlxtoy.models.lora import TARGET_PATHS
 from mlxtoy.models.quant import PackedMatrix, install_quantized
 
 
@@ -69,7 +70,6 @@ def calibrate(shapes: BlockShapes, batch: int, seq_len: int, training: bool) -> 
 # default), which it reads as they are where the kernels can (`fastmath.affine_decode_ok`; their
 # products' prompt routes are measured on the way, `quant.prompt_takes_gemv`)
 PREFILL_FORMS = ("f32", "q4", "a4")
-_PATHS = {1: "attn.q", 2: "attn.k", 3: "attn.v", 4: "attn.o", 6: "ffn.gate", 7: "ffn.up", 8: "ffn.down"}
 
 
 def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
@@ -83,6 +83,7 @@ def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
     mx.random.seed(seed)
     block = Block(cfg)
     qtype = gguf.GGMLQuantizationType.Q4_1 if form == "q4" else gguf.GGMLQuantizationType.Q4_0
+    paths = dict(zip(BLOCK_MATRICES, TARGET_PATHS.values()))  # q, k, v, o, gate, up, down, in fused order
     packed = {}
     for i, (_, plain) in (enumerate(block.fused_modules()) if form != "f32" else []):
         if i in BLOCK_MATRICES:
@@ -93,7 +94,7 @@ def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
             else:  # the loader's conversion of a Q4_0 tensor (`gguf_file.affine_blocks`)
                 words, scales, biases, bits = kernels_module().affine_blocks(
                     np.ascontiguousarray(blocks).reshape(-1), int(qtype), flat.shape[0], flat.shape[1])
-                packed[_PATHS[i] + ".weight"] = PackedMatrix(words, scales, biases, 32, bits, symmetric=True)
+                packed[paths[i] + ".weight"] = PackedMatrix(words, scales, biases, 32, bits, symmetric=True)
     install_quantized(block, packed)
     mx.eval(block.parameters())
     return block
