@@ -251,14 +251,16 @@ inline void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t M
   }
 }
 
-// One row of x (decoding) takes 8 rows of W a pass: more of W's lines in flight where rows are
-// short, as a small model's are (docs/performance.md, "The Zen 4 again"); each row's chain is
-// the one it takes in fours, so its bits are unchanged
+// One row of x (decoding) takes W a row at a time: W is then read in one sequential stream, which
+// the hardware prefetchers follow across rows, where several rows a pass are as many short
+// streams (a small model's rows are 36 lines); a row's one chain is not the bound at memory
+// speed (docs/performance.md, "W in one stream"). Each row's chain is the one it takes in fours,
+// so its bits are unchanged.
 inline void gemv_span_avx512(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                              int64_t n1) {
   int64_t n = n0;
   if (M == 1)
-    for (; n + 8 <= n1; n += 8) gemv_block_avx512<8, 1>(x, w + n * K, y + n, N, K);
+    for (; n < n1; ++n) gemv_block_avx512<1, 1>(x, w + n * K, y + n, N, K);
   for (; n + 4 <= n1; n += 4) gemv_rows_avx512<4>(x, w + n * K, y + n, M, N, K);
   for (; n < n1; ++n) gemv_rows_avx512<1>(x, w + n * K, y + n, M, N, K);
 }
