@@ -204,17 +204,25 @@ def test_a_4_bit_base_decodes_fused_reading_its_matrices_as_they_are(name):
     assert max(np.abs(a - b).max() for a, b in zip(fused, dense_steps)) > 0.1
 
 
-@pytest.mark.parametrize("targets,fused", [(["q", "v"], True), (["q", "k", "v"], True), (["q", "down"], False)])
-def test_a_qlora_run_decodes_fused_with_its_updates_added(targets, fused):
-    """LoRA on a 4-bit base's q, k or v (a QLoRA run, unmerged): the fused step reads the 4-bit
-    matrices as they are and adds each adapter's update to its product (no float32 copy merged);
-    an adapter on another matrix keeps the block op by op. Either way the logits are the unfused
-    path's and the uncached forward's; control: the adapters change them."""
+ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+@pytest.mark.parametrize("targets,kind,fused", [(["q", "v"], "lora", True), (["q", "down"], "lora", True),
+                                                (ALL_TARGETS, "lora", True), (["q", "o"], "per-head-q", True),
+                                                (["q", "down"], "dora", False)])
+def test_a_qlora_run_decodes_fused_with_its_updates_added(targets, kind, fused):
+    """LoRA on a 4-bit base's matrices, any of the seven (a QLoRA run, unmerged; Unsloth's
+    default targets all): the fused step reads the 4-bit matrices as they are and adds each
+    adapter's update B (A v) to its product inside the call (no float32 copy merged); DoRA's
+    rescale keeps the block op by op. The logits are the unfused path's within what rounding x
+    to 16 bits a group moves (the update's sums come in another order than MLX's two products,
+    and the next products round x again), and the uncached forward's. Control: the adapters
+    change the logits by far more."""
     if not K.quant_integer_form(64, 32, 4):
         pytest.skip("no integer form of the 4-bit GEMV on this CPU")
     model = quantized_base(tiny(VARIANTS["gqa"]))
     base_steps, _, _ = decode_steps(model, 4, fused=True)
-    apply_lora(model, targets, 4, 8.0)
+    apply_lora(model, targets, 4, 8.0, **ADAPTERS[kind])
     for layer in model.layers:  # adapters that change the output
         for name in targets:
             m = getattr(layer.attn, name, None) or getattr(layer.ffn, name)
@@ -225,10 +233,68 @@ def test_a_qlora_run_decodes_fused_with_its_updates_added(targets, fused):
     assert all(layer.decode_packs() == {} for layer in model.layers)  # nothing merged or packed
     unfused, _, _ = decode_steps(model, 4, fused=False)
     for got, ref in zip(steps, unfused):
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3)
     for got, ref in zip(steps, uncached_logits(model, steps)):
         np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3)
     assert max(np.abs(a - b).max() for a, b in zip(steps, base_steps)) > 0.05
+
+
+def test_low_rank_updates_in_the_block_match_numpy():
+    """The kernel's own low-rank additions on a float32 block, every matrix with one, a bank of 3
+    slots read by rows: against numpy float64 (the block op by op with y += B[s] (A[s] v) after
+    each product). Controls: the updates move the output; a slot outside the bank gives NaNs."""
+    rng = np.random.default_rng(3)
+    B, D, H, KV, Dh, F, S, r = 3, 64, 4, 2, 16, 96, 3, 4
+    w = {"attn_norm": 1 + 0.1 * rng.standard_normal(D), "q": rng.standard_normal((H, Dh, D)) / 8,
+         "k": rng.standard_normal((KV, Dh, D)) / 8, "v": rng.standard_normal((KV, Dh, D)) / 8,
+         "o": rng.standard_normal((D, H * Dh)) / 8, "ffn_norm": 1 + 0.1 * rng.standard_normal(D),
+         "gate": rng.standard_normal((F, D)) / 8, "up": rng.standard_normal((F, D)) / 8,
+         "down": rng.standard_normal((D, F)) / 10}
+    dims = {"q": (D, H * Dh), "k": (D, KV * Dh), "v": (D, KV * Dh), "o": (H * Dh, D), "gate": (D, F), "up": (D, F),
+            "down": (F, D)}
+    low = {n: (rng.standard_normal((S, r, i)) / 4, rng.standard_normal((S, o, r)) / 4) for n, (i, o) in dims.items()}
+    ids = np.array([2, 0, 1], dtype=np.int32)
+    x = rng.standard_normal((B, 1, D))
+    names = list(w)
+    f32 = {n: mx.array(v.astype(np.float32)) for n, v in w.items()}
+
+    def run(updates, slots):
+        keys, values = mx.zeros((B, KV, 8, Dh)), mx.zeros((B, KV, 8, Dh))
+        inv = mx.array((1.0 / 10000 ** (np.arange(0, Dh, 2) / Dh)).astype(np.float32))
+        y, _, _ = K.decode_block(mx.array(x.astype(np.float32)), [f32[n] for n in names], [], keys, values,
+                                 mx.array([0], dtype=mx.int32), inv, Dh, False, 1e-5, Dh ** -0.5, 1.0,
+                                 low_rank=[mx.array(f.astype(np.float32)) for n in names if n in updates
+                                           for f in updates[n]],
+                                 low_rank_of=sum(1 << i for i, n in enumerate(names) if n in updates),
+                                 ids=mx.array(slots))
+        return np.array(y)
+
+    def reference():  # one token at position 0: attention is its own v
+        def norm(v, g):
+            return v / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-5) * g
+
+        def product(name, v):
+            a, b = low[name]
+            out = v @ w[name].reshape(-1, v.shape[-1]).T
+            return out + np.stack([b[s] @ (a[s] @ v[i]) for i, s in enumerate(ids)])
+        h = x[:, 0]
+        xn = norm(h, w["attn_norm"])
+        v = product("v", xn).reshape(B, KV, Dh)
+        product("q", xn), product("k", xn)  # (their values do not reach the output at position 0)
+        att = np.repeat(v, H // KV, axis=1).reshape(B, H * Dh)
+        h = h + product("o", att)
+        hn = norm(h, w["ffn_norm"])
+        g, u = product("gate", hn), product("up", hn)
+        return (h + product("down", g / (1 + np.exp(-g)) * u))[:, None]
+
+    got = run(low, ids)
+    np.testing.assert_allclose(got, reference(), rtol=1e-4, atol=1e-4)
+    assert np.abs(got - run({}, ids)).max() > 0.1  # control: the updates move the output
+    assert np.isnan(run(low, np.array([2, 0, 3], dtype=np.int32))).all()  # slot 3 of a bank of 3
+    with pytest.raises(ValueError, match="low_rank"):  # B of the wrong width
+        K.decode_block(mx.zeros((B, 1, D)), [f32[n] for n in names], [], mx.zeros((B, KV, 8, Dh)),
+                       mx.zeros((B, KV, 8, Dh)), mx.array([0], dtype=mx.int32), mx.ones((Dh // 2,)), Dh, False,
+                       1e-5, 1.0, 1.0, low_rank=[mx.zeros((1, r, D)), mx.zeros((1, H * Dh + 1, r))], low_rank_of=1 << 1)
 
 
 def test_blocks_that_are_not_plain_decode_unfused_and_still_right():

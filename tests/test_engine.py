@@ -277,14 +277,14 @@ def test_adapters_of_one_base_share_a_batch(arch):
     assert len({tuple(alone(m, ps[0], SamplingParams(), 12)) for m in merged}) == 4
 
 
-def test_lora_banks_on_q_and_v_decode_through_the_fused_block(monkeypatch):
-    """A served base with LoRA adapters on q and v (ranks 4 and 8, one per-head q): the banks'
-    per-row updates are added inside the fused block, so rows of every adapter decode fused, and
-    each row still gets what the merged model of its adapter gets alone. Positive controls: the
-    blocks' prefill graph is the fused kernel's where the kernels run, and the adapters change
-    what is decoded."""
+@pytest.mark.parametrize("targets", [("q", "v"), ("q", "k", "v", "o", "gate", "up", "down")])
+def test_lora_banks_decode_through_the_fused_block(targets, monkeypatch):
+    """A served base with LoRA adapters on q and v, or on all seven matrices (ranks 4 and 8, one
+    per-head q): the banks' per-row updates are added inside the fused block, so rows of every
+    adapter decode fused, and each row still gets what the merged model of its adapter gets
+    alone. Positive controls: the blocks' prefill graph is the fused kernel's where the kernels
+    run, and the adapters change what is decoded."""
     base = arch_model("llama")
-    targets = ("q", "v")
     specs = [dict(rank=4), dict(rank=8, per_head_q=True)]
     adapters = [_adapter(base, 20 + i, targets, **s) for i, s in enumerate(specs)]
     merged = [base] + [_merged(base, w, targets, **s) for (w, _), s in zip(adapters, specs)]

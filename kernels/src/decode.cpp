@@ -39,17 +39,52 @@ void DecodeBlock::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>
 bool DecodeBlock::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const DecodeBlock&>(other);
   return rope_dims_ == o.rope_dims_ && traditional_ == o.traditional_ && qkv_bias_ == o.qkv_bias_ &&
-         qkv_delta_ == o.qkv_delta_ &&
+         low_rank_ == o.low_rank_ &&
          eps_ == o.eps_ && attn_scale_ == o.attn_scale_ && rope_scale_ == o.rope_scale_ && packed_ == o.packed_ &&
          affine_ == o.affine_;
 }
 
 namespace {
 // inputs: x, the nine weights (attn_norm, q, k, v, o, ffn_norm, gate, up, down), keys, values,
-// offset, starts, inv_freqs, then the q/k/v biases if any, then the q/k/v deltas if any, then each
-// affine 4-bit matrix's scales and biases, in the order of the matrices
+// offset, starts, inv_freqs, then the q/k/v biases if any, then each affine 4-bit matrix's scales
+// and biases, in the order of the matrices, then (any low-rank update) the rows' slots and each
+// update's A and B, in the order of the matrices
 enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kStarts, kInvFreqs,
        kBiasQ };
+
+HOT float dot_row(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// An adapter's low-rank update of one matrix's products, added inside the block: a LoRA bank's
+// (each row reads its own adapter) or a LoRA's around a 4-bit base (merged, it would be a float32
+// copy of that matrix). Row r of slot s gets B[s] (A[s] v_r), A (S, rank, in), B (S, out, rank)
+// with the adapter's scale in B; s = ids[r / T], or 0 for every row where S is 1.
+struct LowRank {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  const int32_t* ids = nullptr;
+  int64_t slots = 0, rank = 0, in = 0, out = 0, T = 1;
+
+  int64_t slot(int64_t r) const { return slots == 1 ? 0 : ids[r / T]; }
+  // t (R, rank): A[s] v_r for each of v's R rows (in floats a row)
+  void shrink(const float* v, int64_t R, float* t) const {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* A = a + slot(r) * rank * in;
+      for (int64_t j = 0; j < rank; ++j) t[r * rank + j] = dot_row(A + j * in, v + r * in, in);
+    }
+  }
+  // outputs o0..o1 of each row r, at y[r * N + o - o0], += B[s] row o . t_r
+  void expand(const float* t, int64_t R, float* y, int64_t N, int64_t o0, int64_t o1) const {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* Bs = b + slot(r) * out * rank;
+      for (int64_t o = o0; o < o1; ++o) y[r * N + o - o0] += dot_row(Bs + o * rank, t + r * rank, rank);
+    }
+  }
+};
 }  // namespace
 
 void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -87,7 +122,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const int64_t H = inputs[kQ].shape(0), Dh = inputs[kQ].shape(1);
   const int64_t KV = inputs[kK].shape(0), F = inputs[kGate].shape(0), S = inputs[kKeys].shape(2);
   const int dims = rope_dims_;
-  const bool traditional = traditional_, bias = qkv_bias_, delta = qkv_delta_;
+  const bool traditional = traditional_, bias = qkv_bias_;
+  const int low_rank = low_rank_;
   const float eps = eps_, attn_scale = attn_scale_, rope_scale = rope_scale_;
   const int packed = packed_, affine = affine_;
 
@@ -100,7 +136,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
     for (const auto& c : copies) c.run();
     auto f = [&](int i) { return static_cast<const float*>(in[i]); };
-    int next_affine = kBiasQ + (bias ? 3 : 0) + (delta ? 3 : 0);  // the first affine matrix's scales
+    int next_affine = kBiasQ + (bias ? 3 : 0);  // the first affine matrix's scales
     auto matrix = [&](int i, int64_t K) {
       int form = (packed >> (2 * (i - kQ))) & 3;  // 0 float32, 1 Q4, 2 Q8, 3 affine 4-bit
       Affine4 a{};
@@ -119,15 +155,23 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
                  wg = matrix(kGate, D), wu = matrix(kUp, D), wd = matrix(kDown, F);
     const float *bq = bias ? f(kBiasQ) : nullptr, *bk = bias ? f(kBiasQ + 1) : nullptr,
                 *bv = bias ? f(kBiasQ + 2) : nullptr;
-    // each row's own addition to its q, k and v products (rows of B, T, heads * Dh): an adapter's
-    // low-rank update, made by the caller from the normed input
-    const int kDelta = kBiasQ + (bias ? 3 : 0);
-    const float *dq = delta ? f(kDelta) : nullptr, *dk = delta ? f(kDelta + 1) : nullptr,
-                *dv = delta ? f(kDelta + 2) : nullptr;
+    // the matrices' low-rank updates (q, k, v, o, gate, up, down), after the affine inputs
+    LowRank lr[7];
+    const int32_t* ids = low_rank ? static_cast<const int32_t*>(in[next_affine]) : nullptr;
+    int64_t rank_max = 0;
+    for (int i = 0, next = next_affine + 1; i < 7; ++i) {
+      if (!((low_rank >> i) & 1)) continue;
+      const auto& A = inputs[next];
+      lr[i] = {f(next), f(next + 1), ids, A.shape(0), A.shape(1), A.shape(2), inputs[next + 1].shape(1), T};
+      rank_max = std::max(rank_max, lr[i].rank);
+      next += 2;
+    }
     // the offset and starts are read when the task runs (traced inputs of the compiled decode step)
     const int64_t off = static_cast<const int32_t*>(in[kOffset])[0];
     bool bad = off < 0 || off + T > S;
     for (int64_t b = 0; b < B; ++b) bad = bad || starts[b] < 0 || starts[b] > off + T - 1;
+    for (const auto& u : lr)  // a slot past the bank's: loud NaNs too
+      for (int64_t b = 0; u.a && u.slots > 1 && b < B; ++b) bad = bad || ids[b] < 0 || ids[b] >= u.slots;
     if (bad) {  // no slot to write, or a row with no column: loud NaNs rather than a write out of bounds
       std::fill(y, y + B * T * D, std::numeric_limits<float>::quiet_NaN());
       return;
@@ -160,6 +204,13 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       std::vector<float> xn(R * D), xs(R * nxs), tmp(R * Dh), scores(group * kAttendPart), att(R * H * Dh);
       std::vector<float> unpacked(lossless && R > 1 ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
       QuantRows prepared;  // the input as the affine matrices' integer forms read it
+      std::vector<float> low(7 * R * rank_max);  // each low-rank update's A[s] v of every row
+      auto shrink = [&](int i, const float* v) {
+        if (lr[i].a) lr[i].shrink(v, R, low.data() + i * R * rank_max);
+      };
+      auto expand = [&](int i, float* out, int64_t N, int64_t o0, int64_t o1) {
+        if (lr[i].a) lr[i].expand(low.data() + i * R * rank_max, R, out, N, o0, o1);
+      };
       auto add_bias = [&](float* row, const float* b) {
         if (b)
           for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
@@ -185,17 +236,19 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
 
       // q, k and v of the normed input, a head at a time for every row; RoPE on q and k; k and v
       // into their slots
-      phases.run(0, [&] { norm_in(x, f(kAttnNorm)); }, [&](int64_t u) {
-        const Matrix& w = u < H ? wq : u < H + KV ? wk : wv;
-        const int64_t head = u < H ? u : u < H + KV ? u - H : u - H - KV;
-        const float* bias_row = u < H ? bq : u < H + KV ? bk : bv;
-        const float* delta_rows = u < H ? dq : u < H + KV ? dk : dv;
-        const int64_t delta_width = (u < H ? H : KV) * Dh;
+      phases.run(0, [&] {
+        norm_in(x, f(kAttnNorm));
+        for (int i = 0; i < 3; ++i) shrink(i, xn.data());
+      }, [&](int64_t u) {
+        const int which = u < H ? 0 : u < H + KV ? 1 : 2;  // q, k or v
+        const Matrix& w = which == 0 ? wq : which == 1 ? wk : wv;
+        const int64_t head = which == 0 ? u : which == 1 ? u - H : u - H - KV;
+        const float* bias_row = which == 0 ? bq : which == 1 ? bk : bv;
         products(w, xn.data(), tmp.data(), Dh, head * Dh, (head + 1) * Dh);
+        for (int64_t r = 0; r < R; ++r) add_bias(tmp.data() + r * Dh, bias_row ? bias_row + head * Dh : nullptr);
+        expand(which, tmp.data(), Dh, head * Dh, (head + 1) * Dh);
         for (int64_t r = 0; r < R; ++r) {
           float* row = tmp.data() + r * Dh;
-          add_bias(row, bias_row ? bias_row + head * Dh : nullptr);
-          add_bias(row, delta_rows ? delta_rows + r * delta_width + head * Dh : nullptr);
           if (u < H) rope_row(row, q.data() + (r * H + head) * Dh, Dh, dims, traditional, pos(r), inv_freqs);
           else if (u < H + KV) rope_row(row, kc + slot(r, head), Dh, dims, traditional, pos(r), inv_freqs);
           else std::copy(row, row + Dh, vc + slot(r, head));
@@ -219,27 +272,38 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
             attend_combine(partials.data() + r * row_partials + at.head(h), attend_parts(len(r)), at.stride(), Dh,
                            att.data() + (r * H + h) * Dh);
         sums_of(att.data(), H * Dh);
+        shrink(3, att.data());
       };
       phases.run(2, combine, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
         products(wo, att.data(), y + r0, D, r0, r1);
+        expand(3, y + r0, D, r0, r1);
         for (int64_t b = 0; b < R; ++b)
           for (int64_t r = r0; r < r1; ++r) y[b * D + r] = x[b * D + r] + y[b * D + r];
       });
 
       // act = silu(W_gate yn) * (W_up yn), yn the normed y
-      phases.run(3, [&] { norm_in(y, f(kFfnNorm)); }, [&](int64_t c) {
+      phases.run(3, [&] {
+        norm_in(y, f(kFfnNorm));
+        shrink(4, xn.data()), shrink(5, xn.data());
+      }, [&](int64_t c) {
         int64_t r0 = c * chunk_f, r1 = std::min(F, r0 + chunk_f);
         products(wg, xn.data(), gate.data() + r0, F, r0, r1);
+        expand(4, gate.data() + r0, F, r0, r1);
         products(wu, xn.data(), up.data() + r0, F, r0, r1);
+        expand(5, up.data() + r0, F, r0, r1);
         for (int64_t b = 0; b < R; ++b)
           swiglu_span(gate.data() + b * F + r0, up.data() + b * F + r0, act.data() + b * F + r0, r1 - r0);
       });
 
       // y = y + W_down act
-      phases.run(4, [&] { sums_of(act.data(), F); }, [&](int64_t c) {
+      phases.run(4, [&] {
+        sums_of(act.data(), F);
+        shrink(6, act.data());
+      }, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);
         products(wd, act.data(), down.data() + r0, D, r0, r1);
+        expand(6, down.data() + r0, D, r0, r1);
         for (int64_t b = 0; b < R; ++b)
           for (int64_t r = r0; r < r1; ++r) y[b * D + r] = y[b * D + r] + down[b * D + r];
       });
@@ -251,8 +315,9 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const std::vector<mx::array>& biases, const mx::array& keys,
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
-                                    const std::optional<mx::array>& starts, const std::vector<mx::array>& deltas,
-                                    const std::vector<mx::array>& affine, int symmetric, mx::StreamOrDevice st) {
+                                    const std::optional<mx::array>& starts, const std::vector<mx::array>& affine,
+                                    int symmetric, const std::vector<mx::array>& low_rank, int low_rank_of,
+                                    const std::optional<mx::array>& ids, mx::StreamOrDevice st) {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("[mlxtoy_kernels] decode_block: " + what);
   };
@@ -312,9 +377,24 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                           biases[2].shape() != mx::Shape{KV, Dh}))
     fail("biases q (H, Dh), k and v (KV, Dh)");
   const int T = x.shape(1);
-  if (!deltas.empty() && (deltas.size() != 3 || deltas[0].shape() != mx::Shape{B, T, H * Dh} ||
-                          deltas[1].shape() != mx::Shape{B, T, KV * Dh} || deltas[2].shape() != mx::Shape{B, T, KV * Dh}))
-    fail("deltas [] or [q (B, T, H * Dh), k and v (B, T, KV * Dh)]");
+  // each low-rank update's A (S, r, in) and B (S, out, r), in and out the matrix's
+  const int dims_in[9] = {0, D, D, D, H * Dh, 0, D, D, F}, dims_out[9] = {0, H * Dh, KV * Dh, KV * Dh, D, 0, F, F, D};
+  int low_rank_bits = 0;
+  size_t next_low = 0;
+  if (low_rank_of >> 9) fail("low_rank_of: bits of the matrices among the nine weights only");
+  for (int i = 0; i < 9; ++i) {
+    if (!((low_rank_of >> i) & 1)) continue;
+    if (i == 0 || i == 5 || next_low + 2 > low_rank.size()) fail("low_rank: A and B for each matrix set in low_rank_of, no more");
+    const mx::array &a = low_rank[next_low], &b = low_rank[next_low + 1];
+    next_low += 2;
+    if (a.ndim() != 3 || b.ndim() != 3 || a.shape(0) < 1 || b.shape(0) != a.shape(0) || a.shape(2) != dims_in[i] ||
+        b.shape(1) != dims_out[i] || b.shape(2) != a.shape(1))
+      fail("low_rank: A (S, r, in) and B (S, out, r) of the matrix's in and out");
+    if (a.shape(0) > 1 && !ids) fail("low_rank: ids (B,) for a bank of more than one slot");
+    low_rank_bits |= 1 << (i < 5 ? i - 1 : i - 2);  // the matrices q, k, v, o, gate, up, down
+  }
+  if (next_low != low_rank.size()) fail("low_rank: A and B for each matrix set in low_rank_of, no more");
+  if (ids && (ids->shape() != mx::Shape{B} || ids->dtype() != mx::int32)) fail("ids (B,) int32");
   std::vector<mx::array> inputs{x};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   inputs.insert(inputs.end(), {keys, values});
@@ -322,7 +402,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   for (size_t i = 0; i < weights.size(); ++i)
     if (weights[i].dtype() != mx::uint8 && weights[i].dtype() != mx::uint32) floats.push_back(weights[i]);
   floats.insert(floats.end(), biases.begin(), biases.end());
-  floats.insert(floats.end(), deltas.begin(), deltas.end());
+  floats.insert(floats.end(), low_rank.begin(), low_rank.end());
   for (auto& a : floats)
     if (a.dtype() != mx::float32) fail("float32 arrays only (a matrix may be packed uint8, or affine 4-bit uint32)");
   if (next_affine != affine.size()) fail("affine: scales and biases for each uint32 matrix, no more");
@@ -330,11 +410,12 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   inputs.push_back(first);
   inputs.push_back(inv_freqs);
   inputs.insert(inputs.end(), biases.begin(), biases.end());
-  inputs.insert(inputs.end(), deltas.begin(), deltas.end());
   inputs.insert(inputs.end(), affine.begin(), affine.end());
+  if (low_rank_bits) inputs.push_back(ids ? *ids : mx::zeros({B}, mx::int32, st));
+  inputs.insert(inputs.end(), low_rank.begin(), low_rank.end());
   auto stream = mx::to_stream(st);
   if (stream.device != mx::Device::cpu) fail("CPU stream only");
-  auto prim = std::make_shared<DecodeBlock>(stream, rope_dims, traditional, !biases.empty(), !deltas.empty(), eps,
+  auto prim = std::make_shared<DecodeBlock>(stream, rope_dims, traditional, !biases.empty(), low_rank_bits, eps,
                                             attn_scale, rope_scale, packed, affine_bits);
   return mx::array::make_arrays({x.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
                                 prim, std::move(inputs));

@@ -39,11 +39,12 @@ class DecodeBlock : public mx::Primitive {
   // packed: for weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down), bits
   // 2 (w - 1) .. 2 (w - 1) + 1: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack), 3 MLX's affine 4-bit
   // layout (groups of 32); affine: for such a matrix, bits 3 (w - 1) .. + 2: its scales' ScaleType,
-  // then whether it is symmetric
-  DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, bool qkv_delta, float eps,
+  // then whether it is symmetric; low_rank: bit w - 1 set where the matrix has a low-rank update
+  // added to its products (an adapter's: decode.cpp's LowRank)
+  DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, int low_rank, float eps,
               float attn_scale, float rope_scale, int packed, int affine)
       : mx::Primitive(stream), rope_dims_(rope_dims), traditional_(traditional), qkv_bias_(qkv_bias),
-        qkv_delta_(qkv_delta), eps_(eps), attn_scale_(attn_scale), rope_scale_(rope_scale), packed_(packed),
+        low_rank_(low_rank), eps_(eps), attn_scale_(attn_scale), rope_scale_(rope_scale), packed_(packed),
         affine_(affine) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -53,7 +54,8 @@ class DecodeBlock : public mx::Primitive {
 
  private:
   int rope_dims_;
-  bool traditional_, qkv_bias_, qkv_delta_;
+  bool traditional_, qkv_bias_;
+  int low_rank_;
   float eps_, attn_scale_, rope_scale_;
   int packed_, affine_;
 };
@@ -124,8 +126,9 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const std::vector<mx::array>& biases, const mx::array& keys,
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
-                                    const std::optional<mx::array>& starts, const std::vector<mx::array>& deltas = {},
-                                    const std::vector<mx::array>& affine = {}, int symmetric = 0,
+                                    const std::optional<mx::array>& starts, const std::vector<mx::array>& affine = {},
+                                    int symmetric = 0, const std::vector<mx::array>& low_rank = {},
+                                    int low_rank_of = 0, const std::optional<mx::array>& ids = std::nullopt,
                                     mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy.errors import UserError
-from mlxtoy.models.lora import TARGET_PATHS, dense_weight, dora_norm
+from mlxtoy.models.lora import TARGET_PATHS, dense_weight, dora_norm, standard_form
 
 
 class AdapterRows:
@@ -67,10 +67,15 @@ class AdapterBank(nn.Module):
         self.rows = rows
         self.freeze()
 
+    def factors(self) -> tuple[mx.array, mx.array]:
+        """The slots' updates as the fused decode block adds them to each row's product
+        (`fastmath.decode_block`'s low_rank, the rows' slots its ids): A (S, r, in), B (S, out, r),
+        float32 (DoRA's rescale is not an addition)."""
+        return self.lora_a.astype(mx.float32), self.lora_b.astype(mx.float32)
+
     def row_update(self, x: mx.array) -> mx.array:
         """Each row's low-rank update x_b A[s_b]^T B[s_b]^T, (B, T, out) for x (B, ..., in) (out
-        flattened for a per-head projection): all a LoRA bank adds to the base's product, which
-        the fused decode block adds to its q, k and v (DoRA's rescale is not an addition)."""
+        flattened for a per-head projection): all a LoRA bank adds to the base's product."""
         ids = self.rows.ids
         a = self.lora_a[ids].astype(x.dtype)  # (B, r, in)
         b = self.lora_b[ids].astype(x.dtype)  # (B, out, r)
@@ -89,15 +94,6 @@ class AdapterBank(nn.Module):
             return k * (y + d)
         bias = self.base.bias.astype(y.dtype)
         return y + (k - 1) * (y - bias) + k * d
-
-
-def _standard_form(a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
-    """A per-head adapter (A (H, r, D), B (H, Dh, r)) as one: A (H*r, D), B (H*Dh, H*r) block-diagonal."""
-    H, r, D = a.shape
-    Dh = b.shape[1]
-    eye = mx.eye(H, dtype=b.dtype)
-    blocks = b[:, :, None, :] * eye[:, None, :, None]  # (H, Dh, H, r): head h's block at column block h
-    return a.reshape(H * r, D), blocks.reshape(H * Dh, H * r)
 
 
 def _module(root: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module]:
@@ -144,7 +140,7 @@ def attach_adapters(model: nn.Module, adapters: list[tuple[str, dict[str, mx.arr
                 norm = dora_norm(w if a.ndim == 3 else w.reshape(-1, w.shape[-1]), a, b, scale)
                 k = weights[path + ".magnitude"].astype(mx.float32).reshape(-1) / norm.reshape(-1)
             if a.ndim == 3:
-                a, b = _standard_form(a, b)
+                a, b = standard_form(a, b)
             dims.add((b.shape[0], a.shape[1]))
             if len(dims) > 1:
                 raise UserError(f"adapter {name}: {path} is {b.shape[0]} x {a.shape[1]}, another adapter's "

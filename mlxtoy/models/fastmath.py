@@ -530,7 +530,8 @@ def affine_decode_ok(d_in: int) -> bool:
 def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: list[mx.array], keys: mx.array,
                  values: mx.array, offset: mx.array, starts: mx.array | None, inv_freqs: mx.array,
                  rope_dims: int, traditional: bool, eps: float, attn_scale: float,
-                 rope_scale: float, deltas: list[mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                 rope_scale: float, low_rank: dict[int, tuple[mx.array, mx.array]] | None = None,
+                 ids: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """A pre-norm Llama block's step for T new tokens of each of B rows (x (B, T, D)) as one
     kernel call -> (x, keys, values): weights [attn_norm, q, k, v (per head), o, ffn_norm, gate,
     up, down] (a matrix float32, `pack_lossless`ed or an AffineMatrix), biases [] or [q, k, v]; token t's k
@@ -538,9 +539,10 @@ def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: li
     place (the returned caches share the given ones' buffers: the caller keeps no other use of
     them), and its query attends to slots starts[b]..offset + t (a left-padded batch; None: all
     from 0; a padding slot, before starts[b], sees itself only), at its own position
-    offset + t - starts[b]. deltas [] or [q (B, T, H * Dh), k, v (B, T, KV * Dh)]: each row's
-    additions to its q, k and v products (a LoRA bank's per-row update), with the biases, before
-    RoPE. The same values as the block's kernels one by one."""
+    offset + t - starts[b]. low_rank {i: (A (S, r, in), B (S, out, r))}: an update B[s] (A[s] v)
+    added to each row's product by weights[i] (after a bias, before RoPE; an adapter's, its scale
+    in B), s = ids[b] (ids (B,) int32; None: slot 0). The same values as the block's kernels one
+    by one (a low-rank update within float32 rounding of MLX's two products)."""
     offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
     if starts is not None and starts.size != x.shape[0]:  # one start for every row
         starts = mx.broadcast_to(starts.reshape(-1), (x.shape[0],))
@@ -548,10 +550,12 @@ def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: li
     affine = [a for w in weights if isinstance(w, AffineMatrix) for a in (w.scales, w.biases)]
     symmetric = sum(1 << i for i, w in enumerate(weights) if isinstance(w, AffineMatrix) and w.symmetric)
     weights = [w.words if isinstance(w, AffineMatrix) else w for w in weights]
+    low_rank = dict(sorted((low_rank or {}).items()))
     y, keys, values = kernels_module().decode_block(x, weights, biases, keys, values, offset, inv_freqs, rope_dims,
-                                      traditional, eps, attn_scale, rope_scale, starts=starts,
-                                      deltas=[d.astype(mx.float32) for d in deltas or []], affine=affine,
-                                      symmetric=symmetric)
+                                      traditional, eps, attn_scale, rope_scale, starts=starts, affine=affine,
+                                      symmetric=symmetric, low_rank=[f for pair in low_rank.values() for f in pair],
+                                      low_rank_of=sum(1 << i for i in low_rank),
+                                      ids=None if ids is None else ids.astype(mx.int32))
     return y, keys, values
 
 

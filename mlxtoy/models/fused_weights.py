@@ -30,7 +30,7 @@ def plain_projection(m: nn.Module) -> nn.Module:
 
 def banked(m: nn.Module) -> bool:
     """Whether `m` is a bank of LoRA adapters read by rows (`mlxtoy.models.adapters`, no DoRA):
-    the fused step reads its base and adds each row's update (`row_update`) to q, k or v."""
+    the fused step reads its base and adds each row's update to the product (`added_updates`)."""
     return hasattr(m, "row_update") and "dora_k" not in m
 
 
@@ -52,17 +52,21 @@ def kernel_matrix(plain: nn.Module, heads: tuple[int, int] | None = None) -> mx.
 
 
 def added_in(m: nn.Module, plain: nn.Module) -> bool:
-    """Whether the fused step adds `m`'s low-rank update to `plain`'s product (q, k and v only)
+    """Whether the fused step adds `m`'s low-rank update to `plain`'s product inside the call
     rather than reading one weight: a LoRA bank's rows' (`banked`), or a LoRA's around a quantized
     base's 4-bit matrix (`affine4`; merged, it would be a float32 copy of that matrix). DoRA's
     rescale is not an addition."""
     return banked(m) or (m is not plain and affine4(plain) and "magnitude" not in m)
 
 
-def update_of(m: nn.Module, x: mx.array) -> mx.array:
-    """What `m` (`added_in`) adds to its base's product for the input x (B, T, in): (B, T, out)."""
-    update = m.row_update(x) if banked(m) else m.delta(x)
-    return update.reshape(*x.shape[:2], -1)
+def added_updates(modules: list[tuple[nn.Module, nn.Module]]) -> tuple[dict[int, tuple[mx.array, mx.array]],
+                                                                        mx.array | None]:
+    """The low-rank updates the fused step adds inside the call (`added_in`), as
+    `fastmath.decode_block` takes them: {index in `modules`: (A (S, r, in), B (S, out, r))}, and
+    the rows' slots (a bank's ids, (B,); None without a bank: every row one adapter's)."""
+    updates = {i: m.factors() for i, (m, plain) in enumerate(modules) if m is not plain and added_in(m, plain)}
+    ids = next((m.rows.ids for m, _ in modules if banked(m)), None)
+    return updates, ids
 
 
 def merged_in(m: nn.Module, plain: nn.Module) -> bool:

@@ -30,8 +30,8 @@ from mlxtoy.models import fastmath
 from mlxtoy.models.cache import KVCache, SlotCache, cache_positions
 from mlxtoy.models.attention import attention
 from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
-from mlxtoy.models.fused_weights import (BLOCK_MATRICES, added_in, affine4, banked, kernel_matrix, kept_packs,
-                                         merged_in, plain_projection, repin_packs, update_of)
+from mlxtoy.models.fused_weights import (BLOCK_MATRICES, added_in, added_updates, affine4, banked, kernel_matrix,
+                                         kept_packs, merged_in, plain_projection, repin_packs)
 from mlxtoy.models.prefill import prefill_fits, prefill_route
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
@@ -341,8 +341,8 @@ class Block(nn.Module):
         q/k/v's, all three or none), else None. A projection may carry an adapter (LoRA or DoRA
         around a plain projection, `mlxtoy.models.lora`): the step then reads its merged weight. A
         plain one may be a quantized base's 4-bit matrix (`affine4`), read as it is, a LoRA around
-        it on q, k or v then added to its product (`added_in`: a QLoRA run's); a DoRA around one,
-        or an adapter around one of the others, keeps the block op by op."""
+        it then added to its product inside the call, as a LoRA bank's rows' are (`added_in`: a
+        QLoRA run's, a server's adapters); a DoRA around one keeps the block op by op."""
         a, f = self.attn, self.ffn
         if not (type(a) is Attention and type(f) is FeedForward):
             return None
@@ -355,8 +355,6 @@ class Block(nn.Module):
                  and len({"bias" in p for p in (q, k, v)}) == 1  # q, k and v biased alike
                  and "rope" in a and type(a.rope) is RoPE and a.rope._long is None and f.act is silu
                  and all((type(m) is Linear or affine4(m)) and "bias" not in m for m in (o, gate, up, down))
-                 and not any(added_in(m, p) for m, p in zip(wrapped[3:], plains[3:]))  # their inputs
-                 # exist inside the kernel only
                  and not any(merged_in(m, p) and affine4(p) for m, p in zip(wrapped, plains)))
         if not plain:
             return None
@@ -429,20 +427,6 @@ class Block(nn.Module):
         return prefill_route(x.shape[0] * x.shape[1], shape, macs, one_row(self.decode_fused),
                              one_row(lambda v, c: self.forward_ops(v, "causal", c))) == "fused"
 
-    def row_updates(self, x: mx.array, modules: list) -> list[mx.array]:
-        """What the adapters among q, k and v that the fused step adds (`added_in`: LoRA banks, a
-        LoRA around a 4-bit base) add to each row's product, (B, T, heads * Dh) each (zeros for a
-        projection without one); [] without any."""
-        added = [added_in(m, p) for m, p in modules[1:4]]
-        qkv = [m for m, _ in modules[1:4]]
-        if not any(added):
-            return []
-        a = self.attn
-        B, T, _ = x.shape
-        xn = self.attn_norm(x)
-        return [update_of(m, xn) if add else mx.zeros((B, T, n * a.d_head))
-                for m, add, n in zip(qkv, added, (a.n_heads, a.n_kv_heads, a.n_kv_heads))]
-
     def decode_fused(self, x: mx.array, cache: SlotCache | KVCache) -> mx.array | None:
         """This block's step for the new tokens of each row as one kernel call (`fastmath.decode_block`):
         a decode step's one token (a SlotCache, its packed matrices with it) or a short prompt's
@@ -466,9 +450,10 @@ class Block(nn.Module):
         weights = [packs[str(i)] if str(i) in packs else m.merged_weight() if merged_in(m, plain)
                    else kernel_matrix(plain, heads.get(i)) for i, (m, plain) in enumerate(modules)]
         offset = mx.array([cache.offset], dtype=mx.int32) if prefill else cache.offset
+        updates, ids = added_updates(modules)
         x, cache.keys, cache.values = fastmath.decode_block(
             x, weights, biases, cache.keys, cache.values, offset, cache.starts, a.rope._inv_freqs, a.rope.dims,
-            a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale, self.row_updates(x, modules))
+            a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale, updates, ids)
         if prefill:
             cache.offset += x.shape[1]
         return x

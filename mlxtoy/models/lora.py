@@ -88,6 +88,15 @@ def _dora_out(y: mx.array, d: mx.array, k: mx.array, base: nn.Module) -> mx.arra
     return y + (k - 1) * (y - base.bias.astype(y.dtype)) + k * d
 
 
+def standard_form(a: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
+    """A per-head adapter (A (H, r, D), B (H, Dh, r)) as one: A (H*r, D), B (H*Dh, H*r) block-diagonal."""
+    H, r, D = a.shape
+    Dh = b.shape[1]
+    eye = mx.eye(H, dtype=b.dtype)
+    blocks = b[:, :, None, :] * eye[:, None, :, None]  # (H, Dh, H, r): head h's block at column block h
+    return a.reshape(H * r, D), blocks.reshape(H * Dh, H * r)
+
+
 def _gaussian_a(shape: tuple[int, ...], d_in: int) -> mx.array:
     # N(0, 1/d_in): the update's scale does not depend on the input width
     return mx.random.normal(shape) * (1.0 / math.sqrt(d_in))
@@ -113,6 +122,14 @@ class Adapter(nn.Module):
         if "magnitude" not in self:
             return y + d
         return _dora_out(y, d, self.dora_scale(), self.base)
+
+    def factors(self) -> tuple[mx.array, mx.array]:
+        """The update x A^T B^T as the fused decode block adds it (`fastmath.decode_block`'s
+        low_rank): A (1, r, in) and B (1, out, r), float32, the scale in B (one slot, as a bank's)."""
+        a, b = self.lora_a.astype(mx.float32), self.lora_b.astype(mx.float32)
+        if a.ndim == 3:  # per head
+            a, b = standard_form(a, b)
+        return a[None], (self.scale * b)[None]
 
 
 class LoRAHeadProjection(Adapter):
