@@ -2,7 +2,8 @@
 llama-cpp-python has it), the same model, prompts and greedy settings, in one run.
 
     python bench/bench_serve.py [--model smollm2-135m] [--streams 1,8,32] [--tokens 64]
-                                [--adapters 8] [--skip mlx-lm,llama.cpp] [--json OUT]
+                                [--adapters 8] [--adapter-targets q,v] [--skip mlx-lm,llama.cpp]
+                                [--json OUT]
 
 For each server and each number of concurrent streams C: C clients at once, each streaming a
 completion of its own prompt (`/v1/completions`, temperature 0, `max_tokens` --tokens), through
@@ -14,7 +15,8 @@ what was produced).
 - mlxtoy and mlx-lm serve the same float32 Hugging Face folder written from MODEL with
   mlxtoy's save_hf (mlx-lm cannot read a GGUF); llama.cpp serves MODEL's GGUF as it is (Q4_1
   for the built-in SmolLM2: other weights, the same shapes).
-- --adapters N: N LoRA runs of rank 8 on q,v are trained for one step each (`mlxtoy train
+- --adapters N: N LoRA runs of rank 8 on q,v (--adapter-targets: q,k,v,o,gate,up,down is
+  Unsloth's default and a common mlx-lm-lora choice) are trained for one step each (`mlxtoy train
   --steps 1`, seeds differ) and served together; C streams spread over them (stream i reads
   adapter i mod N) against the same streams all on adapter 0: the many-adapter batch's
   tokens/s over the one-adapter batch's.
@@ -92,13 +94,13 @@ async def drive(url: str, models: list[str], streams: int, tokens: int) -> dict:
             "ttft_ms": 1000 * statistics.median(r[0] for r in results)}
 
 
-def train_adapters(model: str, n: int, root: str) -> list[str]:
+def train_adapters(model: str, n: int, root: str, targets: str) -> list[str]:
     runs = []
     for i in range(n):
         out = os.path.join(root, f"a{i}")
         subprocess.run([sys.executable, "-m", "mlxtoy", "train", "--model", model, "--data",
                         os.path.join(REPO, "assets", "demo"), "--out", out, "--steps", "1", "--lora-rank", "8",
-                        "--lora-targets", "q,v", "--seed", str(i), "--batch-size", "1", "--seq-len", "256",
+                        "--lora-targets", targets, "--seed", str(i), "--batch-size", "1", "--seq-len", "256",
                         "--eval-every", "0", "--save-every", "0"],
                        check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         runs.append(out)
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--adapter-targets", default="q,v", help="the adapters' --lora-targets")
     ap.add_argument("--skip", default="", help="comma-separated: mlx-lm, llama.cpp, adapters")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
@@ -168,7 +171,7 @@ def main() -> None:
                 proc.terminate()
                 proc.wait(60)
         if "adapters" not in skip and args.adapters > 0:
-            runs = train_adapters(folder, args.adapters, tmp)
+            runs = train_adapters(folder, args.adapters, tmp, args.adapter_targets)
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             proc = start([sys.executable, "-m", "mlxtoy", "serve", folder, "--port", str(port),
@@ -183,7 +186,8 @@ def main() -> None:
                 proc.terminate()
                 proc.wait(60)
             results["adapters"] = [{"one": one, "many": many, "ratio": many["tokens_per_sec"] / one["tokens_per_sec"]}]
-            print(f"{len(runs)} adapters in one batch of {c}: {many['tokens_per_sec']:.1f} tokens/s against "
+            print(f"{len(runs)} adapters on {args.adapter_targets} in one batch of {c}: "
+                  f"{many['tokens_per_sec']:.1f} tokens/s against "
                   f"{one['tokens_per_sec']:.1f} on one adapter ({results['adapters'][0]['ratio']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
