@@ -320,7 +320,7 @@ def test_gemv_vs_numpy(K_):
     N = 1537  # 1537 rows of w: split over threads
     w = r.standard_normal((N, K_)) / np.sqrt(K_)
     alone = None
-    for M in (1, 2, 3, 4):
+    for M in (1, 2, 3, 4, 5, 9):  # (one pass of x rows, several, and a pass short of four)
         x = r.standard_normal((M, K_))
         y = np_(K.gemv(arr(x), arr(w)))
         assert y.shape == (M, N)

@@ -216,7 +216,8 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
           for (size_t i = 0; i < Ns.size(); ++i) {
             int64_t lo = std::max(r0 - first, int64_t{0}), hi = std::min(r1 - first, Ns[i]);
             if (lo < hi)
-              gemv_span(x, static_cast<const float*>(in[i + 1]), static_cast<float*>(out[i]), rows, Ns[i], last, lo, hi);
+              gemv_span(x, static_cast<const float*>(in[i + 1]), static_cast<float*>(out[i]), rows, Ns[i], last, lo, hi,
+                        true);
             first += Ns[i];
           }
         });

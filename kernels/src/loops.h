@@ -210,8 +210,10 @@ inline bool cpu_avx512() {
 // the MR rows and each x vector once for the R rows: R * MR independent FMA chains (one chain's
 // latency bounded a row's loop; a batch of decoded tokens was bound by loading W's vectors again
 // for every row of x). Each chain is the one a row of x alone takes, in the same order, so a row
-// of a batch gets the bits it gets decoded alone. The k tail is masked.
-template <int R, int MR>
+// of a batch gets the bits it gets decoded alone. The k tail is masked. ahead: W's next R rows
+// are prefetched line by line meanwhile (the first pass over a block of W's rows: its products,
+// and the passes after it, hide the next block's misses).
+template <int R, int MR, bool ahead = false>
 __attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x, const float* w, float* y, int64_t N,
                                                                  int64_t K) {
   __m512 acc[R][MR];
@@ -222,6 +224,7 @@ __attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x,
     __m512 xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int r = 0; r < R; ++r) {
+      if constexpr (ahead) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
       const __m512 wv = _mm512_loadu_ps(w + r * K + k);
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
@@ -239,14 +242,18 @@ __attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x,
     for (int r = 0; r < R; ++r) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-// R rows of W (L1-resident) against every row of x, four at a time
-template <int R>
+// R rows of W against every row of x, four at a time: the first pass reads W's rows (from memory
+// where W is streamed: it then prefetches the next R, `ahead`), the others from L1
+template <int R, bool ahead = false>
 inline void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
   int64_t m = 0;
+  if (M >= 4) gemv_block_avx512<R, 4, ahead>(x, w, y, N, K), m = 4;
   for (; m + 4 <= M; m += 4) gemv_block_avx512<R, 4>(x + m * K, w, y + m * N, N, K);
   switch (M - m) {
-    case 3: return gemv_block_avx512<R, 3>(x + m * K, w, y + m * N, N, K);
-    case 2: return gemv_block_avx512<R, 2>(x + m * K, w, y + m * N, N, K);
+    case 3: return m ? gemv_block_avx512<R, 3>(x + m * K, w, y + m * N, N, K)
+                     : gemv_block_avx512<R, 3, ahead>(x, w, y, N, K);
+    case 2: return m ? gemv_block_avx512<R, 2>(x + m * K, w, y + m * N, N, K)
+                     : gemv_block_avx512<R, 2, ahead>(x, w, y, N, K);
     case 1: return gemv_block_avx512<R, 1>(x + m * K, w, y + m * N, N, K);
   }
 }
@@ -255,12 +262,17 @@ inline void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t M
 // the hardware prefetchers follow across rows, where several rows a pass are as many short
 // streams (a small model's rows are 36 lines); a row's one chain is not the bound at memory
 // speed (docs/performance.md, "W in one stream"). Each row's chain is the one it takes in fours,
-// so its bits are unchanged.
+// so its bits are unchanged. Several rows of x where W is streamed from memory take 6 rows of W a
+// pass (24 accumulators of 32 registers), the next 6 prefetched during the first pass; where W
+// is in cache (a packed matrix's rows unpacked, a row's keys), 4 (docs/performance.md, "A batch
+// of rows against W from memory").
 inline void gemv_span_avx512(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
-                             int64_t n1) {
+                             int64_t n1, bool streamed) {
   int64_t n = n0;
   if (M == 1)
     for (; n < n1; ++n) gemv_block_avx512<1, 1>(x, w + n * K, y + n, N, K);
+  if (streamed)
+    for (; n + 6 <= n1; n += 6) gemv_rows_avx512<6, true>(x, w + n * K, y + n, M, N, K);
   for (; n + 4 <= n1; n += 4) gemv_rows_avx512<4>(x, w + n * K, y + n, M, N, K);
   for (; n < n1; ++n) gemv_rows_avx512<1>(x, w + n * K, y + n, M, N, K);
 }
@@ -360,10 +372,11 @@ inline void gemv_span_avx2(const float* x, const float* w, float* y, int64_t M, 
 }
 #endif
 
+// streamed: W is read from memory (a float32 matrix), not from cache
 HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-                   int64_t n0, int64_t n1) {
+                   int64_t n0, int64_t n1, bool streamed = false) {
 #ifdef MLXTOY_AVX2
-  if (cpu_avx512()) return gemv_span_avx512(x, w, y, M, N, K, n0, n1);
+  if (cpu_avx512()) return gemv_span_avx512(x, w, y, M, N, K, n0, n1, streamed);
   if (cpu_avx2_fma()) return M >= 2 ? gemv_span_avx2(x, w, y, M, N, K, n0, n1) : gemv_row_avx2(x, w, y, K, n0, n1);
 #endif
   for (int64_t n = n0; n < n1; ++n) {

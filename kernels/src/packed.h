@@ -458,12 +458,9 @@ struct Matrix {
   // into `scratch` (count x K floats), once for all the rows, where a GEMV of packed blocks would
   // unpack them again for every row
   void gemv_rows(const float* x, int64_t M, float* y, int64_t N, int64_t count, float* scratch) const {
-    const float* w = f32;
-    if (!w) {
-      unpack(count, scratch);
-      w = scratch;
-    }
-    gemv_span(x, w, y, M, N, K, 0, count);
+    if (f32) return gemv_span(x, f32, y, M, N, K, 0, count, true);
+    unpack(count, scratch);
+    gemv_span(x, scratch, y, M, N, K, 0, count);
   }
   // y[n] for n in [n0, n1) of x times this matrix's rows; xs: x's block sums (Q4 only)
   void gemv(const float* x, const float* xs, float* y, int64_t n0, int64_t n1) const {
