@@ -209,15 +209,15 @@ ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
 @pytest.mark.parametrize("targets,kind,fused", [(["q", "v"], "lora", True), (["q", "down"], "lora", True),
                                                 (ALL_TARGETS, "lora", True), (["q", "o"], "per-head-q", True),
-                                                (["q", "down"], "dora", False)])
+                                                (["q", "down"], "dora", True), (ALL_TARGETS, "dora", True)])
 def test_a_qlora_run_decodes_fused_with_its_updates_added(targets, kind, fused):
-    """LoRA on a 4-bit base's matrices, any of the seven (a QLoRA run, unmerged; Unsloth's
-    default targets all): the fused step reads the 4-bit matrices as they are and adds each
-    adapter's update B (A v) to its product inside the call (no float32 copy merged); DoRA's
-    rescale keeps the block op by op. The logits are the unfused path's within what rounding x
-    to 16 bits a group moves (the update's sums come in another order than MLX's two products,
-    and the next products round x again), and the uncached forward's. Control: the adapters
-    change the logits by far more."""
+    """LoRA or DoRA on a 4-bit base's matrices, any of the seven (a QLoRA run, unmerged;
+    Unsloth's default targets all): the fused step reads the 4-bit matrices as they are and adds
+    each adapter's update B (A v) to its product inside the call (no float32 copy merged), then
+    DoRA's rescale, made once for the generation (`decode_packs`). The logits are the unfused
+    path's within what rounding x to 16 bits a group moves (the update's sums come in another
+    order than MLX's two products, and the next products round x again), and the uncached
+    forward's. Control: the adapters change the logits by far more."""
     if not K.quant_integer_form(64, 32, 4):
         pytest.skip("no integer form of the 4-bit GEMV on this CPU")
     model = quantized_base(tiny(VARIANTS["gqa"]))
@@ -230,7 +230,8 @@ def test_a_qlora_run_decodes_fused_with_its_updates_added(targets, kind, fused):
     mx.eval(model.parameters())
     steps, graphs, _ = decode_steps(model, 4, fused=True)
     assert graphs[-1].count("MlxtoyDecodeBlock") == (len(model.layers) if fused else 0)
-    assert all(layer.decode_packs() == {} for layer in model.layers)  # nothing merged or packed
+    dora = [f"dora{i}" for i, name in zip((1, 2, 3, 4, 6, 7, 8), ALL_TARGETS) if name in targets and kind == "dora"]
+    assert all(sorted(layer.decode_packs()) == sorted(dora) for layer in model.layers)  # nothing merged or packed
     unfused, _, _ = decode_steps(model, 4, fused=False)
     for got, ref in zip(steps, unfused):
         np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3)
@@ -241,8 +242,9 @@ def test_a_qlora_run_decodes_fused_with_its_updates_added(targets, kind, fused):
 
 def test_low_rank_updates_in_the_block_match_numpy():
     """The kernel's own low-rank additions on a float32 block, every matrix with one, a bank of 3
-    slots read by rows: against numpy float64 (the block op by op with y += B[s] (A[s] v) after
-    each product). Controls: the updates move the output; a slot outside the bank gives NaNs."""
+    slots read by rows, DoRA's rescale on v, o and down: against numpy float64 (the block op by op
+    with y = (W v + B[s] (A[s] v)) k[s] after each product). Controls: the updates move the
+    output; a slot outside the bank gives NaNs."""
     rng = np.random.default_rng(3)
     B, D, H, KV, Dh, F, S, r = 3, 64, 4, 2, 16, 96, 3, 4
     w = {"attn_norm": 1 + 0.1 * rng.standard_normal(D), "q": rng.standard_normal((H, Dh, D)) / 8,
@@ -252,7 +254,9 @@ def test_low_rank_updates_in_the_block_match_numpy():
          "down": rng.standard_normal((D, F)) / 10}
     dims = {"q": (D, H * Dh), "k": (D, KV * Dh), "v": (D, KV * Dh), "o": (H * Dh, D), "gate": (D, F), "up": (D, F),
             "down": (F, D)}
-    low = {n: (rng.standard_normal((S, r, i)) / 4, rng.standard_normal((S, o, r)) / 4) for n, (i, o) in dims.items()}
+    low = {n: (rng.standard_normal((S, r, i)) / 4, rng.standard_normal((S, o, r)) / 4,
+               1 + 0.2 * rng.standard_normal((S, o)) if n in ("v", "o", "down") else None)
+           for n, (i, o) in dims.items()}
     ids = np.array([2, 0, 1], dtype=np.int32)
     x = rng.standard_normal((B, 1, D))
     names = list(w)
@@ -264,8 +268,10 @@ def test_low_rank_updates_in_the_block_match_numpy():
         y, _, _ = K.decode_block(mx.array(x.astype(np.float32)), [f32[n] for n in names], [], keys, values,
                                  mx.array([0], dtype=mx.int32), inv, Dh, False, 1e-5, Dh ** -0.5, 1.0,
                                  low_rank=[mx.array(f.astype(np.float32)) for n in names if n in updates
-                                           for f in updates[n]],
+                                           for f in updates[n] if f is not None],
                                  low_rank_of=sum(1 << i for i, n in enumerate(names) if n in updates),
+                                 dora_of=sum(1 << i for i, n in enumerate(names) if n in updates
+                                             and updates[n][2] is not None),
                                  ids=mx.array(slots))
         return np.array(y)
 
@@ -274,9 +280,9 @@ def test_low_rank_updates_in_the_block_match_numpy():
             return v / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-5) * g
 
         def product(name, v):
-            a, b = low[name]
-            out = v @ w[name].reshape(-1, v.shape[-1]).T
-            return out + np.stack([b[s] @ (a[s] @ v[i]) for i, s in enumerate(ids)])
+            a, b, k = low[name]
+            out = v @ w[name].reshape(-1, v.shape[-1]).T + np.stack([b[s] @ (a[s] @ v[i]) for i, s in enumerate(ids)])
+            return out if k is None else out * k[ids]
         h = x[:, 0]
         xn = norm(h, w["attn_norm"])
         v = product("v", xn).reshape(B, KV, Dh)

@@ -279,28 +279,28 @@ def test_adapters_of_one_base_share_a_batch(arch):
 
 @pytest.mark.parametrize("targets", [("q", "v"), ("q", "k", "v", "o", "gate", "up", "down")])
 def test_lora_banks_decode_through_the_fused_block(targets, monkeypatch):
-    """A served base with LoRA adapters on q and v, or on all seven matrices (ranks 4 and 8, one
-    per-head q): the banks' per-row updates are added inside the fused block, so rows of every
-    adapter decode fused, and each row still gets what the merged model of its adapter gets
-    alone. Positive controls: the blocks' prefill graph is the fused kernel's where the kernels
-    run, and the adapters change what is decoded."""
+    """A served base with adapters on q and v, or on all seven matrices (LoRA of ranks 4 and 8,
+    one per-head q, and a DoRA): the banks' per-row updates (and DoRA's rescales) are added
+    inside the fused block, so rows of every adapter decode fused, and each row still gets what
+    the merged model of its adapter gets alone. Positive controls: the blocks' prefill graph is
+    the fused kernel's where the kernels run, and the adapters change what is decoded."""
     base = arch_model("llama")
-    specs = [dict(rank=4), dict(rank=8, per_head_q=True)]
+    specs = [dict(rank=4), dict(rank=8, per_head_q=True), dict(rank=4, dora=True)]
     adapters = [_adapter(base, 20 + i, targets, **s) for i, s in enumerate(specs)]
     merged = [base] + [_merged(base, w, targets, **s) for (w, _), s in zip(adapters, specs)]
     served = build_model(base.config, dict(tree_flatten(base.parameters())))
     attach_adapters(served, [(f"a{i}", w, layout) for i, (w, layout) in enumerate(adapters)])
     assert all(layer.fused_modules() is not None for layer in served.layers)
-    ps = prompts((6, 13, 9), seed=3)
+    ps = prompts((6, 13, 9, 11), seed=3)
     engine = BatchDecoder(served)
-    order = [(slot, ps[slot], engine.add(Request(ps[slot], 10, adapter=slot))[0]) for slot in (1, 0, 2, 2, 1)]
+    order = [(slot, ps[slot], engine.add(Request(ps[slot], 10, adapter=slot))[0]) for slot in (1, 0, 3, 2, 2, 3, 1)]
     out: dict[int, list[int]] = {}
     while engine.rows:
         for row, tok in engine.step():
             out.setdefault(id(row), []).append(tok.token)
     for slot, p, row in order:
         assert agree(merged[slot], p, out[id(row)], alone(merged[slot], p, SamplingParams(), 10)), slot
-    assert len({tuple(alone(m, ps[0], SamplingParams(), 10)) for m in merged}) == 3
+    assert len({tuple(tuple(alone(m, p, SamplingParams(), 10)) for p in ps) for m in merged}) == 4
     # the fused block runs for the adapter rows: the prefill of a row of adapter 2 (the fused
     # call taken unmeasured; which is faster is test_routes's)
     monkeypatch.setattr(prefill_module, "PREFILL_UNMEASURED_ROWS", prefill_module.PREFILL_FUSED_ROWS)

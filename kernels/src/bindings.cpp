@@ -161,7 +161,7 @@ NB_MODULE(_ext, m) {
   m.def("decode_block", &mlxtoy::decode_block, "x"_a, "weights"_a, "biases"_a, "keys"_a, "values"_a, "offset"_a,
         "inv_freqs"_a, "rope_dims"_a, "traditional"_a, "eps"_a, "attn_scale"_a, "rope_scale"_a, nb::kw_only(),
         "starts"_a = nb::none(), "affine"_a = std::vector<mx::array>{}, "symmetric"_a = 0,
-        "low_rank"_a = std::vector<mx::array>{}, "low_rank_of"_a = 0, "ids"_a = nb::none(), "stream"_a = nb::none(),
+        "low_rank"_a = std::vector<mx::array>{}, "low_rank_of"_a = 0, "dora_of"_a = 0, "ids"_a = nb::none(), "stream"_a = nb::none(),
         "one pre-norm Llama block for T new tokens of each of B rows -> (x, keys, values): x (B, T, D); weights "
         "[attn_norm, q (H, Dh, D), k (KV, Dh, D), v, o (D, H * Dh), ffn_norm, gate (F, D), up, down (D, F)]; biases "
         "[] or [q (H, Dh), k, v]; keys/values (B, KV, S, Dh) get token t's k (RoPE'd) and v at slot offset + t "
@@ -170,7 +170,8 @@ NB_MODULE(_ext, m) {
         "kernel's; a matrix may be MLX's affine 4-bit layout (uint32 words, groups of 32), its scales and biases "
         "then next in affine (symmetric: bit i set where weights[i]'s biases are -8 scales), multiplied by the "
         "integer forms as quant_linear's GEMV; low_rank [A (S, r, in), B (S, out, r), ...] for each matrix "
-        "weights[i] with bit i of low_rank_of set, in order: each row's product gets B[s] (A[s] v) added (after a "
-        "bias, before RoPE), s = ids[b] (ids (B,) int32; every row slot 0 when None); the caches are updated in "
-        "place when donated");
+        "weights[i] with bit i of low_rank_of set, in order (and k (S, out) after them where bit i of dora_of is "
+        "set): each row's product gets B[s] (A[s] v) added (then times k[s], DoRA's rescale; then a bias; "
+        "before RoPE), s = ids[b] (ids (B,) int32; every row slot 0 when None); the caches are updated in place "
+        "when donated");
 }

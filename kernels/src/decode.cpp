@@ -62,10 +62,12 @@ HOT float dot_row(const float* a, const float* b, int64_t n) {
 // An adapter's low-rank update of one matrix's products, added inside the block: a LoRA bank's
 // (each row reads its own adapter) or a LoRA's around a 4-bit base (merged, it would be a float32
 // copy of that matrix). Row r of slot s gets B[s] (A[s] v_r), A (S, rank, in), B (S, out, rank)
-// with the adapter's scale in B; s = ids[r / T], or 0 for every row where S is 1.
+// with the adapter's scale in B; s = ids[r / T], or 0 for every row where S is 1. DoRA: the sum
+// then times k[s] (S, out), its rescale m / ||W + scale B A||_row (a constant at inference).
 struct LowRank {
   const float* a = nullptr;
   const float* b = nullptr;
+  const float* k = nullptr;
   const int32_t* ids = nullptr;
   int64_t slots = 0, rank = 0, in = 0, out = 0, T = 1;
 
@@ -77,11 +79,14 @@ struct LowRank {
       for (int64_t j = 0; j < rank; ++j) t[r * rank + j] = dot_row(A + j * in, v + r * in, in);
     }
   }
-  // outputs o0..o1 of each row r, at y[r * N + o - o0], += B[s] row o . t_r
+  // outputs o0..o1 of each row r, at y[r * N + o - o0], += B[s] row o . t_r (DoRA: then times k[s][o])
   void expand(const float* t, int64_t R, float* y, int64_t N, int64_t o0, int64_t o1) const {
     for (int64_t r = 0; r < R; ++r) {
-      const float* Bs = b + slot(r) * out * rank;
-      for (int64_t o = o0; o < o1; ++o) y[r * N + o - o0] += dot_row(Bs + o * rank, t + r * rank, rank);
+      const float *Bs = b + slot(r) * out * rank, *ks = k ? k + slot(r) * out : nullptr;
+      for (int64_t o = o0; o < o1; ++o) {
+        const float v = y[r * N + o - o0] + dot_row(Bs + o * rank, t + r * rank, rank);
+        y[r * N + o - o0] = ks ? v * ks[o] : v;
+      }
     }
   }
 };
@@ -162,9 +167,11 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     for (int i = 0, next = next_affine + 1; i < 7; ++i) {
       if (!((low_rank >> i) & 1)) continue;
       const auto& A = inputs[next];
-      lr[i] = {f(next), f(next + 1), ids, A.shape(0), A.shape(1), A.shape(2), inputs[next + 1].shape(1), T};
+      const bool dora = (low_rank >> (7 + i)) & 1;
+      lr[i] = {f(next), f(next + 1), dora ? f(next + 2) : nullptr, ids, A.shape(0), A.shape(1), A.shape(2),
+               inputs[next + 1].shape(1), T};
       rank_max = std::max(rank_max, lr[i].rank);
-      next += 2;
+      next += dora ? 3 : 2;
     }
     // the offset and starts are read when the task runs (traced inputs of the compiled decode step)
     const int64_t off = static_cast<const int32_t*>(in[kOffset])[0];
@@ -245,8 +252,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         const int64_t head = which == 0 ? u : which == 1 ? u - H : u - H - KV;
         const float* bias_row = which == 0 ? bq : which == 1 ? bk : bv;
         products(w, xn.data(), tmp.data(), Dh, head * Dh, (head + 1) * Dh);
+        expand(which, tmp.data(), Dh, head * Dh, (head + 1) * Dh);  // (DoRA's rescale not on the bias)
         for (int64_t r = 0; r < R; ++r) add_bias(tmp.data() + r * Dh, bias_row ? bias_row + head * Dh : nullptr);
-        expand(which, tmp.data(), Dh, head * Dh, (head + 1) * Dh);
         for (int64_t r = 0; r < R; ++r) {
           float* row = tmp.data() + r * Dh;
           if (u < H) rope_row(row, q.data() + (r * H + head) * Dh, Dh, dims, traditional, pos(r), inv_freqs);
@@ -316,7 +323,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     const mx::array& values, const mx::array& offset, const mx::array& inv_freqs,
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
                                     const std::optional<mx::array>& starts, const std::vector<mx::array>& affine,
-                                    int symmetric, const std::vector<mx::array>& low_rank, int low_rank_of,
+                                    int symmetric, const std::vector<mx::array>& low_rank, int low_rank_of, int dora_of,
                                     const std::optional<mx::array>& ids, mx::StreamOrDevice st) {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("[mlxtoy_kernels] decode_block: " + what);
@@ -381,19 +388,25 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   const int dims_in[9] = {0, D, D, D, H * Dh, 0, D, D, F}, dims_out[9] = {0, H * Dh, KV * Dh, KV * Dh, D, 0, F, F, D};
   int low_rank_bits = 0;
   size_t next_low = 0;
-  if (low_rank_of >> 9) fail("low_rank_of: bits of the matrices among the nine weights only");
+  if (low_rank_of >> 9 || (dora_of & ~low_rank_of))
+    fail("low_rank_of: bits of the matrices among the nine weights only; dora_of: some of them");
   for (int i = 0; i < 9; ++i) {
     if (!((low_rank_of >> i) & 1)) continue;
-    if (i == 0 || i == 5 || next_low + 2 > low_rank.size()) fail("low_rank: A and B for each matrix set in low_rank_of, no more");
+    const bool dora = (dora_of >> i) & 1;
+    if (i == 0 || i == 5 || next_low + (dora ? 3 : 2) > low_rank.size())
+      fail("low_rank: A and B (and k where dora_of) for each matrix set in low_rank_of, no more");
     const mx::array &a = low_rank[next_low], &b = low_rank[next_low + 1];
-    next_low += 2;
+    if (dora && low_rank[next_low + 2].shape() != mx::Shape{b.shape(0), b.shape(1)})
+      fail("low_rank: DoRA's k (S, out) with its A and B");
+    next_low += dora ? 3 : 2;
     if (a.ndim() != 3 || b.ndim() != 3 || a.shape(0) < 1 || b.shape(0) != a.shape(0) || a.shape(2) != dims_in[i] ||
         b.shape(1) != dims_out[i] || b.shape(2) != a.shape(1))
       fail("low_rank: A (S, r, in) and B (S, out, r) of the matrix's in and out");
     if (a.shape(0) > 1 && !ids) fail("low_rank: ids (B,) for a bank of more than one slot");
-    low_rank_bits |= 1 << (i < 5 ? i - 1 : i - 2);  // the matrices q, k, v, o, gate, up, down
+    const int bit = i < 5 ? i - 1 : i - 2;  // the matrices q, k, v, o, gate, up, down
+    low_rank_bits |= 1 << bit | (dora ? 1 << (7 + bit) : 0);
   }
-  if (next_low != low_rank.size()) fail("low_rank: A and B for each matrix set in low_rank_of, no more");
+  if (next_low != low_rank.size()) fail("low_rank: A and B (and k where dora_of) for each matrix set in low_rank_of, no more");
   if (ids && (ids->shape() != mx::Shape{B} || ids->dtype() != mx::int32)) fail("ids (B,) int32");
   std::vector<mx::array> inputs{x};
   inputs.insert(inputs.end(), weights.begin(), weights.end());

@@ -39,8 +39,9 @@ class DecodeBlock : public mx::Primitive {
   // packed: for weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down), bits
   // 2 (w - 1) .. 2 (w - 1) + 1: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack), 3 MLX's affine 4-bit
   // layout (groups of 32); affine: for such a matrix, bits 3 (w - 1) .. + 2: its scales' ScaleType,
-  // then whether it is symmetric; low_rank: bit w - 1 set where the matrix has a low-rank update
-  // added to its products (an adapter's: decode.cpp's LowRank)
+  // then whether it is symmetric; low_rank: bit m (m of q, k, v, o, gate, up, down) set where the
+  // matrix has a low-rank update added to its products (an adapter's: decode.cpp's LowRank), bit
+  // 7 + m where DoRA's rescale follows it
   DecodeBlock(mx::Stream stream, int rope_dims, bool traditional, bool qkv_bias, int low_rank, float eps,
               float attn_scale, float rope_scale, int packed, int affine)
       : mx::Primitive(stream), rope_dims_(rope_dims), traditional_(traditional), qkv_bias_(qkv_bias),
@@ -128,7 +129,8 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
                                     int rope_dims, bool traditional, float eps, float attn_scale, float rope_scale,
                                     const std::optional<mx::array>& starts, const std::vector<mx::array>& affine = {},
                                     int symmetric = 0, const std::vector<mx::array>& low_rank = {},
-                                    int low_rank_of = 0, const std::optional<mx::array>& ids = std::nullopt,
+                                    int low_rank_of = 0, int dora_of = 0,
+                                    const std::optional<mx::array>& ids = std::nullopt,
                                     mx::StreamOrDevice st = {});
 
 }  // namespace mlxtoy

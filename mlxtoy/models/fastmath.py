@@ -530,7 +530,7 @@ def affine_decode_ok(d_in: int) -> bool:
 def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: list[mx.array], keys: mx.array,
                  values: mx.array, offset: mx.array, starts: mx.array | None, inv_freqs: mx.array,
                  rope_dims: int, traditional: bool, eps: float, attn_scale: float,
-                 rope_scale: float, low_rank: dict[int, tuple[mx.array, mx.array]] | None = None,
+                 rope_scale: float, low_rank: dict[int, tuple[mx.array, mx.array, mx.array | None]] | None = None,
                  ids: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """A pre-norm Llama block's step for T new tokens of each of B rows (x (B, T, D)) as one
     kernel call -> (x, keys, values): weights [attn_norm, q, k, v (per head), o, ffn_norm, gate,
@@ -539,10 +539,11 @@ def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: li
     place (the returned caches share the given ones' buffers: the caller keeps no other use of
     them), and its query attends to slots starts[b]..offset + t (a left-padded batch; None: all
     from 0; a padding slot, before starts[b], sees itself only), at its own position
-    offset + t - starts[b]. low_rank {i: (A (S, r, in), B (S, out, r))}: an update B[s] (A[s] v)
-    added to each row's product by weights[i] (after a bias, before RoPE; an adapter's, its scale
-    in B), s = ids[b] (ids (B,) int32; None: slot 0). The same values as the block's kernels one
-    by one (a low-rank update within float32 rounding of MLX's two products)."""
+    offset + t - starts[b]. low_rank {i: (A (S, r, in), B (S, out, r), k (S, out) or None)}: an
+    update B[s] (A[s] v) added to each row's product by weights[i] (an adapter's, its scale in B),
+    then times k[s] (DoRA's rescale), then a bias, before RoPE; s = ids[b] (ids (B,) int32; None:
+    slot 0). The same values as the block's kernels one by one (a low-rank update within float32
+    rounding of MLX's products)."""
     offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
     if starts is not None and starts.size != x.shape[0]:  # one start for every row
         starts = mx.broadcast_to(starts.reshape(-1), (x.shape[0],))
@@ -553,8 +554,11 @@ def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: li
     low_rank = dict(sorted((low_rank or {}).items()))
     y, keys, values = kernels_module().decode_block(x, weights, biases, keys, values, offset, inv_freqs, rope_dims,
                                       traditional, eps, attn_scale, rope_scale, starts=starts, affine=affine,
-                                      symmetric=symmetric, low_rank=[f for pair in low_rank.values() for f in pair],
+                                      symmetric=symmetric,
+                                      low_rank=[f.astype(mx.float32) for u in low_rank.values() for f in u
+                                                if f is not None],
                                       low_rank_of=sum(1 << i for i in low_rank),
+                                      dora_of=sum(1 << i for i, u in low_rank.items() if u[2] is not None),
                                       ids=None if ids is None else ids.astype(mx.int32))
     return y, keys, values
 
