@@ -31,6 +31,7 @@ from mlxtoy.errors import UserError
 from mlxtoy.models import fastmath
 from mlxtoy.models.adapters import adapter_rows_set
 from mlxtoy.models.cache import KVCache, SlotCache, cache_offset, make_cache, trim_cache
+from mlxtoy.models.lora import dora_adapters, rescales_fixed
 from mlxtoy.sampling import SamplingParams, make_sampler
 
 if TYPE_CHECKING:  # annotations only: importing generate must not pull in HF `tokenizers`, jinja2
@@ -72,13 +73,14 @@ def _forward_last(model, tokens: mx.array, cache: list) -> mx.array:
 
 
 def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], mx.array]:
-    """-> step(tokens (B, 1), cache, packs, head, start (B,), rows) -> logits (B, V): the
+    """-> step(tokens (B, 1), cache, packs, head, start (B,), rows, rescales) -> logits (B, V): the
     one-token forward as one compiled graph, with the position a traced input so the graph is
     reused token after token; packs: per layer, the packed matrices its fused block reads;
     head: [] or [the packed output matrix] (inputs, like the weights); start: each row's first
     cached column that it may see (left-padded rows of a batch, `mlxtoy.engine`; zeros
     otherwise), its own positions counted from there; rows: [] or [each row's adapter slot]
-    for a model serving several adapters at once (`mlxtoy.models.adapters`).
+    for a model serving several adapters at once (`mlxtoy.models.adapters`); rescales: each DoRA
+    adapter's rescale (`lora.dora_adapters`), made once for the generation.
 
     The graph's shapes depend only on the cache buffers' capacity, which grows every
     `KVCache.step` tokens, and on the number of rows (a new trace then, ~50 ms). Building the
@@ -88,11 +90,13 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], 
     function when the model's structure changes, so it is never served a stale trace.
     """
 
-    def forward(tokens, offset, keys, values, packs, head, start, rows):
+    dora = dora_adapters(model)
+
+    def forward(tokens, offset, keys, values, packs, head, start, rows, rescales):
         slots = [SlotCache(k, v, offset, p, start) for k, v, p in zip(keys, values, packs)]
         positions = mx.arange(keys[0].shape[2])
         mask = ((positions <= offset)[None, :] & (positions[None, :] >= start[:, None]))[:, None, None, :]
-        with adapter_rows_set(model, rows[0] if rows else None):
+        with adapter_rows_set(model, rows[0] if rows else None), rescales_fixed(dora, rescales):
             h = model.hidden(tokens, mask=mask, cache=slots)[:, -1, :]
             logits = fastmath.linear_packed(h, head[0]) if head else model.logits(h)
         return logits, [s.keys for s in slots], [s.values for s in slots]
@@ -102,13 +106,13 @@ def _compiled_decode(model) -> Callable[[mx.array, list, list, list, mx.array], 
     traced: set[tuple] = set()  # the input shapes traced for (MLX traces again for new ones)
 
     def step(tokens: mx.array, cache: list, packs: list[dict], head: list, start: mx.array,
-             rows: list) -> mx.array:
+             rows: list, rescales: list) -> mx.array:
         for c in cache:
             c.reserve(1)
         offset = mx.array([cache[0].offset], dtype=mx.int32)
         with fastmath.inference():  # (traced here, on the first call and when shapes change)
             logits, keys, values = compiled(tokens, offset, [c.keys for c in cache],
-                                            [c.values for c in cache], packs, head, start, rows)
+                                            [c.values for c in cache], packs, head, start, rows, rescales)
         # a trace (a new capacity, or rows joining or leaving): the model holds new objects for
         # its weights, which the fused blocks' kept packs are then pinned to
         shapes = (tokens.shape, cache[0].keys.shape, start.shape, tuple(r.shape for r in rows))
@@ -143,8 +147,13 @@ def decoder_for(model) -> Callable[..., mx.array]:
     head = model.decode_head_pack() if hasattr(model, "decode_head_pack") else None
     head = [head] if head is not None and fastmath.FUSED_DECODE else []
     structure = (_structure(model), tuple(tuple(sorted(p)) for p in packs), len(head))
+    # DoRA's rescales, constant while a generation's weights are, made once for its tokens (made
+    # again every token, a 4-bit base's DoRA dequantizes each adapted matrix for its norm)
+    with fastmath.inference():
+        rescales = [m.dora_scale() for m in dora_adapters(model)]
+    mx.eval(rescales)
     kept = vars(model).get("mlxtoy_decoder")
-    if kept is not None and kept[0] == structure and all(a is b for a, b in zip(head, kept[3])) and all(
+    if kept is not None and kept[0] == structure and not rescales and all(a is b for a, b in zip(head, kept[3])) and all(
             p.keys() == q.keys() and all(p[k] is q[k] for k in p) for p, q in zip(packs, kept[2])):
         return kept[4]
     step = kept[1] if kept is not None and kept[0] == structure else _compiled_decode(model)
@@ -154,7 +163,7 @@ def decoder_for(model) -> Callable[..., mx.array]:
     def decode(tokens: mx.array, cache: list, start: mx.array | None = None,
                adapter_rows: mx.array | None = None) -> mx.array:
         return step(tokens, cache, packs, head, first if start is None else start,
-                    [] if adapter_rows is None else [adapter_rows])
+                    [] if adapter_rows is None else [adapter_rows], rescales)
 
     object.__setattr__(model, "mlxtoy_decoder", (structure, step, packs, head, decode))
     return decode

@@ -59,25 +59,16 @@ def added_in(m: nn.Module, plain: nn.Module) -> bool:
     return banked(m) or (m is not plain and affine4(plain))
 
 
-def dora_rescales(modules: list[tuple[nn.Module, nn.Module]]) -> dict[str, mx.array]:
-    """DoRA's rescale m / ||W + scale B A||_row of each DoRA adapter the fused step adds
-    (`added_in`, not a bank's: those keep theirs), (1, out) keyed "dora{i}" (i its index in
-    `modules`): a constant while the weights are, made once for a generation (`Block.decode_packs`)
-    where the step op by op makes it again every token."""
-    return {f"dora{i}": m.dora_scale().reshape(1, -1).astype(mx.float32) for i, (m, plain) in enumerate(modules)
-            if m is not plain and not banked(m) and added_in(m, plain) and "magnitude" in m}
-
-
-def added_updates(modules: list[tuple[nn.Module, nn.Module]], packs: dict[str, mx.array]) -> tuple[
+def added_updates(modules: list[tuple[nn.Module, nn.Module]]) -> tuple[
         dict[int, tuple[mx.array, mx.array, mx.array | None]], mx.array | None]:
     """The low-rank updates the fused step adds inside the call (`added_in`), as
     `fastmath.decode_block` takes them: {index in `modules`: (A (S, r, in), B (S, out, r), DoRA's
-    rescale (S, out) or None)}, a DoRA adapter's rescale from `packs` (`dora_rescales`), and the
-    rows' slots (a bank's ids, (B,); None without a bank: every row one adapter's)."""
+    rescale (S, out) or None: a bank's per slot, an adapter's `rescale()`)}, and the rows' slots
+    (a bank's ids, (B,); None without a bank: every row one adapter's)."""
     updates = {}
     for i, (m, plain) in enumerate(modules):
         if m is not plain and added_in(m, plain):
-            rescale = m.dora_k if "dora_k" in m else packs[f"dora{i}"] if "magnitude" in m else None
+            rescale = m.dora_k if "dora_k" in m else m.rescale().reshape(1, -1) if "magnitude" in m else None
             updates[i] = (*m.factors(), rescale)
     ids = next((m.rows.ids for m, _ in modules if banked(m)), None)
     return updates, ids

@@ -30,8 +30,8 @@ from mlxtoy.models import fastmath
 from mlxtoy.models.cache import KVCache, SlotCache, cache_positions
 from mlxtoy.models.attention import attention
 from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
-from mlxtoy.models.fused_weights import (BLOCK_MATRICES, added_in, added_updates, affine4, banked, dora_rescales,
-                                         kernel_matrix, kept_packs, merged_in, plain_projection, repin_packs)
+from mlxtoy.models.fused_weights import (BLOCK_MATRICES, added_in, added_updates, affine4, banked, kernel_matrix,
+                                         kept_packs, merged_in, plain_projection, repin_packs)
 from mlxtoy.models.prefill import prefill_fits, prefill_route
 
 TAP_SITES = ("attn_norm", "ffn_out", "resid_post")
@@ -374,17 +374,15 @@ class Block(nn.Module):
         """This block's matrices in the form its fused step reads, keyed by their index in
         `fused_weights`: an adapter's merged weight, made now; a plain matrix packed where that
         is lossless (the weights of a Q4_1 or Q8_0 GGUF: `fastmath.pack_lossless`), kept while
-        the weights are the same (see `kept_packs`); and the rescale of a DoRA added in, made now
-        (`dora_rescales`)."""
+        the weights are the same (see `kept_packs`)."""
         modules = modules or self.fused_modules()
         if modules is None:
             return kept_packs(self, None, BLOCK_MATRICES)
         adapted = [i for i in BLOCK_MATRICES if merged_in(*modules[i])]
         packs = kept_packs(self, self.fused_weights(modules), [i for i in BLOCK_MATRICES if i not in adapted
                                                                and not affine4(modules[i][1])])
-        made_now = {**{str(i): modules[i][0].merged_weight() for i in adapted}, **dora_rescales(modules)}
-        if made_now:
-            packs = {**packs, **made_now}
+        if adapted:
+            packs = {**packs, **{str(i): modules[i][0].merged_weight() for i in adapted}}
             mx.eval(packs)
         return packs
 
@@ -452,7 +450,7 @@ class Block(nn.Module):
         weights = [packs[str(i)] if str(i) in packs else m.merged_weight() if merged_in(m, plain)
                    else kernel_matrix(plain, heads.get(i)) for i, (m, plain) in enumerate(modules)]
         offset = mx.array([cache.offset], dtype=mx.int32) if prefill else cache.offset
-        updates, ids = added_updates(modules, packs)
+        updates, ids = added_updates(modules)
         x, cache.keys, cache.values = fastmath.decode_block(
             x, weights, biases, cache.keys, cache.values, offset, cache.starts, a.rope._inv_freqs, a.rope.dims,
             a.rope.traditional, self.attn_norm.eps, a.scale, a.rope.scale, updates, ids)

@@ -22,7 +22,8 @@ flavours for q/k/v:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -121,7 +122,13 @@ class Adapter(nn.Module):
         d = self.delta(x).astype(y.dtype)
         if "magnitude" not in self:
             return y + d
-        return _dora_out(y, d, self.dora_scale(), self.base)
+        return _dora_out(y, d, self.rescale(), self.base)
+
+    def rescale(self) -> mx.array:
+        """DoRA's rescale as the forward applies it: the constant a generation fixed for its
+        tokens (`rescales_fixed`), else `dora_scale()` made now (training: its gradient flows)."""
+        fixed = vars(self).get("mlxtoy_rescale")
+        return fixed if fixed is not None else self.dora_scale()
 
     def factors(self) -> tuple[mx.array, mx.array]:
         """The update x A^T B^T as the fused decode block adds it (`fastmath.decode_block`'s
@@ -268,6 +275,26 @@ def merged_weight(layer: nn.Module, w: mx.array) -> mx.array:
 
 def is_dora(layer: nn.Module) -> bool:
     return isinstance(layer, LORA_TYPES) and "magnitude" in layer
+
+
+def dora_adapters(model: nn.Module) -> list[Adapter]:
+    """The model's DoRA adapters, in module order: each rescale a generation can fix."""
+    return [m for _, m in model.named_modules() if isinstance(m, Adapter) and "magnitude" in m]
+
+
+@contextmanager
+def rescales_fixed(adapters: list[Adapter], rescales: list[mx.array]) -> Iterator[None]:
+    """Inside, each of `adapters` applies its given rescale (`Adapter.rescale`), not one made
+    again: a generation's tokens, for which the adapters' weights do not change, take the
+    rescales made once (`dora_scale()`, which a 4-bit base's DoRA makes by dequantizing the whole
+    matrix for its norm)."""
+    for m, k in zip(adapters, rescales):
+        object.__setattr__(m, "mlxtoy_rescale", k)
+    try:
+        yield
+    finally:
+        for m in adapters:
+            object.__setattr__(m, "mlxtoy_rescale", None)
 
 
 def resolve_layers(layers: Iterable[int] | None, n_layers: int) -> list[int]:
