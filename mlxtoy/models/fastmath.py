@@ -1,10 +1,9 @@
 """Elementwise and row-wise maths that MLX's CPU backend computes slowly.
 
-On CPU, MLX's `exp` (and so `sigmoid` and SiLU) runs at ~15-20 ns per element: in a SmolLM2
-training step SiLU alone costs about as much as a third of the FFN GEMMs. A range-reduced
-polynomial exp (Cody-Waite reduction, degree-6 Taylor on |r| <= ln2/2; relative error ~3e-7,
-i.e. float32 rounding level), compiled so the whole SiLU fuses into one kernel, is ~5x faster.
-Used on CPU only; Metal and CUDA have fast transcendental units.
+On CPU, MLX's `exp` (and so `sigmoid` and SiLU) is slow; a range-reduced polynomial exp
+(Cody-Waite reduction, degree-6 Taylor on |r| <= ln2/2; float32 rounding level), compiled so the
+whole SiLU fuses into one kernel, replaces it (docs/performance.md). Used on CPU only; Metal and
+CUDA have fast transcendental units.
 
 Where the compiled kernels of `kernels/` (the `mlxtoy_kernels` package, MLX primitives in C++)
 are installed, float32 CPU work goes through them instead: MLX runs its CPU elementwise and
@@ -23,7 +22,6 @@ from typing import Iterator, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-
 import numpy as np
 
 from mlxtoy import backend, routes, settings
@@ -539,11 +537,10 @@ def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: li
     place (the returned caches share the given ones' buffers: the caller keeps no other use of
     them), and its query attends to slots starts[b]..offset + t (a left-padded batch; None: all
     from 0; a padding slot, before starts[b], sees itself only), at its own position
-    offset + t - starts[b]. low_rank {i: (A (S, r, in), B (S, out, r), k (S, out) or None)}: an
-    update B[s] (A[s] v) added to each row's product by weights[i] (an adapter's, its scale in B),
-    then times k[s] (DoRA's rescale), then a bias, before RoPE; s = ids[b] (ids (B,) int32; None:
-    slot 0). The same values as the block's kernels one by one (a low-rank update within float32
-    rounding of MLX's products)."""
+    offset + t - starts[b]. low_rank {i: (A (S, r, in), B (S, out, r), k (S, out) or None)}: B[s] (A[s] v)
+    added to each row's product by weights[i] (an adapter's, its scale in B), then times k[s]
+    (DoRA), then a bias, before RoPE; s = ids[b] (ids (B,) int32; None: slot 0). The same values
+    as the block's kernels one by one (a low-rank update within rounding of MLX's products)."""
     offset = offset.reshape(1) if offset.dtype == mx.int32 else offset.astype(mx.int32).reshape(1)
     if starts is not None and starts.size != x.shape[0]:  # one start for every row
         starts = mx.broadcast_to(starts.reshape(-1), (x.shape[0],))
@@ -552,15 +549,11 @@ def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: li
     symmetric = sum(1 << i for i, w in enumerate(weights) if isinstance(w, AffineMatrix) and w.symmetric)
     weights = [w.words if isinstance(w, AffineMatrix) else w for w in weights]
     low_rank = dict(sorted((low_rank or {}).items()))
-    y, keys, values = kernels_module().decode_block(x, weights, biases, keys, values, offset, inv_freqs, rope_dims,
-                                      traditional, eps, attn_scale, rope_scale, starts=starts, affine=affine,
-                                      symmetric=symmetric,
-                                      low_rank=[f.astype(mx.float32) for u in low_rank.values() for f in u
-                                                if f is not None],
-                                      low_rank_of=sum(1 << i for i in low_rank),
-                                      dora_of=sum(1 << i for i, u in low_rank.items() if u[2] is not None),
-                                      ids=None if ids is None else ids.astype(mx.int32))
-    return y, keys, values
+    factors = [f.astype(mx.float32) for u in low_rank.values() for f in u if f is not None]
+    return tuple(kernels_module().decode_block(
+        x, weights, biases, keys, values, offset, inv_freqs, rope_dims, traditional, eps, attn_scale, rope_scale,
+        starts=starts, affine=affine, symmetric=symmetric, low_rank=factors, low_rank_of=sum(1 << i for i in low_rank),
+        dora_of=sum(1 << i for i, u in low_rank.items() if u[2] is not None), ids=ids))
 
 
 # --- optimizer ---------------------------------------------------------------------------------

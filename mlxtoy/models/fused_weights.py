@@ -70,7 +70,7 @@ def added_updates(modules: list[tuple[nn.Module, nn.Module]]) -> tuple[
         if m is not plain and added_in(m, plain):
             rescale = m.dora_k if "dora_k" in m else m.rescale().reshape(1, -1) if "magnitude" in m else None
             updates[i] = (*m.factors(), rescale)
-    ids = next((m.rows.ids for m, _ in modules if banked(m)), None)
+    ids = next((m.rows.ids.astype(mx.int32) for m, _ in modules if banked(m)), None)
     return updates, ids
 
 
