@@ -48,7 +48,7 @@ namespace {
 // inputs: x, the nine weights (attn_norm, q, k, v, o, ffn_norm, gate, up, down), keys, values,
 // offset, starts, inv_freqs, then the q/k/v biases if any, then each affine 4-bit matrix's scales
 // and biases, in the order of the matrices, then (any low-rank update) the rows' slots and each
-// update's A and B, in the order of the matrices
+// update's A and B (and DoRA's k), in the order of the matrices
 enum { kX = 0, kAttnNorm, kQ, kK, kV, kO, kFfnNorm, kGate, kUp, kDown, kKeys, kValues, kOffset, kStarts, kInvFreqs,
        kBiasQ };
 
@@ -59,9 +59,9 @@ HOT float dot_row(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
-// An adapter's low-rank update of one matrix's products, added inside the block: a LoRA bank's
-// (each row reads its own adapter) or a LoRA's around a 4-bit base (merged, it would be a float32
-// copy of that matrix). Row r of slot s gets B[s] (A[s] v_r), A (S, rank, in), B (S, out, rank)
+// An adapter's low-rank update of one matrix's products, added inside the block: a bank's (each
+// row reads its own adapter) or a LoRA's or DoRA's around a 4-bit base (merged, it would be a
+// float32 copy of that matrix). Row r of slot s gets B[s] (A[s] v_r), A (S, rank, in), B (S, out, rank)
 // with the adapter's scale in B; s = ids[r / T], or 0 for every row where S is 1. DoRA: the sum
 // then times k[s] (S, out), its rescale m / ||W + scale B A||_row (a constant at inference).
 struct LowRank {
