@@ -70,7 +70,7 @@ class AdapterBank(nn.Module):
     def factors(self) -> tuple[mx.array, mx.array]:
         """The slots' updates as the fused decode block adds them to each row's product
         (`fastmath.decode_block`'s low_rank, the rows' slots its ids): A (S, r, in), B (S, out, r),
-        float32 (DoRA's rescale is not an addition)."""
+        float32 (a DoRA bank's rescale, `dora_k`, then multiplies the sum)."""
         return self.lora_a.astype(mx.float32), self.lora_b.astype(mx.float32)
 
     def row_update(self, x: mx.array) -> mx.array:

@@ -279,7 +279,7 @@ def is_dora(layer: nn.Module) -> bool:
 
 def dora_adapters(model: nn.Module) -> list[Adapter]:
     """The model's DoRA adapters, in module order: each rescale a generation can fix."""
-    return [m for _, m in model.named_modules() if isinstance(m, Adapter) and "magnitude" in m]
+    return [m for _, m in model.named_modules() if is_dora(m)]
 
 
 @contextmanager
