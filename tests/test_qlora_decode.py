@@ -58,19 +58,22 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
     """1-4 rows of x (the GEMV; 67 rows of W: a tail past the passes of 4 rows; 20 groups of 32:
     a tail past the bias dot's 16 lanes) against float64, and one changed weight is seen. 4 bits
     in groups of 32 (a Q4_0/Q4_1 GGUF's) take the VNNI form where the CPU has it: x rounded to 16
-    bits per group, within that rounding's bound; the rest float32 sums, within a few eps."""
-    q, scales, biases = _quantized(67, 640, bits, group, dtype, seed=bits + group)
-    dense = _dense64(q, scales, biases, group, bits)
+    bits per group, within that rounding's bound; the rest float32 sums, within a few eps. 4 bits
+    in groups of 32 also at widths whose last VNNI block of 4 groups holds 1, 2 or 3 (544, 576 as
+    SmolLM2's, 608)."""
     rng = np.random.default_rng(7)
-    for rows in (1, 2, 3, 4):
-        x = rng.standard_normal((rows, 640)).astype(np.float32)
-        y = quant.quant_linear(mx.array(x[:, None]), q, scales, biases, group, bits)  # (rows, 1, 67)
-        assert y.shape == (rows, 1, 67) and y.dtype == mx.float32
-        # float32 sums of 640 terms: within a few eps of sum |x_k w_k|
-        bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
-        if (bits, group) == (4, 32):
-            bound = bound + _x_rounding_bound(x, q, scales, biases, group)
-        assert (np.abs(np.array(y)[:, 0] - x.astype(np.float64) @ dense.T) <= bound).all()
+    for width in (640, 544, 576, 608) if (bits, group) == (4, 32) else (640,):
+        q, scales, biases = _quantized(67, width, bits, group, dtype, seed=bits + group)
+        dense = _dense64(q, scales, biases, group, bits)
+        for rows in (1, 2, 3, 4):
+            x = rng.standard_normal((rows, width)).astype(np.float32)
+            y = quant.quant_linear(mx.array(x[:, None]), q, scales, biases, group, bits)  # (rows, 1, 67)
+            assert y.shape == (rows, 1, 67) and y.dtype == mx.float32
+            # float32 sums of `width` terms: within a few eps of sum |x_k w_k|
+            bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
+            if (bits, group) == (4, 32):
+                bound = bound + _x_rounding_bound(x, q, scales, biases, group)
+            assert (np.abs(np.array(y)[:, 0] - x.astype(np.float64) @ dense.T) <= bound).all()
     # positive control: one word of row 66 (the tail) changed -> that output, and only it, moves
     bad = np.array(q)
     bad[66, 3] ^= 0x0F0F0F0F if bits == 4 else 0x7F7F7F7F
@@ -83,19 +86,20 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
 @needs_kernels
 @pytest.mark.core
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_a_prompt_takes_the_rounded_gemv_at_inference(symmetric):
+@pytest.mark.parametrize("width", [640, 576])
+def test_a_prompt_takes_the_rounded_gemv_at_inference(symmetric, width):
     """At inference a prompt's rows (more than decoding's 4; 5 to 37: tails past the fours and the
     tiles of 16 rows of W) take the 4-bit GEMV too (the VNNI form, or AVX2's integer form; these
     products are too small to be measured against the slabs), within x's 16-bit rounding of
     float64; outside inference, or past the most rows the form takes, the exact slab product; a
-    changed weight moves its output only."""
-    q, scales, biases = _quantized(67, 640, 4, 32, mx.float16, seed=11)
+    changed weight moves its output only. 576: a partial last VNNI block (SmolLM2's width)."""
+    q, scales, biases = _quantized(67, width, 4, 32, mx.float16, seed=11)
     if symmetric:  # Q4_0's blocks: levels - 8 times the scale
         biases = (-8 * scales.astype(mx.float32)).astype(mx.float16)
     dense = _dense64(q, scales, biases, 32, 4)
     rng = np.random.default_rng(12)
     for rows in (5, 9, 37):
-        x = rng.standard_normal((rows, 640)).astype(np.float32)
+        x = rng.standard_normal((rows, width)).astype(np.float32)
         want = x.astype(np.float64) @ dense.T
         eps = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
         with fastmath.inference():
@@ -105,9 +109,11 @@ def test_a_prompt_takes_the_rounded_gemv_at_inference(symmetric):
         assert (np.abs(y - want) <= eps + _x_rounding_bound(x, q, scales, biases, 32)).all()
         if fastmath.quant_vnni() or fastmath.kernels_module().quant_x16_ok():  # rounded: not the slab product's
             assert np.abs(y - exact).max() > 0
-    most = fastmath.kernels_module().quant_gemv_max_rows(640, 32, 4)
+    most = fastmath.kernels_module().quant_gemv_max_rows(width, 32, 4)
+    # a partial last block takes the form whole blocks take (VNNI's bound, not AVX2's)
+    assert most == fastmath.kernels_module().quant_gemv_max_rows(640, 32, 4)
     if most > 4:  # past the most rows the rounded form takes: the slabs
-        many = mx.array(rng.standard_normal((most + 1, 640)).astype(np.float32))
+        many = mx.array(rng.standard_normal((most + 1, width)).astype(np.float32))
         with fastmath.inference():
             y_many = quant.quant_linear(many, q, scales, biases, 32, 4, symmetric)
         np.testing.assert_array_equal(np.array(y_many), np.array(quant.quant_linear(many, q, scales, biases, 32, 4)))

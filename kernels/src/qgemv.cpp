@@ -222,11 +222,66 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
 // elements, low bytes of the even, then the odd), xscale on its group's 4 lanes, and (symmetric)
 // 8 sum(x16_g) on the group's first lane
 struct VnniX {
-  const int8_t* bytes;  // (M, K / 128, 4, 64)
-  const float* xsl;     // (M, K / 8)
-  const int32_t* corr;  // (M, K / 8)
+  const int8_t* bytes;  // (M, blocks, 4, 64), blocks = vnni_blocks(K); a partial block's missing groups 0
+  const float* xsl;     // (M, blocks * 16)
+  const int32_t* corr;  // (M, blocks * 16)
   const float* sums;    // (M, K / 32): sum(x_g)
 };
+
+// the 4 scales of block blk of a row whose last block holds only `groups` (< 4) groups: those, then
+// zeros (the row's end is not read past; a zero scale times the missing groups' zero products)
+template <ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m128 load4_tail(const void* p, int64_t blk,
+                                                                                   int64_t groups) {
+  alignas(16) char part[16] = {};
+  std::memcpy(part, static_cast<const char*>(p) + 4 * blk * scale_bytes(T), groups * scale_bytes(T));
+  return load4<T>(part, 0);
+}
+
+// Block blk of the pass's R rows against its M rows of x, into acc; Tail: the row's partial last
+// block (its `tail_groups` groups' 16 bytes each, the rest of the vector zeros), a form of its own
+// so that whole blocks' loop holds no test
+template <int M, int R, ScaleType T, bool Sym, bool Tail>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inline)) inline void vnni_block(
+    const VnniX& x, const uint8_t* q, const char* s, int64_t K, int64_t blk, int64_t tail_groups, __m512 (&acc)[R][M]) {
+  constexpr int64_t elem = scale_bytes(T);
+  const int64_t groups = K / 32, row_bytes = K / 2, ahead = kVnniAheadPasses * R, blocks = vnni_blocks(K);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  // x's vectors of the block, read once for the pass's R rows
+  __m512i xv[M][4], xc[M];
+  __m512 xsl[M];
+  for (int m = 0; m < M; ++m) {
+    const int8_t* xb = x.bytes + (m * blocks + blk) * 256;
+    for (int i = 0; i < 4; ++i) xv[m][i] = _mm512_loadu_si512(xb + 64 * i);
+    xsl[m] = _mm512_loadu_ps(x.xsl + (m * blocks + blk) * 16);
+    if constexpr (Sym) xc[m] = _mm512_loadu_si512(x.corr + (m * blocks + blk) * 16);
+  }
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* qb = q + r * row_bytes + blk * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(qb + ahead * row_bytes), _MM_HINT_T1);
+    __m512i v;
+    __m128 s4;
+    if constexpr (Tail) {
+      v = _mm512_maskz_loadu_epi8((__mmask64{1} << (16 * tail_groups)) - 1, qb);
+      s4 = load4_tail<T>(s + r * groups * elem, blk, tail_groups);
+    } else {
+      v = _mm512_loadu_si512(qb);
+      s4 = load4<T>(s + r * groups * elem, 4 * blk);
+    }
+    const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    for (int m = 0; m < M; ++m) {
+      __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][0]);
+      __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][1]);
+      dh = _mm512_dpbusd_epi32(dh, hi, xv[m][2]);
+      dl = _mm512_dpbusd_epi32(dl, hi, xv[m][3]);
+      __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+      if constexpr (Sym) d = _mm512_sub_epi32(d, xc[m]);
+      acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xsl[m]), sv, acc[r][m]);
+    }
+  }
+}
 
 // scales (and biases, unless symmetric) read in their own type T (no widened copy: prefetched
 // with the words)
@@ -235,45 +290,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void
     const VnniX& x, const uint8_t* q, const char* s, const char* b, float* y, int64_t N, int64_t K) {
   constexpr int64_t elem = scale_bytes(T);
   // prefetched into L2 (into L1 they evicted the pass's own lines), two passes ahead
-  const int64_t groups = K / 32, row_bytes = K / 2, ahead = kVnniAheadPasses * R;
+  const int64_t groups = K / 32, ahead = kVnniAheadPasses * R;
   for (int r = 0; r < R; ++r)  // the rows' scales and biases
     for (int64_t o = 0; o < groups * elem; o += 64) {
       _mm_prefetch(s + (r + ahead) * groups * elem + o, _MM_HINT_T1);
       if constexpr (!Sym) _mm_prefetch(b + (r + ahead) * groups * elem + o, _MM_HINT_T1);
     }
-  const __m512i low4 = _mm512_set1_epi8(15);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  const int64_t blocks = K / kVnniBlock;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    // x's vectors of the block, read once for the pass's R rows
-    __m512i xv[M][4], xc[M];
-    __m512 xsl[M];
-    for (int m = 0; m < M; ++m) {
-      const int8_t* xb = x.bytes + (m * blocks + blk) * 256;
-      for (int i = 0; i < 4; ++i) xv[m][i] = _mm512_loadu_si512(xb + 64 * i);
-      xsl[m] = _mm512_loadu_ps(x.xsl + m * (K / 8) + blk * 16);
-      if constexpr (Sym) xc[m] = _mm512_loadu_si512(x.corr + m * (K / 8) + blk * 16);
-    }
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* qb = q + r * row_bytes + blk * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(qb + ahead * row_bytes), _MM_HINT_T1);
-      const __m512i v = _mm512_loadu_si512(qb);
-      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(load4<T>(s + r * groups * elem, 4 * blk)));
-      for (int m = 0; m < M; ++m) {
-        __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][0]);
-        __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][1]);
-        dh = _mm512_dpbusd_epi32(dh, hi, xv[m][2]);
-        dl = _mm512_dpbusd_epi32(dl, hi, xv[m][3]);
-        __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
-        if constexpr (Sym) d = _mm512_sub_epi32(d, xc[m]);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xsl[m]), sv, acc[r][m]);
-      }
-    }
-  }
+  const int64_t full = K / kVnniBlock, tail_groups = (K % kVnniBlock) / 32;
+  for (int64_t blk = 0; blk < full; ++blk) vnni_block<M, R, T, Sym, false>(x, q, s, K, blk, 0, acc);
+  if (tail_groups) vnni_block<M, R, T, Sym, true>(x, q, s, K, full, tail_groups, acc);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float total = _mm512_reduce_add_ps(acc[r][m]);
@@ -331,7 +359,7 @@ void qgemv4_vnni(bool symmetric, int64_t M, const VnniX& x, const uint32_t* w, c
 // rows are shared out, where a scalar loop took as long as a small matrix's whole product.
 __attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, int64_t M, int64_t K, int8_t* bytes,
                                                               float* xsl, int32_t* corr, float* sums) {
-  const int64_t blocks = K / kVnniBlock;
+  const int64_t blocks = vnni_blocks(K);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512 lim = _mm512_set1_ps(kX16), nlim = _mm512_set1_ps(-kX16);
@@ -341,6 +369,13 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, i
       int8_t* out = bytes + (m * blocks + blk) * 256;
       const float* xb = x + m * K + blk * kVnniBlock;
       for (int j = 0; j < 4; ++j) {
+        float* sl = xsl + (m * blocks + blk) * 16 + 4 * j;
+        int32_t* cr = corr + (m * blocks + blk) * 16 + 4 * j;
+        if (blk * kVnniBlock + 32 * j >= K) {  // a group past the row's end (a partial block): zeros
+          for (int i = 0; i < 4; ++i) std::memset(out + 64 * i + 16 * j, 0, 16);
+          std::fill(sl, sl + 4, 0.0f), std::fill(cr, cr + 4, 0);
+          continue;
+        }
         const __m512 v0 = _mm512_loadu_ps(xb + 32 * j), v1 = _mm512_loadu_ps(xb + 32 * j + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float scale = amax > 0.0f ? amax / kX16 : 1.0f, inv = 1.0f / scale;
@@ -364,10 +399,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, i
                          _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], odd, lo[1])));
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r[0], r[1]));
         sums[m * (K / 32) + blk * 4 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-        for (int l = 0; l < 4; ++l) {
-          xsl[m * (K / 8) + blk * 16 + 4 * j + l] = scale;
-          corr[m * (K / 8) + blk * 16 + 4 * j + l] = l == 0 ? 8 * sum : 0;
-        }
+        for (int l = 0; l < 4; ++l) sl[l] = scale, cr[l] = l == 0 ? 8 * sum : 0;
       }
     }
 }
@@ -467,7 +499,7 @@ bool cpu_vnni() {
 }
 
 bool vnni_form(int64_t K, int64_t group, int bits) {
-  return bits == 4 && group == 32 && K % kVnniBlock == 0 && cpu_vnni();
+  return bits == 4 && group == 32 && K % 32 == 0 && cpu_vnni();
 }
 
 // the AVX2 integer form (qgemv_x16.h) where the VNNI form does not run
@@ -495,15 +527,18 @@ void QuantRows::reserve(int64_t M, int64_t K) {
   vnni_ = vnni_form(K, 32, 4), K_ = K;
   sums_.resize(M * K / 32);
   steps_.resize(vnni_ ? 0 : M * K / 32), x16_.resize(vnni_ ? 0 : M * K);
-  bytes_.resize(vnni_ ? 2 * M * K : 0), xsl_.resize(vnni_ ? M * K / 8 : 0), corr_.resize(vnni_ ? M * K / 8 : 0);
+  const int64_t blocks = vnni_blocks(K);
+  bytes_.resize(vnni_ ? M * blocks * 256 : 0), xsl_.resize(vnni_ ? M * blocks * 16 : 0);
+  corr_.resize(vnni_ ? M * blocks * 16 : 0);
 }
 
 void QuantRows::prepare(const float* x, int64_t m0, int64_t m1) {
 #ifdef MLXTOY_AVX2
   const int64_t K = K_, groups = K / 32;
   if (vnni_) {
-    vnni_x(x + m0 * K, m1 - m0, K, bytes_.data() + m0 * 2 * K, xsl_.data() + m0 * (K / 8),
-           corr_.data() + m0 * (K / 8), sums_.data() + m0 * groups);
+    const int64_t blocks = vnni_blocks(K);
+    vnni_x(x + m0 * K, m1 - m0, K, bytes_.data() + m0 * blocks * 256, xsl_.data() + m0 * blocks * 16,
+           corr_.data() + m0 * blocks * 16, sums_.data() + m0 * groups);
     return;
   }
   round_x16(x + m0 * K, m1 - m0, K, x16_.data() + m0 * K, steps_.data() + m0 * groups);
@@ -529,8 +564,9 @@ void QuantRows::products(int64_t m0, int64_t count, const uint32_t* w, const voi
 #ifdef MLXTOY_AVX2
   const int64_t K = K_, groups = K / 32;
   if (vnni_) {
-    const VnniX x{bytes_.data() + m0 * 2 * K, xsl_.data() + m0 * (K / 8), corr_.data() + m0 * (K / 8),
-                  sums_.data() + m0 * groups};
+    const int64_t blocks = vnni_blocks(K);
+    const VnniX x{bytes_.data() + m0 * blocks * 256, xsl_.data() + m0 * blocks * 16,
+                  corr_.data() + m0 * blocks * 16, sums_.data() + m0 * groups};
     if (st == ScaleType::F16) qgemv4_vnni<ScaleType::F16>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
     else if (st == ScaleType::BF16) qgemv4_vnni<ScaleType::BF16>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
     else qgemv4_vnni<ScaleType::F32>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);

@@ -16,6 +16,9 @@ namespace mx = mlx::core;
 constexpr int64_t kGemvRows = 4;
 constexpr int64_t kChunk = 32;  // weights a step of the loops (16 bytes at 4 bits, 32 at 8)
 constexpr int64_t kVnniBlock = 128;  // weights of a row a block: 4 groups of 32
+// a row's VNNI blocks: the last one partial where K is not a whole number of blocks (SmolLM2's 576
+// and 960 are 4.5 and 7.5), its missing groups read as zeros
+constexpr int64_t vnni_blocks(int64_t K) { return (K + kVnniBlock - 1) / kVnniBlock; }
 // Up to this many rows of x (a prompt, at inference) the VNNI form, compute-bound past a few rows,
 // may beat dequantizing slabs for the SGEMM (docs/performance.md, "Decoding from a quantized
 // base"), and the AVX2 integer form, compute-bound sooner (even with the slabs near 48 rows on a
