@@ -337,6 +337,27 @@ def test_gemv_vs_numpy(K_):
     np.testing.assert_allclose(y3, x3 @ w.T, rtol=0, atol=2e-5)
 
 
+def test_rows_against_a_packed_matrix_sum_as_they_do_anywhere_in_the_batch():
+    """Several rows of x against a packed (lossless) matrix: its rows unpacked, then 4 rows of W
+    against 4 rows of x a pass, whose 16 sums are reduced at once, and the tail rows of x (here 3)
+    one reduction at a time. A row of x gets the same bits wherever it sits in the batch, and
+    float32 sums of float64's products."""
+    r = rng(21)
+    K_, N = 576, 203  # 203: passes of 4 rows of W and a tail
+    levels = r.integers(-127, 128, (N, K_)).astype(np.float32)
+    levels[:, ::32] = 127  # each block's largest: d = that / 127, as the packer finds it
+    d = r.uniform(1e-3, 1e-2, (N, K_ // 32)).astype(np.float16).astype(np.float32)
+    w = np.repeat(d, 32, axis=1) * levels  # a Q8_0 grid (float16 scales): packed losslessly
+    packed, ok = K.pack(arr(w), 8)
+    assert ok.item()
+    x = r.standard_normal((7, K_)).astype(np.float32)
+    y = np_(K.gemv_packed(arr(x), packed))
+    np.testing.assert_allclose(y, x.astype(f64) @ w.astype(f64).T, rtol=0, atol=2e-5)
+    for shift in range(1, 7):  # every row through the 4 x 4 pass and through the tail
+        moved = np_(K.gemv_packed(arr(np.roll(x, shift, axis=0)), packed))
+        assert np.array_equal(moved, np.roll(y, shift, axis=0))
+
+
 def test_fastmath_linear_gradient():
     r = rng(13)
     x, w, g = arr(r.standard_normal((1, 1, 96))), arr(r.standard_normal((200, 96)) / 10), arr(r.standard_normal((1, 1, 200)))
