@@ -265,9 +265,16 @@ __attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x,
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
   }
-  if constexpr (R == 4 && MR == 4) {  // lane 4 m + r: acc[r][m]'s sum
+  if constexpr ((R == 4 || R == 6) && MR == 4) {  // lane 4 m + r: acc[r][m]'s sum
     const __m512 all = sums16(reinterpret_cast<const __m512(&)[16]>(acc));
     for (int m = 0; m < MR; ++m) _mm_storeu_ps(y + m * N, _mm512_extractf32x4_ps(all, m));
+    if constexpr (R == 6) {  // rows 4 and 5 of W: lanes 4 m and 4 m + 1 of their fold
+      const __m512 z = _mm512_setzero_ps();
+      const __m512 rest[16] = {acc[4][0], acc[4][1], acc[4][2], acc[4][3], acc[5][0], acc[5][1], acc[5][2], acc[5][3],
+                               z, z, z, z, z, z, z, z};
+      const __m512 two = sums16(rest);
+      for (int m = 0; m < MR; ++m) _mm_storel_pi(reinterpret_cast<__m64*>(y + m * N + 4), _mm512_extractf32x4_ps(two, m));
+    }
   } else {
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < R; ++r) y[m * N + r] = sum16(acc[r][m]);
