@@ -19,7 +19,8 @@
 #
 # The host's CPU, another x86 kind (issue 43: routes measured on the user's machine): MLX's CPU wheel,
 # MKL and OpenBLAS, the kernels built here for Python 3.12; 135M LoRA against torch + peft and mlx-lm
-# on every core and on two, 1B LoRA, each BLAS, full fine-tuning, decoding against llama.cpp, and the
+# on every core and on two, 1B LoRA, each BLAS, full fine-tuning, the step's parts on every core and
+# on two (bench/profile_step.py: which do not scale), decoding against llama.cpp, and the
 # kernels' tests there (AVX-512 forms this 2-core AVX2 box cannot run):
 #   PY312=python3.12 bash bench/gpu_check.sh cpukit   # here, once: .gpu/mkl (~50 MB), .gpu/cpu and the common parts
 #   bash bench/gpu_check.sh cpu1   # there (carry .gpu/mkl): the CPU; MKL into ~/.local/lib, one SGEMM to check it loads
@@ -262,6 +263,9 @@ cpu2)
   step "135M full fine-tuning, every core"
   TAIL=5 run full-135m 100 $PY bench/bench_train.py --methods full --rounds 1 --steps 6 --work "$WORK" \
     --model "$WORK/random-135m-hf" --tools mlxtoy,torch
+  step "where a 135M LoRA step's time goes, every core and 2 cores: the parts that do not scale"
+  TAIL=9 run profile-all 90 $PY bench/profile_step.py --model "$WORK/random-135m-hf"
+  TAIL=9 run profile-2cores 120 taskset -c "$two" $PY bench/profile_step.py --model "$WORK/random-135m-hf"
   step "decoding the 1B's Q4_0 GGUF: mlxtoy, llama.cpp on every core"
   run gguf-1b 100 $PY bench/bench_scale.py --work "$WORK" --tokenizer "$KIT/tok" --write-gguf 1b
   TAIL=4 run decode-1b 100 $PY bench/bench_decode_scale.py --models "$WORK/random-1b-q4_0.gguf" --engines mlxtoy,llama.cpp \

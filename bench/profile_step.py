@@ -1,11 +1,14 @@
 """Where a SmolLM2 LoRA training step spends its time (batch 4 x 256, float32 on CPU, the BLAS threads
 it is given): the whole compiled step, then its parts timed alone (min of 5 runs; the parts
-overlap and do not add up exactly).
+overlap and do not add up exactly). Run it on every core and under `taskset` on a few: the parts
+whose time does not fall with the cores are what bounds a many-core machine.
 
-    python bench/profile_step.py
+    python bench/profile_step.py [--model smollm2-135m]   # a GGUF, a Hugging Face folder or a
+                                                          # built-in name of SmolLM2-135M's shapes
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import mlxtoy  # noqa: F401  (fast BLAS first)
@@ -22,8 +25,11 @@ from mlxtoy.train.logprobs import OutputWeights, output_cross_entropy
 from mlxtoy.train.objectives import sft_loss
 from mlxtoy.train.step import Stepper, make_optimizer
 from mlxtoy.train.data import Batch
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--model", default="smollm2-135m")
+args = ap.parse_args()
 B, T = 4, 256
-model, _ = load("smollm2-135m", dtype=mx.float32)
+model, _ = load(args.model, dtype=mx.float32)
 base_ws = [v.reshape(-1, v.shape[-1]) for k, v in tree_flatten(model.parameters()) if v.ndim >= 2 and k.startswith("layers.")]
 apply_lora(model, ["q", "v"], 8, 16.0); mx.eval(model.parameters())
 cfg = TrainConfig(model="x", method="lora", steps=100, batch_size=B, seq_len=T, lr=1e-4, schedule="constant", grad_clip=0)
