@@ -1,0 +1,238 @@
+// The 4-bit GEMV's integer form for CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later), included
+// by qgemv.cpp alone: x rounded to 16 bits per group and laid out in byte vectors once a call
+// (`vnni_x`), then any range of W's rows against up to 4 rows of x a pass (`qgemv4_vnni`).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "loops.h"
+#include "qgemv.h"
+#include "qgemv_x16.h"  // kX16
+
+#ifdef MLXTOY_AVX2
+namespace mlxtoy {
+
+// 4 bits, groups of 32, with AVX-512 VNNI: unsigned-by-signed byte products, four to a 32-bit
+// lane (vpdpbusd), the nibbles as they are read. x is rounded to 16 bits per group of 32
+// (x ~ xscale_g * x16, xscale_g = max |x_g| / 32639: each input within 1 / 65278 of its group's
+// largest) and x16 split into two signed bytes, x16 = 256 xh + xl, so a group's q . x16 is
+// 256 (q . xh) + (q . xl), exact in int32 (|q . x16| <= 32 * 15 * 32639 < 2^24: its float is exact
+// too), and
+//   y = sum_g scale_g xscale_g (q . x16)_g + bias_g sum(x_g)   (sum(x_g) from x itself).
+// A block of 4 groups (64 bytes of a row) gives two vectors, the low nibbles (x's even elements)
+// and the high ones (the odd), and four byte products; lane l holds bytes 4l..4l+3, all of group
+// l / 4, so one multiply-add scales 4 groups. Where the biases are -8 scales (a Q4_0 block:
+// `symmetric`) they are not read: -8 sum(x16_g) goes into the integer sum, and a weight costs 4.5
+// bits of memory where it costs 5 with biases (float16).
+constexpr int64_t kVnniAheadPasses = 2;
+
+// 4 (or 16) scales or biases of type T from p as float32 (T: float, or uint16_t holding float16
+// (F16 true) or bfloat16 bits)
+template <ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m128 load4(const void* p, int64_t i) {
+  if constexpr (T == ScaleType::F32) return _mm_loadu_ps(static_cast<const float*>(p) + i);
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  if constexpr (T == ScaleType::F16) return _mm_cvtph_ps(h);
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
+template <ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const void* p, int64_t i, __mmask16 k) {
+  if constexpr (T == ScaleType::F32) return _mm512_maskz_loadu_ps(k, static_cast<const float*>(p) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(p) + i);
+  if constexpr (T == ScaleType::F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x as vnni_x lays it out: per row of x and block, the 4 byte vectors (high bytes of the even
+// elements, low bytes of the even, then the odd), xscale on its group's 4 lanes, and (symmetric)
+// 8 sum(x16_g) on the group's first lane
+struct VnniX {
+  const int8_t* bytes;  // (M, blocks, 4, 64), blocks = vnni_blocks(K); a partial block's missing groups 0
+  const float* xsl;     // (M, blocks * 16)
+  const int32_t* corr;  // (M, blocks * 16)
+  const float* sums;    // (M, K / 32): sum(x_g)
+};
+
+// the 4 scales of block blk of a row whose last block holds only `groups` (< 4) groups: those, then
+// zeros (the row's end is not read past; a zero scale times the missing groups' zero products)
+template <ScaleType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m128 load4_tail(const void* p, int64_t blk,
+                                                                                   int64_t groups) {
+  alignas(16) char part[16] = {};
+  std::memcpy(part, static_cast<const char*>(p) + 4 * blk * scale_bytes(T), groups * scale_bytes(T));
+  return load4<T>(part, 0);
+}
+
+// Block blk of the pass's R rows against its M rows of x, into acc; Tail: the row's partial last
+// block (its `tail_groups` groups' 16 bytes each, the rest of the vector zeros), a form of its own
+// so that whole blocks' loop holds no test
+template <int M, int R, ScaleType T, bool Sym, bool Tail>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inline)) inline void vnni_block(
+    const VnniX& x, const uint8_t* q, const char* s, int64_t K, int64_t blk, int64_t tail_groups, __m512 (&acc)[R][M]) {
+  constexpr int64_t elem = scale_bytes(T);
+  const int64_t groups = K / 32, row_bytes = K / 2, ahead = kVnniAheadPasses * R, blocks = vnni_blocks(K);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  // x's vectors of the block, read once for the pass's R rows
+  __m512i xv[M][4], xc[M];
+  __m512 xsl[M];
+  for (int m = 0; m < M; ++m) {
+    const int8_t* xb = x.bytes + (m * blocks + blk) * 256;
+    for (int i = 0; i < 4; ++i) xv[m][i] = _mm512_loadu_si512(xb + 64 * i);
+    xsl[m] = _mm512_loadu_ps(x.xsl + (m * blocks + blk) * 16);
+    if constexpr (Sym) xc[m] = _mm512_loadu_si512(x.corr + (m * blocks + blk) * 16);
+  }
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* qb = q + r * row_bytes + blk * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(qb + ahead * row_bytes), _MM_HINT_T1);
+    __m512i v;
+    __m128 s4;
+    if constexpr (Tail) {
+      v = _mm512_maskz_loadu_epi8((__mmask64{1} << (16 * tail_groups)) - 1, qb);
+      s4 = load4_tail<T>(s + r * groups * elem, blk, tail_groups);
+    } else {
+      v = _mm512_loadu_si512(qb);
+      s4 = load4<T>(s + r * groups * elem, 4 * blk);
+    }
+    const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    for (int m = 0; m < M; ++m) {
+      __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][0]);
+      __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][1]);
+      dh = _mm512_dpbusd_epi32(dh, hi, xv[m][2]);
+      dl = _mm512_dpbusd_epi32(dl, hi, xv[m][3]);
+      __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+      if constexpr (Sym) d = _mm512_sub_epi32(d, xc[m]);
+      acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xsl[m]), sv, acc[r][m]);
+    }
+  }
+}
+
+// scales (and biases, unless symmetric) read in their own type T (no widened copy: prefetched
+// with the words)
+template <int M, int R, ScaleType T, bool Sym>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void qgemv4_pass_vnni(
+    const VnniX& x, const uint8_t* q, const char* s, const char* b, float* y, int64_t N, int64_t K) {
+  constexpr int64_t elem = scale_bytes(T);
+  // prefetched into L2 (into L1 they evicted the pass's own lines), two passes ahead
+  const int64_t groups = K / 32, ahead = kVnniAheadPasses * R;
+  for (int r = 0; r < R; ++r)  // the rows' scales and biases
+    for (int64_t o = 0; o < groups * elem; o += 64) {
+      _mm_prefetch(s + (r + ahead) * groups * elem + o, _MM_HINT_T1);
+      if constexpr (!Sym) _mm_prefetch(b + (r + ahead) * groups * elem + o, _MM_HINT_T1);
+    }
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t full = K / kVnniBlock, tail_groups = (K % kVnniBlock) / 32;
+  for (int64_t blk = 0; blk < full; ++blk) vnni_block<M, R, T, Sym, false>(x, q, s, K, blk, 0, acc);
+  if (tail_groups) vnni_block<M, R, T, Sym, true>(x, q, s, K, full, tail_groups, acc);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float total = _mm512_reduce_add_ps(acc[r][m]);
+      if constexpr (!Sym) {
+        __m512 bacc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g += 16) {
+          const __mmask16 k = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+          bacc = _mm512_fmadd_ps(load16<T>(b + r * groups * elem, g, k),
+                                 _mm512_maskz_loadu_ps(k, x.sums + m * groups + g), bacc);
+        }
+        total += _mm512_reduce_add_ps(bacc);
+      }
+      y[m * N + r] = total;
+    }
+}
+
+template <int M, ScaleType T, bool Sym>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void qgemv4_rows_vnni(
+    const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y, int64_t N, int64_t K,
+    int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 8 : M == 2 ? 4 : 2;
+  constexpr int64_t elem = scale_bytes(T);
+  const int64_t words = K / 8, row_sc = K / 32 * elem;
+  auto sc = static_cast<const char*>(scales), bi = static_cast<const char*>(biases);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    qgemv4_pass_vnni<M, R, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                                   bi + n * row_sc, y + n, N, K);
+  for (; n < n1; ++n)
+    qgemv4_pass_vnni<M, 1, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                                   bi + n * row_sc, y + n, N, K);
+}
+
+template <ScaleType T, bool Sym>
+void qgemv4_vnni(int64_t M, const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y,
+                 int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return qgemv4_rows_vnni<1, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 2: return qgemv4_rows_vnni<2, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 3: return qgemv4_rows_vnni<3, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    default: return qgemv4_rows_vnni<4, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+  }
+}
+
+template <ScaleType T>
+void qgemv4_vnni(bool symmetric, int64_t M, const VnniX& x, const uint32_t* w, const void* scales,
+                 const void* biases, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (symmetric) return qgemv4_vnni<T, true>(M, x, w, scales, biases, y, N, K, n0, n1);
+  qgemv4_vnni<T, false>(M, x, w, scales, biases, y, N, K, n0, n1);
+}
+
+
+// x (M, K) for qgemv4_rows_vnni (VnniX): rounded to 16 bits per group of 32 and split in bytes,
+// and each group's sum (sums (M, K / 32)). Vectors: per call this runs on one thread before the
+// rows are shared out, where a scalar loop took as long as a small matrix's whole product.
+__attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, int64_t M, int64_t K, int8_t* bytes,
+                                                              float* xsl, int32_t* corr, float* sums) {
+  const int64_t blocks = vnni_blocks(K);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 lim = _mm512_set1_ps(kX16), nlim = _mm512_set1_ps(-kX16);
+  const __m512i b128 = _mm512_set1_epi32(128), b255 = _mm512_set1_epi32(255);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      int8_t* out = bytes + (m * blocks + blk) * 256;
+      const float* xb = x + m * K + blk * kVnniBlock;
+      for (int j = 0; j < 4; ++j) {
+        float* sl = xsl + (m * blocks + blk) * 16 + 4 * j;
+        int32_t* cr = corr + (m * blocks + blk) * 16 + 4 * j;
+        if (blk * kVnniBlock + 32 * j >= K) {  // a group past the row's end (a partial block): zeros
+          for (int i = 0; i < 4; ++i) std::memset(out + 64 * i + 16 * j, 0, 16);
+          std::fill(sl, sl + 4, 0.0f), std::fill(cr, cr + 4, 0);
+          continue;
+        }
+        const __m512 v0 = _mm512_loadu_ps(xb + 32 * j), v1 = _mm512_loadu_ps(xb + 32 * j + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float scale = amax > 0.0f ? amax / kX16 : 1.0f, inv = 1.0f / scale;
+        const __m512 vi = _mm512_set1_ps(inv);
+        // x16 = round(x / scale) within +-kX16; x16 = 256 xh + xl, xl and xh signed bytes
+        __m512i r[2], hi[2], lo[2];
+        r[0] = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_mul_ps(v0, vi))));
+        r[1] = _mm512_cvtps_epi32(_mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_mul_ps(v1, vi))));
+        for (int h = 0; h < 2; ++h) {
+          lo[h] = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r[h], b128), b255), b128);
+          hi[h] = _mm512_srai_epi32(_mm512_sub_epi32(r[h], lo[h]), 8);
+        }
+        // element 32 j + k sits in byte 16 j + k / 2 of the block's even (k even) or odd vectors
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(hi[0], even, hi[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], even, lo[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 128 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(hi[0], odd, hi[1])));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 192 + 16 * j),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], odd, lo[1])));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r[0], r[1]));
+        sums[m * (K / 32) + blk * 4 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        for (int l = 0; l < 4; ++l) sl[l] = scale, cr[l] = l == 0 ? 8 * sum : 0;
+      }
+    }
+}
+
+}  // namespace mlxtoy
+#endif
