@@ -275,6 +275,13 @@ __attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x,
       const __m512 two = sums16(rest);
       for (int m = 0; m < MR; ++m) _mm_storel_pi(reinterpret_cast<__m64*>(y + m * N + 4), _mm512_extractf32x4_ps(two, m));
     }
+  } else if constexpr (R == 4 && (MR == 2 || MR == 3)) {  // padded to 4 x 4 (a GQA group of 2 or 3
+    const __m512 z = _mm512_setzero_ps();                      // heads' scores: K is 64, and 16 chains'
+    __m512 v[16];                                              // reductions were most of a pass)
+    for (int r = 0; r < 4; ++r)
+      for (int m = 0; m < 4; ++m) v[r * 4 + m] = m < MR ? acc[r][m] : z;
+    const __m512 all = sums16(v);
+    for (int m = 0; m < MR; ++m) _mm_storeu_ps(y + m * N, _mm512_extractf32x4_ps(all, m));
   } else {
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < R; ++r) y[m * N + r] = sum16(acc[r][m]);
