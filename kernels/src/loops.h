@@ -265,23 +265,23 @@ __attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x,
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
   }
-  if constexpr ((R == 4 || R == 6) && MR == 4) {  // lane 4 m + r: acc[r][m]'s sum
-    const __m512 all = sums16(reinterpret_cast<const __m512(&)[16]>(acc));
-    for (int m = 0; m < MR; ++m) _mm_storeu_ps(y + m * N, _mm512_extractf32x4_ps(all, m));
-    if constexpr (R == 6) {  // rows 4 and 5 of W: lanes 4 m and 4 m + 1 of their fold
-      const __m512 z = _mm512_setzero_ps();
-      const __m512 rest[16] = {acc[4][0], acc[4][1], acc[4][2], acc[4][3], acc[5][0], acc[5][1], acc[5][2], acc[5][3],
-                               z, z, z, z, z, z, z, z};
-      const __m512 two = sums16(rest);
-      for (int m = 0; m < MR; ++m) _mm_storel_pi(reinterpret_cast<__m64*>(y + m * N + 4), _mm512_extractf32x4_ps(two, m));
+  if constexpr (R >= 4 && MR >= 2) {
+    // the sums in tiles of 4 rows of W by 4 of x, zeros where fewer (a GQA group of 2 or 3 heads'
+    // scores, K = 64: the chains' one-at-a-time reductions were most of the pass; the 6-row
+    // streamed pass's last 2 rows)
+    static_assert(R % 4 == 0 || R % 4 == 2, "a tile of 4 rows of W, or 2 at the end");
+    const __m512 z = _mm512_setzero_ps();
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      __m512 v[16];
+      for (int r = 0; r < 4; ++r)
+        for (int m = 0; m < 4; ++m) v[r * 4 + m] = r0 + r < R && m < MR ? acc[r0 + r][m] : z;
+      const __m512 sums = sums16(v);  // lane 4 m + r: acc[r0 + r][m]'s sum
+      for (int m = 0; m < MR; ++m) {
+        const __m128 row = _mm512_extractf32x4_ps(sums, m);
+        if (R - r0 >= 4) _mm_storeu_ps(y + m * N + r0, row);
+        else _mm_storel_pi(reinterpret_cast<__m64*>(y + m * N + r0), row);
+      }
     }
-  } else if constexpr (R == 4 && (MR == 2 || MR == 3)) {  // padded to 4 x 4 (a GQA group of 2 or 3
-    const __m512 z = _mm512_setzero_ps();                      // heads' scores: K is 64, and 16 chains'
-    __m512 v[16];                                              // reductions were most of a pass)
-    for (int r = 0; r < 4; ++r)
-      for (int m = 0; m < 4; ++m) v[r * 4 + m] = m < MR ? acc[r][m] : z;
-    const __m512 all = sums16(v);
-    for (int m = 0; m < MR; ++m) _mm_storeu_ps(y + m * N, _mm512_extractf32x4_ps(all, m));
   } else {
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < R; ++r) y[m * N + r] = sum16(acc[r][m]);
