@@ -283,16 +283,18 @@ def route_fingerprint() -> dict[str, str]:
 
 
 def kernels_build() -> str:
-    """The kernels' build as a route depends on it: the MLX they were built for, and the
-    extension file's size and time (a rebuild of changed kernels measures its routes again)."""
+    """The kernels' build as a route depends on it: the MLX they were built for, the extension
+    file's size and time (a rebuild of changed kernels measures its routes again), and whether
+    they take their AVX2 forms on an AVX-512 CPU (MLXTOY_KERNEL_AVX512=0)."""
     stamp = kernels_stamp()
     if stamp is None:
         return "none"
+    forms = "every form the CPU has" if settings.KERNEL_AVX512.value() else "AVX2 forms"
     built = glob.glob(os.path.join(package_dir("mlxtoy_kernels") or "", "_ext*"))
     if not built:
-        return stamp
+        return f"{stamp}, {forms}"
     info = os.stat(built[0])
-    return f"{stamp} ({info.st_size} bytes, {int(info.st_mtime)})"
+    return f"{stamp} ({info.st_size} bytes, {int(info.st_mtime)}), {forms}"
 
 
 def compute_dtype() -> mx.Dtype:

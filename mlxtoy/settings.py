@@ -176,8 +176,9 @@ KERNEL_DONE_SPINS = Switch("MLXTOY_KERNEL_DONE_SPINS", int, 400, "how long the k
 KERNEL_VNNI = Switch("MLXTOY_KERNEL_VNNI", bool, True, "0: decoding from a 4-bit base multiplies in "
                      "float32 instead of integer products (AVX-512 VNNI or AVX2; x rounded to 16 bits a group)",
                      audience=DEBUG, read_by="C++")
-KERNEL_AVX512 = Switch("MLXTOY_KERNEL_AVX512", bool, True, "0: the kernels' GEMM takes its AVX2 form "
-                       "on an AVX-512 CPU (tests, comparisons)", audience=DEBUG, read_by="C++")
+KERNEL_AVX512 = Switch("MLXTOY_KERNEL_AVX512", bool, True, "0: every kernel takes its AVX2 form on an "
+                       "AVX-512 CPU, as an AVX2-only CPU runs them (tests, comparisons)", audience=DEBUG,
+                       read_by="C++")
 GPU_SLAB_ROWS = Switch("MLXTOY_GPU_SLAB_ROWS", int, 0, "on a GPU, a quantized base's products of at "
                        "least this many rows dequantize slabs into the dense matmul instead of "
                        "mx.quantized_matmul (0: never; bench/gpu_check.sh times both)", audience=DEBUG,

@@ -18,7 +18,7 @@ import mlx.nn as nn
 import mlxtoy_kernels as K
 from mlx.utils import tree_flatten
 
-from mlxtoy import backend, cpublas
+from mlxtoy import backend
 from mlxtoy.models import attention, fastmath
 
 pytestmark = pytest.mark.kernels  # the kernels themselves: skipped under MLXTOY_KERNELS=0 (conftest)
@@ -328,7 +328,7 @@ def test_gemv_vs_numpy(K_):
                                    rtol=0, atol=2e-5)
         if M == 1:
             alone = (x, y)
-        elif "avx512f" in cpublas.cpu_features()[1]:  # a row among others sums as it does alone
+        elif K.forms() != "portable":  # a row among others sums as it does alone (AVX-512 or AVX2)
             y1 = np_(K.gemv(arr(np.concatenate([alone[0], x])), arr(w)))
             assert np.array_equal(y1[0], alone[1][0]) and np.array_equal(y1[1:M], y[:M - 1])
     x3 = r.standard_normal((1, 1, K_))
@@ -931,6 +931,39 @@ def test_one_thread_and_either_pool_give_the_same_bits(tmp_path, env):
     np.testing.assert_allclose(got["p"], ref_softmax_bias(d["s"], d["bias"]), atol=1e-6)
     np.testing.assert_allclose(got["ce"], ref_ce(d["logits"], d["t"])[0], rtol=2e-6, atol=1e-6)
 
+
+GEMV_FORMS_SCRIPT = """
+import sys, numpy as np
+import mlxtoy, mlx.core as mx, mlxtoy_kernels as K
+d = dict(np.load(sys.argv[1]))
+out = {"forms": np.array(K.forms())}
+for i in range(len(d) // 2):
+    x, w = d[f"x{i}"], mx.array(d[f"w{i}"])
+    out[f"batch{i}"] = np.array(K.gemv(mx.array(x), w))
+    out[f"alone{i}"] = np.concatenate([np.array(K.gemv(mx.array(x[j:j + 1]), w)) for j in range(len(x))])
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.skipif(K.forms() == "portable", reason="the kernels' SIMD forms do not run here")
+def test_the_avx2_gemv_sums_a_row_in_a_batch_as_alone(tmp_path):
+    """MLXTOY_KERNEL_AVX512=0 runs the kernels as an AVX2-only CPU does (on an AVX-512 CPU too, so
+    every machine tests it): the float32 GEMV of a row among others (a batch of decoded tokens)
+    gives the bits it gives alone, through every pass of the several-rows form and its tails."""
+    r = rng(23)
+    shapes = [(2, 603), (3, 576), (4, 23), (5, 1536), (9, 577), (32, 576)]  # (rows of x, K)
+    d = {}
+    for i, (M, K_) in enumerate(shapes):
+        d[f"x{i}"] = r.standard_normal((M, K_)).astype(np.float32)
+        d[f"w{i}"] = (r.standard_normal((203, K_)) / np.sqrt(K_)).astype(np.float32)  # 203 rows: passes and a tail
+    np.savez(tmp_path / "in.npz", **d)
+    run_py(GEMV_FORMS_SCRIPT, tmp_path / "in.npz", tmp_path / "avx2.npz", MLXTOY_KERNEL_AVX512="0")
+    got = np.load(tmp_path / "avx2.npz")
+    assert str(got["forms"]) == "avx2"  # positive control: the other process took the AVX2 forms
+    for i, (M, K_) in enumerate(shapes):
+        want = d[f"x{i}"].astype(f64) @ d[f"w{i}"].astype(f64).T
+        np.testing.assert_allclose(got[f"batch{i}"], want, rtol=0, atol=3e-5)
+        np.testing.assert_array_equal(got[f"batch{i}"], got[f"alone{i}"], err_msg=f"{M} rows, K = {K_}")
 
 COLD_SCRIPT = """
 import mlx.core as mx, mlxtoy_kernels as K

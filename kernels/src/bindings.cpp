@@ -13,6 +13,8 @@ using namespace nb::literals;
 NB_MODULE(_ext, m) {
   m.doc() = "mlxtoy's float32 CPU kernels as MLX primitives";
   m.def("threads", &mlxtoy::kernel_threads, "threads the kernels split rows over");
+  m.def("forms", &mlxtoy::kernel_forms,
+        "the instruction forms the kernels take here: avx512, avx2 (an AVX2-only CPU, or MLXTOY_KERNEL_AVX512=0) or portable");
   m.def("openmp", &mlxtoy::kernel_openmp, "whether they run on the OpenMP threads MKL runs on (else their own)");
   m.def("block_attention_ok", &mlxtoy::block_attention_ok,
         "whether the block attention's GEMMs can run one per kernel thread (MKL's team, or an OpenBLAS told so)");

@@ -205,6 +205,9 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     Phases phases({static_cast<int>(heads), static_cast<int>(R * KV * parts), chunks(D, chunk_d),
                    chunks(F, chunk_f), chunks(D, chunk_d)});
 
+    std::vector<float> angles(R * dims);  // each row's RoPE angles, for all its heads
+    for (int64_t r = 0; r < R; ++r) rope_angles(pos(r), inv_freqs, dims, angles.data() + r * dims);
+
     pool().run_crew([&] {
       // this thread's: every row's normed input and its block sums, its attention output, a
       // head's q, k or v for every row, and a packed matrix's rows unpacked for several rows
@@ -256,8 +259,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         for (int64_t r = 0; r < R; ++r) add_bias(tmp.data() + r * Dh, bias_row ? bias_row + head * Dh : nullptr);
         for (int64_t r = 0; r < R; ++r) {
           float* row = tmp.data() + r * Dh;
-          if (u < H) rope_row(row, q.data() + (r * H + head) * Dh, Dh, dims, traditional, pos(r), inv_freqs);
-          else if (u < H + KV) rope_row(row, kc + slot(r, head), Dh, dims, traditional, pos(r), inv_freqs);
+          if (u < H) rope_turn(row, q.data() + (r * H + head) * Dh, Dh, dims, traditional, angles.data() + r * dims);
+          else if (u < H + KV) rope_turn(row, kc + slot(r, head), Dh, dims, traditional, angles.data() + r * dims);
           else std::copy(row, row + Dh, vc + slot(r, head));
         }
       });

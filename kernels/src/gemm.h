@@ -16,7 +16,6 @@
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "loops.h"  // MLXTOY_AVX2 (x86-64 intrinsics), cpu_avx512 and cpu_avx2_fma
@@ -53,12 +52,6 @@ inline void gemm_run(Pool&, GemmOperand, int64_t, int64_t, const std::vector<Gem
 // whether the GEMM runs here: AVX-512, else AVX2 with FMA
 inline bool gemm_x86() { return cpu_avx512() || cpu_avx2_fma(); }
 
-// whether it takes its AVX-512 form; MLXTOY_KERNEL_AVX512=0: the AVX2 form (tests, comparisons)
-inline bool gemm_avx512_form() {
-  static const bool ok = cpu_avx512() && !(std::getenv("MLXTOY_KERNEL_AVX512") &&
-                                           std::string(std::getenv("MLXTOY_KERNEL_AVX512")) == "0");
-  return ok;
-}
 
 struct AlignedFree {
   void operator()(float* p) const { std::free(p); }
@@ -354,7 +347,7 @@ inline void gemm_run(Pool& threads, GemmOperand a, int64_t M, int64_t S, const s
         for (int64_t j = 0; j < t.N; ++j) t.out[i * t.ors + j * t.ocs] = 0.0f;
     return;
   }
-  if (gemm_avx512_form()) return gemm_run_isa<GemmAvx512>(threads, a, M, S, targets);
+  if (cpu_avx512()) return gemm_run_isa<GemmAvx512>(threads, a, M, S, targets);
   if (cpu_avx2_fma()) return gemm_run_isa<GemmAvx2>(threads, a, M, S, targets);
   throw std::runtime_error("[mlxtoy_kernels] the GEMM kernel needs an x86-64 CPU with AVX-512 or AVX2 and FMA");
 }

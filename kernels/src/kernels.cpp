@@ -33,6 +33,14 @@ int kernel_threads() { return pool().threads(); }
 
 bool kernel_openmp() { return pool().openmp(); }
 
+const char* kernel_forms() {
+#ifdef MLXTOY_AVX2
+  if (cpu_avx512()) return "avx512";
+  if (cpu_avx2_fma()) return "avx2";
+#endif
+  return "portable";
+}
+
 void Kernel::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[mlxtoy_kernels] CPU kernels only");
 }

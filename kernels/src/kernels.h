@@ -85,6 +85,8 @@ bool half_bits(float f, uint16_t& h);
 
 int kernel_threads();
 bool kernel_openmp();
+// the instruction forms the kernels take here: "avx512", "avx2" or "portable"
+const char* kernel_forms();
 // whether the block attention's GEMMs can each run on one of the kernels' threads (MKL's OpenMP
 // team, or an OpenBLAS whose thread count it sets)
 bool block_attention_ok();

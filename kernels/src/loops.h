@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -198,11 +199,14 @@ HOT void swiglu_grad_span(const float* a, const float* b, const float* g, float*
 
 // y[m, n] = sum_k x[m, k] * W[n, k] for rows n in [n0, n1). (Four rows at a time, as four
 // reductions in one simd loop, measured 1.6x slower: gcc does not vectorize it as well. For one
-// row, AVX2 with four rows of W a pass was slower too; one row's four accumulators are below.)
+// row, AVX2 with four rows of W a pass was slower too.)
 #ifdef MLXTOY_AVX2
-// whether the AVX-512 forms run here (the functions built with target("avx512f"))
+// whether the AVX-512 forms run here (the functions built with target("avx512f")):
+// MLXTOY_KERNEL_AVX512=0 runs every kernel in the form an AVX2-only CPU takes (its tests run
+// on an AVX-512 CPU too; comparisons of the two)
 inline bool cpu_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
+  static const bool ok = __builtin_cpu_supports("avx512f") &&
+                         !(std::getenv("MLXTOY_KERNEL_AVX512") && std::strcmp(std::getenv("MLXTOY_KERNEL_AVX512"), "0") == 0);
   return ok;
 }
 
@@ -375,33 +379,11 @@ __attribute__((target("avx2,fma"))) inline void gemv_block_avx2(const float* x, 
     for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
 }
 
-// gemv_span for one row of x with AVX2: each row of W as four independent FMA chains, summed
-// (a + b) + (c + d) and then across lanes. The loop streams W from memory; gcc's own vectorizing
-// of the plain loop keeps one chain, whose FMA latency leaves fewer loads in flight.
-__attribute__((target("avx2,fma"))) inline void gemv_row_avx2(const float* x, const float* w, float* y,
-                                                              int64_t K, int64_t n0, int64_t n1) {
-  alignas(32) int32_t lanes[8];
-  const int64_t tail = K % 8;
-  for (int i = 0; i < 8; ++i) lanes[i] = i < tail ? -1 : 0;
-  const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* wr = w + n * K;
-    __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      a = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), a);
-      b = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 8), _mm256_loadu_ps(x + k + 8), b);
-      c = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 16), _mm256_loadu_ps(x + k + 16), c);
-      d = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k + 24), _mm256_loadu_ps(x + k + 24), d);
-    }
-    for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(wr + k), _mm256_loadu_ps(x + k), a);
-    if (tail) a = _mm256_fmadd_ps(_mm256_maskload_ps(wr + k, mask), _mm256_maskload_ps(x + k, mask), a);
-    y[n] = hsum8(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
-  }
-}
-
-// gemv_span for two or more rows of x with AVX2: four rows of W (one L1-resident block) against
-// every row of x, three at a time, so W is read from memory once whatever the rows
+// gemv_span with AVX2: four rows of W (one L1-resident block) against every row of x, three at a
+// time, so W is read from memory once whatever the rows. A row of x sums in the same order
+// wherever it sits among others, and alone (one 8-lane chain, then hsum8), so it gets the same
+// bits in a batch as decoded alone; not the AVX-512 form's bits (a 16-lane chain), which an AVX2
+// form reproduces only with twice the accumulators (measured 10-19% slower on a batch of 32).
 template <int R>
 inline void gemv_rows_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
   int64_t m = 0;
@@ -413,6 +395,8 @@ inline void gemv_rows_avx2(const float* x, const float* w, float* y, int64_t M, 
 inline void gemv_span_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                            int64_t n1) {
   int64_t n = n0;
+  if (M == 1)  // W a row at a time, in one sequential stream; each row the chain it has among others
+    for (; n < n1; ++n) gemv_block_avx2<1, 1>(x, w + n * K, y + n, N, K);
   for (; n + 4 <= n1; n += 4) gemv_rows_avx2<4>(x, w + n * K, y + n, M, N, K);
   for (; n < n1; ++n) gemv_rows_avx2<1>(x, w + n * K, y + n, M, N, K);
 }
@@ -423,7 +407,7 @@ HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t 
                    int64_t n0, int64_t n1, bool streamed = false) {
 #ifdef MLXTOY_AVX2
   if (cpu_avx512()) return gemv_span_avx512(x, w, y, M, N, K, n0, n1, streamed);
-  if (cpu_avx2_fma()) return M >= 2 ? gemv_span_avx2(x, w, y, M, N, K, n0, n1) : gemv_row_avx2(x, w, y, K, n0, n1);
+  if (cpu_avx2_fma()) return gemv_span_avx2(x, w, y, M, N, K, n0, n1);
 #endif
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;
@@ -437,20 +421,38 @@ HOT void gemv_span(const float* x, const float* w, float* y, int64_t M, int64_t 
   }
 }
 
-// RoPE of one row x (length D) at position `pos`, as mx.fast.rope computes it: the pair (i, i + dims/2)
-// (traditional: (2i, 2i + 1)) turned by the angle pos * inv_freqs[i]; entries past dims are copied.
-HOT void rope_row(const float* x, float* y, int64_t D, int64_t dims, bool traditional, float pos,
-                  const float* inv_freqs) {
+// RoPE's angles at position `pos`, as mx.fast.rope forms them: cs[2i], cs[2i + 1] = the cosine
+// and sine of pos * inv_freqs[i], i < dims / 2 (a decoded row's, once for all its heads)
+HOT void rope_angles(float pos, const float* inv_freqs, int64_t dims, float* cs) {
+  for (int64_t i = 0; i < dims / 2; ++i) {
+    const float theta = pos * inv_freqs[i];
+    cs[2 * i] = std::cos(theta), cs[2 * i + 1] = std::sin(theta);
+  }
+}
+
+// RoPE of one row x (length D) by the angles of `rope_angles`: the pair (i, i + dims/2)
+// (traditional: (2i, 2i + 1)) turned by angle i; entries past dims are copied.
+HOT void rope_turn(const float* x, float* y, int64_t D, int64_t dims, bool traditional, const float* cs) {
   int64_t half = dims / 2;
   for (int64_t i = 0; i < half; ++i) {
-    float theta = pos * inv_freqs[i];
-    float c = std::cos(theta), s = std::sin(theta);
+    const float c = cs[2 * i], s = cs[2 * i + 1];
     int64_t a = traditional ? 2 * i : i, b = traditional ? 2 * i + 1 : i + half;
     float x1 = x[a], x2 = x[b];
     y[a] = x1 * c - x2 * s;
     y[b] = x1 * s + x2 * c;
   }
   std::copy(x + dims, x + D, y + dims);
+}
+
+// RoPE of one row x at position `pos`
+inline void rope_row(const float* x, float* y, int64_t D, int64_t dims, bool traditional, float pos,
+                     const float* inv_freqs) {
+  constexpr int64_t kOnStack = 512;
+  float on_stack[kOnStack];
+  std::vector<float> on_heap(dims > kOnStack ? dims : 0);
+  float* cs = dims > kOnStack ? on_heap.data() : on_stack;
+  rope_angles(pos, inv_freqs, dims, cs);
+  rope_turn(x, y, D, dims, traditional, cs);
 }
 
 // AdamW without bias correction, in the order of mlx.optimizers.AdamW's ops, one rounding per op

@@ -273,7 +273,7 @@ static bool x16_allowed() {
 
 bool cpu_vnni() {
 #ifdef MLXTOY_AVX2
-  static const bool ok = x16_allowed() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool ok = x16_allowed() && cpu_avx512() && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vnni");
   return ok;
 #else

@@ -96,7 +96,7 @@ def kernels_status() -> str:
                  if gemm_on() else "the BLAS")
         quantized = ("AVX-512 VNNI integer products" if quant_vnni() else
                      "AVX2 16-bit integer products" if K.quant_x16_ok() else "float32")
-        return (f"on ({K.threads()} threads: {team}; float32 products of many rows: {gemms}; "
+        return (f"on ({K.forms()} forms, {K.threads()} threads: {team}; float32 products of many rows: {gemms}; "
                 f"decoding from a 4-bit base: {quantized})")
     if not backend.INFO.on_cpu:
         return f"off (device {backend.INFO.device}: the kernels are for the CPU)"
