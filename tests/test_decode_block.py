@@ -624,6 +624,22 @@ def test_pack_q8_is_lossless_on_a_q8_0_grid_and_neither_packs_a_non_finite_weigh
             assert int(K.pack(mx.array(v), bits)[1].item()) == 0, (bits, bad)
 
 
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+def test_several_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
+    """A batch of rows against a packed matrix unpacks its rows to float32 (AVX-512, AVX2 or
+    portable): every weight must come back exactly (fl(fl(d q) + m), two roundings, as the grid
+    has them), so the products are the float32 matrix's own, bit for bit, in every row."""
+    r = np.random.default_rng(9)
+    for K_ in (96, 576):
+        w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
+        packed, ok = K.pack(mx.array(w), 4 if qtype == Q4_1 else 8)
+        assert int(ok.item()) == 1
+        x = r.standard_normal((7, K_)).astype(np.float32)
+        y = np.array(K.gemv_packed(mx.array(x), packed))
+        np.testing.assert_array_equal(y, np.array(K.gemv(mx.array(x), mx.array(w))), err_msg=f"K = {K_}")
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w.astype(np.float64).T, rtol=0, atol=3e-5)
+
 def test_decode_from_packed_q4_weights_matches_the_uncached_forward():
     model = q4_model(VARIANTS["gqa"])
     assert all(sorted(layer.decode_packs()) == [str(i) for i in MATRICES] for layer in model.layers)
