@@ -334,6 +334,20 @@ __attribute__((target("avx2"))) inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// The sums of 8 vectors' lanes at once, lane j = hsum8(v[j]) to the bit (the same pairs: lane i
+// with i + 4, then i + 2, then i + 1), where one at a time each takes its own shuffles and adds
+__attribute__((target("avx2"), always_inline)) inline __m256 sums8(const __m256 v[8]) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // lanes 0-3: v[2i]'s i + (i + 4); lanes 4-7: v[2i + 1]'s
+    a[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // within halves: 0 + 2, 1 + 3
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  // 0 + 1: lanes [v0, v2, v4, v6, v1, v3, v5, v7], put in order
+  const __m256 c = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD));
+  return _mm256_permutevar8x32_ps(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // whether the AVX2 forms run here (those built with target("avx2"), and with "fma" too)
 inline bool cpu_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2");
@@ -375,8 +389,20 @@ __attribute__((target("avx2,fma"))) inline void gemv_block_avx2(const float* x, 
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
     }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
+  if constexpr (R == 4 && MR >= 2) {
+    // rows 0 and 1 of x: their 8 sums folded at once (sums8), the same tree as hsum8's
+    __m256 v[8];
+    for (int m = 0; m < 2; ++m)
+      for (int r = 0; r < 4; ++r) v[m * 4 + r] = acc[r][m];
+    const __m256 sums = sums8(v);  // lane 4 m + r: acc[r][m]'s sum
+    _mm_storeu_ps(y, _mm256_castps256_ps128(sums));
+    _mm_storeu_ps(y + N, _mm256_extractf128_ps(sums, 1));
+    for (int m = 2; m < MR; ++m)
+      for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
+  } else {
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
+  }
 }
 
 // gemv_span with AVX2: four rows of W (one L1-resident block) against every row of x, three at a
