@@ -409,7 +409,7 @@ __attribute__((target("avx2,fma"))) inline void gemv_block_avx2(const float* x, 
 // time, so W is read from memory once whatever the rows. A row of x sums in the same order
 // wherever it sits among others, and alone (one 8-lane chain, then hsum8), so it gets the same
 // bits in a batch as decoded alone; not the AVX-512 form's bits (a 16-lane chain), which an AVX2
-// form reproduces only with twice the accumulators (measured 10-19% slower on a batch of 32).
+// form reproduces only with twice the accumulators, slower on a batch (docs/performance.md).
 template <int R>
 inline void gemv_rows_avx2(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
   int64_t m = 0;
