@@ -284,12 +284,13 @@ def route_fingerprint() -> dict[str, str]:
 
 def kernels_build() -> str:
     """The kernels' build as a route depends on it: the MLX they were built for, the extension
-    file's size and time (a rebuild of changed kernels measures its routes again), and whether
-    they take their AVX2 forms on an AVX-512 CPU (MLXTOY_KERNEL_AVX512=0)."""
+    file's size and time (a rebuild of changed kernels measures its routes again), and the
+    instruction forms they take (their own answer: AVX2 ones on an AVX-512 CPU where
+    MLXTOY_KERNEL_AVX512=0)."""
     stamp = kernels_stamp()
     if stamp is None:
         return "none"
-    forms = "every form the CPU has" if settings.KERNEL_AVX512.value() else "AVX2 forms"
+    forms = f"{INFO.kernels.forms()} forms" if INFO.kernels is not None else "kernels off"
     built = glob.glob(os.path.join(package_dir("mlxtoy_kernels") or "", "_ext*"))
     if not built:
         return f"{stamp}, {forms}"

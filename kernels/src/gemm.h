@@ -52,7 +52,6 @@ inline void gemm_run(Pool&, GemmOperand, int64_t, int64_t, const std::vector<Gem
 // whether the GEMM runs here: AVX-512, else AVX2 with FMA
 inline bool gemm_x86() { return cpu_avx512() || cpu_avx2_fma(); }
 
-
 struct AlignedFree {
   void operator()(float* p) const { std::free(p); }
 };

@@ -389,6 +389,7 @@ __attribute__((target("avx2,fma"))) inline void gemv_block_avx2(const float* x, 
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
     }
   }
+  int folded = 0;  // rows of x whose sums are stored
   if constexpr (R == 4 && MR >= 2) {
     // rows 0 and 1 of x: their 8 sums folded at once (sums8), the same tree as hsum8's
     __m256 v[8];
@@ -397,12 +398,10 @@ __attribute__((target("avx2,fma"))) inline void gemv_block_avx2(const float* x, 
     const __m256 sums = sums8(v);  // lane 4 m + r: acc[r][m]'s sum
     _mm_storeu_ps(y, _mm256_castps256_ps128(sums));
     _mm_storeu_ps(y + N, _mm256_extractf128_ps(sums, 1));
-    for (int m = 2; m < MR; ++m)
-      for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
-  } else {
-    for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
+    folded = 2;
   }
+  for (int m = folded; m < MR; ++m)
+    for (int r = 0; r < R; ++r) y[m * N + r] = hsum8(acc[r][m]);
 }
 
 // gemv_span with AVX2: four rows of W (one L1-resident block) against every row of x, three at a
