@@ -626,28 +626,38 @@ def test_pack_q8_is_lossless_on_a_q8_0_grid_and_neither_packs_a_non_finite_weigh
 
 
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
-def test_several_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
-    """A batch of rows against a packed matrix unpacks its rows to float32 (AVX-512, AVX2 or
-    portable): every weight must come back exactly (fl(fl(d q) + m), two roundings, as the grid
-    has them), so the products are the float32 matrix's own, bit for bit, in every row."""
+def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
+    """Rows against a packed matrix (AVX-512, AVX2 or portable; one row, a few read from the
+    blocks as they are, more from the blocks unpacked): every weight must be made exactly
+    (fl(fl(d q) + m), two roundings, as the grid has them) and summed in the float32 GEMV's
+    order, so the products are the float32 matrix's own, bit for bit, in every row."""
     r = np.random.default_rng(9)
     for K_ in (96, 576):
         w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
         packed, ok = K.pack(mx.array(w), 4 if qtype == Q4_1 else 8)
         assert int(ok.item()) == 1
-        x = r.standard_normal((7, K_)).astype(np.float32)
-        y = np.array(K.gemv_packed(mx.array(x), packed))
-        np.testing.assert_array_equal(y, np.array(K.gemv(mx.array(x), mx.array(w))), err_msg=f"K = {K_}")
-        np.testing.assert_allclose(y, x.astype(np.float64) @ w.astype(np.float64).T, rtol=0, atol=3e-5)
+        for rows in (1, 2, 3, 5, 8, 9, 13):
+            x = r.standard_normal((rows, K_)).astype(np.float32)
+            y = np.array(K.gemv_packed(mx.array(x), packed))
+            np.testing.assert_array_equal(y, np.array(K.gemv(mx.array(x), mx.array(w))), err_msg=f"K = {K_}, {rows} rows")
+            np.testing.assert_allclose(y, x.astype(np.float64) @ w.astype(np.float64).T, rtol=0, atol=3e-5)
 
 def test_decode_from_packed_q4_weights_matches_the_uncached_forward():
+    """Decoding from a Q4_1 grid's packs: the uncached forward's logits, and the float32 matrices'
+    through the same kernel to the bit (each sum the float32 GEMV's chain over the weights the
+    blocks were packed from)."""
     model = q4_model(VARIANTS["gqa"])
     assert all(sorted(layer.decode_packs()) == [str(i) for i in MATRICES] for layer in model.layers)
     packed, graphs, _ = decode_steps(model, 6, fused=True)
     assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
     for got, ref in zip(packed, uncached_logits(model, packed)):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
-    fastmath.PACKED_DECODE = False  # positive control: the float32 matrices through the same kernel
+    layer = model.layers[0]  # positive control: the decode reads the packs (other weights' packs, other logits)
+    weights, packs = vars(layer)["mlxtoy_packs"]
+    object.__setattr__(layer, "mlxtoy_packs", (weights, dict(packs, **{"1": fastmath.pack_lossless(2 * weights[1])})))
+    other, _, _ = decode_steps(model, 1, fused=True)
+    assert not np.array_equal(other[0], packed[0])
+    fastmath.PACKED_DECODE = False  # the float32 matrices through the same kernel
     try:
         for layer in model.layers:
             object.__setattr__(layer, "mlxtoy_packs", None)
@@ -658,8 +668,35 @@ def test_decode_from_packed_q4_weights_matches_the_uncached_forward():
         for layer in model.layers:
             object.__setattr__(layer, "mlxtoy_packs", None)
     for got, ref in zip(packed, plain):
-        assert not np.array_equal(got, ref)  # the sums ran another way (per block, d and m apart)
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("batch", [3, 10])  # rows a pass read from the blocks as they are; unpacked
+def test_a_row_decoded_in_a_batch_against_packs_gets_the_bits_it_gets_alone(batch):
+    """A served or GRPO row must not depend on the rows beside it: the same prompt decoded alone and
+    among other rows (`BatchDecoder`), from Q4_1 blocks and a Q8_0 output matrix, step by step, bit
+    for bit (the decode steps: prompts prefilled together may take other products' routes). (The packed GEMV once summed one row as d (x . q) + m sum(x) a block and several rows
+    over the unpacked weights: 3e-5 apart in SmolLM2's logits.)"""
+    from mlxtoy.engine import BatchDecoder, Request
+
+    model = q4_model(VARIANTS["gqa"], qtype=Q4_1, head=True)
+    assert sorted(model.layers[0].decode_packs()) == [str(i) for i in MATRICES] and model.decode_head_pack() is not None
+    r = np.random.default_rng(3)
+    others = [r.integers(1, 250, len(PROMPT)).tolist() for _ in range(batch - 1)]
+
+    def steps(prompts: list[list[int]]) -> list[np.ndarray]:
+        eng = BatchDecoder(model)
+        for p in prompts:  # each prefilled alone (a prompt's rows in a product of other sizes take other routes)
+            eng.add_many([(Request(p, 8), 1)])
+        out = []
+        for _ in range(6):
+            eng.step()
+            out.append(np.array(eng.rows[0].logits))
+        return out
+
+    alone, among = steps([PROMPT]), steps([PROMPT] + others)
+    for a, b in zip(alone, among):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_decode_from_q8_0_weights_and_a_packed_output_matrix():

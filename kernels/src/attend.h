@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "gemv.h"  // gemv_span: a query's scores
 #include "loops.h"
 
 namespace mlxtoy {

@@ -4,8 +4,8 @@
 // column c is the row's position c - starts[b]; a padding column, c < starts[b], sees itself
 // only), W_o and the residual, RMSNorm, SwiGLU and the residual. T = 1 is a decode step; T > 1
 // a short prompt's prefill, which reads each weight once for its T tokens. A token's values are
-// the bits it gets decoded alone (B = T = 1, start 0), except that a float32 matrix's products
-// take the several-rows GEMV (loops.h), which sums in another order.
+// the bits it gets decoded alone (B = T = 1, start 0): every product sums each output in the
+// chain one row takes (loops.h, packed.h), float32 or packed.
 //
 // Decoding is bound by memory bandwidth (every weight read once per token), but as ~20 graph
 // nodes per layer each node's dispatch and each step's fork-join on the kernels' threads come
@@ -198,7 +198,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     // longest row; a row's parts past its own are empty units
     const int64_t parts = attend_parts(off + T);
     const AttendPartials at{group, parts, attend_partial_floats(Dh)};
-    const int64_t row_partials = at.floats(KV), nxs = std::max(D, std::max(H * Dh, F)) / kQ4 + 1;
+    const int64_t row_partials = at.floats(KV);
     std::vector<float> q(R * H * Dh), partials(R * row_partials), gate(R * F), up(R * F), act(R * F), down(R * D);
     const int64_t chunk_d = gemv_chunk(D, pool().threads()), chunk_f = gemv_chunk(F, pool().threads());
     auto chunks = [](int64_t n, int64_t chunk) { return static_cast<int>((n + chunk - 1) / chunk); };
@@ -211,8 +211,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     pool().run_crew([&] {
       // this thread's: every row's normed input and its block sums, its attention output, a
       // head's q, k or v for every row, and a packed matrix's rows unpacked for several rows
-      std::vector<float> xn(R * D), xs(R * nxs), tmp(R * Dh), scores(group * kAttendPart), att(R * H * Dh);
-      std::vector<float> unpacked(lossless && R > 1 ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
+      std::vector<float> xn(R * D), tmp(R * Dh), scores(group * kAttendPart), att(R * H * Dh);
+      std::vector<float> unpacked(lossless && Matrix::unpacks(R) ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
       QuantRows prepared;  // the input as the affine matrices' integer forms read it
       std::vector<float> low(7 * R * rank_max);  // each low-rank update's A[s] v of every row
       auto shrink = [&](int i, const float* v) {
@@ -225,22 +225,18 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         if (b)
           for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
       };
-      auto sums_of = [&](const float* v, int64_t n) {  // each row's (n floats a row)
-        if (lossless)
-          for (int64_t b = 0; b < R; ++b) block_sums(v + b * n, n, xs.data() + b * nxs);
+      auto prepare = [&](const float* v, int64_t n) {  // each row's (n floats a row)
         if (affine_any) prepared.reserve(R, n), prepared.prepare(v, 0, R);
       };
       auto norm_in = [&](const float* v, const float* w) {
         for (int64_t b = 0; b < R; ++b) rms_norm_row(v + b * D, w, xn.data() + b * D, D, eps);
-        sums_of(xn.data(), D);
+        prepare(xn.data(), D);
       };
       // rows r0..r1 of w against every row of v (w's width a row), into out's first r1 - r0
-      // columns (N floats a row): one row takes the GEMV (the bits of a step decoded alone);
-      // several rows the several-rows GEMV, a packed matrix's rows unpacked once for all of them
+      // columns (N floats a row): a row's sums the ones it gets decoded alone, whatever the rows
       auto products = [&](const Matrix& w, const float* v, float* out, int64_t N, int64_t r0, int64_t r1) {
         const Matrix rows = w.rows(r0);
         if (rows.affine.w) return rows.affine_rows(prepared, R, out, N, r1 - r0);
-        if (R == 1) return rows.gemv(v, xs.data(), out, 0, r1 - r0);
         rows.gemv_rows(v, R, out, N, r1 - r0, unpacked.data());
       };
 
@@ -281,7 +277,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
           for (int64_t h = 0; h < H; ++h)
             attend_combine(partials.data() + r * row_partials + at.head(h), attend_parts(len(r)), at.stride(), Dh,
                            att.data() + (r * H + h) * Dh);
-        sums_of(att.data(), H * Dh);
+        prepare(att.data(), H * Dh);
         shrink(3, att.data());
       };
       phases.run(2, combine, [&](int64_t c) {
@@ -308,7 +304,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
 
       // y = y + W_down act
       phases.run(4, [&] {
-        sums_of(act.data(), F);
+        prepare(act.data(), F);
         shrink(6, act.data());
       }, [&](int64_t c) {
         int64_t r0 = c * chunk_d, r1 = std::min(D, r0 + chunk_d);

@@ -21,6 +21,7 @@
 #include "copy.h"   // strided inputs made contiguous
 #include "attend.h"  // one query position's attention
 #include "gemm.h"   // the AVX-512 GEMM
+#include "gemv.h"   // the float32 GEMV
 #include "loops.h"  // the float32 loops
 #include "packed.h"  // lossless 4/8-bit weights
 #include "pool.h"   // the threads they are split over
@@ -308,21 +309,17 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         break;
       }
       case Op::GemvPacked: {
-        // x (rows, K); the packed matrix's rows split first come, first served
+        // x (rows, K); the packed matrix's rows split first come, first served, each sum the
+        // float32 GEMV's over the weights it was packed from (Matrix::gemv_rows); where the
+        // blocks are unpacked, a few rows of W at a time (they stay in cache)
         auto x = static_cast<const float*>(in[0]);
         auto y = static_cast<float*>(out[0]);
         int64_t N = Ns[0];
-        std::vector<float> xs(rows * (last / kQ4));
-        for (int64_t r = 0; r < rows; ++r) block_sums(x + r * last, last, xs.data() + r * (last / kQ4));
         const Matrix w{nullptr, bits == 4 ? static_cast<const Q4Block*>(in[1]) : nullptr,
                        bits == 8 ? static_cast<const Q8Block*>(in[1]) : nullptr, last};
         threads.run_dynamic(N, gemv_chunk(N, threads.threads()), [&](int64_t n0, int64_t n1) {
-          if (rows == 1) return w.gemv(x, xs.data(), y, n0, n1);
-          // several rows (a batch of decoded tokens): a few of the matrix's rows at a time
-          // unpacked once (they stay in cache) for the several-rows GEMV, where unpacking them
-          // for every row would bound the product
           constexpr int64_t kUnpacked = 64;
-          std::vector<float> unpacked(kUnpacked * last);
+          std::vector<float> unpacked(Matrix::unpacks(rows) ? kUnpacked * last : 0);
           for (int64_t a = n0; a < n1; a += kUnpacked)
             w.rows(a).gemv_rows(x, rows, y + a, N, std::min(n1, a + kUnpacked) - a, unpacked.data());
         });

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "gemv.h"  // hsum8
 #include "loops.h"
 #include "packed.h"
 #include "qgemv_vnni.h"

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gemv.h"  // hsum8
 #include "loops.h"
 #include "qgemv.h"
 
