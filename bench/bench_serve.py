@@ -3,7 +3,7 @@ llama-cpp-python has it), the same model, prompts and greedy settings, in one ru
 
     python bench/bench_serve.py [--model smollm2-135m] [--streams 1,8,32] [--tokens 64]
                                 [--adapters 8] [--adapter-targets q,v] [--skip mlx-lm,llama.cpp]
-                                [--json OUT]
+                                [--engine] [--json OUT]
 
 For each server and each number of concurrent streams C: C clients at once, each streaming a
 completion of its own prompt (`/v1/completions`, temperature 0, `max_tokens` --tokens), through
@@ -20,6 +20,9 @@ what was produced).
   --steps 1`, seeds differ) and served together; C streams spread over them (stream i reads
   adapter i mod N) against the same streams all on adapter 0: the many-adapter batch's
   tokens/s over the one-adapter batch's.
+- --engine: mlxtoy's batched decoder alone too (`BatchDecoder`, no HTTP, in this process), with
+  as many rows as each number of streams: 20-token prompts, 100 steps timed after 5 (a step a
+  token for every row, none ending).
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ import tempfile
 import time
 
 import httpx
+
+import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
+from mlx.utils import tree_flatten
+from mlxtoy.engine import BatchDecoder, Request
+from mlxtoy.inference import load_for_inference
+from mlxtoy.io.hf import save_hf
+from mlxtoy.io.registry import resolve_model
+from mlxtoy.loading import load
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["The history of the lighthouse begins", "Write a short poem about the sea.", "Once upon a time",
@@ -94,6 +105,22 @@ async def drive(url: str, models: list[str], streams: int, tokens: int) -> dict:
             "ttft_ms": 1000 * statistics.median(r[0] for r in results)}
 
 
+def engine_rates(model, rows: list[int], steps: int = 100) -> list[dict]:
+    """Tokens/s of `BatchDecoder` alone with each number of rows (prompts of 20 tokens, `steps`
+    steps timed after 5, no row ending)."""
+    out = []
+    for n in rows:
+        engine = BatchDecoder(model)
+        engine.add_many([(Request(list(range(100 + i, 120 + i)), steps + 10), 1) for i in range(n)])
+        for _ in range(5):
+            engine.step()
+        t0 = time.perf_counter()
+        tokens = sum(len(engine.step()) for _ in range(steps))
+        wall = time.perf_counter() - t0
+        out.append({"rows": n, "tokens_per_sec": tokens / wall, "step_ms": 1000 * wall / steps})
+    return out
+
+
 def train_adapters(model: str, n: int, root: str, targets: str) -> list[str]:
     runs = []
     for i in range(n):
@@ -115,17 +142,11 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--adapter-targets", default="q,v", help="the adapters' --lora-targets")
     ap.add_argument("--skip", default="", help="comma-separated: mlx-lm, llama.cpp, adapters")
+    ap.add_argument("--engine", action="store_true", help="time mlxtoy's batched decoder alone too (no HTTP)")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     streams = [int(s) for s in args.streams.split(",")]
-
-    import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
-    from mlx.utils import tree_flatten
-
-    from mlxtoy.io.hf import save_hf
-    from mlxtoy.io.registry import resolve_model
-    from mlxtoy.loading import load
 
     results: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,6 +154,11 @@ def main() -> None:
         folder = os.path.join(tmp, "hf")
         save_hf(folder, model.config, dict(tree_flatten(model.parameters())), tok)
         del model
+        if args.engine:  # the folder as the server loads it
+            results["engine"] = engine_rates(load_for_inference(folder)[0], streams)
+            for r in results["engine"]:
+                print(f"{'engine':10s} rows    {r['rows']:3d}: {r['tokens_per_sec']:8.1f} tokens/s, "
+                      f"a step {r['step_ms']:6.1f} ms", flush=True)
         # (server, the "model" its requests name)
         servers = {"mlxtoy": (lambda port: [sys.executable, "-m", "mlxtoy", "serve", folder, "--port", str(port),
                                             "--max-batch", str(max(streams))], "hf")}
