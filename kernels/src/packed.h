@@ -188,6 +188,7 @@ inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) {
 // decoded from packs gets the bits of the float32 weights, and in a batch the bits it gets alone.
 // Where a few rows of x share a pass the blocks are read from memory once for all of them, where
 // `unpack` into a buffer and the several-rows GEMV paid for a whole matrix's unpacking every step.
+
 // Rows of x up to which the packed GEMV reads the blocks as they are; past it they are unpacked
 // once for all the rows (SmolLM2's packs, BatchDecoder, Zen 4: 2-6 rows 15-100% faster read as
 // they are, 8 alike, 12 and 16 5-10% slower)
@@ -294,6 +295,8 @@ __attribute__((target("avx2,fma"))) inline void gemv_packed_block_avx2(const flo
   store_sums_avx2<R, MR>(acc, y, N);
 }
 
+// rows [n0, n1) of a packed W against M rows of x: R rows of W a pass (the next R prefetched)
+// against up to 4 rows of x
 template <int Bits, bool Avx512, int R>
 inline void gemv_packed_rows_simd(const float* x, const void* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                                   int64_t n1) {
@@ -316,9 +319,7 @@ inline void gemv_packed_rows_simd(const float* x, const void* w, float* y, int64
   for (; n < n1; ++n) rows.template operator()<1>(n);
 }
 
-// rows [n0, n1) of a packed W against M rows of x: R rows of W a pass (the next R prefetched)
-// against up to 4 rows of x. R as measured a block at a time on the Zen 4 (from memory, one
-// thread): with AVX-512 one row of x takes W a row at a time, as gemv_span's one row does (one
+// The same, R as measured a block at a time on the Zen 4 (from memory, one thread): with AVX-512 one row of x takes W a row at a time, as gemv_span's one row does (one
 // stream, the hardware prefetchers'); with AVX2 a row's one 8-lane chain is bound by its FMAs'
 // latency (4 a block), so 4 rows a pass (8 for 8-bit blocks: 1.9 ns a block, as the product in
 // d * (x . q) form before it took; 2.5 four rows, 3.0 a row at a time).
