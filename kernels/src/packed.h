@@ -319,10 +319,11 @@ inline void gemv_packed_rows_simd(const float* x, const void* w, float* y, int64
   for (; n < n1; ++n) rows.template operator()<1>(n);
 }
 
-// The same, R as measured a block at a time on the Zen 4 (from memory, one thread): with AVX-512 one row of x takes W a row at a time, as gemv_span's one row does (one
-// stream, the hardware prefetchers'); with AVX2 a row's one 8-lane chain is bound by its FMAs'
-// latency (4 a block), so 4 rows a pass (8 for 8-bit blocks: 1.9 ns a block, as the product in
-// d * (x . q) form before it took; 2.5 four rows, 3.0 a row at a time).
+// The same, R as measured a block at a time on the Zen 4 (from memory, one thread): with AVX-512
+// one row of x takes W a row at a time, as gemv_span's one row does (one stream, the hardware
+// prefetchers'); with AVX2 a row's one 8-lane chain is bound by its FMAs' latency (4 a block), so
+// 4 rows a pass (8 for 8-bit blocks: 1.9 ns a block, as the product in d * (x . q) form before it
+// took; 2.5 four rows, 3.0 a row at a time).
 template <int Bits, bool Avx512>
 inline void gemv_packed_span_simd(const float* x, const void* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                                   int64_t n1) {
