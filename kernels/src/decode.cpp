@@ -209,8 +209,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     for (int64_t r = 0; r < R; ++r) rope_angles(pos(r), inv_freqs, dims, angles.data() + r * dims);
 
     pool().run_crew([&] {
-      // this thread's: every row's normed input and its block sums, its attention output, a
-      // head's q, k or v for every row, and a packed matrix's rows unpacked for several rows
+      // this thread's: every row's normed input, its attention output, a head's q, k or v for
+      // every row, and a packed matrix's rows where they are unpacked (Matrix::unpacks)
       std::vector<float> xn(R * D), tmp(R * Dh), scores(group * kAttendPart), att(R * H * Dh);
       std::vector<float> unpacked(lossless && Matrix::unpacks(R) ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
       QuantRows prepared;  // the input as the affine matrices' integer forms read it

@@ -51,6 +51,9 @@ struct Q8Block {
 };
 static_assert(sizeof(Q8Block) == 36, "Q8Block is 36 bytes");
 
+// the bytes of a block of 32 weights packed in `bits` (4: a Q4Block, 8: a Q8Block)
+constexpr int64_t packed_block_bytes(int bits) { return bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block); }
+
 // A block of 32 weights on a grid: every weight exactly fl(fl(d * q) + base) for integer q in
 // [qmin, qmax] (gguf-py's dequantization in float32, one rounding per op). 4-bit: base = min,
 // d = (max - min) / 15, q in 0..15 (Q4_1); 8-bit: base = 0, d = absmax / 127, q in -127..127
@@ -243,7 +246,7 @@ __attribute__((target("avx512f"))) inline void gemv_packed_block_avx512(const fl
     for (int m = 0; m < MR; ++m) x0[m] = _mm512_loadu_ps(x + m * K + b * kQ4), x1[m] = _mm512_loadu_ps(x + m * K + b * kQ4 + 16);
     for (int r = 0; r < R; ++r) {
       __m512 w0, w1;
-      if constexpr (R > 1) _mm_prefetch(w + (r + R) * row_bytes + b * (Bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block)), _MM_HINT_T0);
+      if constexpr (R > 1) _mm_prefetch(w + (r + R) * row_bytes + b * packed_block_bytes(Bits), _MM_HINT_T0);
       unpack_block_avx512<Bits>(w + r * row_bytes, b, w0, w1);
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(w1, x1[m], _mm512_fmadd_ps(w0, x0[m], acc[r][m]));
     }
@@ -251,14 +254,12 @@ __attribute__((target("avx512f"))) inline void gemv_packed_block_avx512(const fl
   store_sums_avx512<R, MR>(acc, y, N);
 }
 
-// the same with AVX2: 8 weights a vector, four a block (the order `unpack_q4_avx2` lays them out),
-// each multiplied into the MR rows of x as it is made
-template <int MR, int Bits>
-__attribute__((target("avx2,fma"), always_inline)) inline void packed_block_fma_avx2(const float* x, const void* row,
-                                                                                    int64_t b, int64_t K,
-                                                                                    __m256 (&acc)[MR]) {
+// block b of a packed row as float32 with AVX2: 8 weights a vector, four vectors in the row's order
+// (the packed GEMV's, and `unpack`'s)
+template <int Bits>
+__attribute__((target("avx2"), always_inline)) inline void block_weights_avx2(const void* row, int64_t b,
+                                                                             __m256 (&w)[4]) {
   __m256i q[4];  // the block's weights as integers, 8 a vector
-  __m256 d, m;
   if constexpr (Bits == 4) {
     const Q4Block& blk = static_cast<const Q4Block*>(row)[b];
     const __m256i low4 = _mm256_set1_epi32(15);
@@ -266,17 +267,13 @@ __attribute__((target("avx2,fma"), always_inline)) inline void packed_block_fma_
       const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * h)));
       q[h] = _mm256_and_si256(bytes, low4), q[2 + h] = _mm256_srli_epi32(bytes, 4);
     }
-    d = _mm256_set1_ps(blk.d), m = _mm256_set1_ps(blk.m);
+    const __m256 d = _mm256_set1_ps(blk.d), m = _mm256_set1_ps(blk.m);
+    for (int p = 0; p < 4; ++p) w[p] = _mm256_add_ps(unfused(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]))), m);
   } else {
     const Q8Block& blk = static_cast<const Q8Block*>(row)[b];
     for (int p = 0; p < 4; ++p) q[p] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * p)));
-    d = _mm256_set1_ps(blk.d);
-  }
-  for (int p = 0; p < 4; ++p) {
-    __m256 w;
-    if constexpr (Bits == 4) w = _mm256_add_ps(unfused(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]))), m);
-    else w = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]));
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i * K + b * kQ4 + 8 * p), acc[i]);
+    const __m256 d = _mm256_set1_ps(blk.d);
+    for (int p = 0; p < 4; ++p) w[p] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]));
   }
 }
 
@@ -286,11 +283,13 @@ __attribute__((target("avx2,fma"))) inline void gemv_packed_block_avx2(const flo
   __m256 acc[R][MR];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
-  constexpr int64_t block_bytes = Bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block);
   for (int64_t b = 0; b < K / kQ4; ++b)
     for (int r = 0; r < R; ++r) {
-      if constexpr (R > 1) _mm_prefetch(w + (r + R) * row_bytes + b * block_bytes, _MM_HINT_T0);
-      packed_block_fma_avx2<MR, Bits>(x, w + r * row_bytes, b, K, acc[r]);
+      if constexpr (R > 1) _mm_prefetch(w + (r + R) * row_bytes + b * packed_block_bytes(Bits), _MM_HINT_T0);
+      __m256 wv[4];
+      block_weights_avx2<Bits>(w + r * row_bytes, b, wv);
+      for (int p = 0; p < 4; ++p)
+        for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wv[p], _mm256_loadu_ps(x + m * K + b * kQ4 + 8 * p), acc[r][m]);
     }
   store_sums_avx2<R, MR>(acc, y, N);
 }
@@ -301,7 +300,7 @@ template <int Bits, bool Avx512, int R>
 inline void gemv_packed_rows_simd(const float* x, const void* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                                   int64_t n1) {
   constexpr int MR = 4;
-  const int64_t row_bytes = K / kQ4 * (Bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block));
+  const int64_t row_bytes = K / kQ4 * packed_block_bytes(Bits);
   const char* base = static_cast<const char*>(w);
   auto pass = [&]<int Rows, int Xs>(int64_t n, int64_t m) {
     if constexpr (Avx512) gemv_packed_block_avx512<Rows, Xs, Bits>(x + m * K, base + n * row_bytes, row_bytes, y + m * N + n, N, K);
@@ -337,7 +336,7 @@ inline void gemv_packed_span_simd(const float* x, const void* w, float* y, int64
 // array's width says which); -1 for neither.
 inline int64_t packed_width(int64_t K, int bits) {
   if (K % kQ4 != 0) return -1;
-  return K / kQ4 * static_cast<int64_t>(bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block));
+  return K / kQ4 * packed_block_bytes(bits);
 }
 
 // A weight matrix (N, K) in float32, Q4- or Q8-packed; rows(n) is the matrix from row n on.
@@ -363,41 +362,26 @@ inline void unpack_q8_portable(const Q8Block* w, int64_t blocks, float* out) {
 }
 
 #ifdef MLXTOY_AVX2
-__attribute__((target("avx2"))) inline void unpack_q4_avx2(const Q4Block* w, int64_t blocks, float* out) {
-  const __m128i low4 = _mm_set1_epi8(15);
+template <int Bits>
+__attribute__((target("avx2"))) inline void unpack_avx2(const void* w, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, out += kQ4) {
-    const __m256 d = _mm256_set1_ps(w[b].d), m = _mm256_set1_ps(w[b].m);
-    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[b].qs));
-    __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int p = 0; p < 4; ++p) {
-      __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
-      _mm256_storeu_ps(out + 8 * p, _mm256_add_ps(_mm256_mul_ps(d, qf), m));
-    }
-  }
-}
-
-__attribute__((target("avx2"))) inline void unpack_q8_avx2(const Q8Block* w, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, out += kQ4) {
-    const __m256 d = _mm256_set1_ps(w[b].d);
-    for (int p = 0; p < 4; ++p) {
-      __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[b].qs + 8 * p));
-      _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
-    }
+    __m256 wv[4];
+    block_weights_avx2<Bits>(w, b, wv);
+    for (int p = 0; p < 4; ++p) _mm256_storeu_ps(out + 8 * p, wv[p]);
   }
 }
 #endif
 
 inline void unpack_q4(const Q4Block* w, int64_t blocks, float* out) {
 #ifdef MLXTOY_AVX2
-  if (cpu_avx2()) return unpack_q4_avx2(w, blocks, out);
+  if (cpu_avx2()) return unpack_avx2<4>(w, blocks, out);
 #endif
   unpack_q4_portable(w, blocks, out);
 }
 
 inline void unpack_q8(const Q8Block* w, int64_t blocks, float* out) {
 #ifdef MLXTOY_AVX2
-  if (cpu_avx2()) return unpack_q8_avx2(w, blocks, out);
+  if (cpu_avx2()) return unpack_avx2<8>(w, blocks, out);
 #endif
   unpack_q8_portable(w, blocks, out);
 }
