@@ -11,6 +11,7 @@ measuring, tested here with timings injected so that no test depends on this mac
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -50,13 +51,10 @@ def table(tmp_path, seconds: dict[str, float], lines: list[str] | None = None, f
     return t
 
 
-
 def test_a_short_route_is_timed_until_a_slow_run_cannot_decide_it():
     """routes.second_look, the real timer: a run of a fraction of a millisecond is timed again
     until the runs have taken LOOK_SECONDS, so one slow run (the BLAS's threads waking, another
     process) is not its measure; a long run is timed once more only."""
-    import time
-
     def run_taking(durations: list[float]):
         def run():
             time.sleep(durations[min(run.runs, len(durations) - 1)])
@@ -72,6 +70,7 @@ def test_a_short_route_is_timed_until_a_slow_run_cannot_decide_it():
     assert routes.second_look("blas", long, first=0.05, best=float("inf")) >= 0.03 and long.runs == 1
     control = run_taking([0.004, 0.0002])  # positive control: the old single second look kept 4 ms
     assert min(0.02, routes.timed(control)[1]) >= 0.004
+
 
 def test_the_faster_route_is_taken_and_kept(tmp_path):
     lines: list[str] = []
