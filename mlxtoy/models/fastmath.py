@@ -342,14 +342,17 @@ def _kernel_linear_vjp(primals, cotangent, output):
 def gemm(a: mx.array, b: mx.array, trans_a: bool = False, trans_b: bool = False, trans_out: bool = False) -> mx.array:
     """op(a) @ op(b), or its transpose with trans_out, op a transposition where asked, for 2-D a
     and b; no gradient. The kernels' GEMM where it applies and its route is the faster here
-    (`gemm_route`; a transposed output costs nothing there), else MLX's matmul (the BLAS)."""
+    (`gemm_route`; a transposed output costs nothing there), else MLX's matmul (the BLAS), which
+    computes a transposed output as op(b).T @ op(a).T: y.T would be a strided view that the
+    kernel reading it (the loss by columns) first copies whole, ~half a GEMM's time."""
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
     form = next((f for f, trans in _FORMS.items() if trans == (trans_a, trans_b)), None)
     if kernel_ok(a, b) and gemm_on() and (form is None or gemm_route(form, M, N, K)):
         return kernels_module().gemm(a, b, trans_a, trans_b, trans_out)
-    y = (a.T if trans_a else a) @ (b.T if trans_b else b)
-    return y.T if trans_out else y
+    if trans_out:
+        return (b if trans_b else b.T) @ (a if trans_a else a.T)
+    return (a.T if trans_a else a) @ (b.T if trans_b else b)
 
 
 FEW_ROWS = 32  # up to this many rows (a batch of decoded tokens), the threaded GEMV is a route
