@@ -35,9 +35,17 @@ MARGIN = 0.03
 # magnitude: float32 sums in another order differ by ~1e-6 relative; a wrong result by far more.
 PARITY_RTOL = 1e-4
 
-# A route's timed runs go on until they have taken this long together, at most LOOKS of them.
+# A route's timed runs go on until they have taken this long together, at most LOOKS of them,
+# in each of ROUNDS rounds taken in turn with the other routes' (its time: the fastest run).
 LOOK_SECONDS = 0.005
 LOOKS = 8
+ROUNDS = 2
+LONG_RUN_SECONDS = 0.02  # a route whose runs take longer is timed in the first round only
+# Before a process's first measurement the routes run in turn, untimed, until this long has
+# passed: a fresh process's first ~50 ms of products run slow (on the Zen 4, OpenBLAS at 11-48
+# and the kernels' GEMM at 62-80 of their ~190 GFLOP/s, then both at their rate for good), which
+# chose a route for good on one slow round.
+WARM_UP_SECONDS = 0.1
 
 Outputs = Sequence[np.ndarray]
 Candidate = Callable[[], Outputs]  # runs the work once (evaluated), returns its values
@@ -118,8 +126,9 @@ def fastest(names: list[str], rates: dict[str, float | None]) -> str:
 @dataclass
 class RouteTable:
     """The measured choices of this machine, by kind of work and shape class, and where they
-    are kept. `time_route(name, run, first, best)` times one candidate, given its first run's
-    time and the best so far (tests inject timings through it);
+    are kept. `time_route(name, run, first, best)` times one candidate in one round, given its
+    time so far (its first run's, then its earlier rounds') and the best so far (tests inject
+    timings through it);
     `log` hears one line per measurement (its cost included)."""
 
     path: str | None
@@ -128,6 +137,7 @@ class RouteTable:
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)
     choices: dict[str, Choice] = field(default_factory=dict)
     measuring_seconds: float = 0.0  # what this process spent measuring
+    warmed_up: bool = False  # whether this process has measured (WARM_UP_SECONDS)
 
     @staticmethod
     def key(kind: str, shape: Sequence[int | str]) -> str:
@@ -182,7 +192,8 @@ class RouteTable:
             return kept
         start = time.perf_counter()
         # every route runs once (its values, and a first time), then each is timed again in
-        # turn: interleaved, a burst of other work on the machine weighs on every route alike
+        # rounds, in turn: interleaved, a burst of other work on the machine weighs on every
+        # route alike, and the fastest of a route's rounds is one the burst missed
         firsts: dict[str, float] = {}
         reference: Outputs = []
         for name in names:
@@ -191,15 +202,22 @@ class RouteTable:
                 reference = values
             elif not agrees(values, reference, rtol):
                 firsts[name] = float("nan")
-        rates: dict[str, float | None] = {}
+        timed_names = [n for n in names if firsts[n] == firsts[n]]  # (NaN: its values disagreed)
+        if not self.warmed_up:
+            self.warmed_up = True
+            while time.perf_counter() - start < WARM_UP_SECONDS:
+                for name in timed_names:
+                    candidates[name]()
+        seconds = dict(firsts)
         best = float("inf")
-        for name in names:
-            if firsts[name] != firsts[name]:  # NaN: its values disagreed
-                rates[name] = None
-                continue
-            seconds = max(self.time_route(name, candidates[name], firsts[name], best), 1e-12)
-            best = min(best, seconds)
-            rates[name] = flops / seconds / 1e9
+        for round_ in range(ROUNDS):
+            for name in timed_names:
+                if round_ and seconds[name] > LONG_RUN_SECONDS:  # a burst is a small part of a long run
+                    continue
+                # (the timer takes the fastest of the time so far and its own runs)
+                seconds[name] = max(self.time_route(name, candidates[name], seconds[name], best), 1e-12)
+                best = min(best, seconds[name])
+        rates: dict[str, float | None] = {n: flops / seconds[n] / 1e9 if n in timed_names else None for n in names}
         best = fastest(names, rates)
         spent = time.perf_counter() - start
         self.measuring_seconds += spent

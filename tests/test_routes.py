@@ -89,6 +89,44 @@ def test_the_faster_route_is_taken_and_kept(tmp_path):
     assert runs["blas"].runs == runs["kernels"].runs == 0
 
 
+def test_routes_are_timed_in_rounds_in_turn_so_a_burst_on_one_round_does_not_decide(tmp_path, monkeypatch):
+    """A burst of other work (a BLAS starting its threads, a core waking) that falls on one
+    route's first round: the routes' rounds alternate, and each keeps its fastest."""
+    def timer(times: dict[str, list[float]], calls: list[str]):
+        def time_route(name: str, run, first: float, best: float) -> float:
+            calls.append(name)
+            return min(times[name][:sum(c == name for c in calls)])  # its fastest round so far
+        return time_route
+
+    def measure(rounds: int) -> tuple[str, list[str]]:
+        monkeypatch.setattr(routes, "ROUNDS", rounds)
+        calls: list[str] = []
+        t = routes.RouteTable(str(tmp_path / f"r{rounds}.json"), dict(FINGERPRINT),
+                              timer({"blas": [0.002, 0.002], "kernels": [0.006, 0.001]}, calls), log=lambda line: None)
+        return t.choose("gemm", ("nt", 256, 64, 64), {"blas": constant(1.0), "kernels": constant(1.0)}, 1e9, ""), calls
+
+    assert measure(2) == ("kernels", ["blas", "kernels", "blas", "kernels"])
+    assert measure(1) == ("blas", ["blas", "kernels"])  # positive control: one round, the burst decides
+
+
+def test_a_process_warms_the_routes_up_before_its_first_measurement_only(tmp_path):
+    seen: list[int] = []
+    cands = {"blas": constant(1.0), "kernels": constant(1.0)}
+
+    def time_route(name: str, run, first: float, best: float) -> float:
+        seen.append(run.runs)
+        return 1.0
+    t = routes.RouteTable(str(tmp_path / "routes.json"), dict(FINGERPRINT), time_route, log=lambda line: None)
+    start = time.perf_counter()
+    t.choose("gemm", ("nt", 256, 64, 64), cands, 1e9, "")
+    assert time.perf_counter() - start >= routes.WARM_UP_SECONDS
+    assert seen[0] > 2  # ran again and again before it was timed (once: the run that gave its values)
+    seen.clear()
+    again = {"blas": constant(1.0), "kernels": constant(1.0)}
+    t.choose("gemm", ("nt", 256, 128, 64), again, 1e9, "")
+    assert seen[0] == 1  # the next measurement of the process: its one first run only
+
+
 def test_the_reference_keeps_its_place_within_the_margin(tmp_path):
     near = 1.0 / (1 + routes.MARGIN / 2)  # faster, but by less than the margin
     t = table(tmp_path, {"blas": 1.0, "kernels": near})
