@@ -13,8 +13,9 @@ the first / their time (greedy, EOS ignored), after a warm-up generation in the 
 peak RSS is the process's high-water mark (loading included); load is the seconds to a model
 that generates. Engines: `mlxtoy` = `load(MODEL, quant=QuantPlan())` (what `mlxtoy generate
 --quantized on` runs; at 8B `--quantized auto` picks it too), `mlxtoy-dense` = the float32 model
-(1B only: an 8B does not fit), `llama.cpp` = n_threads=--threads on the same file, `mlx-lm` =
-mlx-lm's `generate_step` (for a model folder mlx-lm loads: `--models` an mlx-lm 4-bit folder, which
+(1B and --models: an 8B does not fit; what `generate` runs below
+--quantized auto's size, its matrices read from lossless packs where their blocks allow),
+`llama.cpp` = n_threads=--threads on the same file, `mlx-lm` = mlx-lm's `generate_step` (for a model folder mlx-lm loads: `--models` an mlx-lm 4-bit folder, which
 mlxtoy loads as it is too).
 
     python bench/bench_decode_scale.py --models FOLDER_OR_GGUF,... --engines mlxtoy,mlx-lm
@@ -164,7 +165,7 @@ def main() -> int:
               flush=True)
         for r in range(args.rounds):
             for engine in engines:
-                if engine == "mlxtoy-dense" and size != "1b":
+                if engine == "mlxtoy-dense" and not named and size != "1b":  # (an 8B does not fit dense)
                     continue
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--model", model, "--ids",
                        json.dumps(ids), "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]

@@ -625,7 +625,43 @@ def test_pack_q8_is_lossless_on_a_q8_0_grid_and_neither_packs_a_non_finite_weigh
 
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0], ids=["q4_1", "q8_0"])
+def q4_k_grid(rows: int, K_: int, seed: int) -> np.ndarray:
+    """Weights as a Q4_K GGUF loads them (gguf-py's dequantizer) from random blocks with tame
+    scales, each group of 32 using q = 0 (as the quantizer's groups whose minimum is their own)."""
+    qtype = gguf.GGMLQuantizationType.Q4_K
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    r = np.random.default_rng(seed)
+    data = r.integers(0, 256, (rows * K_ // 256, type_size), dtype=np.uint8)
+    data[:, :4] = (np.abs(r.standard_normal((data.shape[0], 2))) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    qs = data[:, 16:].reshape(-1, 4, 32)  # 4 x 32 bytes: group 2i in the low nibbles, 2i + 1 in the high
+    qs[:, :, 0] &= 0xF0
+    qs[:, :, 1] &= 0x0F
+    data[:, 16:] = qs.reshape(-1, 128)
+    return gguf.quants.dequantize(data, qtype).reshape(rows, K_).astype(np.float32)
+
+
+def test_pack_takes_the_grids_of_q4_0_q5_0_and_q4_k_and_leaves_q5_1_float32():
+    """Q4_0 (d (q - 8): its span used from one end only) and Q4_K's groups (d q - m, each group's
+    own d and m) pack 4-bit, Q5_0 (d (q - 16)) 8-bit, every weight to the bit; Q5_1's 32 levels
+    above a minimum fit neither (positive control: they stay float32)."""
+    r = np.random.default_rng(10)
+    w = r.standard_normal((24, 576)).astype(np.float32)
+    for name, grid in (("Q4_0", q4_grid(w, gguf.GGMLQuantizationType.Q4_0)), ("Q4_K", q4_k_grid(24, 512, 11))):
+        packed, ok = K.pack(mx.array(grid), 4)
+        assert int(ok.item()) == 1, name
+        np.testing.assert_array_equal(unpack_q4(np.array(packed), grid.shape[1]), grid, err_msg=name)
+    q5 = q4_grid(w, gguf.GGMLQuantizationType.Q5_0)
+    assert int(K.pack(mx.array(q5), 4)[1].item()) == 0
+    packed, ok = K.pack(mx.array(q5), 8)
+    assert int(ok.item()) == 1
+    rows = np.array(packed).reshape(24, 576 // 32, 36)
+    d, q = rows[..., 0:4].copy().view(np.float32), rows[..., 4:].copy().view(np.int8).astype(np.float32)
+    np.testing.assert_array_equal((d * q).reshape(24, 576), q5)
+    q51 = q4_grid(w, gguf.GGMLQuantizationType.Q5_1)
+    assert fastmath.pack_lossless(mx.array(q51)) is None
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, gguf.GGMLQuantizationType.Q4_0], ids=["q4_1", "q8_0", "q4_0"])
 def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
     """Rows against a packed matrix (AVX-512, AVX2 or portable; one row, a few read from the
     blocks as they are, more from the blocks unpacked): every weight must be made exactly
@@ -634,7 +670,7 @@ def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
     r = np.random.default_rng(9)
     for K_ in (96, 576):
         w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
-        packed, ok = K.pack(mx.array(w), 4 if qtype == Q4_1 else 8)
+        packed, ok = K.pack(mx.array(w), 8 if qtype == Q8_0 else 4)
         assert int(ok.item()) == 1
         for rows in (1, 2, 3, 5, 8, 9, 13):
             x = r.standard_normal((rows, K_)).astype(np.float32)

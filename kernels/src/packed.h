@@ -56,33 +56,25 @@ constexpr int64_t packed_block_bytes(int bits) { return bits == 4 ? sizeof(Q4Blo
 
 // A block of 32 weights on a grid: every weight exactly fl(fl(d * q) + base) for integer q in
 // [qmin, qmax] (gguf-py's dequantization in float32, one rounding per op). 4-bit: base = min,
-// d = (max - min) / 15, q in 0..15 (Q4_1); 8-bit: base = 0, d = absmax / 127, q in -127..127
-// (Q8_0, whose fl(d * q) adding +0 leaves as it compares). The quantizer's d was rounded to
-// float16, so the float32 quotient's neighbours are tried too.
+// q in 0..15, d = (max - min) / k for the block's highest q, k, tried from 15 (Q4_1, whose
+// quantizer spans the block) down (Q4_0, d * (q - 8): its largest magnitude at q = 0 or 15 and
+// the other end anywhere; Q4_K's groups, d * q - m where q = 0 is used). 8-bit: base = 0, q in
+// -127..127, d = absmax / 127 (Q8_0, whose fl(d * q) adding +0 leaves as it compares) or
+// absmax / 16 (Q5_0, d * (q - 16)). The quantizer's d was rounded to float16, so the float32
+// quotient's neighbours are tried too.
 struct Grid {
   float d, base;
   int32_t q[32];
 };
 
+// the divisors of a block's span tried for d, in order (kGridSteps4: 4-bit; kGridSteps8: 8-bit)
+constexpr float kGridSteps4[] = {15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
+constexpr float kGridSteps8[] = {127, 16};
+
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
-  float d0, qmin, qmax;
-  if (four_bit) {
-    float lo = x[0], hi = x[0];
-    for (int j = 1; j < kQ4; ++j) {
-      lo = std::min(lo, x[j]);
-      hi = std::max(hi, x[j]);
-    }
-    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
-    g.base = lo, d0 = (hi - lo) / 15.0f, qmin = 0.0f, qmax = 15.0f;
-  } else {
-    float amax = 0.0f;
-    for (int j = 0; j < kQ4; ++j) amax = std::max(amax, std::fabs(x[j]));
-    if (!std::isfinite(amax)) return false;
-    g.base = 0.0f, d0 = amax / 127.0f, qmin = -127.0f, qmax = 127.0f;
-  }
+inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax, Grid& g) {
   for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
     bool ok = true;
     for (int j = 0; j < kQ4 && ok; ++j) {
@@ -98,6 +90,28 @@ inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
       return true;
     }
   }
+  return false;
+}
+
+inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
+  if (four_bit) {
+    float lo = x[0], hi = x[0];
+    for (int j = 1; j < kQ4; ++j) {
+      lo = std::min(lo, x[j]);
+      hi = std::max(hi, x[j]);
+    }
+    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+    g.base = lo;
+    for (float k : kGridSteps4)
+      if (grid_fits_portable(x, (hi - lo) / k, 0.0f, 15.0f, g)) return true;
+    return false;
+  }
+  float amax = 0.0f;
+  for (int j = 0; j < kQ4; ++j) amax = std::max(amax, std::fabs(x[j]));
+  if (!std::isfinite(amax)) return false;
+  g.base = 0.0f;
+  for (float k : kGridSteps8)
+    if (grid_fits_portable(x, amax / k, -127.0f, 127.0f, g)) return true;
   return false;
 }
 
@@ -117,21 +131,8 @@ __attribute__((target("avx2"))) inline float hmax8(__m256 v) {
 
 // The same with AVX2, 8 weights a vector: the same divisions, roundings and checks; AVX2 alone,
 // without FMA, so d * q + base stays two roundings.
-__attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, bool four_bit, Grid& g) {
-  const __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
-  float d0, qmin, qmax;
-  if (four_bit) {
-    float lo = hmin8(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
-    float hi = hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
-    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;  // a NaN fails the check below
-    g.base = lo, d0 = (hi - lo) / 15.0f, qmin = 0.0f, qmax = 15.0f;
-  } else {
-    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], abs), _mm256_and_ps(x[1], abs)),
-                                     _mm256_max_ps(_mm256_and_ps(x[2], abs), _mm256_and_ps(x[3], abs))));
-    if (!std::isfinite(amax)) return false;  // a NaN fails the check below
-    g.base = 0.0f, d0 = amax / 127.0f, qmin = -127.0f, qmax = 127.0f;
-  }
+__attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4], float d0, float qmin, float qmax,
+                                                           Grid& g) {
   const __m256 base = _mm256_set1_ps(g.base), low = _mm256_set1_ps(qmin), high = _mm256_set1_ps(qmax);
   for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
     const __m256 vd = _mm256_set1_ps(d);
@@ -151,6 +152,27 @@ __attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, bool
       return true;
     }
   }
+  return false;
+}
+
+__attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, bool four_bit, Grid& g) {
+  const __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+  if (four_bit) {
+    float lo = hmin8(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
+    float hi = hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
+    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;  // a NaN fails the check
+    g.base = lo;
+    for (float k : kGridSteps4)
+      if (grid_fits_avx2(x, (hi - lo) / k, 0.0f, 15.0f, g)) return true;
+    return false;
+  }
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], abs), _mm256_and_ps(x[1], abs)),
+                                   _mm256_max_ps(_mm256_and_ps(x[2], abs), _mm256_and_ps(x[3], abs))));
+  if (!std::isfinite(amax)) return false;  // a NaN fails the check
+  g.base = 0.0f;
+  for (float k : kGridSteps8)
+    if (grid_fits_avx2(x, amax / k, -127.0f, 127.0f, g)) return true;
   return false;
 }
 

@@ -373,7 +373,7 @@ class Block(nn.Module):
     def decode_packs(self, modules: list | None = None) -> dict[str, mx.array]:
         """This block's matrices in the form its fused step reads, keyed by their index in
         `fused_weights`: an adapter's merged weight, made now; a plain matrix packed where that
-        is lossless (the weights of a Q4_1 or Q8_0 GGUF: `fastmath.pack_lossless`), kept while
+        is lossless (the weights of a Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 GGUF: `fastmath.pack_lossless`), kept while
         the weights are the same (see `kept_packs`)."""
         modules = modules or self.fused_modules()
         if modules is None:
