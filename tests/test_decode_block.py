@@ -603,17 +603,22 @@ def test_pack_q4_is_lossless_on_a_q4_1_grid_and_refuses_anything_else():
     assert fastmath.pack_lossless(mx.array(grid[:, :80])) is None  # K not a multiple of 32
 
 
+def unpack_q8(packed: np.ndarray, K: int) -> np.ndarray:
+    """The packed rows back to weights, read from the documented layout: per block of 32, float32
+    d of weights 0..15 and d of 16..31, then 32 signed bytes q; weight = d * q."""
+    rows = packed.reshape(-1, K // 32, 40)
+    d = rows[..., 0:8].copy().view(np.float32)  # (rows, blocks, 2)
+    q = rows[..., 8:].copy().view(np.int8).astype(np.float32).reshape(*d.shape[:-1], 2, 16)
+    return (d[..., None] * q).reshape(-1, K).astype(np.float32)
+
+
 def test_pack_q8_is_lossless_on_a_q8_0_grid_and_neither_packs_a_non_finite_weight():
     r = np.random.default_rng(8)
     grid = q4_grid(r.standard_normal((24, 128)).astype(np.float32), Q8_0)
     grid[5, 64:96] = 0.0  # an all-zero block (d = 0)
     packed, ok = K.pack(mx.array(grid), 8)
-    assert int(ok.item()) == 1 and packed.shape == (24, 128 // 32 * 36)
-    # the documented layout: per block of 32, float32 d, then 32 signed bytes q; weight = d * q
-    rows = np.array(packed).reshape(24, 4, 36)
-    d = rows[..., 0:4].copy().view(np.float32)
-    q = rows[..., 4:].copy().view(np.int8).astype(np.float32)
-    np.testing.assert_array_equal((d * q).reshape(24, 128), grid)
+    assert int(ok.item()) == 1 and packed.shape == (24, 128 // 32 * 40)
+    np.testing.assert_array_equal(unpack_q8(np.array(packed), 128), grid)
     assert int(K.pack(mx.array(grid), 4)[1].item()) == 0  # a Q8_0 grid is no 4-bit one
     q4 = q4_grid(r.standard_normal((8, 64)).astype(np.float32))
     for bits, w in ((4, q4), (8, grid)):
@@ -623,6 +628,17 @@ def test_pack_q8_is_lossless_on_a_q8_0_grid_and_neither_packs_a_non_finite_weigh
             v[2, 40] = bad  # inside a block whose other weights set its range
             assert int(K.pack(mx.array(v), bits)[1].item()) == 0, (bits, bad)
 
+
+
+def q6_k_grid(rows: int, K_: int, seed: int) -> np.ndarray:
+    """Weights as a Q6_K GGUF loads them from random blocks with a tame d: a signed 8-bit scale
+    for each 16 weights, q in -32..31."""
+    qtype = gguf.GGMLQuantizationType.Q6_K
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    r = np.random.default_rng(seed)
+    data = r.integers(0, 256, (rows * K_ // 256, type_size), dtype=np.uint8)
+    data[:, -2:] = (np.abs(r.standard_normal((data.shape[0], 1))) * 1e-4 + 1e-5).astype(np.float16).view(np.uint8)
+    return gguf.quants.dequantize(data, qtype).reshape(rows, K_).astype(np.float32)
 
 
 def q4_k_grid(rows: int, K_: int, seed: int) -> np.ndarray:
@@ -640,10 +656,10 @@ def q4_k_grid(rows: int, K_: int, seed: int) -> np.ndarray:
     return gguf.quants.dequantize(data, qtype).reshape(rows, K_).astype(np.float32)
 
 
-def test_pack_takes_the_grids_of_q4_0_q5_0_and_q4_k_and_leaves_q5_1_float32():
+def test_pack_takes_the_grids_of_q4_0_q5_0_q4_k_and_q6_k_and_leaves_q5_1_float32():
     """Q4_0 (d (q - 8): its span used from one end only) and Q4_K's groups (d q - m, each group's
-    own d and m) pack 4-bit, Q5_0 (d (q - 16)) 8-bit, every weight to the bit; Q5_1's 32 levels
-    above a minimum fit neither (positive control: they stay float32)."""
+    own d and m) pack 4-bit, Q5_0 (d (q - 16)) and Q6_K (a scale per 16) 8-bit, every weight to
+    the bit; Q5_1's 32 levels above a minimum fit neither (positive control: they stay float32)."""
     r = np.random.default_rng(10)
     w = r.standard_normal((24, 576)).astype(np.float32)
     for name, grid in (("Q4_0", q4_grid(w, gguf.GGMLQuantizationType.Q4_0)), ("Q4_K", q4_k_grid(24, 512, 11))):
@@ -652,16 +668,16 @@ def test_pack_takes_the_grids_of_q4_0_q5_0_and_q4_k_and_leaves_q5_1_float32():
         np.testing.assert_array_equal(unpack_q4(np.array(packed), grid.shape[1]), grid, err_msg=name)
     q5 = q4_grid(w, gguf.GGMLQuantizationType.Q5_0)
     assert int(K.pack(mx.array(q5), 4)[1].item()) == 0
-    packed, ok = K.pack(mx.array(q5), 8)
-    assert int(ok.item()) == 1
-    rows = np.array(packed).reshape(24, 576 // 32, 36)
-    d, q = rows[..., 0:4].copy().view(np.float32), rows[..., 4:].copy().view(np.int8).astype(np.float32)
-    np.testing.assert_array_equal((d * q).reshape(24, 576), q5)
+    for name, grid in (("Q5_0", q5), ("Q6_K", q6_k_grid(24, 512, 12))):
+        packed, ok = K.pack(mx.array(grid), 8)
+        assert int(ok.item()) == 1, name
+        np.testing.assert_array_equal(unpack_q8(np.array(packed), grid.shape[1]), grid, err_msg=name)
     q51 = q4_grid(w, gguf.GGMLQuantizationType.Q5_1)
     assert fastmath.pack_lossless(mx.array(q51)) is None
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, gguf.GGMLQuantizationType.Q4_0], ids=["q4_1", "q8_0", "q4_0"])
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q6_K],
+                         ids=["q4_1", "q8_0", "q4_0", "q6_k"])
 def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
     """Rows against a packed matrix (AVX-512, AVX2 or portable; one row, a few read from the
     blocks as they are, more from the blocks unpacked): every weight must be made exactly
@@ -669,8 +685,12 @@ def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
     order, so the products are the float32 matrix's own, bit for bit, in every row."""
     r = np.random.default_rng(9)
     for K_ in (96, 576):
-        w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
-        packed, ok = K.pack(mx.array(w), 8 if qtype == Q8_0 else 4)
+        if qtype == gguf.GGMLQuantizationType.Q6_K:  # (gguf-py does not quantize to it: made blocks, K a multiple of 256)
+            w = q6_k_grid(203, 256 * (K_ // 96 // 2 + 1), K_)
+        else:
+            w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
+        K_ = w.shape[1]
+        packed, ok = K.pack(mx.array(w), 4 if qtype in (Q4_1, gguf.GGMLQuantizationType.Q4_0) else 8)
         assert int(ok.item()) == 1
         for rows in (1, 2, 3, 5, 8, 9, 13):
             x = r.standard_normal((rows, K_)).astype(np.float32)
@@ -739,9 +759,9 @@ def test_decode_from_q8_0_weights_and_a_packed_output_matrix():
     model = q4_model(VARIANTS["mha-qkv-bias"], qtype=Q8_0, head=True)
     packs = model.layers[0].decode_packs()
     assert sorted(packs) == [str(i) for i in MATRICES]
-    assert packs["1"].shape[-1] == 64 // 32 * 36  # 8-bit blocks (a Q8_0 grid is no 4-bit one)
+    assert packs["1"].shape[-1] == 64 // 32 * 40  # 8-bit blocks (a Q8_0 grid is no 4-bit one)
     head = model.decode_head_pack()
-    assert head is not None and head.shape == (300, 64 // 32 * 36)
+    assert head is not None and head.shape == (300, 64 // 32 * 40)
     x = mx.random.normal((1, 64))
     np.testing.assert_allclose(np.array(fastmath.linear_packed(x, head)),
                                np.array(x @ model.tok_embeddings.weight.T), rtol=1e-5, atol=1e-5)

@@ -147,8 +147,9 @@ NB_MODULE(_ext, m) {
   m.def("pack", &mlxtoy::pack, "w"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "w (..., K) float32 -> (packed uint8, ok (1,) int32): each block of 32 weights along K as bits 4: "
         "float32 d and m then 16 bytes (weight j in the low nibble of byte j, j + 16 in the high one), "
-        "w = d * q + m (24 bytes); bits 8: float32 d then 32 int8, w = d * q (36 bytes). ok 1 where every "
-        "weight is exactly that (as a Q4_1 or Q8_0 GGUF dequantizes), 0 where some is not (the packing "
+        "w = d * q + m (24 bytes); bits 8: float32 d of weights 0..15 and of 16..31, then 32 int8, w = d * q "
+        "(40 bytes). ok 1 where every weight is exactly that (as a Q4_0, Q4_1, Q4_K, Q5_0, Q6_K or Q8_0 GGUF "
+        "dequantizes), 0 where some is not (the packing "
         "is then of no use)");
   m.def("gemv_packed", &mlxtoy::gemv_packed, "x"_a, "packed"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ w.T for a few rows of x and w packed by pack (the width says 4 or 8 bits), threaded; no gradient");

@@ -536,7 +536,7 @@ std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st)
 }
 
 mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st) {
-  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 24 or 36) uint8";
+  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 24 or 40) uint8";
   if (x.ndim() == 0 || packed.ndim() != 2 || packed.dtype() != mx::uint8) throw std::invalid_argument(usage);
   int64_t K = x.shape(-1);
   int bits = packed.shape(1) == packed_width(K, 4) ? 4 : packed.shape(1) == packed_width(K, 8) ? 8 : 0;

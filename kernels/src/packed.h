@@ -43,13 +43,14 @@ inline void dequant_affine_row(const uint32_t* w, const float* scales, const flo
   }
 }
 
-// A row of weights that are all d * q (q in -127..127) per block of 32, as a Q8_0 GGUF
-// dequantizes to: (d, 32 signed bytes), 1.125 bytes a weight.
+// A row of weights that are all d * q (q in -127..127) per half-block of 16, as a Q8_0 or Q5_0
+// GGUF dequantizes to (one d for both halves) and a Q6_K one (a scale per 16): (d of weights
+// 0..15, d of 16..31, 32 signed bytes), 1.25 bytes a weight.
 struct Q8Block {
-  float d;
+  float d[2];
   int8_t qs[32];
 };
-static_assert(sizeof(Q8Block) == 36, "Q8Block is 36 bytes");
+static_assert(sizeof(Q8Block) == 40, "Q8Block is 40 bytes");
 
 // the bytes of a block of 32 weights packed in `bits` (4: a Q4Block, 8: a Q8Block)
 constexpr int64_t packed_block_bytes(int bits) { return bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block); }
@@ -59,25 +60,29 @@ constexpr int64_t packed_block_bytes(int bits) { return bits == 4 ? sizeof(Q4Blo
 // q in 0..15, d = (max - min) / k for the block's highest q, k, tried from 15 (Q4_1, whose
 // quantizer spans the block) down (Q4_0, d * (q - 8): its largest magnitude at q = 0 or 15 and
 // the other end anywhere; Q4_K's groups, d * q - m where q = 0 is used). 8-bit: base = 0, q in
-// -127..127, d = absmax / 127 (Q8_0, whose fl(d * q) adding +0 leaves as it compares) or
-// absmax / 16 (Q5_0, d * (q - 16)). The quantizer's d was rounded to float16, so the float32
-// quotient's neighbours are tried too.
+// -127..127, one d for the block, absmax / 127 (Q8_0, whose fl(d * q) adding +0 leaves as it
+// compares) or absmax / 16 (Q5_0, d * (q - 16)); else a d for each half of 16, its absmax / k
+// for k from 32 down (Q6_K: d * scale * q, q in -32..31, a scale per 16). The quantizer's d was
+// rounded to float16, so the float32 quotient's neighbours are tried too.
 struct Grid {
   float d, base;
   int32_t q[32];
+  float d_half[2];  // 8-bit: the d of each half (both the block's d where one fits)
 };
 
 // the divisors of a block's span tried for d, in order (kGridSteps4: 4-bit; kGridSteps8: 8-bit)
 constexpr float kGridSteps4[] = {15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
 constexpr float kGridSteps8[] = {127, 16};
+constexpr int kHalfSteps8 = 32;  // a half's divisors: 32, 31, ..., 1
 
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax, Grid& g) {
+inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax, Grid& g, int first = 0,
+                               int n = kQ4) {
   for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
     bool ok = true;
-    for (int j = 0; j < kQ4 && ok; ++j) {
+    for (int j = first; j < first + n && ok; ++j) {
       float q = d > 0.0f ? std::nearbyint((x[j] - g.base) / d) : 0.0f;
       q = std::min(std::max(q, qmin), qmax);
       float back = d * q;
@@ -106,13 +111,23 @@ inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
       if (grid_fits_portable(x, (hi - lo) / k, 0.0f, 15.0f, g)) return true;
     return false;
   }
-  float amax = 0.0f;
-  for (int j = 0; j < kQ4; ++j) amax = std::max(amax, std::fabs(x[j]));
-  if (!std::isfinite(amax)) return false;
+  float amax[2] = {0.0f, 0.0f};
+  for (int j = 0; j < kQ4; ++j) amax[j / 16] = std::max(amax[j / 16], std::fabs(x[j]));
+  if (!std::isfinite(amax[0]) || !std::isfinite(amax[1])) return false;
   g.base = 0.0f;
   for (float k : kGridSteps8)
-    if (grid_fits_portable(x, amax / k, -127.0f, 127.0f, g)) return true;
-  return false;
+    if (grid_fits_portable(x, std::max(amax[0], amax[1]) / k, -127.0f, 127.0f, g)) {
+      g.d_half[0] = g.d_half[1] = g.d;
+      return true;
+    }
+  for (int h = 0; h < 2; ++h) {
+    bool ok = false;
+    for (int k = kHalfSteps8; k >= 1 && !ok; --k)
+      ok = grid_fits_portable(x, amax[h] / static_cast<float>(k), -127.0f, 127.0f, g, 16 * h, 16);
+    if (!ok) return false;
+    g.d_half[h] = g.d;
+  }
+  return true;
 }
 
 #ifdef MLXTOY_AVX2
@@ -132,13 +147,13 @@ __attribute__((target("avx2"))) inline float hmax8(__m256 v) {
 // The same with AVX2, 8 weights a vector: the same divisions, roundings and checks; AVX2 alone,
 // without FMA, so d * q + base stays two roundings.
 __attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4], float d0, float qmin, float qmax,
-                                                           Grid& g) {
+                                                           Grid& g, int first = 0, int n = 4) {
   const __m256 base = _mm256_set1_ps(g.base), low = _mm256_set1_ps(qmin), high = _mm256_set1_ps(qmax);
   for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
     const __m256 vd = _mm256_set1_ps(d);
     __m256i q[4];
     int same = 0xFF;
-    for (int v = 0; v < 4; ++v) {
+    for (int v = first; v < first + n; ++v) {
       __m256 qf = d > 0.0f ? _mm256_div_ps(_mm256_sub_ps(x[v], base), vd) : _mm256_setzero_ps();
       qf = _mm256_round_ps(qf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       qf = _mm256_min_ps(_mm256_max_ps(qf, low), high);
@@ -147,7 +162,7 @@ __attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4],
       q[v] = _mm256_cvtps_epi32(qf);
     }
     if (same == 0xFF) {
-      for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.q + 8 * v), q[v]);
+      for (int v = first; v < first + n; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(g.q + 8 * v), q[v]);
       g.d = d;
       return true;
     }
@@ -167,13 +182,23 @@ __attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, bool
     return false;
   }
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], abs), _mm256_and_ps(x[1], abs)),
-                                   _mm256_max_ps(_mm256_and_ps(x[2], abs), _mm256_and_ps(x[3], abs))));
-  if (!std::isfinite(amax)) return false;  // a NaN fails the check
+  const float amax[2] = {hmax8(_mm256_max_ps(_mm256_and_ps(x[0], abs), _mm256_and_ps(x[1], abs))),
+                         hmax8(_mm256_max_ps(_mm256_and_ps(x[2], abs), _mm256_and_ps(x[3], abs)))};
+  if (!std::isfinite(amax[0]) || !std::isfinite(amax[1])) return false;  // a NaN fails the check
   g.base = 0.0f;
   for (float k : kGridSteps8)
-    if (grid_fits_avx2(x, amax / k, -127.0f, 127.0f, g)) return true;
-  return false;
+    if (grid_fits_avx2(x, std::max(amax[0], amax[1]) / k, -127.0f, 127.0f, g)) {
+      g.d_half[0] = g.d_half[1] = g.d;
+      return true;
+    }
+  for (int h = 0; h < 2; ++h) {
+    bool ok = false;
+    for (int k = kHalfSteps8; k >= 1 && !ok; --k)
+      ok = grid_fits_avx2(x, amax[h] / static_cast<float>(k), -127.0f, 127.0f, g, 2 * h, 2);
+    if (!ok) return false;
+    g.d_half[h] = g.d;
+  }
+  return true;
 }
 
 inline bool grid_block(const float* x, bool four_bit, Grid& g) {
@@ -200,7 +225,7 @@ inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) {
   Grid g;
   for (int64_t b = 0; b < K / kQ4; ++b) {
     if (!grid_block(w + b * kQ4, false, g)) return false;
-    out[b].d = g.d;
+    out[b].d[0] = g.d_half[0], out[b].d[1] = g.d_half[1];
     for (int j = 0; j < kQ4; ++j) out[b].qs[j] = static_cast<int8_t>(g.q[j]);
   }
   return true;
@@ -248,9 +273,10 @@ __attribute__((target("avx512f"), always_inline)) inline void unpack_block_avx51
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
   } else {
     const Q8Block& blk = static_cast<const Q8Block*>(row)[b];
-    const __m512 d = _mm512_set1_ps(blk.d);
-    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)))));
-    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs + 16)))));
+    w0 = _mm512_mul_ps(_mm512_set1_ps(blk.d[0]),
+                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)))));
+    w1 = _mm512_mul_ps(_mm512_set1_ps(blk.d[1]),
+                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs + 16)))));
   }
 }
 
@@ -294,8 +320,8 @@ __attribute__((target("avx2"), always_inline)) inline void block_weights_avx2(co
   } else {
     const Q8Block& blk = static_cast<const Q8Block*>(row)[b];
     for (int p = 0; p < 4; ++p) q[p] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * p)));
-    const __m256 d = _mm256_set1_ps(blk.d);
-    for (int p = 0; p < 4; ++p) w[p] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]));
+    const __m256 d[2] = {_mm256_set1_ps(blk.d[0]), _mm256_set1_ps(blk.d[1])};
+    for (int p = 0; p < 4; ++p) w[p] = _mm256_mul_ps(d[p / 2], _mm256_cvtepi32_ps(q[p]));
   }
 }
 
@@ -380,7 +406,7 @@ __attribute__((optimize("fp-contract=off")))
 #endif
 inline void unpack_q8_portable(const Q8Block* w, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, out += kQ4)
-    for (int j = 0; j < kQ4; ++j) out[j] = w[b].d * static_cast<float>(w[b].qs[j]);
+    for (int j = 0; j < kQ4; ++j) out[j] = w[b].d[j / 16] * static_cast<float>(w[b].qs[j]);
 }
 
 #ifdef MLXTOY_AVX2

@@ -487,10 +487,11 @@ def quant_vnni() -> bool:
 
 def pack_lossless(w: mx.array) -> mx.array | None:
     """w (..., K) packed for decoding where that is lossless: as blocks of 32 weights d * q + m
-    (q 4-bit; 0.75 bytes a weight: the weights of a Q4_0, Q4_1 or Q4_K GGUF) or d * q (q 8-bit;
-    1.125 bytes: Q8_0's, Q5_0's), d and m float32, whichever holds every weight exactly; decoding then reads the same
-    weights from a fraction of the bytes. None where neither does (trained or float weights),
-    without the kernels, or with MLXTOY_PACKED_DECODE=0. The packed width tells the two apart."""
+    (q 4-bit; 0.75 bytes a weight: the weights of a Q4_0, Q4_1 or Q4_K GGUF) or d * q (q 8-bit, a d
+    per 16 weights; 1.25 bytes: Q8_0's, Q5_0's, Q6_K's), d and m float32, whichever holds every
+    weight exactly; decoding then reads the same weights from a fraction of the bytes. None where
+    neither does (trained or float weights), without the kernels, or with MLXTOY_PACKED_DECODE=0.
+    The packed width tells the two apart."""
     if not (PACKED_DECODE and kernel_ok(w) and w.ndim >= 2 and w.shape[-1] % 32 == 0):
         return None
     for bits in (4, 8):
