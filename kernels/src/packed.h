@@ -153,7 +153,7 @@ __attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4],
     const __m256 vd = _mm256_set1_ps(d);
     __m256i q[4];
     int same = 0xFF;
-    for (int v = first; v < first + n; ++v) {
+    for (int v = first; v < first + n && same == 0xFF; ++v) {  // (a wrong d: out at its first vector, mostly)
       __m256 qf = d > 0.0f ? _mm256_div_ps(_mm256_sub_ps(x[v], base), vd) : _mm256_setzero_ps();
       qf = _mm256_round_ps(qf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       qf = _mm256_min_ps(_mm256_max_ps(qf, low), high);
