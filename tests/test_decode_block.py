@@ -755,6 +755,23 @@ def test_a_row_decoded_in_a_batch_against_packs_gets_the_bits_it_gets_alone(batc
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_matrix_off_its_grid_leaves_the_others_of_its_block_packed():
+    """A K-quant file mixes block types: one matrix that packs no grid (a Q5_K's 32 levels; here
+    a weight one ulp off) stays float32 while the others beside it pack; the decode reads both
+    forms in one block and gives the uncached forward's logits."""
+    model = q4_model(VARIANTS["gqa"])
+    q = model.layers[0].attn.q
+    w = np.array(q.weight)
+    w[0, 0] = np.nextafter(w[0, 0], np.float32(10))
+    q.weight = mx.array(w)
+    packs = model.layers[0].decode_packs()
+    assert sorted(packs) == [str(i) for i in MATRICES if i != 1]  # (the build before packed none of this block)
+    assert sorted(model.layers[1].decode_packs()) == [str(i) for i in MATRICES]  # control: an untouched block
+    packed, graphs, _ = decode_steps(model, 4, fused=True)
+    assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
+    for got, ref in zip(packed, uncached_logits(model, packed)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
 def test_decode_from_q8_0_weights_and_a_packed_output_matrix():
     model = q4_model(VARIANTS["mha-qkv-bias"], qtype=Q8_0, head=True)
     packs = model.layers[0].decode_packs()

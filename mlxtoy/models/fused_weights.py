@@ -85,10 +85,11 @@ BLOCK_MATRICES = (1, 2, 3, 4, 6, 7, 8)  # the matrices among `Block.fused_weight
 def kept_packs(owner: nn.Module, weights: list[mx.array] | None, which: Sequence[int]) -> dict[str, mx.array]:
     """`fastmath.pack_lossless` of weights[i] for i in `which`, keyed str(i), kept on `owner`
     while the weights are the same arrays: the same objects, or equal values (tracing a compiled
-    function hands a module new objects for the same weights). Packing stops at the first matrix
-    that does not pack (trained weights: one says as much for all). What is kept always matches
-    the weights last looked at, which `repin_packs` relies on; nothing for None weights or
-    weights that do not pack."""
+    function hands a module new objects for the same weights). Each matrix packs or not on its
+    own: a K-quant file mixes block types (a Q5_K_M's Q5_K matrices stay float32, its Q6_K ones
+    beside them pack), and trying every matrix of trained weights costs ~10 ms for SmolLM2.
+    What is kept always matches the weights last looked at, which `repin_packs` relies on;
+    nothing for None weights or weights that do not pack."""
     if weights is None:
         object.__setattr__(owner, "mlxtoy_packs", None)
         return {}
@@ -101,9 +102,8 @@ def kept_packs(owner: nn.Module, weights: list[mx.array] | None, which: Sequence
     packs = {}
     for i in which:
         packed = fastmath.pack_lossless(weights[i])
-        if packed is None:
-            break
-        packs[str(i)] = packed
+        if packed is not None:
+            packs[str(i)] = packed
     object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), packs) if packs else None)
     return packs
 
@@ -112,9 +112,11 @@ def decode_copies_bytes(model: nn.Module) -> int:
     """The bytes the fused decode step reads besides the weights (`Block.decode_packs`) while a
     model decodes: each adapted projection's merged float32 weight, held by the compiled decoder
     and once more while a prompt is prefilled, and the plain matrices' lossless packs (kept on
-    the blocks; sized from the first one, which says as much for all, as `kept_packs` does).
-    0 where the fused step does not run (no kernels, other blocks)."""
+    the blocks; sized at the largest ratio the first block's matrices pack at, an upper bound
+    where a file mixes block types). 0 where the fused step does not run (no kernels, other
+    blocks)."""
     merged, plain, ratio = 0, 0, None
+    ratios: list[float] = []  # the first fused block's plain matrices'
     for layer in getattr(model, "layers", []):
         modules = layer.fused_modules() if hasattr(layer, "fused_modules") else None
         if modules is None:
@@ -131,8 +133,10 @@ def decode_copies_bytes(model: nn.Module) -> int:
                 continue
             if ratio is None:
                 packed = fastmath.pack_lossless(base.weight)
-                ratio = 0.0 if packed is None else packed.nbytes / base.weight.nbytes
+                ratios.append(0.0 if packed is None else packed.nbytes / base.weight.nbytes)
             plain += base.weight.nbytes
+        if ratio is None and ratios:
+            ratio = max(ratios)
     return 2 * merged + int((ratio or 0.0) * plain)
 
 
