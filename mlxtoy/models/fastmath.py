@@ -342,9 +342,8 @@ def _kernel_linear_vjp(primals, cotangent, output):
 def gemm(a: mx.array, b: mx.array, trans_a: bool = False, trans_b: bool = False, trans_out: bool = False) -> mx.array:
     """op(a) @ op(b), or its transpose with trans_out, op a transposition where asked, for 2-D a
     and b; no gradient. The kernels' GEMM where it applies and its route is the faster here
-    (`gemm_route`; a transposed output costs nothing there), else MLX's matmul (the BLAS), which
-    computes a transposed output as op(b).T @ op(a).T: y.T would be a strided view that the
-    kernel reading it (the loss by columns) first copies whole, ~half a GEMM's time."""
+    (`gemm_route`), else MLX's matmul (the BLAS); either lays a transposed output out by rows (a
+    strided y.T would be copied whole by the kernel reading it: the loss by columns)."""
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
     form = next((f for f, trans in _FORMS.items() if trans == (trans_a, trans_b)), None)
@@ -486,12 +485,10 @@ def quant_vnni() -> bool:
 
 
 def pack_lossless(w: mx.array) -> mx.array | None:
-    """w (..., K) packed for decoding where that is lossless: as blocks of 32 weights d * q + m
-    (q 4-bit; 0.75 bytes a weight: the weights of a Q4_0, Q4_1 or Q4_K GGUF) or d * q (q 8-bit, a d
-    per 16 weights; 1.25 bytes: Q8_0's, Q5_0's, Q6_K's), d and m float32, whichever holds every
-    weight exactly; decoding then reads the same weights from a fraction of the bytes. None where
-    neither does (trained or float weights), without the kernels, or with MLXTOY_PACKED_DECODE=0.
-    The packed width tells the two apart."""
+    """w (..., K) packed for decoding where that is lossless, blocks of 32 weights: d * q + m (q
+    4-bit, 0.75 bytes a weight: Q4_0's, Q4_1's, Q4_K's) or d * q (q 8-bit, a d per 16; 1.25 bytes:
+    Q8_0's, Q5_0's, Q6_K's), whichever holds every weight exactly. None where neither does
+    (trained weights), without the kernels, or with MLXTOY_PACKED_DECODE=0. Its width tells which."""
     if not (PACKED_DECODE and kernel_ok(w) and w.ndim >= 2 and w.shape[-1] % 32 == 0):
         return None
     for bits in (4, 8):
