@@ -685,8 +685,8 @@ def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
     order, so the products are the float32 matrix's own, bit for bit, in every row."""
     r = np.random.default_rng(9)
     for K_ in (96, 576):
-        if qtype == gguf.GGMLQuantizationType.Q6_K:  # (gguf-py does not quantize to it: made blocks, K a multiple of 256)
-            w = q6_k_grid(203, 256 * (K_ // 96 // 2 + 1), K_)
+        if qtype == gguf.GGMLQuantizationType.Q6_K:  # gguf-py does not quantize to it: made blocks, K rounded up to 256s
+            w = q6_k_grid(203, -(-K_ // 256) * 256, K_)
         else:
             w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
         K_ = w.shape[1]

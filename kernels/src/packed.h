@@ -78,8 +78,7 @@ constexpr int kHalfSteps8 = 32;  // a half's divisors: 32, 31, ..., 1
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax, Grid& g, int first = 0,
-                               int n = kQ4) {
+inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax, Grid& g, int first, int n) {
   for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
     bool ok = true;
     for (int j = first; j < first + n && ok; ++j) {
@@ -98,36 +97,45 @@ inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax,
   return false;
 }
 
-inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
+// The grids of the comment above, tried in its order, from a block's min and max (4-bit) or each
+// half's absmax (8-bit): fits(d0, qmin, qmax, first, n) checks weights [first, first + n) on d0's
+// grid or a neighbour's (setting g.d and g.q there), one form's check (portable or AVX2).
+template <class Fits>
+inline bool grid_search(bool four_bit, float lo, float hi, const float (&amax)[2], Grid& g, Fits&& fits) {
   if (four_bit) {
-    float lo = x[0], hi = x[0];
-    for (int j = 1; j < kQ4; ++j) {
-      lo = std::min(lo, x[j]);
-      hi = std::max(hi, x[j]);
-    }
-    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;
+    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;  // (a NaN fails the check too)
     g.base = lo;
     for (float k : kGridSteps4)
-      if (grid_fits_portable(x, (hi - lo) / k, 0.0f, 15.0f, g)) return true;
+      if (fits((hi - lo) / k, 0.0f, 15.0f, 0, kQ4)) return true;
     return false;
   }
-  float amax[2] = {0.0f, 0.0f};
-  for (int j = 0; j < kQ4; ++j) amax[j / 16] = std::max(amax[j / 16], std::fabs(x[j]));
   if (!std::isfinite(amax[0]) || !std::isfinite(amax[1])) return false;
   g.base = 0.0f;
   for (float k : kGridSteps8)
-    if (grid_fits_portable(x, std::max(amax[0], amax[1]) / k, -127.0f, 127.0f, g)) {
+    if (fits(std::max(amax[0], amax[1]) / k, -127.0f, 127.0f, 0, kQ4)) {
       g.d_half[0] = g.d_half[1] = g.d;
       return true;
     }
   for (int h = 0; h < 2; ++h) {
     bool ok = false;
     for (int k = kHalfSteps8; k >= 1 && !ok; --k)
-      ok = grid_fits_portable(x, amax[h] / static_cast<float>(k), -127.0f, 127.0f, g, 16 * h, 16);
+      ok = fits(amax[h] / static_cast<float>(k), -127.0f, 127.0f, 16 * h, 16);
     if (!ok) return false;
     g.d_half[h] = g.d;
   }
   return true;
+}
+
+inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
+  float lo = x[0], hi = x[0], amax[2] = {0.0f, 0.0f};
+  for (int j = 0; j < kQ4; ++j) {
+    lo = std::min(lo, x[j]);
+    hi = std::max(hi, x[j]);
+    amax[j / 16] = std::max(amax[j / 16], std::fabs(x[j]));
+  }
+  return grid_search(four_bit, lo, hi, amax, g, [&](float d0, float qmin, float qmax, int first, int n) {
+    return grid_fits_portable(x, d0, qmin, qmax, g, first, n);
+  });
 }
 
 #ifdef MLXTOY_AVX2
@@ -147,7 +155,8 @@ __attribute__((target("avx2"))) inline float hmax8(__m256 v) {
 // The same with AVX2, 8 weights a vector: the same divisions, roundings and checks; AVX2 alone,
 // without FMA, so d * q + base stays two roundings.
 __attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4], float d0, float qmin, float qmax,
-                                                           Grid& g, int first = 0, int n = 4) {
+                                                           Grid& g, int first_weight, int weights) {
+  const int first = first_weight / 8, n = weights / 8;  // in vectors
   const __m256 base = _mm256_set1_ps(g.base), low = _mm256_set1_ps(qmin), high = _mm256_set1_ps(qmax);
   for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
     const __m256 vd = _mm256_set1_ps(d);
@@ -172,33 +181,14 @@ __attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4],
 
 __attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, bool four_bit, Grid& g) {
   const __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
-  if (four_bit) {
-    float lo = hmin8(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
-    float hi = hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
-    if (!std::isfinite(lo) || !std::isfinite(hi)) return false;  // a NaN fails the check
-    g.base = lo;
-    for (float k : kGridSteps4)
-      if (grid_fits_avx2(x, (hi - lo) / k, 0.0f, 15.0f, g)) return true;
-    return false;
-  }
+  const float lo = hmin8(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
+  const float hi = hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const float amax[2] = {hmax8(_mm256_max_ps(_mm256_and_ps(x[0], abs), _mm256_and_ps(x[1], abs))),
                          hmax8(_mm256_max_ps(_mm256_and_ps(x[2], abs), _mm256_and_ps(x[3], abs)))};
-  if (!std::isfinite(amax[0]) || !std::isfinite(amax[1])) return false;  // a NaN fails the check
-  g.base = 0.0f;
-  for (float k : kGridSteps8)
-    if (grid_fits_avx2(x, std::max(amax[0], amax[1]) / k, -127.0f, 127.0f, g)) {
-      g.d_half[0] = g.d_half[1] = g.d;
-      return true;
-    }
-  for (int h = 0; h < 2; ++h) {
-    bool ok = false;
-    for (int k = kHalfSteps8; k >= 1 && !ok; --k)
-      ok = grid_fits_avx2(x, amax[h] / static_cast<float>(k), -127.0f, 127.0f, g, 2 * h, 2);
-    if (!ok) return false;
-    g.d_half[h] = g.d;
-  }
-  return true;
+  return grid_search(four_bit, lo, hi, amax, g, [&](float d0, float qmin, float qmax, int first, int n) {
+    return grid_fits_avx2(x, d0, qmin, qmax, g, first, n);
+  });
 }
 
 inline bool grid_block(const float* x, bool four_bit, Grid& g) {
