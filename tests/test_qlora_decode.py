@@ -127,6 +127,37 @@ def test_a_prompt_takes_the_rounded_gemv_at_inference(symmetric, width):
 
 @needs_kernels
 @pytest.mark.core
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (4, 64)])
+def test_a_batch_s_rows_take_the_float_gemv_each_with_the_bits_it_gets_alone(bits, group):
+    """At inference, rows past decoding's 4 (5 to 37: passes of 4 and a tail) against a W with no
+    integer form (8 bits, as a GGUF's Q8_0 / Q6_K output layer is kept; 4 bits in groups of 64) take
+    the float32 GEMV four rows a pass: each row's outputs are the bits that row gets alone, within
+    float32 rounding of float64. Past the most rows it takes: the slabs. The slabs' SGEMM (outside
+    inference, what these rows took before) sums in another order: the positive control."""
+    q, scales, biases = _quantized(67, 640, bits, group, mx.float16, seed=bits + group)
+    dense = _dense64(q, scales, biases, group, bits)
+    rng = np.random.default_rng(13)
+    for rows in (5, 9, 37):
+        x = rng.standard_normal((rows, 640)).astype(np.float32)
+        with fastmath.inference():
+            y = np.array(quant.quant_linear(mx.array(x), q, scales, biases, group, bits))
+            alone = [np.array(quant.quant_linear(mx.array(x[i:i + 1]), q, scales, biases, group, bits))
+                     for i in range(rows)]
+        np.testing.assert_array_equal(y, np.concatenate(alone))
+        eps = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
+        assert (np.abs(y - x.astype(np.float64) @ dense.T) <= eps).all()
+        slabs = np.array(quant.quant_linear(mx.array(x), q, scales, biases, group, bits))
+        assert not np.array_equal(slabs, y)
+    most = fastmath.kernels_module().quant_gemv_max_rows(640, group, bits)
+    assert most > 4
+    many = mx.array(rng.standard_normal((most + 1, 640)).astype(np.float32))
+    with fastmath.inference():
+        y_many = quant.quant_linear(many, q, scales, biases, group, bits)
+    np.testing.assert_array_equal(np.array(y_many), np.array(quant.quant_linear(many, q, scales, biases, group, bits)))
+
+
+@needs_kernels
+@pytest.mark.core
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
 def test_symmetric_gemv_leaves_the_biases_unread(dtype):
     """A Q4_0 / Q8_0 block's biases are -2^(bits - 1) scales; `symmetric` says so, and the GEMV

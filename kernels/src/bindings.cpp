@@ -53,8 +53,9 @@ NB_MODULE(_ext, m) {
         "whether quant_linear's GEMV takes an integer form (VNNI or AVX2; x rounded to 16 bits a group) for a W of "
         "this width, group size and bits here: the form decode_block reads an affine 4-bit matrix in");
   m.def("quant_gemv_max_rows", &mlxtoy::gemv_max_rows, "K"_a, "group_size"_a, "bits"_a,
-        "the most rows of x quant_linear(inference=True) takes through the 4-bit GEMV for a W of this width, "
-        "group size and bits (4; more in the VNNI and AVX2 integer forms), past which it takes the slabs");
+        "the most rows of x quant_linear(inference=True) takes through the GEMV for a W of this width, "
+        "group size and bits (the VNNI and AVX2 integer forms' bounds, else the float32 form's), past which it "
+        "takes the slabs");
   m.def("gemm_ok", &mlxtoy::gemm_ok, "whether gemm and gemm_many run here (an x86-64 CPU with AVX-512, or AVX2 and FMA)");
   m.def("gemm_many", &mlxtoy::gemm_many, "x"_a, "ws"_a, nb::kw_only(), "stream"_a = nb::none(),
         "gemv_many's products for many rows of x (prefill): an AVX-512 GEMM, no gradient");

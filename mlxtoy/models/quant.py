@@ -76,8 +76,9 @@ def quant_linear(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     the BLAS's SGEMM, forward and input gradient; at most 4 rows of x, decoding, the fused
     quantized GEMV that reads the packed words as they are, and not the biases where they are
     -2^(bits - 1) scales: `symmetric`); see `quant_linear_ok`. Inside `inference()` the kernel is
-    called bare (no gradient node), and a prompt's rows take the GEMV's VNNI or AVX2 integer form
-    (x rounded to 16 bits a group, as in decoding) where that measured faster than the slabs here
+    called bare (no gradient node), and a prompt's or a batch's rows take the GEMV (its VNNI or
+    AVX2 integer form, x rounded to 16 bits a group as in decoding; else its float32 form, four
+    rows a pass, each row the bits it gets alone) where that measured faster than the slabs here
     for their rows class (`prompt_takes_gemv`)."""
     if bare(x):
         rows = x.reshape(-1, x.shape[-1])
@@ -96,9 +97,9 @@ PROMPT_PARITY_RTOL = 1e-3
 
 def prompt_takes_gemv(rows: int, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                       symmetric: bool) -> bool:
-    """Whether `rows` rows of x (no gradient) take the 4-bit GEMV rather than the slabs and the
-    SGEMM: up to decoding's 4 rows always; a prompt's, where the kernels have the GEMV's rounded
-    form for this W (up to `quant_gemv_max_rows`), if that measured faster here for the rows
+    """Whether `rows` rows of x (no gradient) take the GEMV rather than the slabs and the SGEMM:
+    up to decoding's 4 rows always; more (a prompt, a batch of decoded rows against an 8-bit
+    head), up to `quant_gemv_max_rows` for this W, if that measured faster here for the rows
     class and matrix shape (`mlxtoy.routes`; the slabs, exact, are the reference)."""
     if rows <= GEMV_ROWS:
         return True
