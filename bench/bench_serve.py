@@ -3,7 +3,7 @@ llama-cpp-python has it), the same model, prompts and greedy settings, in one ru
 
     python bench/bench_serve.py [--model smollm2-135m] [--streams 1,8,32] [--tokens 64]
                                 [--adapters 8] [--adapter-targets q,v] [--skip mlx-lm,llama.cpp]
-                                [--engine] [--json OUT]
+                                [--kept] [--engine] [--json OUT]
 
 For each server and each number of concurrent streams C: C clients at once, each streaming a
 completion of its own prompt (`/v1/completions`, temperature 0, `max_tokens` --tokens), through
@@ -20,6 +20,9 @@ what was produced).
   --steps 1`, seeds differ) and served together; C streams spread over them (stream i reads
   adapter i mod N) against the same streams all on adapter 0: the many-adapter batch's
   tokens/s over the one-adapter batch's.
+- --kept: a server `mlxtoy-kept` too, `mlxtoy serve MODEL --quantized on` (MODEL as it is, its
+  base kept quantized: a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, what auto keeps for 500M+ parameters),
+  and with --engine its batched decoder alone.
 - --engine: mlxtoy's batched decoder alone too (`BatchDecoder`, no HTTP, in this process), with
   as many rows as each number of streams: 20-token prompts, 100 steps timed after 5 (a step a
   token for every row, none ending).
@@ -42,7 +45,7 @@ import httpx
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 from mlx.utils import tree_flatten
 from mlxtoy.engine import BatchDecoder, Request
-from mlxtoy.inference import load_for_inference
+from mlxtoy.inference import load_for_inference, served_name
 from mlxtoy.io.hf import save_hf
 from mlxtoy.io.registry import resolve_model
 from mlxtoy.loading import load
@@ -143,6 +146,7 @@ def main() -> None:
     ap.add_argument("--adapter-targets", default="q,v", help="the adapters' --lora-targets")
     ap.add_argument("--skip", default="", help="comma-separated: mlx-lm, llama.cpp, adapters")
     ap.add_argument("--engine", action="store_true", help="time mlxtoy's batched decoder alone too (no HTTP)")
+    ap.add_argument("--kept", action="store_true", help="serve MODEL with its base kept quantized too (mlxtoy-kept)")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -154,14 +158,20 @@ def main() -> None:
         folder = os.path.join(tmp, "hf")
         save_hf(folder, model.config, dict(tree_flatten(model.parameters())), tok)
         del model
-        if args.engine:  # the folder as the server loads it
-            results["engine"] = engine_rates(load_for_inference(folder)[0], streams)
-            for r in results["engine"]:
-                print(f"{'engine':10s} rows    {r['rows']:3d}: {r['tokens_per_sec']:8.1f} tokens/s, "
+        engines = {"engine": (folder, "off")} | ({"engine-kept": (args.model, "on")} if args.kept else {})
+        for name, (served_model, mode) in engines.items() if args.engine else ():  # as the server loads it
+            results[name] = engine_rates(load_for_inference(served_model, mode=mode)[0], streams)
+            for r in results[name]:
+                print(f"{name:11s} rows    {r['rows']:3d}: {r['tokens_per_sec']:8.1f} tokens/s, "
                       f"a step {r['step_ms']:6.1f} ms", flush=True)
         # (server, the "model" its requests name)
         servers = {"mlxtoy": (lambda port: [sys.executable, "-m", "mlxtoy", "serve", folder, "--port", str(port),
                                             "--max-batch", str(max(streams))], "hf")}
+        if args.kept:
+            servers["mlxtoy-kept"] = (lambda port: [sys.executable, "-m", "mlxtoy", "serve", args.model,
+                                                    "--quantized", "on", "--port", str(port),
+                                                    "--max-batch", str(max(streams))],
+                                      served_name(args.model))
         if "mlx-lm" not in skip:
             servers["mlx-lm"] = (lambda port: [sys.executable, "-m", "mlx_lm", "server", "--model", folder,
                                                "--port", str(port), "--decode-concurrency", str(max(streams))],
@@ -188,10 +198,10 @@ def main() -> None:
                         r = asyncio.run(drive(url, [served], c, args.tokens))
                     except httpx.HTTPError as e:  # (mlx_lm.server dropped connections at 32 streams here)
                         results[name].append({"streams": c, "error": repr(e)})
-                        print(f"{name:10s} streams {c:3d}: failed: {e!r}", flush=True)
+                        print(f"{name:11s} streams {c:3d}: failed: {e!r}", flush=True)
                         continue
                     results[name].append(r)
-                    print(f"{name:10s} streams {c:3d}: {r['tokens_per_sec']:8.1f} tokens/s, "
+                    print(f"{name:11s} streams {c:3d}: {r['tokens_per_sec']:8.1f} tokens/s, "
                           f"time to first token {r['ttft_ms']:7.1f} ms", flush=True)
             finally:
                 proc.terminate()
