@@ -656,10 +656,43 @@ def q4_k_grid(rows: int, K_: int, seed: int) -> np.ndarray:
     return gguf.quants.dequantize(data, qtype).reshape(rows, K_).astype(np.float32)
 
 
-def test_pack_takes_the_grids_of_q4_0_q5_0_q4_k_and_q6_k_and_leaves_q5_1_float32():
+def q5_k_grid(rows: int, K_: int, seed: int) -> np.ndarray:
+    """Weights as a Q5_K GGUF loads them from random blocks with tame scales, each group of 32
+    using q = 0 (as q4_k_grid's): q's low 4 bits as Q4_K's, its fifth bit g of qh's byte e for
+    element e of group g."""
+    qtype = gguf.GGMLQuantizationType.Q5_K
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    r = np.random.default_rng(seed)
+    data = r.integers(0, 256, (rows * K_ // 256, type_size), dtype=np.uint8)
+    data[:, :4] = (np.abs(r.standard_normal((data.shape[0], 2))) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    data[:, 16:18] = 0  # qh's bytes 0 and 1: elements 0 and 1 of every group below 16
+    qs = data[:, 48:].reshape(-1, 4, 32)
+    qs[:, :, 0] &= 0xF0
+    qs[:, :, 1] &= 0x0F
+    data[:, 48:] = qs.reshape(-1, 128)
+    return gguf.quants.dequantize(data, qtype).reshape(rows, K_).astype(np.float32)
+
+
+def unpack_q5(packed: np.ndarray, K: int) -> np.ndarray:
+    """The packed rows back to weights, read from the documented layout: per block of 32, float32
+    d and m, 16 bytes of low nibbles as a Q4 block's, then a little-endian uint32 whose bit j is
+    weight j's fifth bit; weight = d * q + m."""
+    rows = packed.reshape(-1, K // 32, 28)
+    d = rows[..., 0:4].copy().view(np.float32)[..., 0]
+    m = rows[..., 4:8].copy().view(np.float32)[..., 0]
+    qs = rows[..., 8:24]
+    qh = rows[..., 24:28].copy().view("<u4")[..., 0]
+    fifth = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    q = (np.concatenate([qs & 15, qs >> 4], axis=-1) | (fifth << 4)).astype(np.float32)
+    return (d[..., None] * q + m[..., None]).reshape(-1, K).astype(np.float32)
+
+
+def test_pack_takes_the_grids_of_q4_0_q5_0_q5_1_q4_k_q5_k_and_q6_k():
     """Q4_0 (d (q - 8): its span used from one end only) and Q4_K's groups (d q - m, each group's
-    own d and m) pack 4-bit, Q5_0 (d (q - 16)) and Q6_K (a scale per 16) 8-bit, every weight to
-    the bit; Q5_1's 32 levels above a minimum fit neither (positive control: they stay float32)."""
+    own d and m) pack 4-bit; Q5_1 and Q5_K's groups (32 levels above a minimum) 5-bit; Q5_0
+    (d (q - 16)) and Q6_K (a scale per 16) 8-bit; every weight to the bit. Q5_1 fits no 4-bit
+    grid, and 64 levels above an offset (6 bits, asymmetric) fit none: they stay float32
+    (positive controls)."""
     r = np.random.default_rng(10)
     w = r.standard_normal((24, 576)).astype(np.float32)
     for name, grid in (("Q4_0", q4_grid(w, gguf.GGMLQuantizationType.Q4_0)), ("Q4_K", q4_k_grid(24, 512, 11))):
@@ -673,11 +706,23 @@ def test_pack_takes_the_grids_of_q4_0_q5_0_q4_k_and_q6_k_and_leaves_q5_1_float32
         assert int(ok.item()) == 1, name
         np.testing.assert_array_equal(unpack_q8(np.array(packed), grid.shape[1]), grid, err_msg=name)
     q51 = q4_grid(w, gguf.GGMLQuantizationType.Q5_1)
-    assert fastmath.pack_lossless(mx.array(q51)) is None
+    assert int(K.pack(mx.array(q51), 4)[1].item()) == 0
+    for name, grid in (("Q5_1", q51), ("Q5_K", q5_k_grid(24, 512, 13))):
+        packed, ok = K.pack(mx.array(grid), 5)
+        assert int(ok.item()) == 1, name
+        assert packed.shape == (24, grid.shape[1] // 32 * 28)
+        np.testing.assert_array_equal(unpack_q5(np.array(packed), grid.shape[1]), grid, err_msg=name)
+        assert fastmath.pack_lossless(mx.array(grid)).shape == packed.shape
+    d = np.float32(np.float16(0.0123))
+    six_bits = (d * r.integers(0, 64, (24, 576)).astype(np.float32) + np.float32(np.float16(-0.377))).astype(np.float32)
+    six_bits[:, ::32] = np.float32(np.float16(-0.377))  # each block's minimum, 63 steps below its top
+    six_bits[:, 1::32] = d * np.float32(63) + np.float32(np.float16(-0.377))
+    assert fastmath.pack_lossless(mx.array(six_bits)) is None
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q6_K],
-                         ids=["q4_1", "q8_0", "q4_0", "q6_k"])
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q6_K,
+                                   gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q5_K],
+                         ids=["q4_1", "q8_0", "q4_0", "q6_k", "q5_1", "q5_k"])
 def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
     """Rows against a packed matrix (AVX-512, AVX2 or portable; one row, a few read from the
     blocks as they are, more from the blocks unpacked): every weight must be made exactly
@@ -685,25 +730,35 @@ def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
     order, so the products are the float32 matrix's own, bit for bit, in every row."""
     r = np.random.default_rng(9)
     for K_ in (96, 576):
-        if qtype == gguf.GGMLQuantizationType.Q6_K:  # gguf-py does not quantize to it: made blocks, K rounded up to 256s
-            w = q6_k_grid(203, -(-K_ // 256) * 256, K_)
+        made = {gguf.GGMLQuantizationType.Q6_K: q6_k_grid, gguf.GGMLQuantizationType.Q5_K: q5_k_grid}
+        if qtype in made:  # gguf-py does not quantize to it: made blocks, K rounded up to 256s
+            w = made[qtype](203, -(-K_ // 256) * 256, K_)
         else:
             w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
         K_ = w.shape[1]
-        packed, ok = K.pack(mx.array(w), 4 if qtype in (Q4_1, gguf.GGMLQuantizationType.Q4_0) else 8)
+        bits = {Q4_1: 4, gguf.GGMLQuantizationType.Q4_0: 4, gguf.GGMLQuantizationType.Q5_1: 5,
+                gguf.GGMLQuantizationType.Q5_K: 5}.get(qtype, 8)
+        packed, ok = K.pack(mx.array(w), bits)
         assert int(ok.item()) == 1
         for rows in (1, 2, 3, 5, 8, 9, 13):
             x = r.standard_normal((rows, K_)).astype(np.float32)
             y = np.array(K.gemv_packed(mx.array(x), packed))
             np.testing.assert_array_equal(y, np.array(K.gemv(mx.array(x), mx.array(w))), err_msg=f"K = {K_}, {rows} rows")
-            np.testing.assert_allclose(y, x.astype(np.float64) @ w.astype(np.float64).T, rtol=0, atol=3e-5)
+            # float32 sums: within a few eps of sum |x_k w_k| (Q5_K's made weights run to ~20)
+            bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+            assert (np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= bound).all()
 
-def test_decode_from_packed_q4_weights_matches_the_uncached_forward():
-    """Decoding from a Q4_1 grid's packs: the uncached forward's logits, and the float32 matrices'
-    through the same kernel to the bit (each sum the float32 GEMV's chain over the weights the
-    blocks were packed from)."""
-    model = q4_model(VARIANTS["gqa"])
+@pytest.mark.parametrize("qtype", [Q4_1, gguf.GGMLQuantizationType.Q5_1], ids=["q4_1", "q5_1"])
+def test_decode_from_packed_weights_matches_the_uncached_forward(qtype):
+    """Decoding from a Q4_1 (or Q5_1) grid's packs (4-bit or 5-bit blocks): the uncached forward's
+    logits, and the float32 matrices' through the same kernel to the bit (each sum the float32
+    GEMV's chain over the weights the blocks were packed from)."""
+    model = q4_model(VARIANTS["gqa"], qtype=qtype)
     assert all(sorted(layer.decode_packs()) == [str(i) for i in MATRICES] for layer in model.layers)
+    block_bytes = 24 if qtype == Q4_1 else 28
+    for layer in model.layers:  # the blocks the grid holds: 4-bit, or 5-bit
+        weights = layer.fused_weights()
+        assert all(p.shape[-1] * 32 == weights[int(i)].shape[-1] * block_bytes for i, p in layer.decode_packs().items())
     packed, graphs, _ = decode_steps(model, 6, fused=True)
     assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
     for got, ref in zip(packed, uncached_logits(model, packed)):

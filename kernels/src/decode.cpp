@@ -134,8 +134,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
 
   bool lossless = false, affine_any = false;  // a matrix in a lossless pack's form; in the affine form
   for (int i = 0; i < 7; ++i) {
-    const int form = (packed >> (2 * i)) & 3;
-    lossless = lossless || form == 1 || form == 2, affine_any = affine_any || form == 3;
+    const int form = (packed >> (3 * i)) & 7;
+    lossless = lossless || form == 1 || form == 2 || form == 4, affine_any = affine_any || form == 3;
   }
 
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
@@ -143,7 +143,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     auto f = [&](int i) { return static_cast<const float*>(in[i]); };
     int next_affine = kBiasQ + (bias ? 3 : 0);  // the first affine matrix's scales
     auto matrix = [&](int i, int64_t K) {
-      int form = (packed >> (2 * (i - kQ))) & 3;  // 0 float32, 1 Q4, 2 Q8, 3 affine 4-bit
+      int form = (packed >> (3 * (i - kQ))) & 7;  // 0 float32, 1 Q4, 2 Q8, 3 affine 4-bit, 4 Q5
       Affine4 a{};
       if (form == 3) {
         const int bits = affine >> (3 * (i - kQ));
@@ -152,7 +152,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
         next_affine += 2;
       }
       return Matrix{form == 0 ? f(i) : nullptr, form == 1 ? static_cast<const Q4Block*>(in[i]) : nullptr,
-                    form == 2 ? static_cast<const Q8Block*>(in[i]) : nullptr, K, a};
+                    form == 2 ? static_cast<const Q8Block*>(in[i]) : nullptr, K, a,
+                    form == 4 ? static_cast<const Q5Block*>(in[i]) : nullptr};
     };
     const float *x = f(kX), *inv_freqs = f(kInvFreqs);
     const int32_t* starts = static_cast<const int32_t*>(in[kStarts]);
@@ -331,7 +332,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   if (!biases.empty() && biases.size() != 3) fail("biases [] or [q, k, v]");
   if (x.ndim() != 3 || x.shape(0) < 1 || x.shape(1) < 1) fail("x (B, T, D): T new tokens of each of B rows");
   const int B = x.shape(0), D = x.shape(2);
-  // a matrix's width: K float32, or a packed width (uint8: Q4 or Q8 blocks, told apart by it;
+  // a matrix's width: K float32, or a packed width (uint8: Q4, Q5 or Q8 blocks, told apart by it;
   // uint32: MLX's affine 4-bit words, K / 8, with the next two arrays of `affine`)
   int packed = 0, affine_bits = 0;
   size_t next_affine = 0;
@@ -347,13 +348,13 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
           !(sc.dtype() == mx::float32 || sc.dtype() == mx::float16 || sc.dtype() == mx::bfloat16))
         fail("an affine 4-bit matrix: words (.., K / 8), scales and biases (rows, K / 32) float32, float16 or "
              "bfloat16, and a K the integer forms take here (quant_integer_form)");
-      packed |= 3 << (2 * (i - 1));
+      packed |= 3 << (3 * (i - 1));
       affine_bits |= (static_cast<int>(scale_type(sc)) | ((symmetric >> i) & 1) << 2) << (3 * (i - 1));
       return w.shape(-1);
     }
     if (w.dtype() != mx::uint8) return K;
-    int form = w.shape(-1) == packed_width(K, 4) ? 1 : w.shape(-1) == packed_width(K, 8) ? 2 : 0;
-    packed |= form << (2 * (i - 1));
+    const int bits = packed_bits(K, w.shape(-1)), form = bits == 4 ? 1 : bits == 8 ? 2 : bits == 5 ? 4 : 0;
+    packed |= form << (3 * (i - 1));
     return form ? w.shape(-1) : -1;
   };
   // the matrices' logical shapes (their last axis read through `width`)

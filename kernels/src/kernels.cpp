@@ -300,8 +300,10 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         std::atomic<bool> lossless{true};
         threads.run(rows, 16, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1 && lossless.load(std::memory_order_relaxed); ++r) {
-            bool ok = bits == 4 ? pack_q4_row(w + r * last, last, static_cast<Q4Block*>(out[0]) + r * (last / kQ4))
-                                : pack_q8_row(w + r * last, last, static_cast<Q8Block*>(out[0]) + r * (last / kQ4));
+            const int64_t at = r * (last / kQ4);
+            bool ok = bits == 4   ? pack_q4_row(w + r * last, last, static_cast<Q4Block*>(out[0]) + at)
+                      : bits == 5 ? pack_q5_row(w + r * last, last, static_cast<Q5Block*>(out[0]) + at)
+                                  : pack_q8_row(w + r * last, last, static_cast<Q8Block*>(out[0]) + at);
             if (!ok) lossless = false;
           }
         });
@@ -316,7 +318,8 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         auto y = static_cast<float*>(out[0]);
         int64_t N = Ns[0];
         const Matrix w{nullptr, bits == 4 ? static_cast<const Q4Block*>(in[1]) : nullptr,
-                       bits == 8 ? static_cast<const Q8Block*>(in[1]) : nullptr, last};
+                       bits == 8 ? static_cast<const Q8Block*>(in[1]) : nullptr, last, {},
+                       bits == 5 ? static_cast<const Q5Block*>(in[1]) : nullptr};
         threads.run_dynamic(N, gemv_chunk(N, threads.threads()), [&](int64_t n0, int64_t n1) {
           constexpr int64_t kUnpacked = 64;
           std::vector<float> unpacked(Matrix::unpacks(rows) ? kUnpacked * last : 0);
@@ -528,18 +531,18 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
 }
 
 std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st) {
-  if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0 || (bits != 4 && bits != 8))
-    throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, bits 4 or 8");
+  if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0 || (bits != 4 && bits != 5 && bits != 8))
+    throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, bits 4, 5 or 8");
   mx::Shape packed(w.shape().begin(), w.shape().end() - 1);
   packed.push_back(static_cast<int>(packed_width(w.shape(-1), bits)));
   return make(Kernel::Op::Pack, 0, {packed, {1}}, {mx::uint8, mx::int32}, {f32(w, "w")}, st, bits);
 }
 
 mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st) {
-  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 24 or 40) uint8";
+  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 24, 28 or 40) uint8";
   if (x.ndim() == 0 || packed.ndim() != 2 || packed.dtype() != mx::uint8) throw std::invalid_argument(usage);
   int64_t K = x.shape(-1);
-  int bits = packed.shape(1) == packed_width(K, 4) ? 4 : packed.shape(1) == packed_width(K, 8) ? 8 : 0;
+  const int bits = packed_bits(K, packed.shape(1));
   if (bits == 0) throw std::invalid_argument(usage);
   mx::Shape out(x.shape().begin(), x.shape().end() - 1);
   out.push_back(packed.shape(0));

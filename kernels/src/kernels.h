@@ -37,8 +37,8 @@ class Kernel : public mx::Primitive {
 class DecodeBlock : public mx::Primitive {
  public:
   // packed: for weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down), bits
-  // 2 (w - 1) .. 2 (w - 1) + 1: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack), 3 MLX's affine 4-bit
-  // layout (groups of 32); affine: for such a matrix, bits 3 (w - 1) .. + 2: its scales' ScaleType,
+  // 3 (w - 1) .. 3 (w - 1) + 2: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack), 3 MLX's affine 4-bit
+  // layout (groups of 32), 4 Q5-packed; affine: for such a matrix, bits 3 (w - 1) .. + 2: its scales' ScaleType,
   // then whether it is symmetric; low_rank: bit m (m of q, k, v, o, gate, up, down) set where the
   // matrix has a low-rank update added to its products (an adapter's: decode.cpp's LowRank), bit
   // 7 + m where DoRA's rescale follows it

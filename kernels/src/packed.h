@@ -1,4 +1,4 @@
-// mlxtoy kernels: weights kept packed for decoding where that is lossless (4-bit and 8-bit
+// mlxtoy kernels: weights kept packed for decoding where that is lossless (4-, 5- and 8-bit
 // blocks of 32), their packers and GEMVs, and the Matrix a decode reads through in any of its
 // forms: those, float32, or MLX's affine 4-bit layout (included by kernels.cpp and decode.cpp).
 #pragma once
@@ -13,7 +13,7 @@ namespace mlxtoy {
 
 namespace {
 
-// ---- lossless 4-bit and 8-bit weights -------------------------------------------------------
+// ---- lossless 4-, 5- and 8-bit weights -----------------------------------------------------
 // A row of weights that are all of the form d * q + m (q in 0..15) per block of 32, as a Q4_1
 // GGUF dequantizes to, kept as (d, m, 16 bytes of nibbles: element j in the low nibble of byte
 // j, element j + 16 in the high one): decoding reads 0.75 bytes a weight instead of 4.
@@ -52,14 +52,26 @@ struct Q8Block {
 };
 static_assert(sizeof(Q8Block) == 40, "Q8Block is 40 bytes");
 
-// the bytes of a block of 32 weights packed in `bits` (4: a Q4Block, 8: a Q8Block)
-constexpr int64_t packed_block_bytes(int bits) { return bits == 4 ? sizeof(Q4Block) : sizeof(Q8Block); }
+// 5 bits: d * q + m, q in 0..31 (Q5_1's and Q5_K's groups), the low 4 bits as a Q4Block's and
+// the fifth bit of weight j in bit j of qh
+struct Q5Block {
+  float d, m;
+  uint8_t qs[16];
+  uint32_t qh;
+};
+static_assert(sizeof(Q5Block) == 28, "Q5Block is 28 bytes");
+
+// the bytes of a block of 32 weights packed in `bits` (4: a Q4Block, 5: a Q5Block, 8: a Q8Block)
+constexpr int64_t packed_block_bytes(int bits) {
+  return bits == 4 ? sizeof(Q4Block) : bits == 5 ? sizeof(Q5Block) : sizeof(Q8Block);
+}
 
 // A block of 32 weights on a grid: every weight exactly fl(fl(d * q) + base) for integer q in
 // [qmin, qmax] (gguf-py's dequantization in float32, one rounding per op). 4-bit: base = min,
 // q in 0..15, d = (max - min) / k for the block's highest q, k, tried from 15 (Q4_1, whose
 // quantizer spans the block) down (Q4_0, d * (q - 8): its largest magnitude at q = 0 or 15 and
-// the other end anywhere; Q4_K's groups, d * q - m where q = 0 is used). 8-bit: base = 0, q in
+// the other end anywhere; Q4_K's groups, d * q - m where q = 0 is used). 5-bit: the same with q
+// in 0..31, k from 31 down (Q5_1; Q5_K's groups). 8-bit: base = 0, q in
 // -127..127, one d for the block, absmax / 127 (Q8_0, whose fl(d * q) adding +0 leaves as it
 // compares) or absmax / 16 (Q5_0, d * (q - 16)); else a d for each half of 16, its absmax / k
 // for k from 32 down (Q6_K: d * scale * q, q in -32..31, a scale per 16). The quantizer's d was
@@ -70,8 +82,8 @@ struct Grid {
   float d_half[2];  // 8-bit: the d of each half (both the block's d where one fits)
 };
 
-// the divisors of a block's span tried for d, in order (kGridSteps4: 4-bit; kGridSteps8: 8-bit)
-constexpr float kGridSteps4[] = {15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1};
+// the divisors of an 8-bit block's absmax tried for d, in order (4- and 5-bit: the span's, the
+// highest q down to 1)
 constexpr float kGridSteps8[] = {127, 16};
 constexpr int kHalfSteps8 = 32;  // a half's divisors: 32, 31, ..., 1
 
@@ -97,16 +109,17 @@ inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax,
   return false;
 }
 
-// The grids of the comment above, tried in its order, from a block's min and max (4-bit) or each
-// half's absmax (8-bit): fits(d0, qmin, qmax, first, n) checks weights [first, first + n) on d0's
-// grid or a neighbour's (setting g.d and g.q there), one form's check (portable or AVX2).
+// The grids of the comment above, tried in its order, from a block's min and max (4- and 5-bit)
+// or each half's absmax (8-bit): fits(d0, qmin, qmax, first, n) checks weights [first, first + n)
+// on d0's grid or a neighbour's (setting g.d and g.q there), one form's check (portable or AVX2).
 template <class Fits>
-inline bool grid_search(bool four_bit, float lo, float hi, const float (&amax)[2], Grid& g, Fits&& fits) {
-  if (four_bit) {
+inline bool grid_search(int bits, float lo, float hi, const float (&amax)[2], Grid& g, Fits&& fits) {
+  if (bits == 4 || bits == 5) {
     if (!std::isfinite(lo) || !std::isfinite(hi)) return false;  // (a NaN fails the check too)
     g.base = lo;
-    for (float k : kGridSteps4)
-      if (fits((hi - lo) / k, 0.0f, 15.0f, 0, kQ4)) return true;
+    const int top = (1 << bits) - 1;  // the highest q, and the first divisor of the span tried
+    for (int k = top; k >= 1; --k)
+      if (fits((hi - lo) / static_cast<float>(k), 0.0f, static_cast<float>(top), 0, kQ4)) return true;
     return false;
   }
   if (!std::isfinite(amax[0]) || !std::isfinite(amax[1])) return false;
@@ -126,14 +139,14 @@ inline bool grid_search(bool four_bit, float lo, float hi, const float (&amax)[2
   return true;
 }
 
-inline bool grid_block_portable(const float* x, bool four_bit, Grid& g) {
+inline bool grid_block_portable(const float* x, int bits, Grid& g) {
   float lo = x[0], hi = x[0], amax[2] = {0.0f, 0.0f};
   for (int j = 0; j < kQ4; ++j) {
     lo = std::min(lo, x[j]);
     hi = std::max(hi, x[j]);
     amax[j / 16] = std::max(amax[j / 16], std::fabs(x[j]));
   }
-  return grid_search(four_bit, lo, hi, amax, g, [&](float d0, float qmin, float qmax, int first, int n) {
+  return grid_search(bits, lo, hi, amax, g, [&](float d0, float qmin, float qmax, int first, int n) {
     return grid_fits_portable(x, d0, qmin, qmax, g, first, n);
   });
 }
@@ -179,23 +192,23 @@ __attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4],
   return false;
 }
 
-__attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, bool four_bit, Grid& g) {
+__attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, int bits, Grid& g) {
   const __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
   const float lo = hmin8(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
   const float hi = hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const float amax[2] = {hmax8(_mm256_max_ps(_mm256_and_ps(x[0], abs), _mm256_and_ps(x[1], abs))),
                          hmax8(_mm256_max_ps(_mm256_and_ps(x[2], abs), _mm256_and_ps(x[3], abs)))};
-  return grid_search(four_bit, lo, hi, amax, g, [&](float d0, float qmin, float qmax, int first, int n) {
+  return grid_search(bits, lo, hi, amax, g, [&](float d0, float qmin, float qmax, int first, int n) {
     return grid_fits_avx2(x, d0, qmin, qmax, g, first, n);
   });
 }
 
-inline bool grid_block(const float* x, bool four_bit, Grid& g) {
-  return cpu_avx2() ? grid_block_avx2(x, four_bit, g) : grid_block_portable(x, four_bit, g);
+inline bool grid_block(const float* x, int bits, Grid& g) {
+  return cpu_avx2() ? grid_block_avx2(x, bits, g) : grid_block_portable(x, bits, g);
 }
 #else
-inline bool grid_block(const float* x, bool four_bit, Grid& g) { return grid_block_portable(x, four_bit, g); }
+inline bool grid_block(const float* x, int bits, Grid& g) { return grid_block_portable(x, bits, g); }
 #endif
 
 // Packs a row of K (a multiple of 32) weights; false where any block is not on its grid: then
@@ -203,7 +216,7 @@ inline bool grid_block(const float* x, bool four_bit, Grid& g) { return grid_blo
 inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) {
   Grid g;
   for (int64_t b = 0; b < K / kQ4; ++b) {
-    if (!grid_block(w + b * kQ4, true, g)) return false;
+    if (!grid_block(w + b * kQ4, 4, g)) return false;
     out[b].d = g.d;
     out[b].m = g.base;
     for (int j = 0; j < 16; ++j) out[b].qs[j] = static_cast<uint8_t>(g.q[j] | (g.q[j + 16] << 4));
@@ -211,10 +224,23 @@ inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) {
   return true;
 }
 
+inline bool pack_q5_row(const float* w, int64_t K, Q5Block* out) {
+  Grid g;
+  for (int64_t b = 0; b < K / kQ4; ++b) {
+    if (!grid_block(w + b * kQ4, 5, g)) return false;
+    out[b].d = g.d;
+    out[b].m = g.base;
+    out[b].qh = 0;
+    for (int j = 0; j < 16; ++j) out[b].qs[j] = static_cast<uint8_t>((g.q[j] & 15) | ((g.q[j + 16] & 15) << 4));
+    for (int j = 0; j < kQ4; ++j) out[b].qh |= static_cast<uint32_t>(g.q[j] >> 4) << j;
+  }
+  return true;
+}
+
 inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) {
   Grid g;
   for (int64_t b = 0; b < K / kQ4; ++b) {
-    if (!grid_block(w + b * kQ4, false, g)) return false;
+    if (!grid_block(w + b * kQ4, 8, g)) return false;
     out[b].d[0] = g.d_half[0], out[b].d[1] = g.d_half[1];
     for (int j = 0; j < kQ4; ++j) out[b].qs[j] = static_cast<int8_t>(g.q[j]);
   }
@@ -261,6 +287,19 @@ __attribute__((target("avx512f"), always_inline)) inline void unpack_block_avx51
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)));
     w0 = _mm512_permutexvar_ps(bytes, values);
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
+  } else if constexpr (Bits == 5) {
+    // the 32 possible weights as two tables, q = 0..15 and 16..31; a weight's fifth bit (qh's
+    // bit, a mask bit) takes its value from the second
+    const Q5Block& blk = static_cast<const Q5Block*>(row)[b];
+    const __m512 d = _mm512_set1_ps(blk.d), m = _mm512_set1_ps(blk.m);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 low = _mm512_add_ps(unfused(_mm512_mul_ps(d, iota)), m);
+    const __m512 high = _mm512_add_ps(unfused(_mm512_mul_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16)))), m);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)));
+    const __m512i nibbles = _mm512_srli_epi32(bytes, 4);
+    w0 = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(bytes, low), static_cast<__mmask16>(blk.qh), bytes, high);
+    w1 = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(nibbles, low), static_cast<__mmask16>(blk.qh >> 16),
+                                    nibbles, high);
   } else {
     const Q8Block& blk = static_cast<const Q8Block*>(row)[b];
     w0 = _mm512_mul_ps(_mm512_set1_ps(blk.d[0]),
@@ -304,6 +343,21 @@ __attribute__((target("avx2"), always_inline)) inline void block_weights_avx2(co
     for (int h = 0; h < 2; ++h) {  // bytes 8h..8h+7: elements 8h.. in their low nibbles, 16 + 8h.. in the high
       const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * h)));
       q[h] = _mm256_and_si256(bytes, low4), q[2 + h] = _mm256_srli_epi32(bytes, 4);
+    }
+    const __m256 d = _mm256_set1_ps(blk.d), m = _mm256_set1_ps(blk.m);
+    for (int p = 0; p < 4; ++p) w[p] = _mm256_add_ps(unfused(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]))), m);
+  } else if constexpr (Bits == 5) {
+    const Q5Block& blk = static_cast<const Q5Block*>(row)[b];
+    const __m256i low4 = _mm256_set1_epi32(15), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i qh = _mm256_set1_epi32(static_cast<int32_t>(blk.qh));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * h)));
+      q[h] = _mm256_and_si256(bytes, low4), q[2 + h] = _mm256_srli_epi32(bytes, 4);
+    }
+    for (int p = 0; p < 4; ++p) {  // vector p holds weights 8p..8p+7: their fifth bits, bits 8p.. of qh
+      const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * p))),
+                                             _mm256_set1_epi32(1));
+      q[p] = _mm256_or_si256(q[p], _mm256_slli_epi32(fifth, 4));
     }
     const __m256 d = _mm256_set1_ps(blk.d), m = _mm256_set1_ps(blk.m);
     for (int p = 0; p < 4; ++p) w[p] = _mm256_add_ps(unfused(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]))), m);
@@ -370,15 +424,22 @@ inline void gemv_packed_span_simd(const float* x, const void* w, float* y, int64
 }
 #endif
 
-// The bytes of a packed row of K weights: Q4 blocks or Q8 blocks (distinct sizes, so a packed
+// The bytes of a packed row of K weights: Q4, Q5 or Q8 blocks (distinct sizes, so a packed
 // array's width says which); -1 for neither.
 inline int64_t packed_width(int64_t K, int bits) {
   if (K % kQ4 != 0) return -1;
   return K / kQ4 * packed_block_bytes(bits);
 }
 
-// A weight matrix (N, K) in float32, Q4- or Q8-packed; rows(n) is the matrix from row n on.
-// Q4/Q8-packed blocks back to the float32 weights they were packed from: fl(fl(d * q) + m) (Q4)
+// the bits of a packed row of K weights `width` bytes wide (4, 5 or 8; 0: none)
+inline int packed_bits(int64_t K, int64_t width) {
+  for (int bits : {4, 5, 8})
+    if (width == packed_width(K, bits)) return bits;
+  return 0;
+}
+
+// A weight matrix (N, K) in float32, Q4-, Q5- or Q8-packed; rows(n) is the matrix from row n on.
+// Q4/Q5/Q8-packed blocks back to the float32 weights they were packed from: fl(fl(d * q) + m) (Q4, Q5)
 // and fl(d * q) (Q8), one rounding each as the grid has them (Grid), so never a fused multiply-add
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
@@ -399,6 +460,18 @@ inline void unpack_q8_portable(const Q8Block* w, int64_t blocks, float* out) {
     for (int j = 0; j < kQ4; ++j) out[j] = w[b].d[j / 16] * static_cast<float>(w[b].qs[j]);
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+inline void unpack_q5_portable(const Q5Block* w, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, out += kQ4)
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t lo = w[b].qs[j] & 15, hi = w[b].qs[j] >> 4;
+      out[j] = w[b].d * static_cast<float>(lo | ((w[b].qh >> j) & 1) << 4) + w[b].m;
+      out[j + 16] = w[b].d * static_cast<float>(hi | ((w[b].qh >> (j + 16)) & 1) << 4) + w[b].m;
+    }
+}
+
 #ifdef MLXTOY_AVX2
 template <int Bits>
 __attribute__((target("avx2"))) inline void unpack_avx2(const void* w, int64_t blocks, float* out) {
@@ -415,6 +488,13 @@ inline void unpack_q4(const Q4Block* w, int64_t blocks, float* out) {
   if (cpu_avx2()) return unpack_avx2<4>(w, blocks, out);
 #endif
   unpack_q4_portable(w, blocks, out);
+}
+
+inline void unpack_q5(const Q5Block* w, int64_t blocks, float* out) {
+#ifdef MLXTOY_AVX2
+  if (cpu_avx2()) return unpack_avx2<5>(w, blocks, out);
+#endif
+  unpack_q5_portable(w, blocks, out);
 }
 
 inline void unpack_q8(const Q8Block* w, int64_t blocks, float* out) {
@@ -437,6 +517,7 @@ struct Matrix {
   const Q8Block* q8;
   int64_t K;
   Affine4 affine = {};
+  const Q5Block* q5 = nullptr;
 
   Matrix rows(int64_t n) const {
     int64_t nb = K / kQ4;
@@ -446,7 +527,8 @@ struct Matrix {
       a.w += n * (K / 8), a.scales = static_cast<const char*>(a.scales) + bytes;
       a.biases = static_cast<const char*>(a.biases) + bytes;
     }
-    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K, a};
+    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K, a,
+                  q5 ? q5 + n * nb : nullptr};
   }
   // y[m * N + n] for n in [0, count) of x's M rows (prepared: `x`) times this affine matrix's
   // first `count` rows, by the integer forms (QuantRows::span; each row's values those of its own
@@ -459,6 +541,7 @@ struct Matrix {
   void unpack(int64_t rows, float* out) const {
     const int64_t blocks = rows * (K / kQ4);
     if (q4) unpack_q4(q4, blocks, out);
+    else if (q5) unpack_q5(q5, blocks, out);
     else if (q8) unpack_q8(q8, blocks, out);
     else std::copy(f32, f32 + rows * K, out);
   }
@@ -479,11 +562,12 @@ struct Matrix {
     if (f32) return gemv_span(x, f32, y, M, N, K, 0, count, true);
     if (!unpacks(M)) {
 #ifdef MLXTOY_AVX2
-      const void* w = q4 ? static_cast<const void*>(q4) : static_cast<const void*>(q8);
-      if (cpu_avx512()) return q4 ? gemv_packed_span_simd<4, true>(x, w, y, M, N, K, 0, count)
-                                  : gemv_packed_span_simd<8, true>(x, w, y, M, N, K, 0, count);
-      return q4 ? gemv_packed_span_simd<4, false>(x, w, y, M, N, K, 0, count)
-                : gemv_packed_span_simd<8, false>(x, w, y, M, N, K, 0, count);
+      if (cpu_avx512()) return q4 ? gemv_packed_span_simd<4, true>(x, q4, y, M, N, K, 0, count)
+                               : q5 ? gemv_packed_span_simd<5, true>(x, q5, y, M, N, K, 0, count)
+                                    : gemv_packed_span_simd<8, true>(x, q8, y, M, N, K, 0, count);
+      return q4 ? gemv_packed_span_simd<4, false>(x, q4, y, M, N, K, 0, count)
+                : q5 ? gemv_packed_span_simd<5, false>(x, q5, y, M, N, K, 0, count)
+                     : gemv_packed_span_simd<8, false>(x, q8, y, M, N, K, 0, count);
 #endif
     }
     unpack(count, scratch);

@@ -1,17 +1,12 @@
 """Elementwise and row-wise maths that MLX's CPU backend computes slowly.
 
-On CPU, MLX's `exp` (and so `sigmoid` and SiLU) is slow; a range-reduced polynomial exp
-(Cody-Waite reduction, degree-6 Taylor on |r| <= ln2/2; float32 rounding level), compiled so the
-whole SiLU fuses into one kernel, replaces it (docs/performance.md). Used on CPU only; Metal and
-CUDA have fast transcendental units.
-
-Where the compiled kernels of `kernels/` (the `mlxtoy_kernels` package, MLX primitives in C++)
-are installed, float32 CPU work goes through them instead: MLX runs its CPU elementwise and
-reduction ops unfused on one thread, and MKL runs the one-row GEMVs of decoding on one thread,
-so the softmaxes, cross-entropy, RMSNorm, SwiGLU and decode GEMVs are fused and split over the
-cores there; inside `inference()` (decoding, prefill) they are called without gradient wrappers
-and RoPE takes its kernel too. The pure-MLX forms here stay the fallback (and the reference the
-tests compare with); MLXTOY_KERNELS=0 turns the kernels off.
+On CPU, a range-reduced polynomial exp (Cody-Waite, degree-6 Taylor on |r| <= ln2/2), compiled so
+that SiLU fuses into one kernel, replaces MLX's slow `exp` (Metal and CUDA keep theirs). Where the
+kernels of `kernels/` (`mlxtoy_kernels`, MLX primitives in C++) are installed, float32 CPU work
+goes through them: softmaxes, cross-entropy, RMSNorm, SwiGLU, RoPE and the decode GEMVs fused and
+split over the cores (MLX runs those ops unfused on one thread), called without gradient wrappers
+inside `inference()`. The pure-MLX forms stay the fallback and the tests' reference;
+MLXTOY_KERNELS=0 turns the kernels off (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -484,14 +479,18 @@ def quant_vnni() -> bool:
     return kernels_module() is not None and kernels_module().quant_vnni_ok()
 
 
+PACK_BITS = {24: 4, 28: 5, 40: 8}  # a packed block's bytes (32 weights) -> its bits
+
+
 def pack_lossless(w: mx.array) -> mx.array | None:
     """w (..., K) packed for decoding where that is lossless, blocks of 32 weights: d * q + m (q
-    4-bit, 0.75 bytes a weight: Q4_0's, Q4_1's, Q4_K's) or d * q (q 8-bit, a d per 16; 1.25 bytes:
-    Q8_0's, Q5_0's, Q6_K's), whichever holds every weight exactly. None where neither does
-    (trained weights), without the kernels, or with MLXTOY_PACKED_DECODE=0. Its width tells which."""
+    4-bit, 0.75 bytes a weight: Q4_0's, Q4_1's, Q4_K's), d * q (q 8-bit, a d per 16; 1.25 bytes:
+    Q8_0's, Q5_0's, Q6_K's) or d * q + m (q 5-bit, 0.875 bytes, slower to make than 8-bit ones:
+    Q5_1's, Q5_K's), the first that holds every weight exactly. None where none does (trained
+    weights), no kernels, MLXTOY_PACKED_DECODE=0."""
     if not (PACKED_DECODE and kernel_ok(w) and w.ndim >= 2 and w.shape[-1] % 32 == 0):
         return None
-    for bits in (4, 8):
+    for bits in (4, 8, 5):
         packed, ok = kernels_module().pack(w, bits)
         mx.eval(packed, ok)
         if ok.item():
