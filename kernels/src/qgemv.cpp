@@ -177,8 +177,8 @@ template <int M, int B>
 __attribute__((target("avx512f"))) void qgemv_rows_avx512(const float* xo, const float* xs, const uint32_t* w,
                                                           const float* sc, const float* bi, float* y, int64_t N,
                                                           int64_t K, int64_t group, int64_t n0, int64_t n1) {
-  // one row of x: 4 rows of W a pass (4 chains); more: 2 (2 M chains; a batch's 4 rows against an
-  // 8-bit head from cache, 88 -> 111 GFLOP/s with 2 rather than 1, Zen 4)
+  // one row of x: 4 rows of W a pass (4 independent chains); more: 2 (2 M chains; with 1, M = 4
+  // rows against W from cache, a batch's output layer, were bound by their 4 chains' latency)
   constexpr int R = M == 1 ? 4 : 2;
   const int64_t words = K * B / 32, groups = K / group;
   int64_t n = n0;

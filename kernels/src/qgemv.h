@@ -26,8 +26,8 @@ constexpr int64_t vnni_blocks(int64_t K) { return (K + kVnniBlock - 1) / kVnniBl
 constexpr int64_t kVnniMaxRows = 256;
 constexpr int64_t kX16MaxRows = 128;
 // and the float32 form (8 bits; 4 bits where no integer form runs), a pass of kGemvRows rows of x
-// at a time, W's block of rows read from cache past the first: a batch of decoded rows' output
-// layer (an 8-bit head with 8 rows spent a third of SmolLM2's step in slabs, Zen 4)
+// at a time, W's block of rows read from cache past the first: a batch of decoded rows against an
+// 8-bit output layer, which the slabs widened whole every step (docs/performance.md)
 constexpr int64_t kFloatMaxRows = 64;
 
 enum class ScaleType { F32, F16, BF16 };
