@@ -301,9 +301,9 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         threads.run(rows, 16, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1 && lossless.load(std::memory_order_relaxed); ++r) {
             const int64_t at = r * (last / kQ4);
-            bool ok = bits == 4   ? pack_q4_row(w + r * last, last, static_cast<Q4Block*>(out[0]) + at)
-                      : bits == 5 ? pack_q5_row(w + r * last, last, static_cast<Q5Block*>(out[0]) + at)
-                                  : pack_q8_row(w + r * last, last, static_cast<Q8Block*>(out[0]) + at);
+            bool ok = bits == 4   ? pack_row<4>(w + r * last, last, static_cast<Q4Block*>(out[0]) + at)
+                      : bits == 5 ? pack_row<5>(w + r * last, last, static_cast<Q5Block*>(out[0]) + at)
+                                  : pack_row<8>(w + r * last, last, static_cast<Q8Block*>(out[0]) + at);
             if (!ok) lossless = false;
           }
         });

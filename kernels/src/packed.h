@@ -211,38 +211,33 @@ inline bool grid_block(const float* x, int bits, Grid& g) {
 inline bool grid_block(const float* x, int bits, Grid& g) { return grid_block_portable(x, bits, g); }
 #endif
 
-// Packs a row of K (a multiple of 32) weights; false where any block is not on its grid: then
-// the row must stay float32.
-inline bool pack_q4_row(const float* w, int64_t K, Q4Block* out) {
-  Grid g;
-  for (int64_t b = 0; b < K / kQ4; ++b) {
-    if (!grid_block(w + b * kQ4, 4, g)) return false;
-    out[b].d = g.d;
-    out[b].m = g.base;
-    for (int j = 0; j < 16; ++j) out[b].qs[j] = static_cast<uint8_t>(g.q[j] | (g.q[j + 16] << 4));
-  }
-  return true;
+// A block from its grid: d, base and the q (4-bit: nibbles; 5-bit: nibbles and the fifth bits
+// word; 8-bit: each half's d and the bytes)
+inline void set_block(const Grid& g, Q4Block& out) {
+  out.d = g.d, out.m = g.base;
+  for (int j = 0; j < 16; ++j) out.qs[j] = static_cast<uint8_t>(g.q[j] | (g.q[j + 16] << 4));
 }
 
-inline bool pack_q5_row(const float* w, int64_t K, Q5Block* out) {
-  Grid g;
-  for (int64_t b = 0; b < K / kQ4; ++b) {
-    if (!grid_block(w + b * kQ4, 5, g)) return false;
-    out[b].d = g.d;
-    out[b].m = g.base;
-    out[b].qh = 0;
-    for (int j = 0; j < 16; ++j) out[b].qs[j] = static_cast<uint8_t>((g.q[j] & 15) | ((g.q[j + 16] & 15) << 4));
-    for (int j = 0; j < kQ4; ++j) out[b].qh |= static_cast<uint32_t>(g.q[j] >> 4) << j;
-  }
-  return true;
+inline void set_block(const Grid& g, Q5Block& out) {
+  out.d = g.d, out.m = g.base, out.qh = 0;
+  for (int j = 0; j < 16; ++j) out.qs[j] = static_cast<uint8_t>((g.q[j] & 15) | ((g.q[j + 16] & 15) << 4));
+  for (int j = 0; j < kQ4; ++j) out.qh |= static_cast<uint32_t>(g.q[j] >> 4) << j;
 }
 
-inline bool pack_q8_row(const float* w, int64_t K, Q8Block* out) {
+inline void set_block(const Grid& g, Q8Block& out) {
+  out.d[0] = g.d_half[0], out.d[1] = g.d_half[1];
+  for (int j = 0; j < kQ4; ++j) out.qs[j] = static_cast<int8_t>(g.q[j]);
+}
+
+// Packs a row of K (a multiple of 32) weights into `Bits`-bit blocks; false where any block is
+// not on its grid: then the row must stay float32.
+template <int Bits, class Block>
+inline bool pack_row(const float* w, int64_t K, Block* out) {
+  static_assert(sizeof(Block) == packed_block_bytes(Bits), "the block of Bits bits");
   Grid g;
   for (int64_t b = 0; b < K / kQ4; ++b) {
-    if (!grid_block(w + b * kQ4, 8, g)) return false;
-    out[b].d[0] = g.d_half[0], out[b].d[1] = g.d_half[1];
-    for (int j = 0; j < kQ4; ++j) out[b].qs[j] = static_cast<int8_t>(g.q[j]);
+    if (!grid_block(w + b * kQ4, Bits, g)) return false;
+    set_block(g, out[b]);
   }
   return true;
 }
