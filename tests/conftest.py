@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -12,8 +14,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # the routes measured during the tests (a busy machine's) stay out of the user's cache; the
-# processes the tests start share them, so every process of a test takes the same routes
-os.environ.setdefault("MLXTOY_ROUTES", os.path.join(tempfile.mkdtemp(prefix="mlxtoy-test-routes-"), "routes.json"))
+# processes the tests start share them, so every process of a test takes the same routes. The
+# folder goes when the session ends (one was left in /tmp by every run).
+if "MLXTOY_ROUTES" not in os.environ:
+    _routes_dir = tempfile.mkdtemp(prefix="mlxtoy-test-routes-")
+    atexit.register(shutil.rmtree, _routes_dir, ignore_errors=True)
+    os.environ["MLXTOY_ROUTES"] = os.path.join(_routes_dir, "routes.json")
 
 import mlxtoy  # noqa: E402,F401  (fast BLAS before anything imports mlx.core)
 from mlxtoy import settings  # noqa: E402
