@@ -2,13 +2,15 @@
 server-sent events through sse-starlette (uvicorn runs it: `mlxtoy serve`).
 
     POST /v1/chat/completions   messages, rendered with the model's chat template
-    POST /v1/completions        prompt: a string or a list of token ids
+    POST /v1/completions        prompt: a string, a list of token ids, or a list of either
     GET  /v1/models             the base and each adapter, by name
     GET  /health
 
 Request fields: model (the base or an adapter), max_tokens (max_completion_tokens), temperature,
 top_p, stop, seed, n, logprobs / top_logprobs, response_format (json_object, json_schema:
-constrained decoding, `mlxtoy.constrain`), stream (+ stream_options.include_usage). A bad
+constrained decoding, `mlxtoy.constrain`), stream (+ stream_options.include_usage); for
+completions echo too (with logprobs, the prompt's own tokens scored, and max_tokens 0 allowed:
+how an evaluation harness asks for a continuation's log-likelihood). A bad
 request gets a 4xx JSON error naming the field, in OpenAI's shape
 {"error": {"message", "type", "param", "code"}}; the server goes on. A streaming client that
 goes away cancels its rows (the batch frees their places at the next step).
@@ -35,9 +37,10 @@ from mlxtoy.engine import Request, Token
 from mlxtoy.errors import UserError
 from mlxtoy.generate import StreamingDetokenizer, encode_chat
 from mlxtoy.sampling import SamplingParams
-from mlxtoy.serve import EngineThread, Job
+from mlxtoy.serve import EngineThread, Job, PromptLogprobs
 
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one completions request
 MAX_TOP_LOGPROBS = 20
 DISCONNECT_POLL = 0.25  # seconds between checks that a client waiting for a whole answer is there
 
@@ -95,7 +98,8 @@ def _stops(body: dict) -> list[str]:
 
 @dataclass
 class Parsed:
-    prompt: list[int]
+    prompts: list[list[int]]
+    echoes: list[str]  # each prompt's text, for echo
     adapter: int
     model_name: str
     max_tokens: int
@@ -107,6 +111,27 @@ class Parsed:
     grammar: str | None
     stream: bool
     include_usage: bool
+    echo: bool = False
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def score(self) -> bool:
+        """The prompts' own tokens are scored (echo with logprobs)."""
+        return self.echo and self.logprobs
+
+
+@dataclass
+class Event:
+    """What a choice gets next (`API.events`)."""
+
+    choice: int
+    text: str
+    tokens: list[Token]
+    finish: str | None
+    echo: bool = False  # its prompt's text (and tokens, scored), echoed
 
 
 class API:
@@ -141,29 +166,25 @@ class API:
                 prompt = encode_chat(tok, messages)
             except UserError as e:
                 raise APIError(400, str(e), "messages") from None
-            where = "messages"
+            prompts, echoes, where = [prompt], [""], "messages"
+            echo = False
         else:
-            raw = body.get("prompt")
-            if isinstance(raw, str):
-                prompt = tok.encode(raw)
-            elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-                if not all(0 <= t < self.vocab_size for t in raw):
-                    raise APIError(400, f"prompt: token ids must be in 0..{self.vocab_size - 1}", "prompt")
-                prompt = list(raw)
-            elif isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-                prompt = tok.encode(raw[0])
-            else:
-                raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
+            prompts, echoes = self.prompts(body.get("prompt"))
             where = "prompt"
-        if not prompt:
-            raise APIError(400, f"{where} encodes to no tokens", where)
-        if len(prompt) >= self.context:
-            raise APIError(400, f"{where} is {len(prompt)} tokens; the model's context is {self.context} "
-                                f"(at least one position must be left to generate)", where,
-                           "context_length_exceeded")
+            echo = body.get("echo") or False
+            if not isinstance(echo, bool):
+                raise APIError(400, "echo must be true or false", "echo")
+        for k, prompt in enumerate(prompts):
+            which = where if len(prompts) == 1 else f"{where}[{k}]"
+            if not prompt:
+                raise APIError(400, f"{which} encodes to no tokens", where)
+            if len(prompt) >= self.context:
+                raise APIError(400, f"{which} is {len(prompt)} tokens; the model's context is {self.context} "
+                                    f"(at least one position must be left to generate)", where,
+                               "context_length_exceeded")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _number(body, key, self.served.max_tokens, lo=1, integer=True)
-        max_tokens = min(max_tokens, self.context - len(prompt))
+        # 0: the prompt echoed (and scored) only
+        max_tokens = _number(body, key, self.served.max_tokens, lo=0 if echo else 1, integer=True)
         temp = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
         top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
         if top_p == 0:
@@ -171,6 +192,8 @@ class API:
         seed = _number(body, "seed", None, integer=True)
         seed = None if seed is None else seed % 2**32  # any integer, as OpenAI takes
         n = _number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
+        if len(prompts) * n > MAX_PROMPTS:
+            raise APIError(400, f"{len(prompts)} prompts x n {n} make more than {MAX_PROMPTS} choices", "n")
         if chat:
             logprobs = body.get("logprobs") or False
             if not isinstance(logprobs, bool):
@@ -200,45 +223,90 @@ class API:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise APIError(400, "stream_options must be an object", "stream_options")
-        return Parsed(prompt, names.index(name), name, max_tokens,
+        return Parsed(prompts, echoes, names.index(name), name, max_tokens,
                       SamplingParams(temp=float(temp), top_p=float(top_p), seed=seed), _stops(body), n, top,
-                      logprobs, grammar, stream, bool(options.get("include_usage")))
+                      logprobs, grammar, stream, bool(options.get("include_usage")), echo)
+
+    def prompts(self, raw: Any) -> tuple[list[list[int]], list[str]]:
+        """A completions request's prompt (a string, token ids, or a list of either) -> (each
+        prompt's tokens, its text)."""
+        tok = self.served.tokenizer
+
+        def ids(v: Any) -> list[int] | None:
+            if not (isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v)):
+                return None
+            if not all(0 <= t < self.vocab_size for t in v):
+                raise APIError(400, f"prompt: token ids must be in 0..{self.vocab_size - 1}", "prompt")
+            return list(v)
+
+        if isinstance(raw, str):
+            return [tok.encode(raw)], [raw]
+        if ids(raw) is not None:
+            return [raw], [tok.decode(raw)]
+        if isinstance(raw, list) and 0 < len(raw) <= MAX_PROMPTS:
+            out = []
+            for v in raw:
+                if isinstance(v, str):
+                    out.append((tok.encode(v), v))
+                elif ids(v) is not None:
+                    out.append((list(v), tok.decode(v)))
+                else:
+                    break
+            else:
+                return [t for t, _ in out], [e for _, e in out]
+        raise APIError(400, f"prompt must be a string, a list of token ids, or a list of up to {MAX_PROMPTS} "
+                            f"of either", "prompt")
 
     # ------------------------------------------------------------------ running
 
     def submit(self, p: Parsed) -> Job:
         tok = self.served.tokenizer
-        request = Request(p.prompt, p.max_tokens, p.sampling, frozenset(tok.eos_ids), p.adapter, p.top_logprobs,
-                          logprobs=p.logprobs)
+        requests = [Request(prompt, min(p.max_tokens, self.context - len(prompt)), p.sampling,
+                            frozenset(tok.eos_ids), p.adapter, p.top_logprobs, logprobs=p.logprobs)
+                    for prompt in p.prompts]
         grammars, grammar = self.grammars, p.grammar
         make = (lambda: grammars.constraint(grammar)) if grammar is not None else None
-        job = Job(request, p.n, asyncio.get_running_loop(), asyncio.Queue(), make)
+        job = Job(requests, p.n, asyncio.get_running_loop(), asyncio.Queue(), make, score=p.score)
         self.engine.submit(job)
         return job
 
     async def events(self, job: Job, p: Parsed, client: HTTPRequest | None = None
-                     ) -> AsyncIterator[tuple[int, str, Token, str | None]]:
-        """(choice, new text, token, finish reason) as the choices' tokens arrive; the stop
-        strings and end-of-sequence handled here. Every row is cancelled if the consumer stops,
-        or if `client` (a request answered in one piece) disconnects: it is asked every
-        DISCONNECT_POLL seconds (a stream's disconnect cancels its consumer instead)."""
+                     ) -> AsyncIterator[Event]:
+        """Each choice's new text and tokens as they arrive, with its finish reason; the stop
+        strings and end-of-sequence handled here. With echo, each choice's first event is its
+        prompt's text (with its scored tokens, the first without a log-probability, where logprobs
+        are asked for). Every row is cancelled if the consumer stops, or if `client` (a request
+        answered in one piece) disconnects: it is asked every DISCONNECT_POLL seconds (a
+        stream's disconnect cancels its consumer instead)."""
         tok = self.served.tokenizer
-        detoks = [StreamingDetokenizer(tok, p.stop) for _ in range(p.n)]
-        open_choices = set(range(p.n))
+        detoks = [StreamingDetokenizer(tok, p.stop) for _ in range(p.choices)]
+        open_choices = set(range(p.choices)) if p.max_tokens else set()
+        unscored = set(range(len(p.prompts))) if p.score else set()
+        if p.echo and not p.score:
+            for i in range(p.choices):
+                yield Event(i, p.echoes[i // p.n], [], None, echo=True)
         polled = time.monotonic()
         try:
-            while open_choices:
+            while open_choices or unscored:
                 if client is None:  # (a stream: no polling, no timer a token)
-                    i, token = await job.queue.get()
+                    item = await job.queue.get()
                 else:
                     try:
-                        i, token = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL)
+                        item = await asyncio.wait_for(job.queue.get(), DISCONNECT_POLL)
                     except asyncio.TimeoutError:
-                        i = token = -1
+                        item = (-1, None)
                 if client is not None and time.monotonic() - polled >= DISCONNECT_POLL:
                     polled = time.monotonic()
                     if await client.is_disconnected():
                         return
+                if isinstance(item, PromptLogprobs):
+                    k = item.prompt
+                    unscored.discard(k)
+                    tokens = [Token(p.prompts[k][0], None)] + item.tokens
+                    for i in range(k * p.n, (k + 1) * p.n):
+                        yield Event(i, p.echoes[k], tokens, None if p.max_tokens else "length", echo=True)
+                    continue
+                i, token = item
                 if i == -1:
                     continue
                 if i is None:
@@ -258,7 +326,7 @@ class API:
                         text += d.finish()
                 if finish is not None:
                     open_choices.discard(i)
-                yield i, text, token, finish
+                yield Event(i, text, [token], finish)
         finally:
             if open_choices:
                 job.cancel()
@@ -278,7 +346,8 @@ class API:
             text = self.token_text(t.token)[0]
             out["tokens"].append(text)
             out["token_logprobs"].append(t.logprob)
-            out["top_logprobs"].append({self.token_text(a)[0]: lp for a, lp in (t.top or [])})
+            # (a prompt's first token, echoed: no log-probability, no alternatives)
+            out["top_logprobs"].append(None if t.logprob is None else {self.token_text(a)[0]: lp for a, lp in (t.top or [])})
             out["text_offset"].append(offset)
             offset += len(text)
         return out
@@ -306,13 +375,16 @@ class API:
             return e.response()
 
     async def whole(self, job: Job, p: Parsed, chat: bool, head: dict, client: HTTPRequest) -> dict:
-        texts, tokens, finishes = [""] * p.n, [[] for _ in range(p.n)], [None] * p.n
-        async for i, text, token, finish in self.events(job, p, client):
-            texts[i] += text
-            tokens[i].append(token)
-            finishes[i] = finish or finishes[i]
+        texts, tokens = [""] * p.choices, [[] for _ in range(p.choices)]
+        finishes = [None if p.max_tokens else "length"] * p.choices
+        generated = 0
+        async for e in self.events(job, p, client):
+            texts[e.choice] += e.text
+            tokens[e.choice] += e.tokens
+            generated += 0 if e.echo else len(e.tokens)
+            finishes[e.choice] = e.finish or finishes[e.choice]
         choices = []
-        for i in range(p.n):
+        for i in range(p.choices):
             if chat:
                 c = {"index": i, "message": {"role": "assistant", "content": texts[i]},
                      "logprobs": {"content": [self.chat_logprobs(t) for t in tokens[i]]} if p.logprobs else None,
@@ -322,31 +394,33 @@ class API:
                      "logprobs": self.completion_logprobs(tokens[i], 0) if p.logprobs else None}
             choices.append(c)
         return dict(head, object="chat.completion" if chat else "text_completion", choices=choices,
-                    usage=self.usage(p, sum(len(t) for t in tokens), job))
+                    usage=self.usage(p, generated, job))
 
     def usage(self, p: Parsed, generated: int, job: Job) -> dict:
-        cached = job.rows[0].cached_tokens if job.rows else 0
-        return {"prompt_tokens": len(p.prompt), "completion_tokens": generated,
-                "total_tokens": len(p.prompt) + generated, "prompt_tokens_details": {"cached_tokens": cached}}
+        # (a prompt's choices all read its one prefill)
+        cached = sum(row.cached_tokens for row in job.rows[::p.n])
+        prompt = sum(len(t) for t in p.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": generated,
+                "total_tokens": prompt + generated, "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def stream(self, job: Job, p: Parsed, chat: bool, head: dict) -> AsyncIterator[str]:
         generated = 0
-        offsets = [0] * p.n
+        offsets = [0] * p.choices
         try:
             if chat:
-                for i in range(p.n):
+                for i in range(p.choices):
                     yield json.dumps(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
                                                           "logprobs": None, "finish_reason": None}]))
-            async for i, text, token, finish in self.events(job, p):
-                generated += 1
+            async for e in self.events(job, p):
+                generated += 0 if e.echo else len(e.tokens)
                 if chat:
-                    choice = {"index": i, "delta": {"content": text} if text or finish is None else {},
-                              "logprobs": {"content": [self.chat_logprobs(token)]} if p.logprobs else None,
-                              "finish_reason": finish}
+                    choice = {"index": e.choice, "delta": {"content": e.text} if e.text or e.finish is None else {},
+                              "logprobs": {"content": [self.chat_logprobs(t) for t in e.tokens]} if p.logprobs else None,
+                              "finish_reason": e.finish}
                 else:
-                    choice = {"index": i, "text": text, "finish_reason": finish,
-                              "logprobs": self.completion_logprobs([token], offsets[i]) if p.logprobs else None}
-                    offsets[i] += len(text)
+                    choice = {"index": e.choice, "text": e.text, "finish_reason": e.finish,
+                              "logprobs": self.completion_logprobs(e.tokens, offsets[e.choice]) if p.logprobs else None}
+                    offsets[e.choice] += len(e.text)
                 chunk = dict(head, choices=[choice])
                 if p.include_usage:
                     chunk["usage"] = None

@@ -253,6 +253,32 @@ class BatchDecoder:
                 self.prompt_cache.store(p, a, row_cache(cache, b))
         return cache, logits
 
+    def score(self, prompt: Sequence[int], adapter: int = 0, top: int = 0) -> list[Token]:
+        """The prompt's own tokens as the model reads them: for each token after the first, its
+        log-probability given the ones before it (and the `top` most likely there), read in
+        `prefill_step` chunks through a cache of its own, so at most a chunk's logits are held
+        (OpenAI's echo with logprobs: how an evaluation harness scores a continuation). Takes
+        no place in the batch."""
+        prompt = [int(t) for t in prompt]
+        cache = make_cache(self.model)
+        out: list[Token] = []
+        with no_dropout(self.model, self.dropout), fastmath.inference(), \
+                adapter_rows_set(self.model, mx.array([adapter], dtype=mx.int32) if self.slots else None):
+            for s in range(0, len(prompt) - 1, self.prefill_step):
+                chunk = prompt[s:s + self.prefill_step]
+                targets = prompt[s + 1:s + 1 + len(chunk)]  # the chunk's last token may have none
+                logits = self.model.logits(self.hidden(mx.array(chunk, dtype=mx.uint32)[None], None, cache)[0])
+                logits = logits[:len(targets)]
+                logp = logits - fastmath.logsumexp(logits)[:, None]
+                picked = mx.take_along_axis(logp, mx.array(targets)[:, None], axis=-1)[:, 0]
+                best = mx.argsort(-logp, axis=-1)[:, :top] if top else None
+                best_logp = mx.take_along_axis(logp, best, axis=-1) if top else None
+                mx.eval(picked, [a for a in (best, best_logp) if a is not None], [c.state for c in cache])
+                for j, (t, lp) in enumerate(zip(targets, picked.tolist())):
+                    pairs = list(zip(best[j].tolist(), best_logp[j].tolist())) if top else None
+                    out.append(Token(t, lp, pairs))
+        return out
+
     def hidden(self, tokens: mx.array, mask, cache: list) -> mx.array:
         return self.model.hidden(tokens, mask=mask, cache=cache)
 

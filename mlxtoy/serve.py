@@ -26,16 +26,29 @@ from mlxtoy.prompt_cache import PromptCache
 
 @dataclass
 class Job:
-    """One API request: `n` choices of one prompt, each a row; events go to `queue` on `loop`
+    """One API request: `n` choices of each of its prompts (`requests`, one each), each a row;
+    choice k * n + j is prompt k's j-th, as OpenAI numbers them. Events go to `queue` on `loop`
     as (choice index, Token), (None, error message) on an internal failure."""
 
-    request: Request
+    requests: list[Request]
     n: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     make_constraint: Callable[[], Any] | None = None  # a fresh constraint per choice
+    # each prompt's own tokens scored first (`BatchDecoder.score`), sent as a PromptLogprobs;
+    # with max_tokens 0 that is all the job does (OpenAI's echo with logprobs)
+    score: bool = False
     rows: list[Row] = field(default_factory=list)
     cancelled: set[int] = field(default_factory=set)
+
+    @property
+    def choices(self) -> int:
+        return len(self.requests) * self.n
+
+    @property
+    def rows_wanted(self) -> int:
+        """The places it takes in the batch: none for a job that only scores its prompts."""
+        return self.choices if self.requests[0].max_tokens > 0 else 0
 
     def send(self, item: tuple) -> None:
         deliver(self.loop, [(self, item)])
@@ -43,10 +56,18 @@ class Job:
     def cancel(self, index: int | None = None) -> None:
         """Stop choice `index` (every choice: None). Safe from any thread: rows read the flag
         on the engine thread before each step."""
-        self.cancelled.update(range(self.n) if index is None else [index])
+        self.cancelled.update(range(self.choices) if index is None else [index])
         for i, row in enumerate(self.rows):
             if i in self.cancelled:
                 row.cancelled = True
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt `prompt`'s tokens after the first, each with its log-probability (`Job.score`)."""
+
+    prompt: int
+    tokens: list[Token]
 
 
 def deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[Job, tuple]]) -> None:
@@ -108,9 +129,9 @@ class EngineThread:
                     return
                 room = self.max_batch - len(self.decoder.rows)
                 start = []
-                while self.waiting and (room >= self.waiting[0].n or not self.decoder.rows):
+                while self.waiting and (room >= self.waiting[0].rows_wanted or not self.decoder.rows):
                     job = self.waiting.pop(0)
-                    room -= job.n
+                    room -= job.rows_wanted
                     start.append(job)
             try:
                 self.start(start)
@@ -129,22 +150,28 @@ class EngineThread:
         """Every choice of these jobs joins the batch, their prompts prefilled together."""
         items, owners = [], []  # (request, copies) for the decoder; (job, first choice) of each
         for job in jobs:
-            if len(job.cancelled) == job.n:
+            if len(job.cancelled) == job.choices:
+                continue
+            for k, request in enumerate(job.requests if job.score else []):
+                job.send(PromptLogprobs(k, self.decoder.score(request.prompt, request.adapter, request.top_logprobs)))
+            if not job.rows_wanted:
                 continue
             try:
-                self.decoder.budget(job.request)
+                for request in job.requests:
+                    self.decoder.budget(request)
             except ValueError as e:  # checked before submitting; a last guard
                 job.send((None, str(e)))
                 continue
-            if job.make_constraint is None:
-                items.append((job.request, job.n))
-                owners.append((job, 0))
-                continue
-            seed = job.request.sampling.seed
-            for j in range(job.n):  # each choice matches on its own
-                items.append((replace(job.request, constraint=job.make_constraint(),
-                                      sampling=replace(job.request.sampling, seed=None if seed is None else seed + j)), 1))
-                owners.append((job, j))
+            for k, request in enumerate(job.requests):
+                if job.make_constraint is None:
+                    items.append((request, job.n))
+                    owners.append((job, k * job.n))
+                    continue
+                seed = request.sampling.seed
+                for j in range(job.n):  # each choice matches on its own
+                    items.append((replace(request, constraint=job.make_constraint(),
+                                          sampling=replace(request.sampling, seed=None if seed is None else seed + j)), 1))
+                    owners.append((job, k * job.n + j))
         for (job, first), rows in zip(owners, self.decoder.add_many(items)):
             job.rows += rows
             for i, row in enumerate(rows, start=first):

@@ -275,7 +275,7 @@ def test_the_server_s_engine_thread_takes_the_thread_local_stream(work, monkeypa
         queue: asyncio.Queue = asyncio.Queue()
         engine = EngineThread(model)
         try:
-            engine.submit(Job(Request(prompt, max_tokens=4), 1, asyncio.get_running_loop(), queue))
+            engine.submit(Job([Request(prompt, max_tokens=4)], 1, asyncio.get_running_loop(), queue))
             tokens = []
             while True:
                 index, item = await asyncio.wait_for(queue.get(), 60)

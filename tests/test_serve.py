@@ -13,8 +13,11 @@ import time
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
+import torch
+import transformers
 
 from helpers_train import REPO, qa_rows, run_cli, run_training, write_jsonl, write_tiny_model_folder
 from mlxtoy.config import TrainConfig
@@ -176,6 +179,67 @@ def test_sampling_fields_n_seed_and_logprobs(server):
     assert stop not in s.choices[0].text and s.choices[0].finish_reason == "stop"
 
 
+def test_a_list_of_prompts_gets_each_prompt_s_choices_in_order(server, work):
+    """OpenAI numbers prompt k's choice j k * n + j; each is what its prompt gets alone,
+    whole and streamed, strings and token ids mixed."""
+    tok = load_for_inference(work["model"])[1]
+    prompts = [PROMPTS[0], tok.encode(PROMPTS[2]), PROMPTS[3]]
+    alone = [complete(server, "a", p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3])]
+    assert len(set(alone)) == 3  # control: the prompts answer differently
+    r = server.client.completions.create(model="a", prompt=prompts, n=2, max_tokens=24, temperature=0)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [a for a in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3]))
+    texts = [""] * 6
+    for chunk in server.client.completions.create(model="a", prompt=prompts, n=2, max_tokens=24, temperature=0,
+                                                  stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, work):
+    """max_tokens 0, echo and logprobs (how lm-evaluation-harness asks for a log-likelihood):
+    the prompt's text back, and each of its tokens' log-probability given the ones before it,
+    as transformers computes them from the same folder."""
+    tok = load_for_inference(work["model"])[1]
+    text = PROMPTS[1] * 3
+    ids = tok.encode(text)
+    r = server.client.completions.create(model="model", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text == text and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.token_logprobs) == len(ids)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(work["model"], torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0], dim=-1).numpy()
+    want = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    # the two most likely at each place (fewer keys where both tokens' text is the same: a
+    # byte-level tokenizer's invalid UTF-8 bytes all read "\ufffd")
+    best = np.sort(logp[:-1], axis=-1)[:, -2:]
+    for top, ref_best in zip(c.logprobs.top_logprobs[1:], best):
+        assert 0 < len(top) <= 2 and all(np.abs(ref_best - v).min() < 1e-4 for v in top.values())
+
+
+def test_echo_scores_an_adapter_s_continuation_as_it_decodes_it(server, work):
+    """The scored prompt reads the adapter: its greedy continuation, generated with logprobs,
+    scores the same when sent back as the prompt, each token the most likely there."""
+    tok = load_for_inference(work["model"])[1]
+    ids = tok.encode(PROMPTS[4])
+    gen = server.client.completions.create(model="b", prompt=ids, max_tokens=10, temperature=0, logprobs=1, echo=True)
+    g = gen.choices[0].logprobs
+    assert g.token_logprobs[0] is None and len(g.token_logprobs) == len(ids) + 10
+    model_b, _ = load_for_inference(None, work["b"])
+    cont = [t for t, _ in generate_tokens(model_b, ids, max_tokens=10)]
+    scored = server.client.completions.create(model="b", prompt=ids + cont, max_tokens=0, echo=True, logprobs=1)
+    s = scored.choices[0].logprobs
+    assert s.token_logprobs == pytest.approx(g.token_logprobs, abs=1e-4)
+    for lp, top in zip(s.token_logprobs[len(ids):], s.top_logprobs[len(ids):]):
+        assert max(top.values()) == pytest.approx(lp, abs=1e-6)
+    base = server.client.completions.create(model="model", prompt=ids + cont, max_tokens=0, echo=True, logprobs=1)
+    assert base.choices[0].logprobs.token_logprobs[len(ids):] != pytest.approx(s.token_logprobs[len(ids):], abs=1e-3)
+
+
 def _error(fn):
     with pytest.raises(openai.APIStatusError) as e:
         fn()
@@ -191,6 +255,12 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server):
     assert e.status_code == 400 and e.body["param"] == "max_tokens"
     e = _error(lambda: c.completions.create(model="a", prompt="word " * 600, max_tokens=4))
     assert e.status_code == 400 and e.body["code"] == "context_length_exceeded" and "context" in e.message
+    e = _error(lambda: c.completions.create(model="a", prompt=["x", "word " * 600], max_tokens=4))
+    assert e.status_code == 400 and e.body["code"] == "context_length_exceeded" and "prompt[1]" in e.message
+    e = _error(lambda: c.completions.create(model="a", prompt=["x", 3], max_tokens=4))
+    assert e.status_code == 400 and e.body["param"] == "prompt"
+    e = _error(lambda: c.completions.create(model="a", prompt="x", max_tokens=0))  # only with echo
+    assert e.status_code == 400 and e.body["param"] == "max_tokens"
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
         "n": {"$ref": "#/definitions/missing"}}}}}
     e = _error(lambda: c.chat.completions.create(model="a", messages=msgs, response_format=bad_schema))
