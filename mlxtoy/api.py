@@ -41,6 +41,8 @@ from mlxtoy.serve import EngineThread, Job, PromptLogprobs
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completions request
+# OpenAI takes 4; an evaluation harness's task may stop at more (its own and the model's end)
+MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 DISCONNECT_POLL = 0.25  # seconds between checks that a client waiting for a whole answer is there
 
@@ -91,8 +93,8 @@ def _stops(body: dict) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
-        raise APIError(400, "stop must be a string or a list of up to 4 strings", "stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOPS:
+        raise APIError(400, f"stop must be a string or a list of up to {MAX_STOPS} strings", "stop")
     return [s for s in stop if s]
 
 
