@@ -9,6 +9,7 @@ server-sent events through sse-starlette (uvicorn runs it: `mlxtoy serve`).
 Request fields: model (the base or an adapter), max_tokens (max_completion_tokens), temperature,
 top_p, stop, seed, n, logprobs / top_logprobs, response_format (json_object, json_schema:
 constrained decoding, `mlxtoy.constrain`), stream (+ stream_options.include_usage); for
+chat tools and tool_choice (calls read from the reply, `mlxtoy.tool_calls`); for
 completions echo too (with logprobs, the prompt's own tokens scored, and max_tokens 0 allowed:
 how an evaluation harness asks for a continuation's log-likelihood). A bad
 request gets a 4xx JSON error naming the field, in OpenAI's shape
@@ -38,6 +39,8 @@ from mlxtoy.errors import UserError
 from mlxtoy.generate import StreamingDetokenizer, encode_chat
 from mlxtoy.sampling import SamplingParams
 from mlxtoy.serve import EngineThread, Job, PromptLogprobs
+from mlxtoy.tool_calls import CallReader, read_calls, template_writes_calls
+from mlxtoy.train.formats import check_messages, check_tools
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -114,6 +117,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     echo: bool = False
+    tool_calls: bool = False  # the output is read for tool calls (`mlxtoy.tool_calls`)
 
     @property
     def choices(self) -> int:
@@ -160,19 +164,26 @@ class API:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), (str, list))
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                        isinstance(m.get("content", ""), (str, list)) or (m.get("content") is None and m.get("tool_calls")))
                     for m in messages):
-                raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+                raise APIError(400, "messages must be a non-empty list of {role, content} objects "
+                                    "(content null only beside tool_calls)", "messages")
             messages = [dict(m, content=_text_content(m.get("content", ""))) for m in messages]
             try:
-                prompt = encode_chat(tok, messages)
+                messages = check_messages(messages, "messages")
+                tools = self.tools(body)
+                prompt = encode_chat(tok, messages, **({"tools": tools} if tools else {}))
             except UserError as e:
                 raise APIError(400, str(e), "messages") from None
+            if tools and prompt == encode_chat(tok, messages):
+                raise APIError(400, "this model's chat template shows the model no tools", "tools")
+            calls = bool(tools) and template_writes_calls(tok.chat_template)
             prompts, echoes, where = [prompt], [""], "messages"
             echo = False
         else:
             prompts, echoes = self.prompts(body.get("prompt"))
-            where = "prompt"
+            where, calls = "prompt", False
             echo = body.get("echo") or False
             if not isinstance(echo, bool):
                 raise APIError(400, "echo must be true or false", "echo")
@@ -227,7 +238,24 @@ class API:
             raise APIError(400, "stream_options must be an object", "stream_options")
         return Parsed(prompts, echoes, names.index(name), name, max_tokens,
                       SamplingParams(temp=float(temp), top_p=float(top_p), seed=seed), _stops(body), n, top,
-                      logprobs, grammar, stream, bool(options.get("include_usage")), echo)
+                      logprobs, grammar, stream, bool(options.get("include_usage")), echo, calls)
+
+    def tools(self, body: dict) -> list[dict] | None:
+        """The request's tools for the chat template (None: none, or tool_choice "none")."""
+        choice = body.get("tool_choice", "auto")
+        if choice not in ("auto", "none"):
+            raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (the model "
+                                "decides whether to call a tool)", "tool_choice")
+        try:
+            tools = check_tools(body, "tools")
+        except UserError as e:
+            raise APIError(400, str(e), "tools") from None
+        for i, t in enumerate(tools or []):
+            fn = t.get("function")
+            if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
+                               "tools")
+        return None if choice == "none" else tools
 
     def prompts(self, raw: Any) -> tuple[list[list[int]], list[str]]:
         """A completions request's prompt (a string, token ids, or a list of either) -> (each
@@ -388,9 +416,15 @@ class API:
         choices = []
         for i in range(p.choices):
             if chat:
-                c = {"index": i, "message": {"role": "assistant", "content": texts[i]},
+                message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+                calls = []
+                if p.tool_calls:
+                    message["content"], calls = read_calls(texts[i])
+                    if calls:
+                        message["tool_calls"] = calls
+                c = {"index": i, "message": message,
                      "logprobs": {"content": [self.chat_logprobs(t) for t in tokens[i]]} if p.logprobs else None,
-                     "finish_reason": finishes[i]}
+                     "finish_reason": "tool_calls" if calls and finishes[i] == "stop" else finishes[i]}
             else:
                 c = {"index": i, "text": texts[i], "finish_reason": finishes[i],
                      "logprobs": self.completion_logprobs(tokens[i], 0) if p.logprobs else None}
@@ -413,12 +447,25 @@ class API:
                 for i in range(p.choices):
                     yield json.dumps(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
                                                           "logprobs": None, "finish_reason": None}]))
+            readers = [CallReader() for _ in range(p.choices)] if p.tool_calls else None
             async for e in self.events(job, p):
                 generated += 0 if e.echo else len(e.tokens)
                 if chat:
-                    choice = {"index": e.choice, "delta": {"content": e.text} if e.text or e.finish is None else {},
+                    delta: dict[str, Any] = {"content": e.text} if e.text or e.finish is None else {}
+                    finish = e.finish
+                    if readers is not None:  # the text outside calls; each call once its block closes
+                        reader = readers[e.choice]
+                        done = len(reader.calls)
+                        text, calls = reader.add(e.text)
+                        text += reader.finish() if e.finish else ""
+                        delta = {"content": text} if text else {}
+                        if calls:
+                            delta["tool_calls"] = [dict(call, index=done + k) for k, call in enumerate(calls)]
+                        if finish == "stop" and reader.calls:
+                            finish = "tool_calls"
+                    choice = {"index": e.choice, "delta": delta,
                               "logprobs": {"content": [self.chat_logprobs(t) for t in e.tokens]} if p.logprobs else None,
-                              "finish_reason": e.finish}
+                              "finish_reason": finish}
                 else:
                     choice = {"index": e.choice, "text": e.text, "finish_reason": e.finish,
                               "logprobs": self.completion_logprobs(e.tokens, offsets[e.choice]) if p.logprobs else None}
@@ -446,9 +493,10 @@ class API:
                              "cancelled_rows": engine.cancelled_rows if engine else 0})
 
 
-def _text_content(content: Any) -> str:
-    """A message's content: a string, or OpenAI's list of parts (the text parts joined)."""
-    if isinstance(content, str):
+def _text_content(content: Any) -> Any:
+    """A message's content: a string, or OpenAI's list of parts (the text parts joined); else
+    as it is (None beside tool calls; `check_messages` judges the rest)."""
+    if not isinstance(content, list):
         return content
     parts = []
     for part in content:

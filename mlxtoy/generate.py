@@ -20,7 +20,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -319,19 +319,21 @@ class StreamingDetokenizer:
                 self.emitted = len(self.text)
                 return pending[:i]
             if not final:
-                pending = pending[:len(pending) - self._held_back(pending)]
+                pending = pending[:len(pending) - held_back(pending, self.stop)]
         self.emitted += len(pending)
         return pending
 
-    def _held_back(self, pending: str) -> int:
-        """Length of the longest suffix of `pending` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(pending)), best, -1):
-                if pending.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+
+def held_back(pending: str, markers: Iterable[str]) -> int:
+    """Length of the longest suffix of `pending` that is a proper prefix of one of `markers`:
+    text to hold until it is known whether a marker (a stop string) begins there."""
+    best = 0
+    for s in markers:
+        for k in range(min(len(s) - 1, len(pending)), best, -1):
+            if pending.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 # --------------------------------------------------------------------------- public API
@@ -435,11 +437,12 @@ def generate(model, tokenizer: TokenizerLike, prompt_tokens: Sequence[int] | str
 
 
 def encode_chat(tokenizer: TokenizerLike, messages: list[dict],
-                add_generation_prompt: bool = True) -> list[int]:
-    """Render messages with the chat template and tokenize (special tokens parsed)."""
+                add_generation_prompt: bool = True, **template_vars: Any) -> list[int]:
+    """Render messages with the chat template (`template_vars` its further variables, e.g.
+    `tools`) and tokenize (special tokens parsed)."""
     if not tokenizer.chat_template:
         raise UserError("this model has no chat template; use a plain prompt (without --chat)")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_vars)
     ids = tokenizer.encode(text, parse_special=True)
     bos = tokenizer.bos_id
     if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:

@@ -1,0 +1,140 @@
+"""Tool calling through `mlxtoy serve`: a tiny model trained (by `train`, on tool-calling chat
+data) to answer a weather question with a <tool_call> block, as Qwen-style templates teach,
+served; the real `openai` client gets the call as OpenAI's `tool_calls`, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from helpers_serve import Server
+from helpers_train import run_training, write_jsonl, write_tiny_model_folder
+from mlxtoy.config import TrainConfig
+from mlxtoy.generate import encode_chat
+from mlxtoy.inference import load_for_inference
+
+# a chat template with a tools block, calls as <tool_call> blocks (Qwen2.5/Qwen3's form, cut
+# down to what a byte-level tiny model learns in seconds) and tool results
+TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments if c.function.arguments is string else (c.function.arguments | tojson) }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CITIES = ["Paris", "Oslo", "Rome", "Lima"]
+
+
+def ask(city: str) -> list[dict]:
+    return [{"role": "user", "content": f"Weather in {city}?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools")
+    model = write_tiny_model_folder(str(root / "model"))
+    with open(root / "model" / "tokenizer_config.json") as f:
+        config = json.load(f)
+    with open(root / "model" / "tokenizer_config.json", "w") as f:
+        json.dump(dict(config, chat_template=TEMPLATE), f)
+    call = lambda city: {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}  # noqa: E731
+    rows = [{"messages": ask(c) + [{"role": "assistant", "content": None, "tool_calls": [call(c)]}], "tools": [WEATHER]}
+            for c in CITIES]
+    rows += [{"messages": [{"role": "user", "content": f"Hi {c}"}, {"role": "assistant", "content": f"Hello {c}"}],
+              "tools": [WEATHER]} for c in CITIES]
+    write_jsonl(str(root / "data" / "train.jsonl"), rows * 8)
+    write_jsonl(str(root / "data" / "valid.jsonl"), rows[:2])
+    run = str(root / "run")
+    run_training(TrainConfig(model=model, data=str(root / "data"), out=run, method="full", steps=300, batch_size=8,
+                             seq_len=192, lr=3e-3, eval_every=0, save_every=0, seed=0))
+    s = Server(run)
+    yield s, run
+    assert s.stop() == 0, "".join(s.log)
+
+
+def test_a_call_comes_back_as_tool_calls_whole_and_streamed(served):
+    server, _ = served
+    r = server.client.chat.completions.create(model="run", messages=ask("Oslo"), tools=[WEATHER],
+                                              max_tokens=80, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    [call] = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+    calls, text, finish = {}, "", None
+    for chunk in server.client.chat.completions.create(model="run", messages=ask("Lima"), tools=[WEATHER],
+                                                       max_tokens=80, temperature=0, stream=True):
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for tc in delta.tool_calls or []:
+            calls[tc.index] = tc
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and not text.strip() and list(calls) == [0]
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Lima"}
+
+
+def test_the_call_is_the_model_s_own_text_read_and_plain_replies_stay_text(served):
+    """Positive control: the same prompt through /v1/completions (no reading for calls) is
+    the <tool_call> block the model wrote; a reply without a call is content."""
+    server, run = served
+    tok = load_for_inference(run)[1]
+    raw = server.client.completions.create(model="run", prompt=encode_chat(tok, ask("Rome"), tools=[WEATHER]),
+                                           max_tokens=80, temperature=0).choices[0].text
+    assert raw.strip() == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    r = server.client.chat.completions.create(model="run", messages=[{"role": "user", "content": "Hi Rome"}],
+                                              tools=[WEATHER], max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == "Hello Rome" and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_an_agent_s_second_turn_sends_the_call_and_its_result_back(served):
+    """The assistant's call (content null) and the tool's result render through the template:
+    the prompt the server reads is the one the template makes of them."""
+    server, run = served
+    first = server.client.chat.completions.create(model="run", messages=ask("Paris"), tools=[WEATHER],
+                                                  max_tokens=80, temperature=0).choices[0].message
+    call = first.tool_calls[0]
+    history = ask("Paris") + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "{\"temp\": 22}"}]
+    r = server.client.chat.completions.create(model="run", messages=history, tools=[WEATHER], max_tokens=8,
+                                              temperature=0)
+    tok = load_for_inference(run)[1]
+    want = encode_chat(tok, history, tools=[WEATHER])
+    assert "<tool_response>\n{\"temp\": 22}\n</tool_response>" in tok.decode(want)
+    assert r.usage.prompt_tokens == len(want)
+
+
+def test_tools_a_template_cannot_show_and_unsupported_choices_get_400(served, tmp_path):
+    server, _ = served
+    for bad, param in [(dict(tool_choice="required"), "tool_choice"), (dict(tools=[{"type": "function"}]), "tools"),
+                       (dict(tools="nope"), "tools")]:
+        kw = dict(model="run", messages=ask("Oslo"), max_tokens=4, **{"tools": [WEATHER], **bad})
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.chat.completions.create(**kw)
+        assert e.value.body["param"] == param, e.value.body
+    plain = Server(write_tiny_model_folder(str(tmp_path / "plain")))  # ChatML without a tools block
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            plain.client.chat.completions.create(model="plain", messages=ask("Oslo"), tools=[WEATHER], max_tokens=4)
+        assert e.value.body["param"] == "tools" and "no tools" in e.value.body["message"]
+        r = plain.client.chat.completions.create(model="plain", messages=ask("Oslo"), tools=[WEATHER],
+                                                 tool_choice="none", max_tokens=4)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        assert plain.stop() == 0
