@@ -7,7 +7,8 @@ server-sent events through sse-starlette (uvicorn runs it: `mlxtoy serve`).
     GET  /health
 
 Request fields: model (the base or an adapter), max_tokens (max_completion_tokens), temperature,
-top_p, stop, seed, n, logprobs / top_logprobs, response_format (json_object, json_schema:
+top_p, frequency_penalty, presence_penalty (and top_k, min_p, repetition_penalty, as other
+servers take them), stop, seed, n, logprobs / top_logprobs, response_format (json_object, json_schema:
 constrained decoding, `mlxtoy.constrain`), stream (+ stream_options.include_usage); for
 chat tools and tool_choice (calls read from the reply, `mlxtoy.tool_calls`); for
 completions echo too (with logprobs, the prompt's own tokens scored, and max_tokens 0 allowed:
@@ -202,6 +203,12 @@ class API:
         top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
         if top_p == 0:
             raise APIError(400, "top_p must be > 0", "top_p")
+        penalties = {name: float(_number(body, name, 0.0, lo=-2.0, hi=2.0))
+                     for name in ("frequency_penalty", "presence_penalty")}
+        # beyond OpenAI's fields, as mlx-lm's, vLLM's and llama.cpp's servers take them
+        top_k = _number(body, "top_k", 0, lo=0, integer=True)
+        min_p = _number(body, "min_p", 0.0, lo=0.0, hi=0.999)
+        repetition = _number(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0)
         seed = _number(body, "seed", None, integer=True)
         seed = None if seed is None else seed % 2**32  # any integer, as OpenAI takes
         n = _number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
@@ -237,7 +244,8 @@ class API:
         if not isinstance(options, dict):
             raise APIError(400, "stream_options must be an object", "stream_options")
         return Parsed(prompts, echoes, names.index(name), name, max_tokens,
-                      SamplingParams(temp=float(temp), top_p=float(top_p), seed=seed), _stops(body), n, top,
+                      SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p),
+                                     repetition_penalty=float(repetition), seed=seed, **penalties), _stops(body), n, top,
                       logprobs, grammar, stream, bool(options.get("include_usage")), echo, calls)
 
     def tools(self, body: dict) -> list[dict] | None:

@@ -14,7 +14,8 @@ and the greedy evaluations (`generate_batch`) all decode through it.
   what a learned position table reads (GPT-2, the tiny model); RoPE sees relative positions
   only. So a row samples what it would sample alone.
 - Each row has its own sampling parameters, random key (drawn as `generate_tokens` draws:
-  split before each non-greedy token), repetition window, adapter slot (a model serving
+  split before each non-greedy token), repetition window, counts of its own tokens (OpenAI's
+  frequency and presence penalties), adapter slot (a model serving
   several adapters of one base, `mlxtoy.models.adapters`) and an optional constraint
   (`response_format`): a row's tokens do not depend on which other rows share its batch.
 - One `step()` samples a token for every row from its pending logits, drops the rows that
@@ -40,7 +41,7 @@ from mlxtoy.models.adapters import adapter_rows_set, adapter_slots
 from mlxtoy.models.cache import KVCache, join_rows, keep_rows, make_cache, row_cache
 from mlxtoy.models.compiled import forget_compiled
 from mlxtoy.prompt_cache import PromptCache
-from mlxtoy.sampling import SamplingParams, make_sampler
+from mlxtoy.sampling import SamplingParams, apply_frequency_presence, make_sampler
 
 
 class Constraint(Protocol):
@@ -91,6 +92,8 @@ class Row:
         self.recent = mx.array(list(request.prompt[-window:]) if window else [], dtype=mx.uint32)
         self.budget = budget  # tokens it may still generate (max_tokens clipped to the context)
         self.logits = logits  # (1, V): where its next token is drawn from
+        # how often each token was generated so far, where the frequency / presence penalty reads it
+        self.counts = mx.zeros((logits.shape[-1],), mx.float32) if request.sampling.counts_tokens else None
         self.generated = 0
         self.cancelled = False
         self.cached_tokens = 0  # prompt tokens its prefill took from the prompt cache
@@ -100,6 +103,9 @@ class Row:
         logits = self.logits
         allowed = self.request.constraint.allowed() if self.request.constraint is not None else None
         masked = logits if allowed is None else mx.where(allowed, logits, -mx.inf)
+        if self.counts is not None:
+            s = self.request.sampling
+            masked = apply_frequency_presence(masked, self.counts, s.frequency_penalty, s.presence_penalty)
         sub = None
         if not self.request.sampling.greedy:
             self.key, sub = mx.random.split(self.key)
@@ -317,6 +323,8 @@ class BatchDecoder:
                 keep.append(i)
                 if r.window:
                     r.recent = mx.concatenate([r.recent, tok.astype(mx.uint32)])[-r.window:]
+                if r.counts is not None:
+                    r.counts = r.counts.at[tok].add(1.0)
         tokens = mx.concatenate([drawn[i][0] for i in keep]) if keep else None
         if len(keep) < len(self.rows):
             self.remove(keep)
@@ -329,7 +337,7 @@ class BatchDecoder:
         greedy rows (no constraint, penalty or top logprobs) by one argmax over the batch's
         logits, the others each by its own sampler."""
         plain = [r.request.sampling.greedy and not r.window and r.request.constraint is None
-                 and not r.request.top_logprobs for r in self.rows]
+                 and not r.request.top_logprobs and r.counts is None for r in self.rows]
         if sum(plain) < 2:
             return [r.draw() for r in self.rows]
         logits = self.logits if self.logits is not None else mx.concatenate([r.logits for r in self.rows])

@@ -1,6 +1,8 @@
 """Sampling: pure functions on logits (`apply_repetition_penalty`, `apply_top_k`, `apply_top_p`,
 `apply_min_p`, `apply_temperature`), chained in llama.cpp's default order by `make_sampler`;
-`SamplingParams` says which apply."""
+`SamplingParams` says which apply. OpenAI's frequency and presence penalties
+(`apply_frequency_presence`) count a completion's own tokens, which the batched decoder keeps
+per row (`mlxtoy.engine`)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
     repetition_window: int = 64  # last N tokens (prompt included) that the penalty sees
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times a token's count so far
+    presence_penalty: float = 0.0  # OpenAI's: minus this once a token has appeared
     seed: int | None = None  # None = fresh randomness each run
 
     def validate(self) -> "SamplingParams":
@@ -39,7 +43,15 @@ class SamplingParams:
             raise UserError(f"repetition penalty must be > 0 (1 turns it off), got {self.repetition_penalty}")
         if self.repetition_window < 0:
             raise UserError(f"repetition window must be >= 0, got {self.repetition_window}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise UserError(f"{name.replace('_', ' ')} must be in -2..2, got {getattr(self, name)}")
         return self
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether sampling reads the counts of the tokens generated so far."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +69,12 @@ def apply_repetition_penalty(logits: mx.array, recent: mx.array | Sequence[int],
     seen[recent] = True  # duplicates write the same value: each token is penalized once
     penalized = mx.where(logits > 0, logits / penalty, logits * penalty)
     return mx.where(seen, penalized, logits)
+
+
+def apply_frequency_presence(logits: mx.array, counts: mx.array, frequency: float, presence: float) -> mx.array:
+    """OpenAI's penalties: each token's logit minus frequency x its count among the tokens
+    generated so far (`counts`, (V,)), minus presence once it has appeared at all."""
+    return logits - (frequency * counts + presence * (counts > 0))
 
 
 def apply_top_k(logits: mx.array, k: int) -> mx.array:

@@ -415,3 +415,31 @@ def test_a_tokens_logprob_is_reported_where_the_request_asks_for_it():
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         want = logp[np.arange(6), [t.token for t in got]]
         np.testing.assert_allclose([t.logprob for t in got], want, rtol=0, atol=1e-4)
+
+
+def test_frequency_and_presence_penalties_count_the_row_s_own_tokens():
+    """OpenAI's penalties, greedy: each token is the argmax of the uncached forward's logits
+    minus frequency x its count among the row's generated tokens, minus presence once it has
+    appeared (numpy, step by step), in a batch beside a plain greedy row of the same prompt,
+    which is the control: it repeats, the penalized row takes other tokens."""
+    model = arch_model("llama")
+    prompt = prompts((6,), seed=7)[0]
+    pen = SamplingParams(temp=0.0, frequency_penalty=1.5, presence_penalty=0.5)
+    engine = BatchDecoder(model)
+    plain_row = engine.add(Request(prompt, 24, SamplingParams(temp=0.0)))[0]
+    pen_row = engine.add(Request(prompt, 24, pen))[0]
+    out: dict[int, list[int]] = {id(plain_row): [], id(pen_row): []}
+    while engine.rows:
+        for row, tok in engine.step():
+            out[id(row)].append(tok.token)
+    got = out[id(pen_row)]
+    counts = np.zeros(VOCAB)
+    # each step against the row's own prefix, a near-tie allowed (a batch's products round apart
+    # from one row's)
+    for i, t in enumerate(got):
+        logits = np.array(model(mx.array([prompt + got[:i]]))[0, -1], dtype=np.float64)
+        penalized = logits - 1.5 * counts - 0.5 * (counts > 0)
+        assert penalized[t] >= penalized.max() - 1e-3, i
+        counts[t] += 1
+    plain = out[id(plain_row)]
+    assert len(got) == 24 and len(set(plain)) < len(set(got))

@@ -145,6 +145,13 @@ def test_sampling_fields_n_seed_and_logprobs(server):
     stop = complete(server, "model", PROMPTS[1], n=40)[5:8]
     s = server.client.completions.create(model="model", prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=[stop])
     assert stop not in s.choices[0].text and s.choices[0].finish_reason == "stop"
+    greedy = complete(server, "a", PROMPTS[1], n=24)
+    top1 = server.client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=24, temperature=1.0, seed=9,
+                                            extra_body={"top_k": 1})
+    assert top1.choices[0].text == greedy  # top_k 1 (beyond OpenAI's fields) leaves the argmax only
+    pen = server.client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                           frequency_penalty=2.0, presence_penalty=1.0)
+    assert pen.choices[0].text != greedy  # the penalties reach the sampler (the engine's test checks their values)
     many = ["\x00never", "\x01never", "\x02never", "\x03never", "\x04never", stop]  # past OpenAI's 4
     s6 = server.client.completions.create(model="model", prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=many)
     assert s6.choices[0].text == s.choices[0].text
@@ -234,6 +241,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server):
     assert e.status_code == 400 and e.body["param"] == "max_tokens"
     e = _error(lambda: c.completions.create(model="a", prompt="x", max_tokens=4, stop=[str(i) for i in range(17)]))
     assert e.status_code == 400 and e.body["param"] == "stop"
+    e = _error(lambda: c.completions.create(model="a", prompt="x", max_tokens=4, frequency_penalty=3))
+    assert e.status_code == 400 and e.body["param"] == "frequency_penalty"
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
         "n": {"$ref": "#/definitions/missing"}}}}}
     e = _error(lambda: c.chat.completions.create(model="a", messages=msgs, response_format=bad_schema))
