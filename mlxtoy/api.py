@@ -7,7 +7,7 @@ server-sent events through sse-starlette (uvicorn runs it: `mlxtoy serve`).
     GET  /health
 
 Request fields: model (the base or an adapter), max_tokens (max_completion_tokens), temperature,
-top_p, frequency_penalty, presence_penalty (and top_k, min_p, repetition_penalty, as other
+top_p, frequency_penalty, presence_penalty, logit_bias (and top_k, min_p, repetition_penalty, as other
 servers take them), stop, seed, n, logprobs / top_logprobs, response_format (json_object, json_schema:
 constrained decoding, `mlxtoy.constrain`), stream (+ stream_options.include_usage); for
 chat tools and tool_choice (calls read from the reply, `mlxtoy.tool_calls`); for
@@ -119,6 +119,7 @@ class Parsed:
     include_usage: bool
     echo: bool = False
     tool_calls: bool = False  # the output is read for tool calls (`mlxtoy.tool_calls`)
+    logit_bias: dict[int, float] | None = None
 
     @property
     def choices(self) -> int:
@@ -209,6 +210,7 @@ class API:
         top_k = _number(body, "top_k", 0, lo=0, integer=True)
         min_p = _number(body, "min_p", 0.0, lo=0.0, hi=0.999)
         repetition = _number(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0)
+        bias = self.logit_bias(body.get("logit_bias"))
         seed = _number(body, "seed", None, integer=True)
         seed = None if seed is None else seed % 2**32  # any integer, as OpenAI takes
         n = _number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
@@ -246,7 +248,26 @@ class API:
         return Parsed(prompts, echoes, names.index(name), name, max_tokens,
                       SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p),
                                      repetition_penalty=float(repetition), seed=seed, **penalties), _stops(body), n, top,
-                      logprobs, grammar, stream, bool(options.get("include_usage")), echo, calls)
+                      logprobs, grammar, stream, bool(options.get("include_usage")), echo, calls, bias)
+
+    def logit_bias(self, raw: Any) -> dict[int, float] | None:
+        """OpenAI's logit_bias: {"token id": bias in -100..100}."""
+        if raw is None or raw == {}:
+            return None
+        if not isinstance(raw, dict) or len(raw) > 300:
+            raise APIError(400, "logit_bias must be an object of at most 300 {token id: bias}", "logit_bias")
+        out = {}
+        for key, value in raw.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                token = -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id in 0..{self.vocab_size - 1}", "logit_bias")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias: the bias of {key} must be a number in -100..100", "logit_bias")
+            out[token] = float(value)
+        return out
 
     def tools(self, body: dict) -> list[dict] | None:
         """The request's tools for the chat template (None: none, or tool_choice "none")."""
@@ -300,7 +321,8 @@ class API:
     def submit(self, p: Parsed) -> Job:
         tok = self.served.tokenizer
         requests = [Request(prompt, min(p.max_tokens, self.context - len(prompt)), p.sampling,
-                            frozenset(tok.eos_ids), p.adapter, p.top_logprobs, logprobs=p.logprobs)
+                            frozenset(tok.eos_ids), p.adapter, p.top_logprobs, logprobs=p.logprobs,
+                            logit_bias=p.logit_bias)
                     for prompt in p.prompts]
         grammars, grammar = self.grammars, p.grammar
         make = (lambda: grammars.constraint(grammar)) if grammar is not None else None

@@ -66,6 +66,7 @@ class Request:
     # report each token's log-probability (a logsumexp over the vocabulary for every token: a
     # few percent of a step, so only for a request that asks; top_logprobs asks too)
     logprobs: bool = False
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to these tokens' logits before sampling
 
     @property
     def wants_logprob(self) -> bool:
@@ -94,6 +95,11 @@ class Row:
         self.logits = logits  # (1, V): where its next token is drawn from
         # how often each token was generated so far, where the frequency / presence penalty reads it
         self.counts = mx.zeros((logits.shape[-1],), mx.float32) if request.sampling.counts_tokens else None
+        self.bias = None
+        if request.logit_bias:
+            ids = list(request.logit_bias)
+            self.bias = mx.zeros((logits.shape[-1],), mx.float32).at[mx.array(ids)].add(
+                mx.array([request.logit_bias[t] for t in ids], dtype=mx.float32))
         self.generated = 0
         self.cancelled = False
         self.cached_tokens = 0  # prompt tokens its prefill took from the prompt cache
@@ -103,6 +109,8 @@ class Row:
         logits = self.logits
         allowed = self.request.constraint.allowed() if self.request.constraint is not None else None
         masked = logits if allowed is None else mx.where(allowed, logits, -mx.inf)
+        if self.bias is not None:
+            masked = masked + self.bias
         if self.counts is not None:
             s = self.request.sampling
             masked = apply_frequency_presence(masked, self.counts, s.frequency_penalty, s.presence_penalty)
@@ -337,7 +345,7 @@ class BatchDecoder:
         greedy rows (no constraint, penalty or top logprobs) by one argmax over the batch's
         logits, the others each by its own sampler."""
         plain = [r.request.sampling.greedy and not r.window and r.request.constraint is None
-                 and not r.request.top_logprobs and r.counts is None for r in self.rows]
+                 and not r.request.top_logprobs and r.counts is None and r.bias is None for r in self.rows]
         if sum(plain) < 2:
             return [r.draw() for r in self.rows]
         logits = self.logits if self.logits is not None else mx.concatenate([r.logits for r in self.rows])

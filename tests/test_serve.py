@@ -128,7 +128,7 @@ def test_concurrent_clients_get_what_they_get_alone(server):
     assert server.health()["peak_rows"] > 1  # they did share the batch
 
 
-def test_sampling_fields_n_seed_and_logprobs(server):
+def test_sampling_fields_n_seed_and_logprobs(server, work):
     msgs = [{"role": "user", "content": "hi"}]
     r = server.client.chat.completions.create(model="a", messages=msgs, max_tokens=12, temperature=1.0, seed=5,
                                               n=3, logprobs=True, top_logprobs=3)
@@ -152,6 +152,14 @@ def test_sampling_fields_n_seed_and_logprobs(server):
     pen = server.client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=24, temperature=0,
                                            frequency_penalty=2.0, presence_penalty=1.0)
     assert pen.choices[0].text != greedy  # the penalties reach the sampler (the engine's test checks their values)
+    z = load_for_inference(work["model"])[1].encode("Z")[0]
+    forced = server.client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                                              logit_bias={str(z): 100})
+    assert forced.choices[0].text == "ZZZZZ"
+    first = load_for_inference(work["model"])[1].encode(greedy[0])[0]
+    banned = server.client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                                              logit_bias={str(first): -100})
+    assert banned.choices[0].text[0] != greedy[0]
     many = ["\x00never", "\x01never", "\x02never", "\x03never", "\x04never", stop]  # past OpenAI's 4
     s6 = server.client.completions.create(model="model", prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=many)
     assert s6.choices[0].text == s.choices[0].text
@@ -243,6 +251,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server):
     assert e.status_code == 400 and e.body["param"] == "stop"
     e = _error(lambda: c.completions.create(model="a", prompt="x", max_tokens=4, frequency_penalty=3))
     assert e.status_code == 400 and e.body["param"] == "frequency_penalty"
+    e = _error(lambda: c.completions.create(model="a", prompt="x", max_tokens=4, logit_bias={"99999": 5}))
+    assert e.status_code == 400 and e.body["param"] == "logit_bias"
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
         "n": {"$ref": "#/definitions/missing"}}}}}
     e = _error(lambda: c.chat.completions.create(model="a", messages=msgs, response_format=bad_schema))
