@@ -3,7 +3,7 @@ server-sent events through sse-starlette (uvicorn runs it: `mlxtoy serve`).
 
     POST /v1/chat/completions   messages, rendered with the model's chat template
     POST /v1/completions        prompt: a string, a list of token ids, or a list of either
-    GET  /v1/models             the base and each adapter, by name
+    GET  /v1/models             the base and each adapter, by name (/v1/models/NAME: one)
     GET  /health
 
 Request fields: model (the base or an adapter), max_tokens (max_completion_tokens), temperature,
@@ -510,11 +510,20 @@ class API:
             yield json.dumps({"error": {"message": e.message, "type": "server_error", "param": None, "code": None}})
         yield "[DONE]"
 
-    async def models(self, request: HTTPRequest):
+    def model_card(self, name: str) -> dict:
         names = self.served.names
-        return JSONResponse({"object": "list", "data": [
-            {"id": n, "object": "model", "created": self.created, "owned_by": "mlxtoy",
-             "parent": None if i == 0 else names[0]} for i, n in enumerate(names)]})
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "mlxtoy",
+                "parent": None if name == names[0] else names[0]}
+
+    async def models(self, request: HTTPRequest):
+        return JSONResponse({"object": "list", "data": [self.model_card(n) for n in self.served.names]})
+
+    async def model(self, request: HTTPRequest):
+        name = request.path_params["name"]
+        if name not in self.served.names:
+            return APIError(404, f"the model {name!r} does not exist here; GET /v1/models lists "
+                                 f"{', '.join(self.served.names)}", "model", "model_not_found").response()
+        return JSONResponse(self.model_card(name))
 
     async def health(self, request: HTTPRequest):
         engine = self.engine
@@ -564,6 +573,7 @@ def build_app(served: ServedModel) -> Starlette:
         Route("/chat/completions", chat, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.api = api

@@ -73,6 +73,9 @@ def complete(server, model, prompt, n=24, stream=False) -> str:
 
 def test_models_and_health(server):
     assert [m.id for m in server.client.models.list()] == ["model", "a", "b"]
+    assert server.client.models.retrieve("b").id == "b"
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("nope")
     assert server.health()["status"] == "ok"
 
 
