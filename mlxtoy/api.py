@@ -10,12 +10,13 @@ Request fields: model (the base or an adapter), max_tokens (max_completion_token
 top_p, frequency_penalty, presence_penalty, logit_bias (and top_k, min_p, repetition_penalty, as other
 servers take them), stop, seed, n, logprobs / top_logprobs, response_format (json_object, json_schema:
 constrained decoding, `mlxtoy.constrain`), stream (+ stream_options.include_usage); for
-chat tools and tool_choice (calls read from the reply, `mlxtoy.tool_calls`); for
+chat tools and tool_choice (calls read from the reply, or forced, `mlxtoy.tool_calls`); for
 completions echo too (with logprobs, the prompt's own tokens scored, and max_tokens 0 allowed:
 how an evaluation harness asks for a continuation's log-likelihood). A bad
 request gets a 4xx JSON error naming the field, in OpenAI's shape
 {"error": {"message", "type", "param", "code"}}; the server goes on. A streaming client that
-goes away cancels its rows (the batch frees their places at the next step).
+goes away cancels its rows (the batch frees their places at the next step). The fields are
+checked in `mlxtoy.api_fields`.
 """
 
 from __future__ import annotations
@@ -34,32 +35,20 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from mlxtoy.api_fields import (MAX_PROMPTS, APIError, number, parse_logit_bias, parse_prompts, parse_tools, stops,
+                               text_content)
 from mlxtoy.constrain import Grammars, schema_of
 from mlxtoy.engine import Request, Token
 from mlxtoy.errors import UserError
 from mlxtoy.generate import StreamingDetokenizer, encode_chat
 from mlxtoy.sampling import SamplingParams
 from mlxtoy.serve import EngineThread, Job, PromptLogprobs
-from mlxtoy.tool_calls import CallReader, read_calls, template_writes_calls
-from mlxtoy.train.formats import check_messages, check_tools
+from mlxtoy.tool_calls import CallReader, forced_calls_grammar, read_calls, template_writes_calls
+from mlxtoy.train.formats import check_messages
 
 MAX_N = 16
-MAX_PROMPTS = 64  # prompts in one completions request
-# OpenAI takes 4; an evaluation harness's task may stop at more (its own and the model's end)
-MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 DISCONNECT_POLL = 0.25  # seconds between checks that a client waiting for a whole answer is there
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
 
 
 @dataclass
@@ -73,33 +62,6 @@ class ServedModel:
     max_tokens: int = 512
     max_batch: int = 32
     prompt_cache_bytes: int = 256 * 2**20
-
-
-# --------------------------------------------------------------------------- request fields
-
-
-def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if not ok or isinstance(v, bool):
-        raise APIError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise APIError(400, f"{name} must be {bounds}, got {v!r}", name)
-    return v
-
-
-def _stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOPS:
-        raise APIError(400, f"stop must be a string or a list of up to {MAX_STOPS} strings", "stop")
-    return [s for s in stop if s]
 
 
 @dataclass
@@ -171,21 +133,24 @@ class API:
                     for m in messages):
                 raise APIError(400, "messages must be a non-empty list of {role, content} objects "
                                     "(content null only beside tool_calls)", "messages")
-            messages = [dict(m, content=_text_content(m.get("content", ""))) for m in messages]
+            messages = [dict(m, content=text_content(m.get("content", ""))) for m in messages]
             try:
                 messages = check_messages(messages, "messages")
-                tools = self.tools(body)
+                tools, forced = parse_tools(body)
                 prompt = encode_chat(tok, messages, **({"tools": tools} if tools else {}))
             except UserError as e:
                 raise APIError(400, str(e), "messages") from None
             if tools and prompt == encode_chat(tok, messages):
                 raise APIError(400, "this model's chat template shows the model no tools", "tools")
             calls = bool(tools) and template_writes_calls(tok.chat_template)
+            if forced and not calls:
+                raise APIError(400, "tool_choice: forcing a call needs a chat template that writes calls as "
+                                    "<tool_call> blocks", "tool_choice")
             prompts, echoes, where = [prompt], [""], "messages"
             echo = False
         else:
-            prompts, echoes = self.prompts(body.get("prompt"))
-            where, calls = "prompt", False
+            prompts, echoes = parse_prompts(body.get("prompt"), tok, self.vocab_size)
+            where, calls, forced = "prompt", False, None
             echo = body.get("echo") or False
             if not isinstance(echo, bool):
                 raise APIError(400, "echo must be true or false", "echo")
@@ -199,32 +164,32 @@ class API:
                                "context_length_exceeded")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         # 0: the prompt echoed (and scored) only
-        max_tokens = _number(body, key, self.served.max_tokens, lo=0 if echo else 1, integer=True)
-        temp = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
-        top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
+        max_tokens = number(body, key, self.served.max_tokens, lo=0 if echo else 1, integer=True)
+        temp = number(body, "temperature", 1.0, lo=0.0, hi=2.0)
+        top_p = number(body, "top_p", 1.0, lo=0.0, hi=1.0)
         if top_p == 0:
             raise APIError(400, "top_p must be > 0", "top_p")
-        penalties = {name: float(_number(body, name, 0.0, lo=-2.0, hi=2.0))
+        penalties = {name: float(number(body, name, 0.0, lo=-2.0, hi=2.0))
                      for name in ("frequency_penalty", "presence_penalty")}
         # beyond OpenAI's fields, as mlx-lm's, vLLM's and llama.cpp's servers take them
-        top_k = _number(body, "top_k", 0, lo=0, integer=True)
-        min_p = _number(body, "min_p", 0.0, lo=0.0, hi=0.999)
-        repetition = _number(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0)
-        bias = self.logit_bias(body.get("logit_bias"))
-        seed = _number(body, "seed", None, integer=True)
+        top_k = number(body, "top_k", 0, lo=0, integer=True)
+        min_p = number(body, "min_p", 0.0, lo=0.0, hi=0.999)
+        repetition = number(body, "repetition_penalty", 1.0, lo=0.01, hi=10.0)
+        bias = parse_logit_bias(body.get("logit_bias"), self.vocab_size)
+        seed = number(body, "seed", None, integer=True)
         seed = None if seed is None else seed % 2**32  # any integer, as OpenAI takes
-        n = _number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
+        n = number(body, "n", 1, lo=1, hi=MAX_N, integer=True)
         if len(prompts) * n > MAX_PROMPTS:
             raise APIError(400, f"{len(prompts)} prompts x n {n} make more than {MAX_PROMPTS} choices", "n")
         if chat:
             logprobs = body.get("logprobs") or False
             if not isinstance(logprobs, bool):
                 raise APIError(400, "logprobs must be true or false", "logprobs")
-            top = _number(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+            top = number(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
             if top and not logprobs:
                 raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         else:
-            top = _number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+            top = number(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
             logprobs = top is not None
             top = top or 0
         try:
@@ -232,13 +197,17 @@ class API:
         except UserError as e:
             raise APIError(400, str(e), "response_format") from None
         grammar = None
-        if schema is not None:
+        if schema is not None or forced:
+            if schema is not None and forced:
+                raise APIError(400, "response_format and a forced tool call cannot both shape the reply", "tool_choice")
             if self.grammars is None:
                 self.grammars = Grammars(tok, self.vocab_size)
             try:
-                grammar = self.grammars.json_schema(schema)
+                grammar = (self.grammars.json_schema(schema) if schema is not None else
+                           self.grammars.lark(forced_calls_grammar(tools, None if forced is True else forced),
+                                              "the tools' parameters"))
             except UserError as e:
-                raise APIError(400, str(e), "response_format") from None
+                raise APIError(400, str(e), "response_format" if schema is not None else "tools") from None
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise APIError(400, "stream must be true or false", "stream")
@@ -247,74 +216,8 @@ class API:
             raise APIError(400, "stream_options must be an object", "stream_options")
         return Parsed(prompts, echoes, names.index(name), name, max_tokens,
                       SamplingParams(temp=float(temp), top_p=float(top_p), top_k=top_k, min_p=float(min_p),
-                                     repetition_penalty=float(repetition), seed=seed, **penalties), _stops(body), n, top,
+                                     repetition_penalty=float(repetition), seed=seed, **penalties), stops(body), n, top,
                       logprobs, grammar, stream, bool(options.get("include_usage")), echo, calls, bias)
-
-    def logit_bias(self, raw: Any) -> dict[int, float] | None:
-        """OpenAI's logit_bias: {"token id": bias in -100..100}."""
-        if raw is None or raw == {}:
-            return None
-        if not isinstance(raw, dict) or len(raw) > 300:
-            raise APIError(400, "logit_bias must be an object of at most 300 {token id: bias}", "logit_bias")
-        out = {}
-        for key, value in raw.items():
-            try:
-                token = int(key)
-            except (TypeError, ValueError):
-                token = -1
-            if not 0 <= token < self.vocab_size:
-                raise APIError(400, f"logit_bias: {key!r} is not a token id in 0..{self.vocab_size - 1}", "logit_bias")
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
-                raise APIError(400, f"logit_bias: the bias of {key} must be a number in -100..100", "logit_bias")
-            out[token] = float(value)
-        return out
-
-    def tools(self, body: dict) -> list[dict] | None:
-        """The request's tools for the chat template (None: none, or tool_choice "none")."""
-        choice = body.get("tool_choice", "auto")
-        if choice not in ("auto", "none"):
-            raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported (the model "
-                                "decides whether to call a tool)", "tool_choice")
-        try:
-            tools = check_tools(body, "tools")
-        except UserError as e:
-            raise APIError(400, str(e), "tools") from None
-        for i, t in enumerate(tools or []):
-            fn = t.get("function")
-            if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
-                               "tools")
-        return None if choice == "none" else tools
-
-    def prompts(self, raw: Any) -> tuple[list[list[int]], list[str]]:
-        """A completions request's prompt (a string, token ids, or a list of either) -> (each
-        prompt's tokens, its text)."""
-        tok = self.served.tokenizer
-
-        def ids(v: Any) -> list[int] | None:
-            if not (isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v)):
-                return None
-            if not all(0 <= t < self.vocab_size for t in v):
-                raise APIError(400, f"prompt: token ids must be in 0..{self.vocab_size - 1}", "prompt")
-            return list(v)
-
-        if isinstance(raw, str):
-            return [tok.encode(raw)], [raw]
-        if ids(raw) is not None:
-            return [raw], [tok.decode(raw)]
-        if isinstance(raw, list) and 0 < len(raw) <= MAX_PROMPTS:
-            out = []
-            for v in raw:
-                if isinstance(v, str):
-                    out.append((tok.encode(v), v))
-                elif ids(v) is not None:
-                    out.append((list(v), tok.decode(v)))
-                else:
-                    break
-            else:
-                return [t for t, _ in out], [e for _, e in out]
-        raise APIError(400, f"prompt must be a string, a list of token ids, or a list of up to {MAX_PROMPTS} "
-                            f"of either", "prompt")
 
     # ------------------------------------------------------------------ running
 
@@ -530,19 +433,6 @@ class API:
         return JSONResponse({"status": "ok", "rows": engine.active_rows if engine else 0,
                              "peak_rows": engine.peak_rows if engine else 0,
                              "cancelled_rows": engine.cancelled_rows if engine else 0})
-
-
-def _text_content(content: Any) -> Any:
-    """A message's content: a string, or OpenAI's list of parts (the text parts joined); else
-    as it is (None beside tool calls; `check_messages` judges the rest)."""
-    if not isinstance(content, list):
-        return content
-    parts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, "messages: only text content parts are supported", "messages")
-        parts.append(part["text"])
-    return "".join(parts)
 
 
 def build_app(served: ServedModel) -> Starlette:

@@ -1,5 +1,6 @@
-"""Constrained decoding: output that must match a JSON schema (`response_format`), through
-llguidance (its grammar compiler and token-mask computation), over the model's own vocabulary.
+"""Constrained decoding: output that must match a JSON schema (`response_format`) or a Lark
+grammar (a forced tool call, `mlxtoy.tool_calls`), through llguidance (its grammar compiler and
+token-mask computation), over the model's own vocabulary.
 
 `Grammars(tokenizer, vocab_size)` wraps a tokenizer once (llguidance reads every token's bytes;
 the end-of-sequence tokens end a match); `.json_schema(schema)` compiles a schema, raising
@@ -52,9 +53,21 @@ class Grammars:
                 defaults={"whitespace_flexible": False})
         except (ValueError, TypeError) as e:
             raise UserError(f"the JSON schema cannot be compiled: {e}") from None
+        return self.checked(grammar, "the JSON schema")
+
+    def lark(self, text: str, what: str) -> str:
+        """A grammar from llguidance's Lark syntax (`%json {schema}` for a JSON value inside
+        it); `what` names it in the error when it cannot be compiled."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"{what} cannot be compiled: {e}") from None
+        return self.checked(grammar, what)
+
+    def checked(self, grammar: str, what: str) -> str:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
-            raise UserError("the JSON schema cannot be compiled: " + " ".join(messages[0].split()))
+            raise UserError(f"{what} cannot be compiled: " + " ".join(messages[0].split()))
         return grammar
 
     def constraint(self, grammar: str) -> "GrammarConstraint":

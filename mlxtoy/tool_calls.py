@@ -23,6 +23,26 @@ def template_writes_calls(template: str | None) -> bool:
     return bool(template) and OPEN in template
 
 
+def forced_calls_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
+    """A Lark grammar (llguidance's) for one or more <tool_call> blocks and nothing else, each a
+    call of one of `tools` (of `name` only, where given) with arguments matching its parameters'
+    schema: OpenAI's tool_choice "required" or a named function."""
+    calls = []
+    for tool in tools:
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters") or {"type": "object"}
+        calls.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls},
+                  # JSON as templates write it (tojson: ", " and ": "), no free whitespace to wander into
+                  **{"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}})
+    return (f"start: block (\"\\n\" block)*\n"
+            f"block: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
+            f"call: %json {json.dumps(schema)}\n")
+
+
 def as_call(block: str) -> dict[str, Any] | None:
     """A block's text -> OpenAI's tool call (a fresh id; arguments as JSON text), or None when
     it is not {"name": str, "arguments": object}."""

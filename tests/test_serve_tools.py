@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -120,10 +121,48 @@ def test_an_agent_s_second_turn_sends_the_call_and_its_result_back(served):
     assert r.usage.prompt_tokens == len(want)
 
 
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]},
+                                                                        "hours": {"type": "integer"}},
+                                       "required": ["zone", "hours"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_tool_choice_forces_a_call_whose_arguments_match_the_tool_s_schema(served, choice):
+    """"Hi Rome" is answered in text when the model decides (the control, in the test above);
+    tool_choice "required" or a named function makes the reply a call (constrained decoding),
+    its arguments valid for the tool's parameters."""
+    server, _ = served
+    msgs = [{"role": "user", "content": "Hi Rome"}]
+    for stream in (False, True):
+        r = server.client.chat.completions.create(model="run", messages=msgs, tools=[WEATHER, TIME], tool_choice=choice,
+                                                  max_tokens=120, temperature=0, stream=stream)
+        if stream:
+            calls, finish = {}, None
+            for chunk in r:
+                for tc in chunk.choices[0].delta.tool_calls or []:
+                    calls[tc.index] = tc
+                finish = chunk.choices[0].finish_reason or finish
+            calls = [calls[k] for k in sorted(calls)]
+        else:
+            calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert finish == "tool_calls" and calls
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            if isinstance(choice, dict):
+                assert call.function.name == "get_time"
+            if call.function.name == "get_time":
+                jsonschema.validate(args, TIME["function"]["parameters"])
+            else:
+                jsonschema.validate(args, WEATHER["function"]["parameters"])
+
+
 def test_tools_a_template_cannot_show_and_unsupported_choices_get_400(served, tmp_path):
     server, _ = served
-    for bad, param in [(dict(tool_choice="required"), "tool_choice"), (dict(tools=[{"type": "function"}]), "tools"),
-                       (dict(tools="nope"), "tools")]:
+    named = {"type": "function", "function": {"name": "nope"}}
+    for bad, param in [(dict(tool_choice=named), "tool_choice"), (dict(tool_choice="always"), "tool_choice"),
+                       (dict(tools=[{"type": "function"}]), "tools"), (dict(tools="nope"), "tools"),
+                       (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice")]:
         kw = dict(model="run", messages=ask("Oslo"), max_tokens=4, **{"tools": [WEATHER], **bad})
         with pytest.raises(openai.BadRequestError) as e:
             server.client.chat.completions.create(**kw)
