@@ -225,7 +225,7 @@ class API:
         tok = self.served.tokenizer
         requests = [Request(prompt, min(p.max_tokens, self.context - len(prompt)), p.sampling,
                             frozenset(tok.eos_ids), p.adapter, p.top_logprobs, logprobs=p.logprobs,
-                            logit_bias=p.logit_bias)
+                            logit_bias=p.logit_bias, score_prompt=p.score)
                     for prompt in p.prompts]
         grammars, grammar = self.grammars, p.grammar
         make = (lambda: grammars.constraint(grammar)) if grammar is not None else None

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -67,6 +67,9 @@ class Request:
     # few percent of a step, so only for a request that asks; top_logprobs asks too)
     logprobs: bool = False
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to these tokens' logits before sampling
+    # its prompt's own tokens scored too, by the prefill that reads them (`Row.prompt_scores`,
+    # `BatchDecoder.score`): OpenAI's echo with logprobs
+    score_prompt: bool = False
 
     @property
     def wants_logprob(self) -> bool:
@@ -100,6 +103,7 @@ class Row:
             ids = list(request.logit_bias)
             self.bias = mx.zeros((logits.shape[-1],), mx.float32).at[mx.array(ids)].add(
                 mx.array([request.logit_bias[t] for t in ids], dtype=mx.float32))
+        self.prompt_scores: list[Token] | None = None  # where the request has score_prompt
         self.generated = 0
         self.cancelled = False
         self.cached_tokens = 0  # prompt tokens its prefill took from the prompt cache
@@ -177,35 +181,34 @@ class BatchDecoder:
         budgets = [self.budget(r) for r, _ in items]
         prompts = [[int(t) for t in r.prompt] for r, _ in items]
         out: list[list[Row]] = [[] for _ in items]
-        together: list[int] = []  # items prefilled as one left-padded batch, in order
-
-        def flush() -> None:
-            if together:
-                cache, logits = self.prefill_together([prompts[i] for i in together],
-                                                      [items[i][0].adapter for i in together])
-                self.join(cache, logits, [(i, 0) for i in together], items, budgets, out)
-                together.clear()
-
-        short = []  # the items prefilled together: grouped by length, so that a group pads little
+        short, scoring = [], []  # the items prefilled together: grouped by length, so that a group pads little
         for i, ((request, copies), prompt) in enumerate(zip(items, prompts)):
+            # (a prompt to score is read whole: the prompt cache keeps no logits)
             hit_cache, hit = (self.prompt_cache.fetch(prompt, request.adapter)
-                              if self.prompt_cache is not None else (None, 0))
+                              if self.prompt_cache is not None and not request.score_prompt else (None, 0))
             if hit or len(prompt) > self.prefill_step:
+                scores = self.score(prompt, request.adapter, request.top_logprobs) if request.score_prompt else None
                 cache, logits, hit = self.prefill(prompt, request.adapter, (hit_cache, hit))
-                self.join(cache, logits, [(i, hit)], items, budgets, out)
+                self.join(cache, logits, [(i, hit)], items, budgets, out, [scores])
                 continue
-            short.append(i)
-        for i in sorted(short, key=lambda j: len(prompts[j])):
-            if (len(together) + 1) * len(prompts[i]) > self.prefill_step:  # (the longest so far)
-                flush()
-            together.append(i)
-        flush()
+            (scoring if request.score_prompt else short).append(i)
+        lengths = [len(p) for p in prompts]
+        for group in length_groups(short, lengths, self.prefill_step):
+            cache, logits = self.prefill_together([prompts[i] for i in group], [items[i][0].adapter for i in group])
+            self.join(cache, logits, [(i, 0) for i in group], items, budgets, out)
+        for group in length_groups(scoring, lengths, self.prefill_step):
+            # (a group's requests are one job's, of one adapter and one top count)
+            cache, logits, scores = self.score_together([prompts[i] for i in group], [items[i][0].adapter for i in group],
+                                                        max(items[i][0].top_logprobs for i in group))
+            self.join(cache, logits, [(i, 0) for i in group], items, budgets, out, scores)
         return out
 
     def join(self, cache: list[KVCache], logits: mx.array, which: list[tuple[int, int]],
-             items: Sequence[tuple[Request, int]], budgets: list[int], out: list[list[Row]]) -> None:
+             items: Sequence[tuple[Request, int]], budgets: list[int], out: list[list[Row]],
+             scores: Sequence[list[Token] | None] | None = None) -> None:
         """Row b of the prefilled `cache` (and of `logits`) is item which[b][0], of which
-        which[b][1] prompt tokens came from the prompt cache: its copies join the batch."""
+        which[b][1] prompt tokens came from the prompt cache: its copies join the batch, with
+        its prompt's scores[b] where scored."""
         self.compact()  # the join copies the cache anyway
         join_rows(self.cache, cache, [items[i][1] for i, _ in which])
         self.logits = None
@@ -217,6 +220,7 @@ class BatchDecoder:
             rows = [Row(request, seed + j, budgets[i], logits[b:b + 1]) for j in range(copies)]
             for r in rows:
                 r.cached_tokens = hit
+                r.prompt_scores = scores[b] if scores else None
             out[i] = rows
             self.cache_rows += range(len(self.rows), len(self.rows) + len(rows))
             self.rows += rows
@@ -245,7 +249,24 @@ class BatchDecoder:
 
     def prefill_together(self, prompts: list[list[int]], adapters: list[int]) -> tuple[list[KVCache], mx.array]:
         """-> (a cache of len(prompts) rows, each prompt left-padded to the longest, `starts`
-        set; the logits (rows, V) after each prompt's last token). A padding column reads
+        set; the logits (rows, V) after each prompt's last token)."""
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        self.padded_tokens += max(len(p) for p in prompts) * len(prompts)
+        cache, logits = self.read_together(prompts, adapters, lambda h: self.model.logits(h[:, -1, :]))
+        mx.eval(logits, [c.state for c in cache])
+        self.remember(prompts, adapters, cache)
+        return cache, logits
+
+    def remember(self, prompts: list[list[int]], adapters: list[int], cache: list[KVCache]) -> None:
+        """Keep each row of a cache of prompts read together in the prompt cache."""
+        if self.prompt_cache is not None:
+            for b, (p, a) in enumerate(zip(prompts, adapters)):
+                self.prompt_cache.store(p, a, row_cache(cache, b))
+
+    def read_together(self, prompts: list[list[int]], adapters: list[int],
+                      head: Callable[[mx.array], mx.array]) -> tuple[list[KVCache], mx.array]:
+        """-> (a cache of len(prompts) rows, each prompt left-padded to the longest, `starts`
+        set; `head` of the hidden states (rows, width, d_model)), lazily. A padding column reads
         token 0 and attends to itself only, so every value stays finite; real columns never
         see it."""
         width = max(len(p) for p in prompts)
@@ -255,17 +276,49 @@ class BatchDecoder:
         cache = make_cache(self.model)
         for c in cache:  # room for the prompts only: the rows join the batch's cache right after
             c.starts, c.step = starts, width
-        mask = padded_causal_mask(starts, width)
-        self.prompt_tokens += sum(len(p) for p in prompts)
-        self.padded_tokens += width * len(prompts)
         with no_dropout(self.model, self.dropout), fastmath.inference(), \
                 adapter_rows_set(self.model, mx.array(adapters, dtype=mx.int32) if self.slots else None):
-            logits = self.model.logits(self.hidden(tokens, mask, cache)[:, -1, :])
-        mx.eval(logits, [c.state for c in cache])
-        if self.prompt_cache is not None:
-            for b, (p, a) in enumerate(zip(prompts, adapters)):
-                self.prompt_cache.store(p, a, row_cache(cache, b))
-        return cache, logits
+            return cache, head(self.hidden(tokens, padded_causal_mask(starts, width), cache))
+
+    def score_many(self, prompts: Sequence[Sequence[int]], adapter: int = 0, top: int = 0) -> list[list[Token]]:
+        """`score` of each prompt. Prompts of like lengths are read together, left-padded, in
+        groups of at most `prefill_step` padded tokens (as `add_many` prefills them): one
+        product of many rows instead of one of a few rows per prompt (an evaluation harness
+        sends a question's every answer at once)."""
+        prompts = [[int(t) for t in p] for p in prompts]
+        out: list[list[Token]] = [[] for _ in prompts]
+        short = []
+        for i, p in enumerate(prompts):
+            if len(p) > self.prefill_step:
+                out[i] = self.score(p, adapter, top)
+            elif len(p) > 1:
+                short.append(i)
+        for group in length_groups(short, [len(p) for p in prompts], self.prefill_step):
+            for i, scores in zip(group, self.score_together([prompts[i] for i in group], [adapter] * len(group), top)[2]):
+                out[i] = scores
+        return out
+
+    def score_together(self, prompts: list[list[int]], adapters: list[int], top: int
+                       ) -> tuple[list[KVCache], mx.array, list[list[Token]]]:
+        """`prefill_together` that scores the prompts' own tokens too: -> (the cache, the logits
+        (rows, V) after each prompt's last token, each prompt's scored tokens)."""
+        width = max(len(p) for p in prompts)
+        n = sum(len(p) - 1 for p in prompts)
+
+        def head(h: mx.array) -> mx.array:  # each row's columns that predict its next token, then its last
+            return self.model.logits(mx.concatenate([h[b, width - len(p):width - 1] for b, p in enumerate(prompts)]
+                                                    + [h[:, -1, :]]))
+
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        self.padded_tokens += width * len(prompts)
+        cache, logits = self.read_together(prompts, adapters, head)
+        tokens = scored(logits[:n], [t for p in prompts for t in p[1:]], top, [logits, [c.state for c in cache]])
+        out = []
+        for p in prompts:
+            out.append(tokens[:len(p) - 1])
+            tokens = tokens[len(p) - 1:]
+        self.remember(prompts, adapters, cache)
+        return cache, logits[n:], out
 
     def score(self, prompt: Sequence[int], adapter: int = 0, top: int = 0) -> list[Token]:
         """The prompt's own tokens as the model reads them: for each token after the first, its
@@ -282,15 +335,7 @@ class BatchDecoder:
                 chunk = prompt[s:s + self.prefill_step]
                 targets = prompt[s + 1:s + 1 + len(chunk)]  # the chunk's last token may have none
                 logits = self.model.logits(self.hidden(mx.array(chunk, dtype=mx.uint32)[None], None, cache)[0])
-                logits = logits[:len(targets)]
-                logp = logits - fastmath.logsumexp(logits)[:, None]
-                picked = mx.take_along_axis(logp, mx.array(targets)[:, None], axis=-1)[:, 0]
-                best = mx.argsort(-logp, axis=-1)[:, :top] if top else None
-                best_logp = mx.take_along_axis(logp, best, axis=-1) if top else None
-                mx.eval(picked, [a for a in (best, best_logp) if a is not None], [c.state for c in cache])
-                for j, (t, lp) in enumerate(zip(targets, picked.tolist())):
-                    pairs = list(zip(best[j].tolist(), best_logp[j].tolist())) if top else None
-                    out.append(Token(t, lp, pairs))
+                out += scored(logits[:len(targets)], targets, top, [c.state for c in cache])
         return out
 
     def hidden(self, tokens: mx.array, mask, cache: list) -> mx.array:
@@ -313,8 +358,8 @@ class BatchDecoder:
             k = r.request.top_logprobs
             if k:
                 logp = r.logits[0] - fastmath.logsumexp(r.logits[0])
-                order = mx.argsort(-logp)[:k]
-                tops.append((order, logp[order]))
+                ids, values = most_likely(logp[None], k)
+                tops.append((ids[0], values[0]))
             else:
                 tops.append(None)
         mx.eval([d for pair in drawn for d in pair if d is not None], [t for t in tops if t is not None])
@@ -422,6 +467,45 @@ class BatchDecoder:
         self.logits = logits  # (B, V): row i's pending logits, until rows join or leave
         for i, r in enumerate(self.rows):
             r.logits = logits[i:i + 1]
+
+
+def scored(logits: mx.array, targets: list[int], top: int, also: list | None = None) -> list[Token]:
+    """logits (n, V) of n places and the token that came at each -> each as a Token with its
+    log-probability there (and the `top` most likely); evaluated with `also`."""
+    if not targets:
+        mx.eval(also or [])
+        return []
+    logp = logits - fastmath.logsumexp(logits)[:, None]
+    picked = mx.take_along_axis(logp, mx.array(targets)[:, None], axis=-1)[:, 0]
+    best, best_logp = most_likely(logp, top) if top else (None, None)
+    mx.eval(picked, [a for a in (best, best_logp) if a is not None], also or [])
+    return [Token(t, lp, list(zip(best[j].tolist(), best_logp[j].tolist())) if top else None)
+            for j, (t, lp) in enumerate(zip(targets, picked.tolist()))]
+
+
+def most_likely(logp: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k largest of each row of logp (n, V), best first: (ids (n, k), values (n, k)). A
+    partition, then a sort of the k only: sorting every row of a scored prompt's logits over the
+    vocabulary was most of a harness's request."""
+    k = min(k, logp.shape[-1])
+    if k == 1:  # (an evaluation harness's logprobs: 1)
+        best = fastmath.argmax(logp)[:, None]
+        return best, mx.take_along_axis(logp, best, axis=-1)
+    part = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logp, part, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+
+
+def length_groups(items: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """`items` in groups of like lengths (shortest first), each at most `budget` once every
+    member is padded to the group's longest: prompts read together pad little."""
+    groups: list[list[int]] = [[]]
+    for i in sorted(items, key=lambda j: lengths[j]):
+        if groups[-1] and (len(groups[-1]) + 1) * lengths[i] > budget:  # (the longest so far)
+            groups.append([])
+        groups[-1].append(i)
+    return [g for g in groups if g]
 
 
 def padded_causal_mask(starts: mx.array, width: int) -> mx.array:

@@ -35,8 +35,9 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     make_constraint: Callable[[], Any] | None = None  # a fresh constraint per choice
-    # each prompt's own tokens scored first (`BatchDecoder.score`), sent as a PromptLogprobs;
-    # with max_tokens 0 that is all the job does (OpenAI's echo with logprobs)
+    # each prompt's own tokens scored by the prefill that reads them (`Request.score_prompt`),
+    # sent as a PromptLogprobs; with max_tokens 0 that is all the job does (`BatchDecoder.score_many`)
+    # (OpenAI's echo with logprobs)
     score: bool = False
     rows: list[Row] = field(default_factory=list)
     cancelled: set[int] = field(default_factory=set)
@@ -152,9 +153,11 @@ class EngineThread:
         for job in jobs:
             if len(job.cancelled) == job.choices:
                 continue
-            for k, request in enumerate(job.requests if job.score else []):
-                job.send(PromptLogprobs(k, self.decoder.score(request.prompt, request.adapter, request.top_logprobs)))
-            if not job.rows_wanted:
+            if not job.rows_wanted:  # the prompts scored only (max_tokens 0)
+                first = job.requests[0]  # (a job's prompts share the adapter and the top count)
+                scores = self.decoder.score_many([r.prompt for r in job.requests], first.adapter, first.top_logprobs)
+                for k, tokens in enumerate(scores):
+                    job.send(PromptLogprobs(k, tokens))
                 continue
             try:
                 for request in job.requests:
@@ -177,6 +180,8 @@ class EngineThread:
             for i, row in enumerate(rows, start=first):
                 self.owner[id(row)] = (job, i)
                 row.cancelled = i in job.cancelled
+            if job.score and first % job.n == 0:  # the prompt's scores, read by its prefill
+                job.send(PromptLogprobs(first // job.n, rows[0].prompt_scores or []))
 
     def step(self) -> None:
         self.cancelled_rows += sum(r.cancelled for r in self.decoder.rows)

@@ -443,3 +443,37 @@ def test_frequency_and_presence_penalties_count_the_row_s_own_tokens():
         counts[t] += 1
     plain = out[id(plain_row)]
     assert len(got) == 24 and len(set(plain)) < len(set(got))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3"])
+def test_prompts_scored_together_score_as_each_alone_and_as_the_forward(arch):
+    """`score_many` reads prompts of different lengths left-padded in one batch (each row at
+    its own positions: GPT-2's learned table, gemma3's sliding window); each prompt's token
+    log-probabilities are what `score` gives it alone, and numpy's log-softmax of the uncached
+    forward."""
+    model = arch_model(arch)
+    ps = prompts((5, 23, 11, 2), seed=5)
+    engine = BatchDecoder(model)
+    together = engine.score_many(ps, top=3)
+    for p, got in zip(ps, together):
+        alone_ = engine.score(p, top=3)
+        assert [t.token for t in got] == p[1:] == [t.token for t in alone_]
+        np.testing.assert_allclose([t.logprob for t in got], [t.logprob for t in alone_], rtol=0, atol=1e-4)
+        logits = np.array(model(mx.array([p]))[0, :-1], dtype=np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        np.testing.assert_allclose([t.logprob for t in got], logp[np.arange(len(p) - 1), p[1:]], rtol=0, atol=1e-4)
+        for t, row in zip(got, logp):
+            assert [a for a, _ in t.top][:1] == [int(np.argmax(row))] or abs(row.max() - t.top[0][1]) < 1e-4
+    assert engine.score_many([[7]]) == [[]]  # one token: nothing to score
+    # echo with logprobs and tokens to generate: the prefill that joins the rows scores them
+    rows = engine.add_many([(Request(p, 6, SamplingParams(temp=0.0), score_prompt=True, top_logprobs=3), 1) for p in ps])
+    out: dict[int, list[int]] = {id(r): [] for (r,) in rows}
+    for p, (row,) in zip(ps, rows):
+        np.testing.assert_allclose([t.logprob for t in row.prompt_scores], [t.logprob for t in engine.score(p)],
+                                   rtol=0, atol=1e-4)
+    while engine.rows:
+        for row, tok in engine.step():
+            out[id(row)].append(tok.token)
+    for p, (row,) in zip(ps, rows):
+        assert agree(model, p, out[id(row)], alone(model, p, SamplingParams(temp=0.0), 6))

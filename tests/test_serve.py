@@ -203,6 +203,16 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, work)
         logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0], dim=-1).numpy()
     want = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
     assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    # a harness's batch: several prompts in one request, read together, each as transformers scores it
+    texts = [PROMPTS[0], text, PROMPTS[2] * 2]
+    many = server.client.completions.create(model="model", prompt=texts, max_tokens=0, echo=True, logprobs=1)
+    for t, choice in zip(texts, many.choices):
+        ids_t = tok.encode(t)
+        with torch.no_grad():
+            lp_t = torch.log_softmax(ref(torch.tensor([ids_t])).logits[0], dim=-1).numpy()
+        assert choice.text == t
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+            [float(lp_t[i - 1, ids_t[i]]) for i in range(1, len(ids_t))], abs=1e-4)
     # the two most likely at each place (fewer keys where both tokens' text is the same: a
     # byte-level tokenizer's invalid UTF-8 bytes all read "\ufffd")
     best = np.sort(logp[:-1], axis=-1)[:, -2:]
