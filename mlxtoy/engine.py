@@ -10,6 +10,9 @@ and the greedy evaluations (`generate_batch`) all decode through it.
   longer than a group, is prefilled alone from that prefix. Either way its rows then join the
   batch cache left-padded (`mlxtoy.models.cache.join_rows`). `copies` > 1 prefills the prompt
   once and joins its cache that many times (GRPO's group, OpenAI's `n`).
+- A request with `score_prompt` (OpenAI's echo with logprobs) has its prompt's own tokens
+  scored by the prefill that joins it (`score_together`: the logits of every column kept);
+  `score_many` scores prompts without joining them (`max_tokens` 0).
 - Each row has its own positions: column c of row b is position c - starts[b], which is
   what a learned position table reads (GPT-2, the tiny model); RoPE sees relative positions
   only. So a row samples what it would sample alone.
@@ -196,11 +199,12 @@ class BatchDecoder:
         for group in length_groups(short, lengths, self.prefill_step):
             cache, logits = self.prefill_together([prompts[i] for i in group], [items[i][0].adapter for i in group])
             self.join(cache, logits, [(i, 0) for i in group], items, budgets, out)
-        for group in length_groups(scoring, lengths, self.prefill_step):
-            # (a group's requests are one job's, of one adapter and one top count)
-            cache, logits, scores = self.score_together([prompts[i] for i in group], [items[i][0].adapter for i in group],
-                                                        max(items[i][0].top_logprobs for i in group))
-            self.join(cache, logits, [(i, 0) for i in group], items, budgets, out, scores)
+        for top in sorted({items[i][0].top_logprobs for i in scoring}):  # (a group reports one count of alternatives)
+            for group in length_groups([i for i in scoring if items[i][0].top_logprobs == top], lengths,
+                                       self.prefill_step):
+                cache, logits, scores = self.score_together([prompts[i] for i in group],
+                                                            [items[i][0].adapter for i in group], top)
+                self.join(cache, logits, [(i, 0) for i in group], items, budgets, out, scores)
         return out
 
     def join(self, cache: list[KVCache], logits: mx.array, which: list[tuple[int, int]],
