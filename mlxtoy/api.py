@@ -43,7 +43,7 @@ from mlxtoy.errors import UserError
 from mlxtoy.generate import StreamingDetokenizer, encode_chat
 from mlxtoy.sampling import SamplingParams
 from mlxtoy.serve import EngineThread, Job, PromptLogprobs
-from mlxtoy.tool_calls import CallReader, forced_calls_grammar, read_calls, template_writes_calls
+from mlxtoy.tool_calls import CallFormat, call_format
 from mlxtoy.train.formats import check_messages
 
 MAX_N = 16
@@ -80,7 +80,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     echo: bool = False
-    tool_calls: bool = False  # the output is read for tool calls (`mlxtoy.tool_calls`)
+    tool_calls: CallFormat | None = None  # the form the output is read for tool calls in
     logit_bias: dict[int, float] | None = None
 
     @property
@@ -142,15 +142,15 @@ class API:
                 raise APIError(400, str(e), "messages") from None
             if tools and prompt == encode_chat(tok, messages):
                 raise APIError(400, "this model's chat template shows the model no tools", "tools")
-            calls = bool(tools) and template_writes_calls(tok.chat_template)
+            calls = call_format(tok.chat_template) if tools else None
             if forced and not calls:
-                raise APIError(400, "tool_choice: forcing a call needs a chat template that writes calls as "
-                                    "<tool_call> blocks", "tool_choice")
+                raise APIError(400, "tool_choice: forcing a call needs a chat template that writes calls in a "
+                                    "form read here (<tool_call> blocks, or Llama 3's JSON)", "tool_choice")
             prompts, echoes, where = [prompt], [""], "messages"
             echo = False
         else:
             prompts, echoes = parse_prompts(body.get("prompt"), tok, self.vocab_size)
-            where, calls, forced = "prompt", False, None
+            where, calls, forced = "prompt", None, None
             echo = body.get("echo") or False
             if not isinstance(echo, bool):
                 raise APIError(400, "echo must be true or false", "echo")
@@ -204,7 +204,7 @@ class API:
                 self.grammars = Grammars(tok, self.vocab_size)
             try:
                 grammar = (self.grammars.json_schema(schema) if schema is not None else
-                           self.grammars.lark(forced_calls_grammar(tools, None if forced is True else forced),
+                           self.grammars.lark(calls.grammar(tools, None if forced is True else forced),
                                               "the tools' parameters"))
             except UserError as e:
                 raise APIError(400, str(e), "response_format" if schema is not None else "tools") from None
@@ -352,7 +352,7 @@ class API:
                 message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
                 calls = []
                 if p.tool_calls:
-                    message["content"], calls = read_calls(texts[i])
+                    message["content"], calls = p.tool_calls.read(texts[i])
                     if calls:
                         message["tool_calls"] = calls
                 c = {"index": i, "message": message,
@@ -380,17 +380,17 @@ class API:
                 for i in range(p.choices):
                     yield json.dumps(dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
                                                           "logprobs": None, "finish_reason": None}]))
-            readers = [CallReader() for _ in range(p.choices)] if p.tool_calls else None
+            readers = [p.tool_calls.reader() for _ in range(p.choices)] if p.tool_calls else None
             async for e in self.events(job, p):
                 generated += 0 if e.echo else len(e.tokens)
                 if chat:
                     delta: dict[str, Any] = {"content": e.text} if e.text or e.finish is None else {}
                     finish = e.finish
-                    if readers is not None:  # the text outside calls; each call once its block closes
+                    if readers is not None:  # the text outside calls; each call once it is read
                         reader = readers[e.choice]
                         done = len(reader.calls)
-                        text, calls = reader.add(e.text)
-                        text += reader.finish() if e.finish else ""
+                        text = reader.add(e.text)[0] + (reader.finish() if e.finish else "")
+                        calls = reader.calls[done:]
                         delta = {"content": text} if text else {}
                         if calls:
                             delta["tool_calls"] = [dict(call, index=done + k) for k, call in enumerate(calls)]

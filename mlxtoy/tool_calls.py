@@ -1,51 +1,82 @@
-"""Tool calls in a model's output, as the chat templates of Qwen2.5/Qwen3, Hermes and SmolLM3
-have the model write them (and `mlxtoy train` trains them, `mlxtoy.train.formats`): each call
-a JSON object {"name": ..., "arguments": {...}} between <tool_call> and </tool_call>. The
-server (`mlxtoy.api`) turns them into OpenAI's `tool_calls`, whole or streamed.
+"""Tool calls in a model's output, in the forms chat templates teach (and `mlxtoy train` trains,
+`mlxtoy.train.formats`); the server (`mlxtoy.api`) turns them into OpenAI's `tool_calls`, whole
+or streamed, and forces them for tool_choice "required" or a named function (a grammar):
 
-A block that is not such a JSON object stays text: the client sees what the model wrote.
+- "tags" (Qwen2.5, Qwen3, Hermes, SmolLM3): each call a JSON object {"name": ..., "arguments":
+  {...}} between <tool_call> and </tool_call>, anywhere in the reply;
+- "json" (Llama 3.1-3.3): the whole reply one JSON object {"name": ..., "parameters": {...}}
+  (after <|python_tag|> where the model writes one), or several joined by "; ".
+
+What is not such a call stays text: the client sees what the model wrote.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from mlxtoy.generate import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+# JSON as templates write it (tojson: ", " and ": "), no free whitespace for a model to wander into
+TEMPLATE_JSON = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
 
 
-def template_writes_calls(template: str | None) -> bool:
-    """Whether a chat template writes tool calls as <tool_call> blocks (so the model was taught
-    to, and its output is read for them)."""
-    return bool(template) and OPEN in template
+@dataclass(frozen=True)
+class CallFormat:
+    kind: str  # "tags" or "json"
+    arguments: str  # the key of a call's arguments
+
+    def reader(self) -> "CallReader | ReplyReader":
+        return CallReader() if self.kind == "tags" else ReplyReader()
+
+    def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A whole reply -> (its content: the text outside the calls, stripped beside calls and
+        None if nothing is left; the calls)."""
+        reader = self.reader()
+        content, calls = reader.add(text)
+        content += reader.finish()
+        calls += reader.calls[len(calls):]
+        if calls:
+            return content.strip() or None, calls
+        return content, calls
+
+    def grammar(self, tools: list[dict[str, Any]], name: str | None = None) -> str:
+        """A Lark grammar (llguidance's) for one or more calls and nothing else, each of one of
+        `tools` (of `name` only, where given) with arguments matching its parameters' schema."""
+        calls = []
+        for tool in tools:
+            fn = tool["function"]
+            if name is not None and fn["name"] != name:
+                continue
+            calls.append({"type": "object", "properties": {"name": {"const": fn["name"]},
+                                                           self.arguments: fn.get("parameters") or {"type": "object"}},
+                          "required": ["name", self.arguments], "additionalProperties": False})
+        schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls}, **TEMPLATE_JSON)
+        if self.kind == "tags":
+            return (f"start: block (\"\\n\" block)*\n"
+                    f"block: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
+                    f"call: %json {json.dumps(schema)}\n")
+        return f"start: call (\"; \" call)*\ncall: %json {json.dumps(schema)}\n"
 
 
-def forced_calls_grammar(tools: list[dict[str, Any]], name: str | None = None) -> str:
-    """A Lark grammar (llguidance's) for one or more <tool_call> blocks and nothing else, each a
-    call of one of `tools` (of `name` only, where given) with arguments matching its parameters'
-    schema: OpenAI's tool_choice "required" or a named function."""
-    calls = []
-    for tool in tools:
-        fn = tool["function"]
-        if name is not None and fn["name"] != name:
-            continue
-        params = fn.get("parameters") or {"type": "object"}
-        calls.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                      "required": ["name", "arguments"], "additionalProperties": False})
-    schema = dict(calls[0] if len(calls) == 1 else {"anyOf": calls},
-                  # JSON as templates write it (tojson: ", " and ": "), no free whitespace to wander into
-                  **{"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}})
-    return (f"start: block (\"\\n\" block)*\n"
-            f"block: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\n"
-            f"call: %json {json.dumps(schema)}\n")
+def call_format(template: str | None) -> CallFormat | None:
+    """The form a chat template writes an assistant's tool calls in, if one it is read for."""
+    if not template:
+        return None
+    if OPEN in template:
+        return CallFormat("tags", "arguments")
+    if '"parameters": ' in template and "tool_call" in template:
+        return CallFormat("json", "parameters")
+    return None
 
 
 def as_call(block: str) -> dict[str, Any] | None:
-    """A block's text -> OpenAI's tool call (a fresh id; arguments as JSON text), or None when
-    it is not {"name": str, "arguments": object}."""
+    """A call's JSON text -> OpenAI's tool call (a fresh id; arguments as JSON text), or None
+    when it is not {"name": str, "arguments" or "parameters": object}."""
     try:
         obj = json.loads(block)
     except json.JSONDecodeError:
@@ -65,10 +96,10 @@ def as_call(block: str) -> dict[str, Any] | None:
 
 
 class CallReader:
-    """Reads a choice's text as it streams: `add(text)` -> (text to pass on now, calls whose
-    block closed). Text that may be the start of a block is held until it is known not to be;
-    a block is held until it closes. `finish()` gives back what is held (an unclosed block is
-    text)."""
+    """Reads a reply's <tool_call> blocks as it streams: `add(text)` -> (text to pass on now,
+    calls whose block closed). Text that may be the start of a block is held until it is known
+    not to be; a block is held until it closes. `finish()` gives back what is held (an
+    unclosed block is text)."""
 
     def __init__(self) -> None:
         self.held = ""
@@ -105,13 +136,48 @@ class CallReader:
         return held
 
 
-def read_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole choice's text -> (its content: the text outside the calls, stripped beside calls
-    and None if nothing is left; the calls)."""
-    reader = CallReader()
-    content, calls = reader.add(text)
-    content += reader.finish()
-    if calls:
-        return content.strip() or None, calls
-    return content, calls
+class ReplyReader:
+    """Reads a reply that is all calls or all text (the "json" form) as it streams: a reply
+    that begins as JSON could be a call, so it is held to its end; then `finish()` reads the
+    calls into `calls` or gives the text back."""
 
+    def __init__(self) -> None:
+        self.held = ""
+        self.passing = False  # known to be text: passed on as it comes
+        self.calls: list[dict[str, Any]] = []
+
+    def add(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.passing:
+            return text, []
+        self.held += text
+        head = self.held.lstrip()
+        if not head or head[0] == "{" or PYTHON_TAG.startswith(head[:len(PYTHON_TAG)]):
+            return "", []
+        self.passing = True
+        held, self.held = self.held, ""
+        return held, []
+
+    def finish(self) -> str:
+        held, self.held = self.held, ""
+        calls = [as_call(part) for part in json_parts(held.strip().removeprefix(PYTHON_TAG))]
+        if calls and all(calls):
+            self.calls += calls
+            return ""
+        return held
+
+
+def json_parts(text: str) -> list[str]:
+    """The JSON values of `text` one after another, joined by ";" and whitespace (each part's
+    own text); [] when anything else is there."""
+    decoder, parts, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or (text[i] == ";" and parts)):
+            i += 1
+        if i == len(text):
+            return parts
+        try:
+            end = decoder.raw_decode(text, i)[1]
+        except json.JSONDecodeError:
+            return []
+        parts.append(text[i:end])
+        i = end

@@ -1,6 +1,7 @@
 """Tool calling through `mlxtoy serve`: a tiny model trained (by `train`, on tool-calling chat
-data) to answer a weather question with a <tool_call> block, as Qwen-style templates teach,
-served; the real `openai` client gets the call as OpenAI's `tool_calls`, whole and streamed."""
+data) to answer a weather question with a call, in each form read for calls (<tool_call> blocks
+as Qwen-style templates teach; the reply as the call's JSON as Llama 3's do), served; the real
+`openai` client gets the call as OpenAI's `tool_calls`, whole and streamed."""
 
 from __future__ import annotations
 
@@ -16,16 +17,16 @@ from mlxtoy.config import TrainConfig
 from mlxtoy.generate import encode_chat
 from mlxtoy.inference import load_for_inference
 
-# a chat template with a tools block, calls as <tool_call> blocks (Qwen2.5/Qwen3's form, cut
-# down to what a byte-level tiny model learns in seconds) and tool results
-TEMPLATE = """{%- if tools %}<|im_start|>system
+# chat templates with a tools block, tool results, and calls in the two forms read for them, cut
+# down to what a byte-level tiny model learns in seconds: <tool_call> blocks (Qwen2.5/Qwen3's)
+# and a reply that is the call's JSON with "parameters" (Llama 3's)
+HEAD = """{%- if tools %}<|im_start|>system
 <tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools><|im_end|>
 {% endif %}
 {%- for m in messages %}
 {%- if m.role == 'assistant' %}<|im_start|>assistant
-{{ m.content or '' }}{% for c in m.tool_calls or [] %}<tool_call>
-{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments if c.function.arguments is string else (c.function.arguments | tojson) }}}
-</tool_call>{% endfor %}<|im_end|>
+"""
+TAIL = """<|im_end|>
 {% elif m.role == 'tool' %}<|im_start|>user
 <tool_response>
 {{ m.content }}
@@ -34,6 +35,18 @@ TEMPLATE = """{%- if tools %}<|im_start|>system
 {{ m.content }}<|im_end|>
 {% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+ARGS = "{{ tool_call.function.arguments if tool_call.function.arguments is string else (tool_call.function.arguments | tojson) }}"
+TEMPLATES = {
+    "tags": HEAD + """{{ m.content or '' }}{% for tool_call in m.tool_calls or [] %}<tool_call>
+{"name": "{{ tool_call.function.name }}", "arguments": """ + ARGS + """}
+</tool_call>{% endfor %}""" + TAIL,
+    "json": HEAD + """{% if m.tool_calls %}{% for tool_call in m.tool_calls %}{% if not loop.first %}; {% endif %}"""
+            """{{ '{"name": "' + tool_call.function.name + '", "parameters": ' }}""" + ARGS + """}{% endfor %}"""
+            """{% else %}{{ m.content }}{% endif %}""" + TAIL,
+}
+# what the model writes for "Weather in Rome?" in each form
+RAW_CALL = {"tags": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+            "json": '{"name": "get_weather", "parameters": {"city": "Rome"}}'}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
@@ -45,14 +58,14 @@ def ask(city: str) -> list[dict]:
     return [{"role": "user", "content": f"Weather in {city}?"}]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tools")
+@pytest.fixture(scope="module", params=list(TEMPLATES))
+def served(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools-" + request.param)
     model = write_tiny_model_folder(str(root / "model"))
     with open(root / "model" / "tokenizer_config.json") as f:
         config = json.load(f)
     with open(root / "model" / "tokenizer_config.json", "w") as f:
-        json.dump(dict(config, chat_template=TEMPLATE), f)
+        json.dump(dict(config, chat_template=TEMPLATES[request.param]), f)
     call = lambda city: {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}  # noqa: E731
     rows = [{"messages": ask(c) + [{"role": "assistant", "content": None, "tool_calls": [call(c)]}], "tools": [WEATHER]}
             for c in CITIES]
@@ -64,12 +77,12 @@ def served(tmp_path_factory):
     run_training(TrainConfig(model=model, data=str(root / "data"), out=run, method="full", steps=300, batch_size=8,
                              seq_len=192, lr=3e-3, eval_every=0, save_every=0, seed=0))
     s = Server(run)
-    yield s, run
+    yield s, run, request.param
     assert s.stop() == 0, "".join(s.log)
 
 
 def test_a_call_comes_back_as_tool_calls_whole_and_streamed(served):
-    server, _ = served
+    server, _, _ = served
     r = server.client.chat.completions.create(model="run", messages=ask("Oslo"), tools=[WEATHER],
                                               max_tokens=80, temperature=0)
     c = r.choices[0]
@@ -92,11 +105,11 @@ def test_a_call_comes_back_as_tool_calls_whole_and_streamed(served):
 def test_the_call_is_the_model_s_own_text_read_and_plain_replies_stay_text(served):
     """Positive control: the same prompt through /v1/completions (no reading for calls) is
     the <tool_call> block the model wrote; a reply without a call is content."""
-    server, run = served
+    server, run, form = served
     tok = load_for_inference(run)[1]
     raw = server.client.completions.create(model="run", prompt=encode_chat(tok, ask("Rome"), tools=[WEATHER]),
                                            max_tokens=80, temperature=0).choices[0].text
-    assert raw.strip() == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    assert raw.strip() == RAW_CALL[form]
     r = server.client.chat.completions.create(model="run", messages=[{"role": "user", "content": "Hi Rome"}],
                                               tools=[WEATHER], max_tokens=12, temperature=0)
     assert r.choices[0].message.content == "Hello Rome" and not r.choices[0].message.tool_calls
@@ -106,7 +119,7 @@ def test_the_call_is_the_model_s_own_text_read_and_plain_replies_stay_text(serve
 def test_an_agent_s_second_turn_sends_the_call_and_its_result_back(served):
     """The assistant's call (content null) and the tool's result render through the template:
     the prompt the server reads is the one the template makes of them."""
-    server, run = served
+    server, run, _ = served
     first = server.client.chat.completions.create(model="run", messages=ask("Paris"), tools=[WEATHER],
                                                   max_tokens=80, temperature=0).choices[0].message
     call = first.tool_calls[0]
@@ -132,7 +145,7 @@ def test_tool_choice_forces_a_call_whose_arguments_match_the_tool_s_schema(serve
     """"Hi Rome" is answered in text when the model decides (the control, in the test above);
     tool_choice "required" or a named function makes the reply a call (constrained decoding),
     its arguments valid for the tool's parameters."""
-    server, _ = served
+    server, _, _ = served
     msgs = [{"role": "user", "content": "Hi Rome"}]
     for stream in (False, True):
         r = server.client.chat.completions.create(model="run", messages=msgs, tools=[WEATHER, TIME], tool_choice=choice,
@@ -158,7 +171,7 @@ def test_tool_choice_forces_a_call_whose_arguments_match_the_tool_s_schema(serve
 
 
 def test_tools_a_template_cannot_show_and_unsupported_choices_get_400(served, tmp_path):
-    server, _ = served
+    server, _, _ = served
     named = {"type": "function", "function": {"name": "nope"}}
     for bad, param in [(dict(tool_choice=named), "tool_choice"), (dict(tool_choice="always"), "tool_choice"),
                        (dict(tools=[{"type": "function"}]), "tools"), (dict(tools="nope"), "tools"),
