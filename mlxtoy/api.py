@@ -229,7 +229,7 @@ class API:
                     for prompt in p.prompts]
         grammars, grammar = self.grammars, p.grammar
         make = (lambda: grammars.constraint(grammar)) if grammar is not None else None
-        job = Job(requests, p.n, asyncio.get_running_loop(), asyncio.Queue(), make, score=p.score)
+        job = Job(requests, p.n, asyncio.get_running_loop(), asyncio.Queue(), make)
         self.engine.submit(job)
         return job
 

@@ -35,16 +35,19 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     make_constraint: Callable[[], Any] | None = None  # a fresh constraint per choice
-    # each prompt's own tokens scored by the prefill that reads them (`Request.score_prompt`),
-    # sent as a PromptLogprobs; with max_tokens 0 that is all the job does (`BatchDecoder.score_many`)
-    # (OpenAI's echo with logprobs)
-    score: bool = False
     rows: list[Row] = field(default_factory=list)
     cancelled: set[int] = field(default_factory=set)
 
     @property
     def choices(self) -> int:
         return len(self.requests) * self.n
+
+    @property
+    def score(self) -> bool:
+        """Each prompt's own tokens are scored by the prefill that reads them (its requests'
+        `score_prompt`) and sent as a PromptLogprobs; with max_tokens 0 that is all the job does
+        (`BatchDecoder.score_many`): OpenAI's echo with logprobs."""
+        return self.requests[0].score_prompt
 
     @property
     def rows_wanted(self) -> int:
@@ -153,11 +156,13 @@ class EngineThread:
         for job in jobs:
             if len(job.cancelled) == job.choices:
                 continue
-            if not job.rows_wanted:  # the prompts scored only (max_tokens 0)
-                first = job.requests[0]  # (a job's prompts share the adapter and the top count)
-                scores = self.decoder.score_many([r.prompt for r in job.requests], first.adapter, first.top_logprobs)
-                for k, tokens in enumerate(scores):
-                    job.send(PromptLogprobs(k, tokens))
+            if not job.rows_wanted:  # max_tokens 0: the prompts echoed, scored where asked, only
+                shared = job.requests[0]  # (a job's prompts share the adapter and the top count)
+                if job.score:
+                    scores = self.decoder.score_many([r.prompt for r in job.requests], shared.adapter,
+                                                     shared.top_logprobs)
+                    for k, tokens in enumerate(scores):
+                        job.send(PromptLogprobs(k, tokens))
                 continue
             try:
                 for request in job.requests:

@@ -203,6 +203,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(server, work)
         logp = torch.log_softmax(ref(torch.tensor([ids])).logits[0], dim=-1).numpy()
     want = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
     assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    # echo without logprobs: the prompt's text before the completion's, or alone with max_tokens 0
+    bare = server.client.completions.create(model="model", prompt=text, max_tokens=0, echo=True)
+    assert bare.choices[0].text == text and bare.choices[0].logprobs is None and bare.usage.completion_tokens == 0
+    echoed = server.client.completions.create(model="model", prompt=PROMPTS[0], max_tokens=24, echo=True, temperature=0)
+    assert echoed.choices[0].text == PROMPTS[0] + complete(server, "model", PROMPTS[0])
     # a harness's batch: several prompts in one request, read together, each as transformers scores it
     texts = [PROMPTS[0], text, PROMPTS[2] * 2]
     many = server.client.completions.create(model="model", prompt=texts, max_tokens=0, echo=True, logprobs=1)
