@@ -190,8 +190,8 @@ class BatchDecoder:
             hit_cache, hit = (self.prompt_cache.fetch(prompt, request.adapter)
                               if self.prompt_cache is not None and not request.score_prompt else (None, 0))
             if hit or len(prompt) > self.prefill_step:
-                scores = self.score(prompt, request.adapter, request.top_logprobs) if request.score_prompt else None
-                cache, logits, hit = self.prefill(prompt, request.adapter, (hit_cache, hit))
+                cache, logits, hit, scores = self.prefill(prompt, request.adapter, (hit_cache, hit),
+                                                          request.top_logprobs if request.score_prompt else None)
                 self.join(cache, logits, [(i, hit)], items, budgets, out, [scores])
                 continue
             (scoring if request.score_prompt else short).append(i)
@@ -229,33 +229,42 @@ class BatchDecoder:
             self.cache_rows += range(len(self.rows), len(self.rows) + len(rows))
             self.rows += rows
 
-    def prefill(self, prompt: list[int], adapter: int,
-                hit: tuple[list[KVCache] | None, int] = (None, 0)) -> tuple[list[KVCache], mx.array, int]:
+    def prefill(self, prompt: list[int], adapter: int, hit: tuple[list[KVCache] | None, int] = (None, 0),
+                top: int | None = None) -> tuple[list[KVCache], mx.array, int, list[Token] | None]:
         """-> (a B = 1 cache holding `prompt`, the logits (1, V) after its last token, how many
         of its tokens came from the prompt cache: `hit`, its prefix found there, or nothing;
-        the rest is read)."""
+        the rest is read in `prefill_step` chunks; with `top` (not None), the prompt's own
+        tokens scored as `score` scores them, else None). Scoring reads the whole prompt: a
+        chunk's logits are kept for every column, so at most a chunk's are held."""
         cache, n_hit = hit
+        assert top is None or n_hit == 0, "a scored prompt is read whole"
         cache = cache if cache is not None else make_cache(self.model)
         self.cached_tokens += n_hit
         self.prompt_tokens += len(prompt) - n_hit
-        todo = mx.array(prompt[n_hit:], dtype=mx.uint32)[None]
+        todo = [int(t) for t in prompt[n_hit:]]
+        scores: list[Token] | None = None if top is None else []
         with no_dropout(self.model, self.dropout), fastmath.inference(), \
                 adapter_rows_set(self.model, mx.array([adapter], dtype=mx.int32) if self.slots else None):
-            while todo.shape[1] > self.prefill_step:
-                self.hidden(todo[:, :self.prefill_step], None, cache)
-                mx.eval([c.state for c in cache])
-                todo = todo[:, self.prefill_step:]
-            logits = self.model.logits(self.hidden(todo, None, cache)[:, -1, :])
+            for s in range(0, len(todo), self.prefill_step):
+                chunk = todo[s:s + self.prefill_step]
+                h = self.hidden(mx.array(chunk, dtype=mx.uint32)[None], None, cache)
+                if scores is not None:
+                    logits = self.model.logits(h[0])  # every column's
+                    targets = todo[s + 1:s + 1 + len(chunk)]  # the prompt's last token has none
+                    scores += scored(logits[:len(targets)], targets, top, [c.state for c in cache])
+                    logits = logits[-1:]
+                elif s + self.prefill_step >= len(todo):
+                    logits = self.model.logits(h[:, -1, :])
+                else:
+                    mx.eval([c.state for c in cache])
         mx.eval(logits, [c.state for c in cache])
         if self.prompt_cache is not None:
             self.prompt_cache.store(prompt, adapter, cache)
-        return cache, logits, n_hit
+        return cache, logits, n_hit, scores
 
     def prefill_together(self, prompts: list[list[int]], adapters: list[int]) -> tuple[list[KVCache], mx.array]:
         """-> (a cache of len(prompts) rows, each prompt left-padded to the longest, `starts`
         set; the logits (rows, V) after each prompt's last token)."""
-        self.prompt_tokens += sum(len(p) for p in prompts)
-        self.padded_tokens += max(len(p) for p in prompts) * len(prompts)
         cache, logits = self.read_together(prompts, adapters, lambda h: self.model.logits(h[:, -1, :]))
         mx.eval(logits, [c.state for c in cache])
         self.remember(prompts, adapters, cache)
@@ -275,6 +284,8 @@ class BatchDecoder:
         see it."""
         width = max(len(p) for p in prompts)
         pads = [width - len(p) for p in prompts]
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        self.padded_tokens += width * len(prompts)
         tokens = mx.array([[0] * n + p for n, p in zip(pads, prompts)], dtype=mx.uint32)
         starts = mx.array(pads, dtype=mx.int32)
         cache = make_cache(self.model)
@@ -313,8 +324,6 @@ class BatchDecoder:
             return self.model.logits(mx.concatenate([h[b, width - len(p):width - 1] for b, p in enumerate(prompts)]
                                                     + [h[:, -1, :]]))
 
-        self.prompt_tokens += sum(len(p) for p in prompts)
-        self.padded_tokens += width * len(prompts)
         cache, logits = self.read_together(prompts, adapters, head)
         tokens = scored(logits[:n], [t for p in prompts for t in p[1:]], top, [logits, [c.state for c in cache]])
         out = []
@@ -326,21 +335,10 @@ class BatchDecoder:
 
     def score(self, prompt: Sequence[int], adapter: int = 0, top: int = 0) -> list[Token]:
         """The prompt's own tokens as the model reads them: for each token after the first, its
-        log-probability given the ones before it (and the `top` most likely there), read in
-        `prefill_step` chunks through a cache of its own, so at most a chunk's logits are held
-        (OpenAI's echo with logprobs: how an evaluation harness scores a continuation). Takes
-        no place in the batch."""
-        prompt = [int(t) for t in prompt]
-        cache = make_cache(self.model)
-        out: list[Token] = []
-        with no_dropout(self.model, self.dropout), fastmath.inference(), \
-                adapter_rows_set(self.model, mx.array([adapter], dtype=mx.int32) if self.slots else None):
-            for s in range(0, len(prompt) - 1, self.prefill_step):
-                chunk = prompt[s:s + self.prefill_step]
-                targets = prompt[s + 1:s + 1 + len(chunk)]  # the chunk's last token may have none
-                logits = self.model.logits(self.hidden(mx.array(chunk, dtype=mx.uint32)[None], None, cache)[0])
-                out += scored(logits[:len(targets)], targets, top, [c.state for c in cache])
-        return out
+        log-probability given the ones before it (and the `top` most likely there), read as
+        `prefill` reads a prompt, in `prefill_step` chunks (OpenAI's echo with logprobs: how an
+        evaluation harness scores a continuation). Takes no place in the batch."""
+        return self.prefill([int(t) for t in prompt], adapter, top=top)[3]
 
     def hidden(self, tokens: mx.array, mask, cache: list) -> mx.array:
         return self.model.hidden(tokens, mask=mask, cache=cache)

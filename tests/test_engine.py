@@ -477,3 +477,9 @@ def test_prompts_scored_together_score_as_each_alone_and_as_the_forward(arch):
             out[id(row)].append(tok.token)
     for p, (row,) in zip(ps, rows):
         assert agree(model, p, out[id(row)], alone(model, p, SamplingParams(temp=0.0), 6))
+    # prompts longer than a prefill group: read in chunks, scored by the one prefill that joins them
+    chunked = BatchDecoder(model, prefill_step=8)
+    rows = chunked.add_many([(Request(p, 2, SamplingParams(temp=0.0), score_prompt=True, top_logprobs=3), 1) for p in ps])
+    for p, want, (row,) in zip(ps, together, rows):
+        assert [t.token for t in row.prompt_scores] == p[1:]
+        np.testing.assert_allclose([t.logprob for t in row.prompt_scores], [t.logprob for t in want], rtol=0, atol=1e-4)
