@@ -128,11 +128,9 @@ class API:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and (
-                        isinstance(m.get("content", ""), (str, list)) or (m.get("content") is None and m.get("tool_calls")))
-                    for m in messages):
-                raise APIError(400, "messages must be a non-empty list of {role, content} objects "
-                                    "(content null only beside tool_calls)", "messages")
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+                raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+            # (content as text parts joined; then the trainer's check: a string, or null beside tool_calls)
             messages = [dict(m, content=text_content(m.get("content", ""))) for m in messages]
             try:
                 messages = check_messages(messages, "messages")
