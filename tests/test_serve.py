@@ -155,14 +155,19 @@ def test_sampling_fields_n_seed_and_logprobs(server, work):
     pen = server.client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=24, temperature=0,
                                            frequency_penalty=2.0, presence_penalty=1.0)
     assert pen.choices[0].text != greedy  # the penalties reach the sampler (the engine's test checks their values)
-    z = load_for_inference(work["model"])[1].encode("Z")[0]
+    tok = load_for_inference(work["model"])[1]
+    z = tok.encode("Z")[0]
     forced = server.client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=5, temperature=0,
                                               logit_bias={str(z): 100})
     assert forced.choices[0].text == "ZZZZZ"
-    first = load_for_inference(work["model"])[1].encode(greedy[0])[0]
-    banned = server.client.completions.create(model="a", prompt=PROMPTS[1], max_tokens=5, temperature=0,
-                                              logit_bias={str(first): -100})
-    assert banned.choices[0].text[0] != greedy[0]
+    # the greedy first token, by its bytes (its text may be U+FFFD, which many tokens read as)
+    msgs1 = [{"role": "user", "content": PROMPTS[1]}]
+    first = server.client.chat.completions.create(model="a", messages=msgs1, max_tokens=1, temperature=0,
+                                                  logprobs=True).choices[0].logprobs.content[0].bytes
+    first_id = next(i for i in range(tok.vocab_size) if list(tok.decode_token_bytes(i)) == first)
+    banned = server.client.chat.completions.create(model="a", messages=msgs1, max_tokens=1, temperature=0,
+                                                   logprobs=True, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.content[0].bytes != first
     many = ["\x00never", "\x01never", "\x02never", "\x03never", "\x04never", stop]  # past OpenAI's 4
     s6 = server.client.completions.create(model="model", prompt=PROMPTS[1], max_tokens=40, temperature=0, stop=many)
     assert s6.choices[0].text == s.choices[0].text
