@@ -37,12 +37,10 @@ class CallFormat:
         """A whole reply -> (its content: the text outside the calls, stripped beside calls and
         None if nothing is left; the calls)."""
         reader = self.reader()
-        content, calls = reader.add(text)
-        content += reader.finish()
-        calls += reader.calls[len(calls):]
-        if calls:
-            return content.strip() or None, calls
-        return content, calls
+        content = reader.add(text)[0] + reader.finish()
+        if reader.calls:
+            return content.strip() or None, reader.calls
+        return content, reader.calls
 
     def grammar(self, tools: list[dict[str, Any]], name: str | None = None) -> str:
         """A Lark grammar (llguidance's) for one or more calls and nothing else, each of one of
