@@ -388,7 +388,7 @@ def block_args(D=32, H=4, KV=2, Dh=8, F=48, S=16, bias=False, seed=0, q4=False):
     weights = [1 + a(D), a(H, Dh, D), a(KV, Dh, D), a(KV, Dh, D), a(D, H * Dh), 1 + a(D), a(F, D), a(F, D), a(D, F)]
     extra = {}
     if q4 in (True, "packed"):  # the matrices on a Q4_1 grid, packed
-        weights = [K.pack(mx.array(q4_grid(np.array(w))), 4)[0] if i in MATRICES else w for i, w in enumerate(weights)]
+        weights = [K.pack(mx.array(q4_grid(np.array(w))), "q4")[0] if i in MATRICES else w for i, w in enumerate(weights)]
     elif q4 == "affine":
         affine = []
         for i in MATRICES:
@@ -592,13 +592,13 @@ def test_pack_q4_is_lossless_on_a_q4_1_grid_and_refuses_anything_else():
     w = r.standard_normal((40, 96)).astype(np.float32)
     grid = q4_grid(w)
     grid[3, :32] = 0.25  # a constant block (d = 0)
-    packed, ok = K.pack(mx.array(grid), 4)
+    packed, ok = K.pack(mx.array(grid), "q4")
     assert int(ok.item()) == 1 and packed.shape == (40, 96 // 32 * 24) and packed.dtype == mx.uint8
     np.testing.assert_array_equal(unpack_q4(np.array(packed), 96), grid)  # every weight, to the bit
     assert fastmath.pack_lossless(mx.array(grid)) is not None
     off = grid.copy()
     off[17, 50] = np.nextafter(off[17, 50], np.float32(10))  # one weight one ulp off the grid
-    assert int(K.pack(mx.array(off), 4)[1].item()) == 0 and fastmath.pack_lossless(mx.array(off)) is None
+    assert int(K.pack(mx.array(off), "q4")[1].item()) == 0 and fastmath.pack_lossless(mx.array(off)) is None
     assert fastmath.pack_lossless(mx.array(w)) is None  # float weights: not a grid
     assert fastmath.pack_lossless(mx.array(grid[:, :80])) is None  # K not a multiple of 32
 
@@ -616,18 +616,44 @@ def test_pack_q8_is_lossless_on_a_q8_0_grid_and_neither_packs_a_non_finite_weigh
     r = np.random.default_rng(8)
     grid = q4_grid(r.standard_normal((24, 128)).astype(np.float32), Q8_0)
     grid[5, 64:96] = 0.0  # an all-zero block (d = 0)
-    packed, ok = K.pack(mx.array(grid), 8)
+    packed, ok = K.pack(mx.array(grid), "q8")
     assert int(ok.item()) == 1 and packed.shape == (24, 128 // 32 * 40)
     np.testing.assert_array_equal(unpack_q8(np.array(packed), 128), grid)
-    assert int(K.pack(mx.array(grid), 4)[1].item()) == 0  # a Q8_0 grid is no 4-bit one
+    assert int(K.pack(mx.array(grid), "q4")[1].item()) == 0  # a Q8_0 grid is no 4-bit one
     q4 = q4_grid(r.standard_normal((8, 64)).astype(np.float32))
-    for bits, w in ((4, q4), (8, grid)):
-        assert int(K.pack(mx.array(w), bits)[1].item()) == 1  # positive control
+    q4_0 = q4_grid(r.standard_normal((8, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    for form, w in (("q4", q4), ("q8", grid), ("q4_0", q4_0), ("q8_0", grid)):
+        assert int(K.pack(mx.array(w), form)[1].item()) == 1  # positive control
         for bad in (np.nan, np.inf, -np.inf):
             v = w.copy()
             v[2, 40] = bad  # inside a block whose other weights set its range
-            assert int(K.pack(mx.array(v), bits)[1].item()) == 0, (bits, bad)
+            assert int(K.pack(mx.array(v), form)[1].item()) == 0, (form, bad)
 
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, Q8_0], ids=["q4_0", "q8_0"])
+def test_pack_keeps_a_q4_0_or_q8_0_grid_as_the_gguf_s_own_blocks(qtype):
+    """Weights a Q4_0 (or Q8_0) GGUF dequantizes to pack into that file's own blocks (float16 d,
+    then the nibbles or bytes): byte for byte what gguf-py's quantizer writes, an all-zero block
+    and blocks whose extreme is positive (a negative d) included. pack_lossless takes that form
+    (18 or 34 bytes a block, where the float32-d forms take 24 or 40). A Q4_1 grid, a d that is
+    no float16 value, and a weight one ulp off are refused (positive controls)."""
+    r = np.random.default_rng(14)
+    w = r.standard_normal((40, 576)).astype(np.float32)
+    w[3, 32:64] = 0.0
+    w[4, 64:96] = np.abs(w[4, 64:96])  # a block whose extreme is positive
+    blocks = gguf.quants.quantize(w, qtype)
+    grid = gguf.quants.dequantize(blocks, qtype).reshape(w.shape).astype(np.float32)
+    form, block_bytes = ("q4_0", 18) if qtype == gguf.GGMLQuantizationType.Q4_0 else ("q8_0", 34)
+    packed, ok = K.pack(mx.array(grid), form)
+    assert int(ok.item()) == 1 and packed.shape == (40, 576 // 32 * block_bytes)
+    np.testing.assert_array_equal(np.array(packed), np.asarray(blocks).reshape(40, -1))
+    assert fastmath.pack_lossless(mx.array(grid)).shape == packed.shape
+    assert int(K.pack(mx.array(q4_grid(w)), form)[1].item()) == 0  # Q4_1: d q + m
+    assert int(K.pack(mx.array(grid * np.float32(1 + 2 ** -13)), form)[1].item()) == 0  # d no float16
+    off = grid.copy()
+    off[17, 50] = np.nextafter(off[17, 50], np.float32(10))
+    assert int(K.pack(mx.array(off), form)[1].item()) == 0
 
 
 def q6_k_grid(rows: int, K_: int, seed: int) -> np.ndarray:
@@ -696,19 +722,19 @@ def test_pack_takes_the_grids_of_q4_0_q5_0_q5_1_q4_k_q5_k_and_q6_k():
     r = np.random.default_rng(10)
     w = r.standard_normal((24, 576)).astype(np.float32)
     for name, grid in (("Q4_0", q4_grid(w, gguf.GGMLQuantizationType.Q4_0)), ("Q4_K", q4_k_grid(24, 512, 11))):
-        packed, ok = K.pack(mx.array(grid), 4)
+        packed, ok = K.pack(mx.array(grid), "q4")
         assert int(ok.item()) == 1, name
         np.testing.assert_array_equal(unpack_q4(np.array(packed), grid.shape[1]), grid, err_msg=name)
     q5 = q4_grid(w, gguf.GGMLQuantizationType.Q5_0)
-    assert int(K.pack(mx.array(q5), 4)[1].item()) == 0
+    assert int(K.pack(mx.array(q5), "q4")[1].item()) == 0
     for name, grid in (("Q5_0", q5), ("Q6_K", q6_k_grid(24, 512, 12))):
-        packed, ok = K.pack(mx.array(grid), 8)
+        packed, ok = K.pack(mx.array(grid), "q8")
         assert int(ok.item()) == 1, name
         np.testing.assert_array_equal(unpack_q8(np.array(packed), grid.shape[1]), grid, err_msg=name)
     q51 = q4_grid(w, gguf.GGMLQuantizationType.Q5_1)
-    assert int(K.pack(mx.array(q51), 4)[1].item()) == 0
+    assert int(K.pack(mx.array(q51), "q4")[1].item()) == 0
     for name, grid in (("Q5_1", q51), ("Q5_K", q5_k_grid(24, 512, 13))):
-        packed, ok = K.pack(mx.array(grid), 5)
+        packed, ok = K.pack(mx.array(grid), "q5")
         assert int(ok.item()) == 1, name
         assert packed.shape == (24, grid.shape[1] // 32 * 28)
         np.testing.assert_array_equal(unpack_q5(np.array(packed), grid.shape[1]), grid, err_msg=name)
@@ -736,17 +762,19 @@ def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
         else:
             w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
         K_ = w.shape[1]
-        bits = {Q4_1: 4, gguf.GGMLQuantizationType.Q4_0: 4, gguf.GGMLQuantizationType.Q5_1: 5,
-                gguf.GGMLQuantizationType.Q5_K: 5}.get(qtype, 8)
-        packed, ok = K.pack(mx.array(w), bits)
-        assert int(ok.item()) == 1
-        for rows in (1, 2, 3, 5, 8, 9, 13):
-            x = r.standard_normal((rows, K_)).astype(np.float32)
-            y = np.array(K.gemv_packed(mx.array(x), packed))
-            np.testing.assert_array_equal(y, np.array(K.gemv(mx.array(x), mx.array(w))), err_msg=f"K = {K_}, {rows} rows")
-            # float32 sums: within a few eps of sum |x_k w_k| (Q5_K's made weights run to ~20)
-            bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
-            assert (np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= bound).all()
+        forms = {Q4_1: ["q4"], gguf.GGMLQuantizationType.Q4_0: ["q4_0", "q4"], Q8_0: ["q8_0", "q8"],
+                 gguf.GGMLQuantizationType.Q5_1: ["q5"], gguf.GGMLQuantizationType.Q5_K: ["q5"]}.get(qtype, ["q8"])
+        for form in forms:
+            packed, ok = K.pack(mx.array(w), form)
+            assert int(ok.item()) == 1, form
+            for rows in (1, 2, 3, 5, 8, 9, 13):
+                x = r.standard_normal((rows, K_)).astype(np.float32)
+                y = np.array(K.gemv_packed(mx.array(x), packed))
+                np.testing.assert_array_equal(y, np.array(K.gemv(mx.array(x), mx.array(w))),
+                                              err_msg=f"{form}, K = {K_}, {rows} rows")
+                # float32 sums: within a few eps of sum |x_k w_k| (Q5_K's made weights run to ~20)
+                bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+                assert (np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= bound).all()
 
 @pytest.mark.parametrize("qtype", [Q4_1, gguf.GGMLQuantizationType.Q5_1], ids=["q4_1", "q5_1"])
 def test_decode_from_packed_weights_matches_the_uncached_forward(qtype):
@@ -831,9 +859,9 @@ def test_decode_from_q8_0_weights_and_a_packed_output_matrix():
     model = q4_model(VARIANTS["mha-qkv-bias"], qtype=Q8_0, head=True)
     packs = model.layers[0].decode_packs()
     assert sorted(packs) == [str(i) for i in MATRICES]
-    assert packs["1"].shape[-1] == 64 // 32 * 40  # 8-bit blocks (a Q8_0 grid is no 4-bit one)
+    assert packs["1"].shape[-1] == 64 // 32 * 34  # Q8_0's own blocks (a Q8_0 grid is no 4-bit one)
     head = model.decode_head_pack()
-    assert head is not None and head.shape == (300, 64 // 32 * 40)
+    assert head is not None and head.shape == (300, 64 // 32 * 34)
     x = mx.random.normal((1, 64))
     np.testing.assert_allclose(np.array(fastmath.linear_packed(x, head)),
                                np.array(x @ model.tok_embeddings.weight.T), rtol=1e-5, atol=1e-5)

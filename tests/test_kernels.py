@@ -348,14 +348,15 @@ def test_rows_against_a_packed_matrix_sum_as_they_do_anywhere_in_the_batch():
     levels[:, ::32] = 127  # each block's largest: d = that / 127, as the packer finds it
     d = r.uniform(1e-3, 1e-2, (N, K_ // 32)).astype(np.float16).astype(np.float32)
     w = np.repeat(d, 32, axis=1) * levels  # a Q8_0 grid (float16 scales): packed losslessly
-    packed, ok = K.pack(arr(w), 8)
-    assert ok.item()
     x = r.standard_normal((7, K_)).astype(np.float32)
-    y = np_(K.gemv_packed(arr(x), packed))
-    np.testing.assert_allclose(y, x.astype(f64) @ w.astype(f64).T, rtol=0, atol=2e-5)
-    for shift in range(1, 7):  # every row through the 4 x 4 pass and through the tail
-        moved = np_(K.gemv_packed(arr(np.roll(x, shift, axis=0)), packed))
-        assert np.array_equal(moved, np.roll(y, shift, axis=0))
+    for form in ("q8", "q8_0"):  # a d per half of 16, float32; Q8_0's own block, float16 d
+        packed, ok = K.pack(arr(w), form)
+        assert ok.item()
+        y = np_(K.gemv_packed(arr(x), packed))
+        np.testing.assert_allclose(y, x.astype(f64) @ w.astype(f64).T, rtol=0, atol=2e-5)
+        for shift in range(1, 7):  # every row through the 4 x 4 pass and through the tail
+            moved = np_(K.gemv_packed(arr(np.roll(x, shift, axis=0)), packed))
+            assert np.array_equal(moved, np.roll(y, shift, axis=0))
 
 
 def test_fastmath_linear_gradient():

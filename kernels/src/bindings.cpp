@@ -1,6 +1,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -145,15 +146,17 @@ NB_MODULE(_ext, m) {
   m.def("argmax", &mlxtoy::argmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(),
         "the index of the largest entry of each row (the last axis), the first of equal ones, as uint32 "
         "-> x.shape[:-1] ((1,) for a vector); NaN entries are never taken; threaded over rows; no gradient");
-  m.def("pack", &mlxtoy::pack, "w"_a, "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "w (..., K) float32 -> (packed uint8, ok (1,) int32): each block of 32 weights along K as bits 4: "
+  m.def("pack", &mlxtoy::pack, "w"_a, "form"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "w (..., K) float32 -> (packed uint8, ok (1,) int32): each block of 32 weights along K in form q4: "
         "float32 d and m then 16 bytes (weight j in the low nibble of byte j, j + 16 in the high one), "
-        "w = d * q + m (24 bytes); bits 5: the same, then uint32 qh holding each weight's fifth bit (bit j: "
-        "weight j), q in 0..31 (28 bytes); bits 8: float32 d of weights 0..15 and of 16..31, then 32 int8, "
-        "w = d * q (40 bytes). ok 1 where every weight is exactly that (as a Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, "
-        "Q5_0, Q6_K or Q8_0 GGUF dequantizes), 0 where some is not (the packing is then of no use)");
+        "w = d * q + m (24 bytes); q5: the same, then uint32 qh holding each weight's fifth bit (bit j: "
+        "weight j), q in 0..31 (28 bytes); q8: float32 d of weights 0..15 and of 16..31, then 32 int8, "
+        "w = d * q (40 bytes); q4_0: float16 d, then 16 bytes as q4's, w = d * (q - 8) (18 bytes, Q4_0's "
+        "block); q8_0: float16 d, then 32 int8, w = d * q (34 bytes, Q8_0's block). ok 1 where every weight "
+        "is exactly that (as a Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q5_0, Q6_K or Q8_0 GGUF dequantizes), 0 where "
+        "some is not (the packing is then of no use)");
   m.def("gemv_packed", &mlxtoy::gemv_packed, "x"_a, "packed"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x @ w.T for a few rows of x and w packed by pack (the width says 4, 5 or 8 bits), threaded; no gradient");
+        "x @ w.T for a few rows of x and w packed by pack (the width says the form), threaded; no gradient");
   m.def("adamw", &mlxtoy::adamw, "p"_a, "g"_a, "m"_a, "v"_a, "scalars"_a, nb::kw_only(), "stream"_a = nb::none(),
         "one AdamW step (no bias correction) on g * grad_scale -> (p, m, v), in one pass; scalars float32 "
         "[lr, ok, b1, 1 - b1, b2, 1 - b2, eps, weight_decay, grad_scale]: where ok is 0 the old p, m, v "

@@ -135,7 +135,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   bool lossless = false, affine_any = false;  // a matrix in a lossless pack's form; in the affine form
   for (int i = 0; i < 7; ++i) {
     const int form = (packed >> (3 * i)) & 7;
-    lossless = lossless || form == 1 || form == 2 || form == 4, affine_any = affine_any || form == 3;
+    lossless = lossless || (form != 0 && form != 3), affine_any = affine_any || form == 3;
   }
 
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
@@ -143,7 +143,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     auto f = [&](int i) { return static_cast<const float*>(in[i]); };
     int next_affine = kBiasQ + (bias ? 3 : 0);  // the first affine matrix's scales
     auto matrix = [&](int i, int64_t K) {
-      int form = (packed >> (3 * (i - kQ))) & 7;  // 0 float32, 1 Q4, 2 Q8, 3 affine 4-bit, 4 Q5
+      int form = (packed >> (3 * (i - kQ))) & 7;  // 0 float32, 3 affine 4-bit, else a Pack's code
       Affine4 a{};
       if (form == 3) {
         const int bits = affine >> (3 * (i - kQ));
@@ -151,9 +151,9 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
              static_cast<ScaleType>(bits & 3), ((bits >> 2) & 1) != 0};
         next_affine += 2;
       }
-      return Matrix{form == 0 ? f(i) : nullptr, form == 1 ? static_cast<const Q4Block*>(in[i]) : nullptr,
-                    form == 2 ? static_cast<const Q8Block*>(in[i]) : nullptr, K, a,
-                    form == 4 ? static_cast<const Q5Block*>(in[i]) : nullptr};
+      const bool lossless_form = form != 0 && form != 3;
+      return Matrix{form == 0 ? f(i) : nullptr, lossless_form ? in[i] : nullptr,
+                    lossless_form ? static_cast<Pack>(form) : Pack::none, K, a};
     };
     const float *x = f(kX), *inv_freqs = f(kInvFreqs);
     const int32_t* starts = static_cast<const int32_t*>(in[kStarts]);
@@ -353,7 +353,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
       return w.shape(-1);
     }
     if (w.dtype() != mx::uint8) return K;
-    const int bits = packed_bits(K, w.shape(-1)), form = bits == 4 ? 1 : bits == 8 ? 2 : bits == 5 ? 4 : 0;
+    const int form = static_cast<int>(pack_of_width(K, w.shape(-1)));
     packed |= form << (3 * (i - 1));
     return form ? w.shape(-1) : -1;
   };

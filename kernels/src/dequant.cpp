@@ -16,35 +16,15 @@
 #include <vector>
 
 #include "kernels.h"
+#include "loops.h"  // half_to_float
 #include "pool.h"
 
 namespace mlxtoy {
 
 namespace {
 
-// IEEE half -> float, exactly (subnormals, infinities and NaN payloads as numpy converts them)
-float half(const uint8_t* p) {
-  uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    int e = -1;
-    do {
-      ++e;
-      man <<= 1;
-    } while ((man & 0x400) == 0);
-    bits = sign | static_cast<uint32_t>(112 - e) << 23 | ((man & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+// a GGUF block's float16 at p (little-endian) as float32
+float half(const uint8_t* p) { return half_to_float(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
 constexpr int64_t kQK = 256;  // a K-quant super-block
 

@@ -301,9 +301,10 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         threads.run(rows, 16, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1 && lossless.load(std::memory_order_relaxed); ++r) {
             const int64_t at = r * (last / kQ4);
-            bool ok = bits == 4   ? pack_row<4>(w + r * last, last, static_cast<Q4Block*>(out[0]) + at)
-                      : bits == 5 ? pack_row<5>(w + r * last, last, static_cast<Q5Block*>(out[0]) + at)
-                                  : pack_row<8>(w + r * last, last, static_cast<Q8Block*>(out[0]) + at);
+            bool ok = false;
+            with_pack(static_cast<Pack>(bits), [&]<Pack P>() {
+              ok = pack_row<P>(w + r * last, last, static_cast<char*>(out[0]) + at * pack_block_bytes(P));
+            });
             if (!ok) lossless = false;
           }
         });
@@ -317,9 +318,7 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
         auto x = static_cast<const float*>(in[0]);
         auto y = static_cast<float*>(out[0]);
         int64_t N = Ns[0];
-        const Matrix w{nullptr, bits == 4 ? static_cast<const Q4Block*>(in[1]) : nullptr,
-                       bits == 8 ? static_cast<const Q8Block*>(in[1]) : nullptr, last, {},
-                       bits == 5 ? static_cast<const Q5Block*>(in[1]) : nullptr};
+        const Matrix w{nullptr, in[1], static_cast<Pack>(bits), last};
         threads.run_dynamic(N, gemv_chunk(N, threads.threads()), [&](int64_t n0, int64_t n1) {
           constexpr int64_t kUnpacked = 64;
           std::vector<float> unpacked(Matrix::unpacks(rows) ? kUnpacked * last : 0);
@@ -530,19 +529,23 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
   return make(Kernel::Op::SumSquares, 0, {{1}}, {mx::float32}, {flat}, st)[0];
 }
 
-std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st) {
-  if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0 || (bits != 4 && bits != 5 && bits != 8))
-    throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, bits 4, 5 or 8");
+std::vector<mx::array> pack(const mx::array& w, const std::string& form, mx::StreamOrDevice st) {
+  const char* names[] = {"q4", "q8", "q5", "q4_0", "q8_0"};  // kPacks' names
+  Pack p = Pack::none;
+  for (int i = 0; i < 5; ++i)
+    if (form == names[i]) p = kPacks[i];
+  if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0 || p == Pack::none)
+    throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, form q4, q5, q8, q4_0 or q8_0");
   mx::Shape packed(w.shape().begin(), w.shape().end() - 1);
-  packed.push_back(static_cast<int>(packed_width(w.shape(-1), bits)));
-  return make(Kernel::Op::Pack, 0, {packed, {1}}, {mx::uint8, mx::int32}, {f32(w, "w")}, st, bits);
+  packed.push_back(static_cast<int>(packed_width(w.shape(-1), p)));
+  return make(Kernel::Op::Pack, 0, {packed, {1}}, {mx::uint8, mx::int32}, {f32(w, "w")}, st, static_cast<int>(p));
 }
 
 mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st) {
-  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 24, 28 or 40) uint8";
+  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 18, 24, 28, 34 or 40) uint8";
   if (x.ndim() == 0 || packed.ndim() != 2 || packed.dtype() != mx::uint8) throw std::invalid_argument(usage);
   int64_t K = x.shape(-1);
-  const int bits = packed_bits(K, packed.shape(1));
+  const int bits = static_cast<int>(pack_of_width(K, packed.shape(1)));
   if (bits == 0) throw std::invalid_argument(usage);
   mx::Shape out(x.shape().begin(), x.shape().end() - 1);
   out.push_back(packed.shape(0));

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -118,7 +119,7 @@ std::vector<mx::array> attention_grad(const mx::array& q, const mx::array& k, co
 mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st = {});
 mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st = {});
 mx::array argmax(const mx::array& x, mx::StreamOrDevice st = {});
-std::vector<mx::array> pack(const mx::array& w, int bits, mx::StreamOrDevice st = {});
+std::vector<mx::array> pack(const mx::array& w, const std::string& form, mx::StreamOrDevice st = {});
 mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st = {});
 std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
                              const mx::array& scalars, mx::StreamOrDevice st = {});

@@ -28,6 +28,15 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// IEEE half -> float, exactly (subnormals, infinities and NaN payloads as numpy converts them)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (man << 13));  // inf, NaN
+  if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112) << 23) | (man << 13));
+  const float magnitude = static_cast<float>(man) * 5.9604644775390625e-08f;  // subnormal (or 0): man 2^-24
+  return sign ? -magnitude : magnitude;
+}
+
 // e^x for x <= 0 (or moderate x): Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6
 // Taylor polynomial, times 2^n through the exponent bits (the same formula as fastmath._exp).
 inline float poly_exp(float x) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "gemv.h"   // gemv_span and its chains' sums for the float32 form; MLXTOY_AVX2 for the SIMD forms
 #include "qgemv.h"  // QuantRows for the affine form
@@ -61,9 +62,49 @@ struct Q5Block {
 };
 static_assert(sizeof(Q5Block) == 28, "Q5Block is 28 bytes");
 
-// the bytes of a block of 32 weights packed in `bits` (4: a Q4Block, 5: a Q5Block, 8: a Q8Block)
-constexpr int64_t packed_block_bytes(int bits) {
-  return bits == 4 ? sizeof(Q4Block) : bits == 5 ? sizeof(Q5Block) : sizeof(Q8Block);
+// Q4_0's and Q8_0's blocks as the GGUF holds them: a float16 d, then 16 bytes of nibbles as a
+// Q4Block's, w = d * (q - 8) (0.5625 bytes a weight), or 32 signed bytes, w = d * q (1.0625).
+// Every such weight is exact in float32 (11 bits of d times at most 8 of q), so a block unpacks
+// to the weights it was packed from with one rounding-free multiply.
+struct Q40Block {
+  uint16_t d;
+  uint8_t qs[16];
+};
+static_assert(sizeof(Q40Block) == 18, "Q40Block is 18 bytes");
+
+struct Q80Block {
+  uint16_t d;
+  int8_t qs[32];
+};
+static_assert(sizeof(Q80Block) == 34, "Q80Block is 34 bytes");
+
+// The packed forms (their codes are decode.cpp's form bits, where 3 is MLX's affine 4-bit layout)
+enum class Pack : int { none = 0, q4 = 1, q8 = 2, q5 = 4, q4_0 = 5, q8_0 = 6 };
+constexpr Pack kPacks[] = {Pack::q4, Pack::q8, Pack::q5, Pack::q4_0, Pack::q8_0};
+
+// the bytes of a block of 32 weights in form p
+constexpr int64_t pack_block_bytes(Pack p) {
+  switch (p) {
+    case Pack::q4: return sizeof(Q4Block);
+    case Pack::q8: return sizeof(Q8Block);
+    case Pack::q5: return sizeof(Q5Block);
+    case Pack::q4_0: return sizeof(Q40Block);
+    case Pack::q8_0: return sizeof(Q80Block);
+    default: return 0;
+  }
+}
+
+// f(Pack-templated) called with p as a template argument (p not none)
+template <class F>
+inline void with_pack(Pack p, F&& f) {
+  switch (p) {
+    case Pack::q4: return f.template operator()<Pack::q4>();
+    case Pack::q8: return f.template operator()<Pack::q8>();
+    case Pack::q5: return f.template operator()<Pack::q5>();
+    case Pack::q4_0: return f.template operator()<Pack::q4_0>();
+    case Pack::q8_0: return f.template operator()<Pack::q8_0>();
+    default: return;
+  }
 }
 
 // A block of 32 weights on a grid: every weight exactly fl(fl(d * q) + base) for integer q in
@@ -75,7 +116,10 @@ constexpr int64_t packed_block_bytes(int bits) {
 // -127..127, one d for the block, absmax / 127 (Q8_0, whose fl(d * q) adding +0 leaves as it
 // compares) or absmax / 16 (Q5_0, d * (q - 16)); else a d for each half of 16, its absmax / k
 // for k from 32 down (Q6_K: d * scale * q, q in -32..31, a scale per 16). The quantizer's d was
-// rounded to float16, so the float32 quotient's neighbours are tried too.
+// rounded to float16, so the float32 quotient's neighbours are tried too. The float16 forms
+// (Q4_0's and Q8_0's blocks) take base 0, one d for the block that is a float16 value, and q in
+// -8..7 (d = -+absmax / k for k from 8 down: the reference quantizer's extreme is q - 8 = -8, of
+// either sign) or -127..127 (absmax / 127 or / 16, as the 8-bit form's first tries).
 struct Grid {
   float d, base;
   int32_t q[32];
@@ -94,7 +138,7 @@ inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax,
   for (float d : {d0, std::nextafter(d0, 0.0f), std::nextafter(d0, 1e30f)}) {
     bool ok = true;
     for (int j = first; j < first + n && ok; ++j) {
-      float q = d > 0.0f ? std::nearbyint((x[j] - g.base) / d) : 0.0f;
+      float q = d != 0.0f ? std::nearbyint((x[j] - g.base) / d) : 0.0f;
       q = std::min(std::max(q, qmin), qmax);
       float back = d * q;
       back = back + g.base;
@@ -112,8 +156,36 @@ inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax,
 // The grids of the comment above, tried in its order, from a block's min and max (4- and 5-bit)
 // or each half's absmax (8-bit): fits(d0, qmin, qmax, first, n) checks weights [first, first + n)
 // on d0's grid or a neighbour's (setting g.d and g.q there), one form's check (portable or AVX2).
+// whether d is a float16 value (its bits in h)
+inline bool half_exact(float d, uint16_t& h) {
+  const uint32_t bits = std::bit_cast<uint32_t>(d), sign = (bits >> 16) & 0x8000;
+  const int exp = static_cast<int>((bits >> 23) & 0xFF) - 127 + 15;  // float16's biased exponent
+  const uint32_t man = (bits & 0x7FFFFF) | 0x800000;
+  if ((bits & 0x7FFFFFFF) == 0) h = static_cast<uint16_t>(sign);
+  else if (exp >= 31 || exp < -10) return false;  // beyond float16's range, or below its least subnormal
+  else if (exp > 0) h = static_cast<uint16_t>(sign | (exp << 10) | ((man >> 13) & 0x3FF));
+  else h = static_cast<uint16_t>(sign | (man >> (14 - exp)));  // a subnormal float16
+  return half_to_float(h) == d;  // (bits cut off: not a float16 value)
+}
+
 template <class Fits>
-inline bool grid_search(int bits, float lo, float hi, const float (&amax)[2], Grid& g, Fits&& fits) {
+inline bool grid_search(Pack p, float lo, float hi, const float (&amax)[2], Grid& g, Fits&& fits) {
+  uint16_t h;
+  if (p == Pack::q4_0 || p == Pack::q8_0) {
+    const float a = std::max(amax[0], amax[1]);
+    if (!std::isfinite(a)) return false;
+    g.base = 0.0f;
+    if (p == Pack::q8_0) {
+      for (float k : kGridSteps8)
+        if (fits(a / k, -127.0f, 127.0f, 0, kQ4) && half_exact(g.d, h)) return true;
+      return false;
+    }
+    for (int k = 8; k >= 1; --k)
+      for (float sign : {-1.0f, 1.0f})
+        if (fits(sign * a / static_cast<float>(k), -8.0f, 7.0f, 0, kQ4) && half_exact(g.d, h)) return true;
+    return false;
+  }
+  const int bits = p == Pack::q4 ? 4 : p == Pack::q5 ? 5 : 8;
   if (bits == 4 || bits == 5) {
     if (!std::isfinite(lo) || !std::isfinite(hi)) return false;  // (a NaN fails the check too)
     g.base = lo;
@@ -139,7 +211,7 @@ inline bool grid_search(int bits, float lo, float hi, const float (&amax)[2], Gr
   return true;
 }
 
-inline bool grid_block_portable(const float* x, int bits, Grid& g) {
+inline bool grid_block_portable(const float* x, Pack bits, Grid& g) {
   float lo = x[0], hi = x[0], amax[2] = {0.0f, 0.0f};
   for (int j = 0; j < kQ4; ++j) {
     lo = std::min(lo, x[j]);
@@ -176,7 +248,7 @@ __attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4],
     __m256i q[4];
     int same = 0xFF;
     for (int v = first; v < first + n && same == 0xFF; ++v) {  // (a wrong d: out at its first vector, mostly)
-      __m256 qf = d > 0.0f ? _mm256_div_ps(_mm256_sub_ps(x[v], base), vd) : _mm256_setzero_ps();
+      __m256 qf = d != 0.0f ? _mm256_div_ps(_mm256_sub_ps(x[v], base), vd) : _mm256_setzero_ps();
       qf = _mm256_round_ps(qf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       qf = _mm256_min_ps(_mm256_max_ps(qf, low), high);
       __m256 back = _mm256_add_ps(_mm256_mul_ps(vd, qf), base);
@@ -192,7 +264,7 @@ __attribute__((target("avx2"))) inline bool grid_fits_avx2(const __m256 (&x)[4],
   return false;
 }
 
-__attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, int bits, Grid& g) {
+__attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, Pack bits, Grid& g) {
   const __m256 x[4] = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
   const float lo = hmin8(_mm256_min_ps(_mm256_min_ps(x[0], x[1]), _mm256_min_ps(x[2], x[3])));
   const float hi = hmax8(_mm256_max_ps(_mm256_max_ps(x[0], x[1]), _mm256_max_ps(x[2], x[3])));
@@ -204,11 +276,11 @@ __attribute__((target("avx2"))) inline bool grid_block_avx2(const float* p, int 
   });
 }
 
-inline bool grid_block(const float* x, int bits, Grid& g) {
+inline bool grid_block(const float* x, Pack bits, Grid& g) {
   return cpu_avx2() ? grid_block_avx2(x, bits, g) : grid_block_portable(x, bits, g);
 }
 #else
-inline bool grid_block(const float* x, int bits, Grid& g) { return grid_block_portable(x, bits, g); }
+inline bool grid_block(const float* x, Pack bits, Grid& g) { return grid_block_portable(x, bits, g); }
 #endif
 
 // A block from its grid: d, base and the q (4-bit: nibbles; 5-bit: nibbles and the fifth bits
@@ -229,15 +301,30 @@ inline void set_block(const Grid& g, Q8Block& out) {
   for (int j = 0; j < kQ4; ++j) out.qs[j] = static_cast<int8_t>(g.q[j]);
 }
 
-// Packs a row of K (a multiple of 32) weights into `Bits`-bit blocks; false where any block is
+inline void set_block(const Grid& g, Q40Block& out) {
+  half_exact(g.d, out.d);
+  for (int j = 0; j < 16; ++j) out.qs[j] = static_cast<uint8_t>((g.q[j] + 8) | ((g.q[j + 16] + 8) << 4));
+}
+
+inline void set_block(const Grid& g, Q80Block& out) {
+  half_exact(g.d, out.d);
+  for (int j = 0; j < kQ4; ++j) out.qs[j] = static_cast<int8_t>(g.q[j]);
+}
+
+// the block type of form P
+template <Pack P>
+using BlockOf = std::conditional_t<P == Pack::q4, Q4Block, std::conditional_t<P == Pack::q8, Q8Block,
+                std::conditional_t<P == Pack::q5, Q5Block, std::conditional_t<P == Pack::q4_0, Q40Block, Q80Block>>>>;
+
+// Packs a row of K (a multiple of 32) weights into form P's blocks; false where any block is
 // not on its grid: then the row must stay float32.
-template <int Bits, class Block>
-inline bool pack_row(const float* w, int64_t K, Block* out) {
-  static_assert(sizeof(Block) == packed_block_bytes(Bits), "the block of Bits bits");
+template <Pack P>
+inline bool pack_row(const float* w, int64_t K, void* out) {
+  auto* blocks = static_cast<BlockOf<P>*>(out);
   Grid g;
   for (int64_t b = 0; b < K / kQ4; ++b) {
-    if (!grid_block(w + b * kQ4, Bits, g)) return false;
-    set_block(g, out[b]);
+    if (!grid_block(w + b * kQ4, P, g)) return false;
+    set_block(g, blocks[b]);
   }
   return true;
 }
@@ -269,10 +356,23 @@ __attribute__((target("avx2"), always_inline)) inline __m256 unfused(__m256 v) {
 }
 
 // block b of a packed row as float32: 16 weights a vector, two vectors (AVX-512)
-template <int Bits>
-__attribute__((target("avx512f"), always_inline)) inline void unpack_block_avx512(const void* row, int64_t b,
-                                                                                 __m512& w0, __m512& w1) {
-  if constexpr (Bits == 4) {
+template <Pack P>
+__attribute__((target("avx512f,f16c"), always_inline)) inline void unpack_block_avx512(const void* row, int64_t b,
+                                                                                      __m512& w0, __m512& w1) {
+  if constexpr (P == Pack::q4_0) {
+    // as a Q4Block's, the 16 values d (q - 8) each exact
+    const Q40Block& blk = static_cast<const Q40Block*>(row)[b];
+    const __m512 values = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(blk.d)),
+                                        _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)));
+    w0 = _mm512_permutexvar_ps(bytes, values);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
+  } else if constexpr (P == Pack::q8_0) {
+    const Q80Block& blk = static_cast<const Q80Block*>(row)[b];
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(blk.d));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs + 16)))));
+  } else if constexpr (P == Pack::q4) {
     // a block's 16 possible weights, fl(fl(d q) + m) for q = 0..15, looked up by nibble (a
     // permute reads an index's low 4 bits: a byte's low nibble as it is)
     const Q4Block& blk = static_cast<const Q4Block*>(row)[b];
@@ -282,7 +382,7 @@ __attribute__((target("avx512f"), always_inline)) inline void unpack_block_avx51
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)));
     w0 = _mm512_permutexvar_ps(bytes, values);
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
-  } else if constexpr (Bits == 5) {
+  } else if constexpr (P == Pack::q5) {
     // the 32 possible weights as two tables, q = 0..15 and 16..31; a weight's fifth bit (qh's
     // bit, a mask bit) takes its value from the second
     const Q5Block& blk = static_cast<const Q5Block*>(row)[b];
@@ -307,8 +407,8 @@ __attribute__((target("avx512f"), always_inline)) inline void unpack_block_avx51
 // R packed rows (`row_bytes` apart) against MR rows of x: gemv_block_avx512's chains and sums; the
 // next pass's R rows prefetched meanwhile (several rows' short streams of blocks from memory were
 // 2-2.5x slower a block without)
-template <int R, int MR, int Bits>
-__attribute__((target("avx512f"))) inline void gemv_packed_block_avx512(const float* x, const char* w, int64_t row_bytes,
+template <int R, int MR, Pack P>
+__attribute__((target("avx512f,f16c"))) inline void gemv_packed_block_avx512(const float* x, const char* w, int64_t row_bytes,
                                                                         float* y, int64_t N, int64_t K) {
   __m512 acc[R][MR];
   for (int r = 0; r < R; ++r)
@@ -318,8 +418,8 @@ __attribute__((target("avx512f"))) inline void gemv_packed_block_avx512(const fl
     for (int m = 0; m < MR; ++m) x0[m] = _mm512_loadu_ps(x + m * K + b * kQ4), x1[m] = _mm512_loadu_ps(x + m * K + b * kQ4 + 16);
     for (int r = 0; r < R; ++r) {
       __m512 w0, w1;
-      if constexpr (R > 1) _mm_prefetch(w + (r + R) * row_bytes + b * packed_block_bytes(Bits), _MM_HINT_T0);
-      unpack_block_avx512<Bits>(w + r * row_bytes, b, w0, w1);
+      if constexpr (R > 1) _mm_prefetch(w + (r + R) * row_bytes + b * pack_block_bytes(P), _MM_HINT_T0);
+      unpack_block_avx512<P>(w + r * row_bytes, b, w0, w1);
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(w1, x1[m], _mm512_fmadd_ps(w0, x0[m], acc[r][m]));
     }
   }
@@ -328,11 +428,26 @@ __attribute__((target("avx512f"))) inline void gemv_packed_block_avx512(const fl
 
 // block b of a packed row as float32 with AVX2: 8 weights a vector, four vectors in the row's order
 // (the packed GEMV's, and `unpack`'s)
-template <int Bits>
-__attribute__((target("avx2"), always_inline)) inline void block_weights_avx2(const void* row, int64_t b,
-                                                                             __m256 (&w)[4]) {
+template <Pack P>
+__attribute__((target("avx2,f16c"), always_inline)) inline void block_weights_avx2(const void* row, int64_t b,
+                                                                                  __m256 (&w)[4]) {
   __m256i q[4];  // the block's weights as integers, 8 a vector
-  if constexpr (Bits == 4) {
+  if constexpr (P == Pack::q4_0) {
+    const Q40Block& blk = static_cast<const Q40Block*>(row)[b];
+    const __m256i low4 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * h)));
+      q[h] = _mm256_sub_epi32(_mm256_and_si256(bytes, low4), eight);
+      q[2 + h] = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight);
+    }
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(blk.d));
+    for (int p = 0; p < 4; ++p) w[p] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]));
+  } else if constexpr (P == Pack::q8_0) {
+    const Q80Block& blk = static_cast<const Q80Block*>(row)[b];
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(blk.d));
+    for (int p = 0; p < 4; ++p)
+      w[p] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * p)))));
+  } else if constexpr (P == Pack::q4) {
     const Q4Block& blk = static_cast<const Q4Block*>(row)[b];
     const __m256i low4 = _mm256_set1_epi32(15);
     for (int h = 0; h < 2; ++h) {  // bytes 8h..8h+7: elements 8h.. in their low nibbles, 16 + 8h.. in the high
@@ -341,7 +456,7 @@ __attribute__((target("avx2"), always_inline)) inline void block_weights_avx2(co
     }
     const __m256 d = _mm256_set1_ps(blk.d), m = _mm256_set1_ps(blk.m);
     for (int p = 0; p < 4; ++p) w[p] = _mm256_add_ps(unfused(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]))), m);
-  } else if constexpr (Bits == 5) {
+  } else if constexpr (P == Pack::q5) {
     const Q5Block& blk = static_cast<const Q5Block*>(row)[b];
     const __m256i low4 = _mm256_set1_epi32(15), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i qh = _mm256_set1_epi32(static_cast<int32_t>(blk.qh));
@@ -364,17 +479,17 @@ __attribute__((target("avx2"), always_inline)) inline void block_weights_avx2(co
   }
 }
 
-template <int R, int MR, int Bits>
-__attribute__((target("avx2,fma"))) inline void gemv_packed_block_avx2(const float* x, const char* w, int64_t row_bytes,
+template <int R, int MR, Pack P>
+__attribute__((target("avx2,fma,f16c"))) inline void gemv_packed_block_avx2(const float* x, const char* w, int64_t row_bytes,
                                                                        float* y, int64_t N, int64_t K) {
   __m256 acc[R][MR];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / kQ4; ++b)
     for (int r = 0; r < R; ++r) {
-      if constexpr (R > 1) _mm_prefetch(w + (r + R) * row_bytes + b * packed_block_bytes(Bits), _MM_HINT_T0);
+      if constexpr (R > 1) _mm_prefetch(w + (r + R) * row_bytes + b * pack_block_bytes(P), _MM_HINT_T0);
       __m256 wv[4];
-      block_weights_avx2<Bits>(w + r * row_bytes, b, wv);
+      block_weights_avx2<P>(w + r * row_bytes, b, wv);
       for (int p = 0; p < 4; ++p)
         for (int m = 0; m < MR; ++m) acc[r][m] = _mm256_fmadd_ps(wv[p], _mm256_loadu_ps(x + m * K + b * kQ4 + 8 * p), acc[r][m]);
     }
@@ -383,15 +498,15 @@ __attribute__((target("avx2,fma"))) inline void gemv_packed_block_avx2(const flo
 
 // rows [n0, n1) of a packed W against M rows of x: R rows of W a pass (the next R prefetched)
 // against up to 4 rows of x
-template <int Bits, bool Avx512, int R>
+template <Pack P, bool Avx512, int R>
 inline void gemv_packed_rows_simd(const float* x, const void* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                                   int64_t n1) {
   constexpr int MR = 4;
-  const int64_t row_bytes = K / kQ4 * packed_block_bytes(Bits);
+  const int64_t row_bytes = K / kQ4 * pack_block_bytes(P);
   const char* base = static_cast<const char*>(w);
   auto pass = [&]<int Rows, int Xs>(int64_t n, int64_t m) {
-    if constexpr (Avx512) gemv_packed_block_avx512<Rows, Xs, Bits>(x + m * K, base + n * row_bytes, row_bytes, y + m * N + n, N, K);
-    else gemv_packed_block_avx2<Rows, Xs, Bits>(x + m * K, base + n * row_bytes, row_bytes, y + m * N + n, N, K);
+    if constexpr (Avx512) gemv_packed_block_avx512<Rows, Xs, P>(x + m * K, base + n * row_bytes, row_bytes, y + m * N + n, N, K);
+    else gemv_packed_block_avx2<Rows, Xs, P>(x + m * K, base + n * row_bytes, row_bytes, y + m * N + n, N, K);
   };
   auto rows = [&]<int Rows>(int64_t n) {
     int64_t m = 0;
@@ -405,98 +520,82 @@ inline void gemv_packed_rows_simd(const float* x, const void* w, float* y, int64
   for (; n < n1; ++n) rows.template operator()<1>(n);
 }
 
-// The same, R as measured a block at a time on the Zen 4 (from memory, one thread): with AVX-512
-// one row of x takes W a row at a time, as gemv_span's one row does (one stream, the hardware
-// prefetchers'); with AVX2 a row's one 8-lane chain is bound by its FMAs' latency (4 a block), so
-// 4 rows a pass (8 for 8-bit blocks: 1.9 ns a block, as the product in d * (x . q) form before it
-// took; 2.5 four rows, 3.0 a row at a time).
-template <int Bits, bool Avx512>
+// The same, R as measured a block at a time on the Zen 4 (one thread): with AVX-512 one row of
+// x takes an 8-bit form's W a row at a time, as gemv_span's one row does (one stream, the
+// hardware prefetchers'; 4 rows a pass read SmolLM2's 8-bit output layer at ~15 G weights/s
+// against ~25), and a 4- or 5-bit form's 4 rows a pass: a row's one chain of two FMAs a block
+// held it to ~33 G weights/s in cache, ~30 from memory; 4 chains ~47 and ~35. With AVX2 a row's
+// one 8-lane chain is bound by its FMAs' latency (4 a block), so 4 rows a pass (8 for 8-bit
+// blocks: 1.9 ns a block, as the product in d * (x . q) form before it took; 2.5 four rows, 3.0
+// a row at a time).
+template <Pack P, bool Avx512>
 inline void gemv_packed_span_simd(const float* x, const void* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                                   int64_t n1) {
-  constexpr int one = Avx512 ? 1 : Bits == 8 ? 8 : 4, several = Avx512 || Bits == 8 ? 4 : 2;
-  if (M == 1) return gemv_packed_rows_simd<Bits, Avx512, one>(x, w, y, M, N, K, n0, n1);
-  gemv_packed_rows_simd<Bits, Avx512, several>(x, w, y, M, N, K, n0, n1);
-}
-#endif
-
-// The bytes of a packed row of K weights: Q4, Q5 or Q8 blocks (distinct sizes, so a packed
-// array's width says which); -1 for neither.
-inline int64_t packed_width(int64_t K, int bits) {
-  if (K % kQ4 != 0) return -1;
-  return K / kQ4 * packed_block_bytes(bits);
+  constexpr bool eight = P == Pack::q8 || P == Pack::q8_0;
+  constexpr int one = Avx512 ? (eight ? 1 : 4) : eight ? 8 : 4, several = Avx512 || eight ? 4 : 2;
+  if (M == 1) return gemv_packed_rows_simd<P, Avx512, one>(x, w, y, M, N, K, n0, n1);
+  gemv_packed_rows_simd<P, Avx512, several>(x, w, y, M, N, K, n0, n1);
 }
 
-// the bits of a packed row of K weights `width` bytes wide (4, 5 or 8; 0: none)
-inline int packed_bits(int64_t K, int64_t width) {
-  for (int bits : {4, 5, 8})
-    if (width == packed_width(K, bits)) return bits;
-  return 0;
-}
-
-// A weight matrix (N, K) in float32, Q4-, Q5- or Q8-packed; rows(n) is the matrix from row n on.
-// Q4/Q5/Q8-packed blocks back to the float32 weights they were packed from: fl(fl(d * q) + m) (Q4, Q5)
-// and fl(d * q) (Q8), one rounding each as the grid has them (Grid), so never a fused multiply-add
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
-inline void unpack_q4_portable(const Q4Block* w, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, out += kQ4)
-    for (int j = 0; j < 16; ++j) {
-      out[j] = w[b].d * static_cast<float>(w[b].qs[j] & 15) + w[b].m;
-      out[j + 16] = w[b].d * static_cast<float>(w[b].qs[j] >> 4) + w[b].m;
-    }
-}
-
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
-inline void unpack_q8_portable(const Q8Block* w, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, out += kQ4)
-    for (int j = 0; j < kQ4; ++j) out[j] = w[b].d[j / 16] * static_cast<float>(w[b].qs[j]);
-}
-
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
-inline void unpack_q5_portable(const Q5Block* w, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b, out += kQ4)
-    for (int j = 0; j < 16; ++j) {
-      const uint32_t lo = w[b].qs[j] & 15, hi = w[b].qs[j] >> 4;
-      out[j] = w[b].d * static_cast<float>(lo | ((w[b].qh >> j) & 1) << 4) + w[b].m;
-      out[j + 16] = w[b].d * static_cast<float>(hi | ((w[b].qh >> (j + 16)) & 1) << 4) + w[b].m;
-    }
-}
-
-#ifdef MLXTOY_AVX2
-template <int Bits>
-__attribute__((target("avx2"))) inline void unpack_avx2(const void* w, int64_t blocks, float* out) {
+template <Pack P>
+__attribute__((target("avx2,f16c"))) inline void unpack_avx2(const void* w, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, out += kQ4) {
     __m256 wv[4];
-    block_weights_avx2<Bits>(w, b, wv);
+    block_weights_avx2<P>(w, b, wv);
     for (int p = 0; p < 4; ++p) _mm256_storeu_ps(out + 8 * p, wv[p]);
   }
 }
 #endif
 
-inline void unpack_q4(const Q4Block* w, int64_t blocks, float* out) {
-#ifdef MLXTOY_AVX2
-  if (cpu_avx2()) return unpack_avx2<4>(w, blocks, out);
-#endif
-  unpack_q4_portable(w, blocks, out);
+// The bytes of a packed row of K weights in form p (each form's block a distinct size, so a packed
+// array's width says which); -1 where K is not a multiple of 32.
+inline int64_t packed_width(int64_t K, Pack p) {
+  if (K % kQ4 != 0) return -1;
+  return K / kQ4 * pack_block_bytes(p);
 }
 
-inline void unpack_q5(const Q5Block* w, int64_t blocks, float* out) {
-#ifdef MLXTOY_AVX2
-  if (cpu_avx2()) return unpack_avx2<5>(w, blocks, out);
-#endif
-  unpack_q5_portable(w, blocks, out);
+// the form of a packed row of K weights `width` bytes wide (none: no form's)
+inline Pack pack_of_width(int64_t K, int64_t width) {
+  for (Pack p : kPacks)
+    if (width == packed_width(K, p)) return p;
+  return Pack::none;
 }
 
-inline void unpack_q8(const Q8Block* w, int64_t blocks, float* out) {
-#ifdef MLXTOY_AVX2
-  if (cpu_avx2()) return unpack_avx2<8>(w, blocks, out);
+// Packed blocks back to the float32 weights they were packed from: fl(fl(d * q) + m) (Q4, Q5)
+// and fl(d * q) (Q8; Q4_0's and Q8_0's forms exact), one rounding each as the grid has them
+// (Grid), so never a fused multiply-add
+template <Pack P>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
 #endif
-  unpack_q8_portable(w, blocks, out);
+inline void unpack_portable(const void* packed, int64_t blocks, float* out) {
+  const auto* w = static_cast<const BlockOf<P>*>(packed);
+  for (int64_t b = 0; b < blocks; ++b, out += kQ4) {
+    if constexpr (P == Pack::q8)
+      for (int j = 0; j < kQ4; ++j) out[j] = w[b].d[j / 16] * static_cast<float>(w[b].qs[j]);
+    else if constexpr (P == Pack::q8_0)
+      for (int j = 0; j < kQ4; ++j) out[j] = half_to_float(w[b].d) * static_cast<float>(w[b].qs[j]);
+    else
+      for (int j = 0; j < 16; ++j) {
+        uint32_t lo = w[b].qs[j] & 15, hi = w[b].qs[j] >> 4;
+        if constexpr (P == Pack::q4_0) {
+          const float d = half_to_float(w[b].d);
+          out[j] = d * (static_cast<float>(lo) - 8.0f), out[j + 16] = d * (static_cast<float>(hi) - 8.0f);
+        } else {
+          if constexpr (P == Pack::q5) lo |= ((w[b].qh >> j) & 1) << 4, hi |= ((w[b].qh >> (j + 16)) & 1) << 4;
+          out[j] = w[b].d * static_cast<float>(lo) + w[b].m;
+          out[j + 16] = w[b].d * static_cast<float>(hi) + w[b].m;
+        }
+      }
+  }
+}
+
+template <Pack P>
+inline void unpack_blocks(const void* packed, int64_t blocks, float* out) {
+#ifdef MLXTOY_AVX2
+  if (cpu_avx2()) return unpack_avx2<P>(packed, blocks, out);
+#endif
+  unpack_portable<P>(packed, blocks, out);
 }
 
 struct Affine4 {  // MLX's affine 4-bit layout, groups of 32 (qgemv.h: the integer forms read it)
@@ -506,24 +605,24 @@ struct Affine4 {  // MLX's affine 4-bit layout, groups of 32 (qgemv.h: the integ
   bool symmetric;  // the biases are -8 scales, and not read
 };
 
+// A weight matrix (N, K) in float32, packed (form `pack`) or MLX's affine 4-bit layout; rows(n)
+// is the matrix from row n on.
 struct Matrix {
   const float* f32;
-  const Q4Block* q4;
-  const Q8Block* q8;
+  const void* packed;
+  Pack pack;
   int64_t K;
   Affine4 affine = {};
-  const Q5Block* q5 = nullptr;
 
   Matrix rows(int64_t n) const {
-    int64_t nb = K / kQ4;
     Affine4 a = affine;
     if (a.w) {
       const int64_t bytes = n * (K / 32) * scale_bytes(a.st);
       a.w += n * (K / 8), a.scales = static_cast<const char*>(a.scales) + bytes;
       a.biases = static_cast<const char*>(a.biases) + bytes;
     }
-    return Matrix{f32 ? f32 + n * K : nullptr, q4 ? q4 + n * nb : nullptr, q8 ? q8 + n * nb : nullptr, K, a,
-                  q5 ? q5 + n * nb : nullptr};
+    return Matrix{f32 ? f32 + n * K : nullptr, packed ? static_cast<const char*>(packed) + n * packed_width(K, pack) : nullptr,
+                  pack, K, a};
   }
   // y[m * N + n] for n in [0, count) of x's M rows (prepared: `x`) times this affine matrix's
   // first `count` rows, by the integer forms (QuantRows::span; each row's values those of its own
@@ -534,11 +633,8 @@ struct Matrix {
   // its first `rows` rows as float32 (rows x K floats): the weights they were packed from, each
   // fl(fl(d * q) + m) as the grid has them (Grid), so a product of them is that of the weights
   void unpack(int64_t rows, float* out) const {
-    const int64_t blocks = rows * (K / kQ4);
-    if (q4) unpack_q4(q4, blocks, out);
-    else if (q5) unpack_q5(q5, blocks, out);
-    else if (q8) unpack_q8(q8, blocks, out);
-    else std::copy(f32, f32 + rows * K, out);
+    if (!packed) return static_cast<void>(std::copy(f32, f32 + rows * K, out));
+    with_pack(pack, [&]<Pack P>() { unpack_blocks<P>(packed, rows * (K / kQ4), out); });
   }
   // whether gemv_rows for M rows of x unpacks a packed matrix's rows into its scratch: past a
   // few rows, where unpacking each block again for every pass of rows costs more than unpacking
@@ -555,16 +651,15 @@ struct Matrix {
   // unpacked first into `scratch` (count x K floats) for the several-rows GEMV
   void gemv_rows(const float* x, int64_t M, float* y, int64_t N, int64_t count, float* scratch) const {
     if (f32) return gemv_span(x, f32, y, M, N, K, 0, count, true);
-    if (!unpacks(M)) {
 #ifdef MLXTOY_AVX2
-      if (cpu_avx512()) return q4 ? gemv_packed_span_simd<4, true>(x, q4, y, M, N, K, 0, count)
-                               : q5 ? gemv_packed_span_simd<5, true>(x, q5, y, M, N, K, 0, count)
-                                    : gemv_packed_span_simd<8, true>(x, q8, y, M, N, K, 0, count);
-      return q4 ? gemv_packed_span_simd<4, false>(x, q4, y, M, N, K, 0, count)
-                : q5 ? gemv_packed_span_simd<5, false>(x, q5, y, M, N, K, 0, count)
-                     : gemv_packed_span_simd<8, false>(x, q8, y, M, N, K, 0, count);
-#endif
+    if (!unpacks(M)) {
+      const bool avx512 = cpu_avx512();
+      return with_pack(pack, [&]<Pack P>() {
+        if (avx512) gemv_packed_span_simd<P, true>(x, packed, y, M, N, K, 0, count);
+        else gemv_packed_span_simd<P, false>(x, packed, y, M, N, K, 0, count);
+      });
     }
+#endif
     unpack(count, scratch);
     gemv_span(x, scratch, y, M, N, K, 0, count);
   }

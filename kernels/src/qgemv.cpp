@@ -34,13 +34,6 @@ namespace {
 // on a Zen 4, one thread, 8192 x 4096: 12.1 -> 15.6 G weights/s; in L3 ~19)
 constexpr int64_t kAheadPasses = 2;
 
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  if (exp == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (man << 13));  // inf, NaN
-  if (exp != 0) return std::bit_cast<float>(sign | ((exp + 112) << 23) | (man << 13));
-  return std::bit_cast<float>(sign) + static_cast<float>(man) * 5.9604644775390625e-08f;  // subnormal: man 2^-24
-}
-
 #ifdef MLXTOY_AVX2
 __attribute__((target("avx2,f16c"))) inline int64_t f16_to_f32_f16c(const uint16_t* h, float* out, int64_t n) {
   int64_t i = 0;

@@ -403,7 +403,7 @@ class Block(nn.Module):
         def form(i: int) -> str:
             p = packs.get(str(i))
             kind = ("a4" if affine4(modules[i][1]) else "f32" if p is None
-                    else f"q{fastmath.PACK_BITS[p.shape[-1] * 32 // weights[i].shape[-1]]}")
+                    else fastmath.PACK_FORMS[p.shape[-1] * 32 // weights[i].shape[-1]])
             return kind + ("+lora" if added_in(*modules[i]) else "")
 
         # the LoRA banks' rows are the batch's; the route is measured on one row of the base
