@@ -497,7 +497,7 @@ def test_calibration_measures_the_prefill_routes_that_a_model_of_those_shapes_th
     routed(others | {"ops": 1.0, "fused": 0.1}, calls)
     model = tiny(VARIANTS["gqa"])
     a4 = fastmath.affine_decode_ok(model.config.d_model) and fastmath.affine_decode_ok(model.config.d_ff)
-    forms = ["f32", "q4_1"] + (["a4"] if a4 else [])
+    forms = ["f32", "q4"] + (["a4"] if a4 else [])
     calibrate.calibrate_prefill(calibrate.BlockShapes.of(model.config))
     rows = [row for row in calibrate.measured() if row["work"].startswith("prefill:")]
     assert sorted(int(row["work"].split(":")[1].split("x")[0]) for row in rows) == sorted([8, 16, 32, 64, 128] * len(forms))

@@ -69,12 +69,12 @@ def calibrate(shapes: BlockShapes, batch: int, seq_len: int, training: bool) -> 
 # block reads packed, and a Q4_0 GGUF's blocks kept 4-bit (`--quantized`, a 1B-class model's
 # default), which it reads as they are where the kernels can (`fastmath.affine_decode_ok`; their
 # products' prompt routes are measured on the way, `quant.prompt_takes_gemv`)
-PREFILL_FORMS = ("f32", "q4_1", "a4")
+PREFILL_FORMS = ("f32", "q4", "a4")
 
 
 def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
     """A Llama block of these shapes with random weights, its matrices float32 ("f32"), on the
-    grid a Q4_1 GGUF loads as ("q4_1", by gguf-py's own quantizer; packed in Q4_1's blocks), or Q4_0 blocks kept as a
+    grid a Q4_1 GGUF loads as ("q4", by gguf-py's own quantizer), or Q4_0 blocks kept as a
     quantized base keeps them ("a4", needs the kernels), as a model's blocks are."""
     if form not in PREFILL_FORMS:
         raise ValueError(f"unknown form {form!r} (one of {PREFILL_FORMS})")
@@ -82,14 +82,14 @@ def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
                       n_kv_heads=shapes.n_kv_heads, d_head=shapes.d_head, d_ff=shapes.d_ff)
     mx.random.seed(seed)
     block = Block(cfg)
-    qtype = gguf.GGMLQuantizationType.Q4_1 if form == "q4_1" else gguf.GGMLQuantizationType.Q4_0
+    qtype = gguf.GGMLQuantizationType.Q4_1 if form == "q4" else gguf.GGMLQuantizationType.Q4_0
     paths = dict(zip(BLOCK_MATRICES, TARGET_PATHS.values()))  # q, k, v, o, gate, up, down, in fused order
     packed = {}
     for i, (_, plain) in (enumerate(block.fused_modules()) if form != "f32" else []):
         if i in BLOCK_MATRICES:
             flat = np.array(plain.weight).reshape(-1, plain.weight.shape[-1])
             blocks = gguf.quants.quantize(flat, qtype)
-            if form == "q4_1":
+            if form == "q4":
                 plain.weight = mx.array(gguf.quants.dequantize(blocks, qtype).reshape(plain.weight.shape))
             else:  # the loader's conversion of a Q4_0 tensor (`gguf_file.affine_blocks`)
                 words, scales, biases, bits = kernels_module().affine_blocks(
