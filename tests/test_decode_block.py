@@ -631,27 +631,25 @@ def test_pack_q8_is_lossless_on_a_q8_0_grid_and_neither_packs_a_non_finite_weigh
 
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, Q4_1, Q8_0], ids=["q4_0", "q4_1", "q8_0"])
-def test_pack_keeps_a_q4_0_q4_1_or_q8_0_grid_as_the_gguf_s_own_blocks(qtype):
-    """Weights a Q4_0 (Q4_1, Q8_0) GGUF dequantizes to pack into that file's own blocks (float16
-    d, and m for Q4_1, then the nibbles or bytes): byte for byte what gguf-py's quantizer writes,
-    an all-zero block and blocks whose extreme is positive (Q4_0: a negative d) included.
-    pack_lossless takes that form (18, 20 or 34 bytes a block, where the float32 forms take 24 or
-    40). Another type's grid, a d that is no float16 value, and a weight one ulp off are refused
-    (positive controls)."""
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, Q8_0], ids=["q4_0", "q8_0"])
+def test_pack_keeps_a_q4_0_or_q8_0_grid_as_the_gguf_s_own_blocks(qtype):
+    """Weights a Q4_0 (or Q8_0) GGUF dequantizes to pack into that file's own blocks (float16 d,
+    then the nibbles or bytes): byte for byte what gguf-py's quantizer writes, an all-zero block
+    and blocks whose extreme is positive (a negative d) included. pack_lossless takes that form
+    (18 or 34 bytes a block, where the float32-d forms take 24 or 40). A Q4_1 grid, a d that is
+    no float16 value, and a weight one ulp off are refused (positive controls)."""
     r = np.random.default_rng(14)
     w = r.standard_normal((40, 576)).astype(np.float32)
     w[3, 32:64] = 0.0
     w[4, 64:96] = np.abs(w[4, 64:96])  # a block whose extreme is positive
     blocks = gguf.quants.quantize(w, qtype)
     grid = gguf.quants.dequantize(blocks, qtype).reshape(w.shape).astype(np.float32)
-    form, block_bytes, other = {gguf.GGMLQuantizationType.Q4_0: ("q4_0", 18, Q4_1),
-                                Q4_1: ("q4_1", 20, gguf.GGMLQuantizationType.Q5_1), Q8_0: ("q8_0", 34, Q4_1)}[qtype]
+    form, block_bytes = ("q4_0", 18) if qtype == gguf.GGMLQuantizationType.Q4_0 else ("q8_0", 34)
     packed, ok = K.pack(mx.array(grid), form)
     assert int(ok.item()) == 1 and packed.shape == (40, 576 // 32 * block_bytes)
     np.testing.assert_array_equal(np.array(packed), np.asarray(blocks).reshape(40, -1))
     assert fastmath.pack_lossless(mx.array(grid)).shape == packed.shape
-    assert int(K.pack(mx.array(q4_grid(w, other)), form)[1].item()) == 0
+    assert int(K.pack(mx.array(q4_grid(w)), form)[1].item()) == 0  # Q4_1: d q + m
     assert int(K.pack(mx.array(grid * np.float32(1 + 2 ** -13)), form)[1].item()) == 0  # d no float16
     off = grid.copy()
     off[17, 50] = np.nextafter(off[17, 50], np.float32(10))
@@ -764,7 +762,7 @@ def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
         else:
             w = q4_grid(r.standard_normal((203, K_)).astype(np.float32), qtype)
         K_ = w.shape[1]
-        forms = {Q4_1: ["q4_1", "q4"], gguf.GGMLQuantizationType.Q4_0: ["q4_0", "q4"], Q8_0: ["q8_0", "q8"],
+        forms = {Q4_1: ["q4"], gguf.GGMLQuantizationType.Q4_0: ["q4_0", "q4"], Q8_0: ["q8_0", "q8"],
                  gguf.GGMLQuantizationType.Q5_1: ["q5"], gguf.GGMLQuantizationType.Q5_K: ["q5"]}.get(qtype, ["q8"])
         for form in forms:
             packed, ok = K.pack(mx.array(w), form)
@@ -785,7 +783,7 @@ def test_decode_from_packed_weights_matches_the_uncached_forward(qtype):
     GEMV's chain over the weights the blocks were packed from)."""
     model = q4_model(VARIANTS["gqa"], qtype=qtype)
     assert all(sorted(layer.decode_packs()) == [str(i) for i in MATRICES] for layer in model.layers)
-    block_bytes = 20 if qtype == Q4_1 else 28  # Q4_1's own blocks, or 5-bit ones
+    block_bytes = 24 if qtype == Q4_1 else 28
     for layer in model.layers:  # the blocks the grid holds: 4-bit, or 5-bit
         weights = layer.fused_weights()
         assert all(p.shape[-1] * 32 == weights[int(i)].shape[-1] * block_bytes for i, p in layer.decode_packs().items())

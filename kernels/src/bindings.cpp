@@ -152,7 +152,7 @@ NB_MODULE(_ext, m) {
         "w = d * q + m (24 bytes); q5: the same, then uint32 qh holding each weight's fifth bit (bit j: "
         "weight j), q in 0..31 (28 bytes); q8: float32 d of weights 0..15 and of 16..31, then 32 int8, "
         "w = d * q (40 bytes); q4_0: float16 d, then 16 bytes as q4's, w = d * (q - 8) (18 bytes, Q4_0's "
-        "block); q4_1: float16 d and m, then 16 bytes as q4's, w = d * q + m (20 bytes, Q4_1's block); q8_0: float16 d, then 32 int8, w = d * q (34 bytes, Q8_0's block). ok 1 where every weight "
+        "block); q8_0: float16 d, then 32 int8, w = d * q (34 bytes, Q8_0's block). ok 1 where every weight "
         "is exactly that (as a Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q5_0, Q6_K or Q8_0 GGUF dequantizes), 0 where "
         "some is not (the packing is then of no use)");
   m.def("gemv_packed", &mlxtoy::gemv_packed, "x"_a, "packed"_a, nb::kw_only(), "stream"_a = nb::none(),

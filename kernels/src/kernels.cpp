@@ -530,19 +530,19 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
 }
 
 std::vector<mx::array> pack(const mx::array& w, const std::string& form, mx::StreamOrDevice st) {
-  const char* names[] = {"q4", "q8", "q5", "q4_0", "q8_0", "q4_1"};  // kPacks' names
+  const char* names[] = {"q4", "q8", "q5", "q4_0", "q8_0"};  // kPacks' names
   Pack p = Pack::none;
-  for (int i = 0; i < 6; ++i)
+  for (int i = 0; i < 5; ++i)
     if (form == names[i]) p = kPacks[i];
   if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0 || p == Pack::none)
-    throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, form q4, q5, q8, q4_0, q4_1 or q8_0");
+    throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, form q4, q5, q8, q4_0 or q8_0");
   mx::Shape packed(w.shape().begin(), w.shape().end() - 1);
   packed.push_back(static_cast<int>(packed_width(w.shape(-1), p)));
   return make(Kernel::Op::Pack, 0, {packed, {1}}, {mx::uint8, mx::int32}, {f32(w, "w")}, st, static_cast<int>(p));
 }
 
 mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st) {
-  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 18, 20, 24, 28, 34 or 40) uint8";
+  const char* usage = "[mlxtoy_kernels] gemv_packed: x (..., K), packed (N, K / 32 * 18, 24, 28, 34 or 40) uint8";
   if (x.ndim() == 0 || packed.ndim() != 2 || packed.dtype() != mx::uint8) throw std::invalid_argument(usage);
   int64_t K = x.shape(-1);
   const int bits = static_cast<int>(pack_of_width(K, packed.shape(1)));

@@ -62,17 +62,10 @@ struct Q5Block {
 };
 static_assert(sizeof(Q5Block) == 28, "Q5Block is 28 bytes");
 
-// Q4_0's, Q4_1's and Q8_0's blocks as the GGUF holds them: a float16 d, then 16 bytes of nibbles
-// as a Q4Block's, w = d * (q - 8) (0.5625 bytes a weight); a float16 d and m, then the nibbles,
-// w = fl(fl(d * q) + m) as a Q4Block's (0.625); or 32 signed bytes, w = d * q (1.0625). Every
-// Q4_0 and Q8_0 weight is exact in float32 (11 bits of d times at most 8 of q), so such a block
-// unpacks to the weights it was packed from with one rounding-free multiply.
-struct Q41Block {
-  uint16_t d, m;
-  uint8_t qs[16];
-};
-static_assert(sizeof(Q41Block) == 20, "Q41Block is 20 bytes");
-
+// Q4_0's and Q8_0's blocks as the GGUF holds them: a float16 d, then 16 bytes of nibbles as a
+// Q4Block's, w = d * (q - 8) (0.5625 bytes a weight), or 32 signed bytes, w = d * q (1.0625).
+// Every such weight is exact in float32 (11 bits of d times at most 8 of q), so a block unpacks
+// to the weights it was packed from with one rounding-free multiply.
 struct Q40Block {
   uint16_t d;
   uint8_t qs[16];
@@ -86,8 +79,8 @@ struct Q80Block {
 static_assert(sizeof(Q80Block) == 34, "Q80Block is 34 bytes");
 
 // The packed forms (their codes are decode.cpp's form bits, where 3 is MLX's affine 4-bit layout)
-enum class Pack : int { none = 0, q4 = 1, q8 = 2, q5 = 4, q4_0 = 5, q8_0 = 6, q4_1 = 7 };
-constexpr Pack kPacks[] = {Pack::q4, Pack::q8, Pack::q5, Pack::q4_0, Pack::q8_0, Pack::q4_1};
+enum class Pack : int { none = 0, q4 = 1, q8 = 2, q5 = 4, q4_0 = 5, q8_0 = 6 };
+constexpr Pack kPacks[] = {Pack::q4, Pack::q8, Pack::q5, Pack::q4_0, Pack::q8_0};
 
 // the bytes of a block of 32 weights in form p
 constexpr int64_t pack_block_bytes(Pack p) {
@@ -96,7 +89,6 @@ constexpr int64_t pack_block_bytes(Pack p) {
     case Pack::q8: return sizeof(Q8Block);
     case Pack::q5: return sizeof(Q5Block);
     case Pack::q4_0: return sizeof(Q40Block);
-    case Pack::q4_1: return sizeof(Q41Block);
     case Pack::q8_0: return sizeof(Q80Block);
     default: return 0;
   }
@@ -110,7 +102,6 @@ inline void with_pack(Pack p, F&& f) {
     case Pack::q8: return f.template operator()<Pack::q8>();
     case Pack::q5: return f.template operator()<Pack::q5>();
     case Pack::q4_0: return f.template operator()<Pack::q4_0>();
-    case Pack::q4_1: return f.template operator()<Pack::q4_1>();
     case Pack::q8_0: return f.template operator()<Pack::q8_0>();
     default: return;
   }
@@ -162,39 +153,24 @@ inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax,
   return false;
 }
 
-// the float16 bits of d cut toward zero (infinity beyond float16's range)
-inline uint16_t half_cut(float d) {
-  const uint32_t bits = std::bit_cast<uint32_t>(d), sign = (bits >> 16) & 0x8000;
-  const int exp = static_cast<int>((bits >> 23) & 0xFF) - 127 + 15;  // float16's biased exponent
-  const uint32_t man = (bits & 0x7FFFFF) | 0x800000;
-  if ((bits & 0x7FFFFFFF) == 0 || exp < -10) return static_cast<uint16_t>(sign);  // below its least subnormal
-  if (exp >= 31) return static_cast<uint16_t>(sign | 0x7C00);
-  if (exp > 0) return static_cast<uint16_t>(sign | (exp << 10) | ((man >> 13) & 0x3FF));
-  return static_cast<uint16_t>(sign | (man >> (14 - exp)));  // a subnormal float16
-}
-
-// whether d is a float16 value (its bits in h)
-inline bool half_exact(float d, uint16_t& h) {
-  h = half_cut(d);
-  return half_to_float(h) == d;
-}
-
 // The grids of the comment above, tried in its order, from a block's min and max (4- and 5-bit)
 // or each half's absmax (8-bit): fits(d0, qmin, qmax, first, n) checks weights [first, first + n)
 // on d0's grid or a neighbour's (setting g.d and g.q there), one form's check (portable or AVX2).
+// whether d is a float16 value (its bits in h)
+inline bool half_exact(float d, uint16_t& h) {
+  const uint32_t bits = std::bit_cast<uint32_t>(d), sign = (bits >> 16) & 0x8000;
+  const int exp = static_cast<int>((bits >> 23) & 0xFF) - 127 + 15;  // float16's biased exponent
+  const uint32_t man = (bits & 0x7FFFFF) | 0x800000;
+  if ((bits & 0x7FFFFFFF) == 0) h = static_cast<uint16_t>(sign);
+  else if (exp >= 31 || exp < -10) return false;  // beyond float16's range, or below its least subnormal
+  else if (exp > 0) h = static_cast<uint16_t>(sign | (exp << 10) | ((man >> 13) & 0x3FF));
+  else h = static_cast<uint16_t>(sign | (man >> (14 - exp)));  // a subnormal float16
+  return half_to_float(h) == d;  // (bits cut off: not a float16 value)
+}
+
 template <class Fits>
 inline bool grid_search(Pack p, float lo, float hi, const float (&amax)[2], Grid& g, Fits&& fits) {
   uint16_t h;
-  if (p == Pack::q4_1) {  // base = the block's minimum and d both float16 values: d tried as a float16
-    if (!std::isfinite(lo) || !std::isfinite(hi) || !half_exact(lo, h)) return false;
-    g.base = lo;
-    for (int k = 15; k >= 1; --k) {
-      const uint16_t cut = half_cut((hi - lo) / static_cast<float>(k));
-      for (uint16_t d16 : {cut, static_cast<uint16_t>(cut + 1)})
-        if (fits(half_to_float(d16), 0.0f, 15.0f, 0, kQ4) && half_exact(g.d, h)) return true;
-    }
-    return false;
-  }
   if (p == Pack::q4_0 || p == Pack::q8_0) {
     const float a = std::max(amax[0], amax[1]);
     if (!std::isfinite(a)) return false;
@@ -325,11 +301,6 @@ inline void set_block(const Grid& g, Q8Block& out) {
   for (int j = 0; j < kQ4; ++j) out.qs[j] = static_cast<int8_t>(g.q[j]);
 }
 
-inline void set_block(const Grid& g, Q41Block& out) {
-  half_exact(g.d, out.d), half_exact(g.base, out.m);
-  for (int j = 0; j < 16; ++j) out.qs[j] = static_cast<uint8_t>(g.q[j] | (g.q[j + 16] << 4));
-}
-
 inline void set_block(const Grid& g, Q40Block& out) {
   half_exact(g.d, out.d);
   for (int j = 0; j < 16; ++j) out.qs[j] = static_cast<uint8_t>((g.q[j] + 8) | ((g.q[j + 16] + 8) << 4));
@@ -343,8 +314,7 @@ inline void set_block(const Grid& g, Q80Block& out) {
 // the block type of form P
 template <Pack P>
 using BlockOf = std::conditional_t<P == Pack::q4, Q4Block, std::conditional_t<P == Pack::q8, Q8Block,
-                std::conditional_t<P == Pack::q5, Q5Block, std::conditional_t<P == Pack::q4_0, Q40Block,
-                std::conditional_t<P == Pack::q4_1, Q41Block, Q80Block>>>>>;
+                std::conditional_t<P == Pack::q5, Q5Block, std::conditional_t<P == Pack::q4_0, Q40Block, Q80Block>>>>;
 
 // Packs a row of K (a multiple of 32) weights into form P's blocks; false where any block is
 // not on its grid: then the row must stay float32.
@@ -402,16 +372,13 @@ __attribute__((target("avx512f,f16c"), always_inline)) inline void unpack_block_
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(blk.d));
     w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)))));
     w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs + 16)))));
-  } else if constexpr (P == Pack::q4 || P == Pack::q4_1) {
+  } else if constexpr (P == Pack::q4) {
     // a block's 16 possible weights, fl(fl(d q) + m) for q = 0..15, looked up by nibble (a
     // permute reads an index's low 4 bits: a byte's low nibble as it is)
-    const BlockOf<P>& blk = static_cast<const BlockOf<P>*>(row)[b];
-    float d, m;
-    if constexpr (P == Pack::q4_1) d = _cvtsh_ss(blk.d), m = _cvtsh_ss(blk.m);
-    else d = blk.d, m = blk.m;
+    const Q4Block& blk = static_cast<const Q4Block*>(row)[b];
     const __m512 values = _mm512_add_ps(
-        unfused(_mm512_mul_ps(_mm512_set1_ps(d), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))),
-        _mm512_set1_ps(m));
+        unfused(_mm512_mul_ps(_mm512_set1_ps(blk.d), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))),
+        _mm512_set1_ps(blk.m));
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.qs)));
     w0 = _mm512_permutexvar_ps(bytes, values);
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
@@ -480,16 +447,14 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void block_weights_av
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(blk.d));
     for (int p = 0; p < 4; ++p)
       w[p] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * p)))));
-  } else if constexpr (P == Pack::q4 || P == Pack::q4_1) {
-    const BlockOf<P>& blk = static_cast<const BlockOf<P>*>(row)[b];
+  } else if constexpr (P == Pack::q4) {
+    const Q4Block& blk = static_cast<const Q4Block*>(row)[b];
     const __m256i low4 = _mm256_set1_epi32(15);
     for (int h = 0; h < 2; ++h) {  // bytes 8h..8h+7: elements 8h.. in their low nibbles, 16 + 8h.. in the high
       const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.qs + 8 * h)));
       q[h] = _mm256_and_si256(bytes, low4), q[2 + h] = _mm256_srli_epi32(bytes, 4);
     }
-    __m256 d, m;
-    if constexpr (P == Pack::q4_1) d = _mm256_set1_ps(_cvtsh_ss(blk.d)), m = _mm256_set1_ps(_cvtsh_ss(blk.m));
-    else d = _mm256_set1_ps(blk.d), m = _mm256_set1_ps(blk.m);
+    const __m256 d = _mm256_set1_ps(blk.d), m = _mm256_set1_ps(blk.m);
     for (int p = 0; p < 4; ++p) w[p] = _mm256_add_ps(unfused(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[p]))), m);
   } else if constexpr (P == Pack::q5) {
     const Q5Block& blk = static_cast<const Q5Block*>(row)[b];
@@ -616,9 +581,6 @@ inline void unpack_portable(const void* packed, int64_t blocks, float* out) {
         if constexpr (P == Pack::q4_0) {
           const float d = half_to_float(w[b].d);
           out[j] = d * (static_cast<float>(lo) - 8.0f), out[j + 16] = d * (static_cast<float>(hi) - 8.0f);
-        } else if constexpr (P == Pack::q4_1) {
-          const float d = half_to_float(w[b].d), m = half_to_float(w[b].m);
-          out[j] = d * static_cast<float>(lo) + m, out[j + 16] = d * static_cast<float>(hi) + m;
         } else {
           if constexpr (P == Pack::q5) lo |= ((w[b].qh >> j) & 1) << 4, hi |= ((w[b].qh >> (j + 16)) & 1) << 4;
           out[j] = w[b].d * static_cast<float>(lo) + w[b].m;
