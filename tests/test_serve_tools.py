@@ -1,7 +1,8 @@
 """Tool calling through `mlxtoy serve`: a tiny model trained (by `train`, on tool-calling chat
 data) to answer a weather question with a call, in each form read for calls (<tool_call> blocks
-as Qwen-style templates teach; the reply as the call's JSON as Llama 3's do), served; the real
-`openai` client gets the call as OpenAI's `tool_calls`, whole and streamed."""
+as Qwen-style templates teach; the reply as the call's JSON as Llama 3's do; [TOOL_CALLS] and a
+JSON array as Mistral's do), served; the real `openai` client gets the call as OpenAI's
+`tool_calls`, whole and streamed."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from mlxtoy.config import TrainConfig
 from mlxtoy.generate import encode_chat
 from mlxtoy.inference import load_for_inference
 
-# chat templates with a tools block, tool results, and calls in the two forms read for them, cut
-# down to what a byte-level tiny model learns in seconds: <tool_call> blocks (Qwen2.5/Qwen3's)
-# and a reply that is the call's JSON with "parameters" (Llama 3's)
+# chat templates with a tools block, tool results, and calls in the three forms read for them, cut
+# down to what a byte-level tiny model learns in seconds: <tool_call> blocks (Qwen2.5/Qwen3's),
+# a reply that is the call's JSON with "parameters" (Llama 3's), and [TOOL_CALLS] with an array
+# of calls, each with its id where the message has one (Mistral v0.3's)
 HEAD = """{%- if tools %}<|im_start|>system
 <tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools><|im_end|>
 {% endif %}
@@ -43,10 +45,15 @@ TEMPLATES = {
     "json": HEAD + """{% if m.tool_calls %}{% for tool_call in m.tool_calls %}{% if not loop.first %}; {% endif %}"""
             """{{ '{"name": "' + tool_call.function.name + '", "parameters": ' }}""" + ARGS + """}{% endfor %}"""
             """{% else %}{{ m.content }}{% endif %}""" + TAIL,
+    "list": HEAD + """{% if m.tool_calls %}[TOOL_CALLS] [{% for tool_call in m.tool_calls %}{% if not loop.first %}, {% endif %}"""
+            """{{ '{"name": "' + tool_call.function.name + '", "arguments": ' }}""" + ARGS +
+            """{% if tool_call.id %}{{ ', "id": "' + tool_call.id + '"' }}{% endif %}}{% endfor %}]"""
+            """{% else %}{{ m.content }}{% endif %}""" + TAIL,
 }
 # what the model writes for "Weather in Rome?" in each form
 RAW_CALL = {"tags": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
-            "json": '{"name": "get_weather", "parameters": {"city": "Rome"}}'}
+            "json": '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+            "list": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]'}
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
@@ -82,13 +89,14 @@ def served(request, tmp_path_factory):
 
 
 def test_a_call_comes_back_as_tool_calls_whole_and_streamed(served):
-    server, _, _ = served
+    server, _, form = served
     r = server.client.chat.completions.create(model="run", messages=ask("Oslo"), tools=[WEATHER],
                                               max_tokens=80, temperature=0)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     [call] = c.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
+    assert call.type == "function"
+    assert (len(call.id) == 9 and call.id.isalnum()) if form == "list" else call.id.startswith("call_")
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
     calls, text, finish = {}, "", None
     for chunk in server.client.chat.completions.create(model="run", messages=ask("Lima"), tools=[WEATHER],
