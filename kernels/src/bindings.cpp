@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "kernels.h"
+#include "loops.h"  // half_exact
 #include "qgemv.h"
 
 namespace nb = nanobind;
@@ -93,7 +94,7 @@ NB_MODULE(_ext, m) {
             if (d_in % 32) throw std::invalid_argument("[mlxtoy_kernels] affine_blocks: d_in is not whole blocks");
             mlxtoy::affine_blocks(data.data(), static_cast<int64_t>(data.shape(0)), type, blocks, packed, scales,
                                   biases);
-            for (int64_t b = 0; b < blocks && fits; ++b) fits = mlxtoy::half_bits(biases[b], halves[b]);
+            for (int64_t b = 0; b < blocks && fits; ++b) fits = mlxtoy::half_exact(biases[b], halves[b]);
           } catch (...) {
             nb::gil_scoped_acquire locked;
             delete[] packed, delete[] scales, delete[] biases, delete[] halves;

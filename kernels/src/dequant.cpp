@@ -146,27 +146,6 @@ void over_blocks(int64_t blocks, const Part& part) {
 
 bool dequantizes(int type) { return format(type).fn != nullptr; }
 
-// f's float16 bits where f is a float16 value (a block's bias: a float16 scale times -8 or -128,
-// or a float16 offset); false where it is out of float16's range
-bool half_bits(float f, uint16_t& h) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
-  const int exp = static_cast<int>((bits >> 23) & 0xFF) - 127 + 15;
-  const uint32_t man = bits & 0x7FFFFF;
-  if ((bits & 0x7FFFFFFF) == 0) {
-    h = sign;
-    return true;
-  }
-  if (exp >= 31) return false;  // beyond 65504 (or inf, NaN)
-  if (exp <= 0) {               // a subnormal float16
-    h = static_cast<uint16_t>(sign | ((man | 0x800000) >> (14 - exp)));
-    return true;
-  }
-  h = static_cast<uint16_t>(sign | (exp << 10) | (man >> 13));
-  return true;
-}
-
 void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int64_t n_values) {
   Format f = format(type);
   if (f.fn == nullptr) throw std::invalid_argument("[mlxtoy_kernels] dequantize: type " + std::to_string(type));

@@ -81,8 +81,6 @@ void dequantize(const uint8_t* data, int64_t n_bytes, int type, float* out, int6
 // packed bytes (16 or 32 a block), each block's scale (its float16 bits) and bias (float32), threaded
 void affine_blocks(const uint8_t* data, int64_t n_bytes, int type, int64_t blocks, uint8_t* packed,
                    uint16_t* scales, float* biases);
-// the float16 bits of f, a float16 value; false where f is beyond float16's range
-bool half_bits(float f, uint16_t& h);
 
 int kernel_threads();
 bool kernel_openmp();

@@ -37,6 +37,19 @@ inline float half_to_float(uint16_t h) {
   return sign ? -magnitude : magnitude;
 }
 
+// whether d is a float16 value (its bits in h): a GGUF block's d, or a bias made of one
+inline bool half_exact(float d, uint16_t& h) {
+  const uint32_t bits = std::bit_cast<uint32_t>(d), sign = (bits >> 16) & 0x8000;
+  const int exp = static_cast<int>((bits >> 23) & 0xFF) - 127 + 15;  // float16's biased exponent
+  const uint32_t man = (bits & 0x7FFFFF) | 0x800000;
+  if ((bits & 0x7FFFFFFF) == 0) h = static_cast<uint16_t>(sign);
+  else if (exp >= 31 || exp < -10) return false;  // beyond float16's range, or below its least subnormal
+  else if (exp > 0) h = static_cast<uint16_t>(sign | (exp << 10) | ((man >> 13) & 0x3FF));
+  else h = static_cast<uint16_t>(sign | (man >> (14 - exp)));  // a subnormal float16
+  return half_to_float(h) == d;  // (bits cut off: not a float16 value)
+}
+
+
 // e^x for x <= 0 (or moderate x): Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6
 // Taylor polynomial, times 2^n through the exponent bits (the same formula as fastmath._exp).
 inline float poly_exp(float x) {

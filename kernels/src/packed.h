@@ -156,18 +156,6 @@ inline bool grid_fits_portable(const float* x, float d0, float qmin, float qmax,
 // The grids of the comment above, tried in its order, from a block's min and max (4- and 5-bit)
 // or each half's absmax (8-bit): fits(d0, qmin, qmax, first, n) checks weights [first, first + n)
 // on d0's grid or a neighbour's (setting g.d and g.q there), one form's check (portable or AVX2).
-// whether d is a float16 value (its bits in h)
-inline bool half_exact(float d, uint16_t& h) {
-  const uint32_t bits = std::bit_cast<uint32_t>(d), sign = (bits >> 16) & 0x8000;
-  const int exp = static_cast<int>((bits >> 23) & 0xFF) - 127 + 15;  // float16's biased exponent
-  const uint32_t man = (bits & 0x7FFFFF) | 0x800000;
-  if ((bits & 0x7FFFFFFF) == 0) h = static_cast<uint16_t>(sign);
-  else if (exp >= 31 || exp < -10) return false;  // beyond float16's range, or below its least subnormal
-  else if (exp > 0) h = static_cast<uint16_t>(sign | (exp << 10) | ((man >> 13) & 0x3FF));
-  else h = static_cast<uint16_t>(sign | (man >> (14 - exp)));  // a subnormal float16
-  return half_to_float(h) == d;  // (bits cut off: not a float16 value)
-}
-
 template <class Fits>
 inline bool grid_search(Pack p, float lo, float hi, const float (&amax)[2], Grid& g, Fits&& fits) {
   uint16_t h;
@@ -524,7 +512,8 @@ inline void gemv_packed_rows_simd(const float* x, const void* w, float* y, int64
 // x takes an 8-bit form's W a row at a time, as gemv_span's one row does (one stream, the
 // hardware prefetchers'; 4 rows a pass read SmolLM2's 8-bit output layer at ~15 G weights/s
 // against ~25), and a 4- or 5-bit form's 4 rows a pass: a row's one chain of two FMAs a block
-// held it to ~33 G weights/s in cache, ~30 from memory; 4 chains ~47 and ~35. With AVX2 a row's
+// held a 4-bit one to ~33 G weights/s in cache, ~30 from memory; 4 chains ~47 and ~35 (a 5-bit
+// block's own ops bind it either way, 18-22). With AVX2 a row's
 // one 8-lane chain is bound by its FMAs' latency (4 a block), so 4 rows a pass (8 for 8-bit
 // blocks: 1.9 ns a block, as the product in d * (x . q) form before it took; 2.5 four rows, 3.0
 // a row at a time).
