@@ -23,8 +23,10 @@ namespace mlxtoy {
 
 namespace {
 
-// a GGUF block's float16 at p (little-endian) as float32
-float half(const uint8_t* p) { return half_to_float(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
+// a GGUF block's float16 at p (little-endian) as float32. Out of line, as it was before it
+// called half_to_float: inlined, gcc ordered the adds after it otherwise, and a block of garbage
+// scales (NaN d and m) gave another NaN than gguf-py's (whose bits the tests compare)
+__attribute__((noinline)) float half(const uint8_t* p) { return half_to_float(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
 constexpr int64_t kQK = 256;  // a K-quant super-block
 
