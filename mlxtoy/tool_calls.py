@@ -80,7 +80,7 @@ def call_format(template: str | None) -> CallFormat | None:
     return None
 
 
-def as_call(block: str | Any, short_id: bool = False) -> dict[str, Any] | None:
+def as_call(block: Any, short_id: bool = False) -> dict[str, Any] | None:
     """A call's JSON text (or its value) -> OpenAI's tool call (arguments as JSON text), or None
     when it is not {"name": str, "arguments" or "parameters": object}. Its id is a fresh one,
     "call_" and 24 hex digits, or with `short_id` the 9 letters and digits the model wrote, or 9
