@@ -55,7 +55,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     tiny = mx.zeros((1,))
     overhead = seconds_per_call(lambda: mx.eval(tiny + 1), 300, args.repeats)
-    print(f"{'GGUF type':9} {'form':5} {'rows':>4} {'in cache':>10} {'from memory':>12}  (G weights/s)")
+    print(f"{'GGUF type':9} {'form':5} {'rows':>4} {'in cache':>10} {'from memory':>12}  (G weights of W a second, "
+          "each times every row of x)")
     for qtype, forms in FORMS.items():
         weights = [grid(rng, qtype) for _ in range(30)]
         for form in forms:
