@@ -530,10 +530,9 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
 }
 
 std::vector<mx::array> pack(const mx::array& w, const std::string& form, mx::StreamOrDevice st) {
-  const char* names[] = {"q4", "q8", "q5", "q4_0", "q8_0"};  // kPacks' names
   Pack p = Pack::none;
-  for (int i = 0; i < 5; ++i)
-    if (form == names[i]) p = kPacks[i];
+  for (const PackName& named : kPacks)
+    if (form == named.name) p = named.pack;
   if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0 || p == Pack::none)
     throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, form q4, q5, q8, q4_0 or q8_0");
   mx::Shape packed(w.shape().begin(), w.shape().end() - 1);

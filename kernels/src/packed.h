@@ -80,7 +80,11 @@ static_assert(sizeof(Q80Block) == 34, "Q80Block is 34 bytes");
 
 // The packed forms (their codes are decode.cpp's form bits, where 3 is MLX's affine 4-bit layout)
 enum class Pack : int { none = 0, q4 = 1, q8 = 2, q5 = 4, q4_0 = 5, q8_0 = 6 };
-constexpr Pack kPacks[] = {Pack::q4, Pack::q8, Pack::q5, Pack::q4_0, Pack::q8_0};
+struct PackName {
+  Pack pack;
+  const char* name;  // pack(w, form)'s
+};
+constexpr PackName kPacks[] = {{Pack::q4, "q4"}, {Pack::q8, "q8"}, {Pack::q5, "q5"}, {Pack::q4_0, "q4_0"}, {Pack::q8_0, "q8_0"}};
 
 // the bytes of a block of 32 weights in form p
 constexpr int64_t pack_block_bytes(Pack p) {
@@ -545,8 +549,8 @@ inline int64_t packed_width(int64_t K, Pack p) {
 
 // the form of a packed row of K weights `width` bytes wide (none: no form's)
 inline Pack pack_of_width(int64_t K, int64_t width) {
-  for (Pack p : kPacks)
-    if (width == packed_width(K, p)) return p;
+  for (const PackName& p : kPacks)
+    if (width == packed_width(K, p.pack)) return p.pack;
   return Pack::none;
 }
 
