@@ -471,6 +471,7 @@ def rope(x: mx.array, offset: int | mx.array, inv_freqs: mx.array, dims: int, tr
 
 FUSED_DECODE = settings.FUSED_DECODE.value()  # tests compare both ways
 PACKED_DECODE = settings.PACKED_DECODE.value()
+PACK_FORMS = {18: "q4_0", 24: "q4", 28: "q5", 34: "q8_0", 40: "q8"}  # a packed block's bytes (32 weights) -> its form
 
 
 def quant_vnni() -> bool:
@@ -479,16 +480,11 @@ def quant_vnni() -> bool:
     return kernels_module() is not None and kernels_module().quant_vnni_ok()
 
 
-PACK_FORMS = {18: "q4_0", 24: "q4", 28: "q5", 34: "q8_0", 40: "q8"}  # a packed block's bytes (32 weights) -> its form
-
-
 def pack_lossless(w: mx.array) -> mx.array | None:
-    """w (..., K) packed for decoding where that is lossless, blocks of 32 weights: Q4_0's block
-    (float16 d, d * (q - 8), 0.5625 bytes a weight), d * q + m (q 4-bit, 0.75 bytes: Q4_1's,
-    Q4_K's), Q8_0's block (float16 d, d * q, 1.0625 bytes: Q8_0's, Q5_0's), d * q (q 8-bit, a d
-    per 16; 1.25 bytes: Q6_K's) or d * q + m (q 5-bit, 0.875 bytes, slower to make than 8-bit
-    ones: Q5_1's, Q5_K's), the first that holds every weight exactly. None where none does
-    (trained weights), no kernels, MLXTOY_PACKED_DECODE=0."""
+    """w (..., K) packed for decoding in the first form (the kernels' `pack`) that holds every
+    weight exactly: q4_0, q8_0 (a Q4_0 / Q8_0 / Q5_0 GGUF's blocks), q4 (Q4_1's, Q4_K's), q8 (a d
+    per 16: Q6_K's), q5 (Q5_1's, Q5_K's; slower to make). None where none does, no kernels,
+    MLXTOY_PACKED_DECODE=0."""
     if not (PACKED_DECODE and kernel_ok(w) and w.ndim >= 2 and w.shape[-1] % 32 == 0):
         return None
     for form in ("q4_0", "q4", "q8_0", "q8", "q5"):
