@@ -15,11 +15,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # the routes measured during the tests (a busy machine's) stay out of the user's cache; the
 # processes the tests start share them, so every process of a test takes the same routes. The
-# folder goes when the session ends (one was left in /tmp by every run).
-if "MLXTOY_ROUTES" not in os.environ:
+# folder goes when the session ends (one was left in /tmp by every run). Each pytest-xdist
+# worker keeps its own: two workers saving one file would drop each other's choices, and a
+# test's second process could then measure again and take another route than its first.
+if "MLXTOY_ROUTES" not in os.environ or (os.environ.get("PYTEST_XDIST_WORKER")
+                                         and os.environ.get("MLXTOY_TEST_ROUTES") == os.environ["MLXTOY_ROUTES"]):
     _routes_dir = tempfile.mkdtemp(prefix="mlxtoy-test-routes-")
     atexit.register(shutil.rmtree, _routes_dir, ignore_errors=True)
-    os.environ["MLXTOY_ROUTES"] = os.path.join(_routes_dir, "routes.json")
+    os.environ["MLXTOY_ROUTES"] = os.environ["MLXTOY_TEST_ROUTES"] = os.path.join(_routes_dir, "routes.json")
 
 import mlxtoy  # noqa: E402,F401  (fast BLAS before anything imports mlx.core)
 from mlxtoy import settings  # noqa: E402

@@ -18,9 +18,11 @@ import pytest
 
 import mlxtoy  # noqa: F401  (fast BLAS before mlx.core)
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlxtoy import backend, cpublas, loading, routes
 from mlxtoy.models import attention, calibrate, fastmath, quant
+from mlxtoy.train.logprobs import calibrate_loss, token_losses
 
 pytestmark = pytest.mark.core
 
@@ -347,14 +349,15 @@ def test_the_gemm_switch_ignores_the_measurement(routed, monkeypatch, switch):
 
 def test_calibration_measures_a_models_shapes_and_doctor_shows_them(routed, capsys):
     routed({"blas": 1.0, "kernels": 1.0, "fast": 1.0, "grouped": 0.5, "block": 1.0})
-    shapes = calibrate.BlockShapes("tiny", 64, 128, 4, 2, 16)
+    shapes = calibrate.BlockShapes("tiny", 64, 128, 4, 2, 16, 256)
     calibrate.calibrate(shapes, batch=2, seq_len=24, training=True)
     rows = calibrate.measured()
     products = [row for row in rows if row["work"].startswith("gemm:")]
-    # five matrices, forward and input gradient, each shape measured once: q and o are both 64 x 64
-    # here, so 4 forward and 4 input-gradient shapes
-    assert len(products) == (8 if fastmath.gemm_on() else 0)
-    assert {row["work"].split("x", 1)[0] for row in products} == ({"gemm:nt", "gemm:nn"} if fastmath.gemm_on() else set())
+    # five matrices, forward, input and weight gradients, each shape class measured once: q and o
+    # are both 64 x 64 here, so 4 forward and 4 input-gradient shapes; the weight gradients' rows
+    # classes (q, k/v, o: 64; gate/up: 256; down: 64) leave 3
+    assert len(products) == (11 if fastmath.gemm_on() else 0)
+    assert {row["work"].split("x", 1)[0] for row in products} == ({"gemm:nt", "gemm:nn", "gemm:tn"} if fastmath.gemm_on() else set())
     att = [row for row in rows if row["work"].startswith("attention:")]
     assert len(att) == 1 and att[0]["route"] == "grouped"
     assert all(row["seconds"] >= 0 for row in rows)
@@ -479,6 +482,41 @@ def test_a_short_prompt_takes_the_prefill_route_measured_faster(routed, faster):
     assert measured() == ["ops", "fused"]
     _, _, graph = prefill(model, [PROMPT[:4]])
     assert graph.count("MlxtoyDecodeBlock") == len(model.layers) and measured() == ["ops", "fused"]
+
+
+@pytest.mark.parametrize("faster", ["blas", "kernels"])
+def test_after_calibration_a_training_step_measures_nothing(routed, faster):
+    """`doctor --calibrate`'s measurements for a model's shapes (`calibrate.calibrate` and
+    `logprobs.calibrate_loss`) cover every route a training step of that model then meets: its
+    blocks' products, their gradients, the attention and the loss through the vocabulary, with
+    the output layer trained (full fine-tuning) and frozen. Positive control: the same steps on a
+    fresh table measure."""
+    from test_decode_block import VARIANTS, tiny
+
+    calls: list[str] = []
+    timings = {"blas": 1.0, "kernels": 1.0, "fast": 1.0, "grouped": 0.5, "block": 1.0} | {faster: 0.1}
+    batch, seq_len = 2, 24
+    model = tiny(VARIANTS["gqa"])
+    inputs = mx.array(np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, seq_len + 1)))
+
+    def steps():
+        for frozen_output in (False, True):
+            model.unfreeze()
+            if frozen_output:
+                model.tok_embeddings.freeze()
+            loss = lambda m: token_losses(m, inputs[:, :-1], inputs[:, 1:]).mean()  # noqa: E731
+            mx.eval(nn.value_and_grad(model, loss)(model))
+
+    routed(timings, calls)
+    steps()
+    assert calls  # positive control: a step on a fresh table measures
+    routed(timings, calls)
+    shapes = calibrate.BlockShapes.of(model.config)
+    calibrate.calibrate(shapes, batch, seq_len, training=True)
+    calibrate_loss(batch * seq_len, shapes.vocab, shapes.d_model)
+    measured = len(calls)
+    steps()
+    assert len(calls) == measured, [row["work"] for row in calibrate.measured()]
 
 
 def test_calibration_measures_the_prefill_routes_that_a_model_of_those_shapes_then_takes(routed):

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlxtoy
 from mlxtoy import backend, cpublas, settings
 from mlxtoy.models import calibrate, fastmath
+from mlxtoy.train import logprobs
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -94,6 +95,7 @@ def run(args) -> int:
         blas_rates = calibrate.calibrate_blas()
         for shapes in calibrate.REFERENCE_SHAPES:
             calibrate.calibrate(shapes, batch=4, seq_len=256, training=True)  # a training step
+            logprobs.calibrate_loss(4 * 256, shapes.vocab, shapes.d_model)  # and its loss
             calibrate.calibrate(shapes, batch=1, seq_len=256, training=False)  # a prompt
             calibrate.calibrate_prefill(shapes)  # a short prompt: the fused block or op by op
         print(f"calibrated in {time.perf_counter() - start:.1f} s", file=sys.stderr)

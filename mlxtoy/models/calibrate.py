@@ -35,10 +35,11 @@ class BlockShapes:
     n_heads: int
     n_kv_heads: int
     d_head: int
+    vocab: int
 
     @staticmethod
     def of(cfg: ModelConfig, name: str = "model") -> "BlockShapes":
-        return BlockShapes(name, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.d_head)
+        return BlockShapes(name, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.vocab_size)
 
     def matrices(self) -> list[tuple[int, int]]:
         """(outputs, inputs) of q, k/v, o, gate/up and down."""
@@ -47,20 +48,22 @@ class BlockShapes:
 
 
 # what `doctor --calibrate` measures: the built-in model's shapes and a 1B model's
-REFERENCE_SHAPES = (BlockShapes("SmolLM2-135M", 576, 1536, 9, 3, 64),
-                    BlockShapes("Llama-3.2-1B", 2048, 8192, 32, 8, 64))
+REFERENCE_SHAPES = (BlockShapes("SmolLM2-135M", 576, 1536, 9, 3, 64, 49152),
+                    BlockShapes("Llama-3.2-1B", 2048, 8192, 32, 8, 64, 128256))
 
 
 def calibrate(shapes: BlockShapes, batch: int, seq_len: int, training: bool) -> None:
     """Measure (where not yet measured) the routes of a step of `batch` rows of `seq_len`
-    tokens through blocks of these shapes: each product's forward, with `training` its input
-    gradient too, and the attention."""
+    tokens through blocks of these shapes: each product's forward, with `training` its input's
+    and its weight's gradients too (the weight's: dY^T X, where the forward takes the kernels'
+    GEMM), and the attention. (The loss's products: `logprobs.calibrate_loss`.)"""
     rows = batch * seq_len
     if gemm_on():
         for n_out, k_in in shapes.matrices():
             gemm_route("nt", rows, n_out, k_in)
             if training:
                 gemm_route("nn", rows, k_in, n_out)
+                gemm_route("tn", n_out, k_in, rows)
     attention_route(batch, shapes.n_heads, shapes.n_kv_heads, seq_len, seq_len, shapes.d_head, training)
 
 

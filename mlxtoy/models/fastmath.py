@@ -260,6 +260,19 @@ def use_route_table(table: routes.RouteTable | None) -> routes.RouteTable | None
 _FORMS = {"nt": (False, True), "nn": (False, False), "tn": (True, False)}  # (trans_a, trans_b)
 
 
+def _evaluated(product) -> routes.Candidate:
+    def run():
+        y = product()
+        mx.eval(y)
+        return [y]
+    return run
+
+
+# a dimension past this (a vocabulary) is measured at this: its rate per multiply-add is the same,
+# and timing the whole product took seconds of a run's first step
+MEASURED_WIDTH = 8192
+
+
 def _gemm_candidates(form: str, M: int, N: int, K: int) -> dict[str, routes.Candidate]:
     """The BLAS (MLX's matmul; the reference) and the kernels' GEMM on random operands of one
     product's form: op(a) (M, K) @ op(b) (K, N)."""
@@ -268,18 +281,8 @@ def _gemm_candidates(form: str, M: int, N: int, K: int) -> dict[str, routes.Cand
     a = mx.array(rng.standard_normal((K, M) if trans_a else (M, K), dtype=np.float32))
     b = mx.array(rng.standard_normal((N, K) if trans_b else (K, N), dtype=np.float32))
     mx.eval(a, b)
-
-    def blas():
-        y = (a.T if trans_a else a) @ (b.T if trans_b else b)
-        mx.eval(y)
-        return [y]
-
-    def kernels():
-        y = kernels_module().gemm(a, b, trans_a, trans_b)
-        mx.eval(y)
-        return [y]
-
-    return {"blas": blas, "kernels": kernels}
+    return {"blas": _evaluated(lambda: (a.T if trans_a else a) @ (b.T if trans_b else b)),
+            "kernels": _evaluated(lambda: kernels_module().gemm(a, b, trans_a, trans_b))}
 
 
 def gemm_route(form: str, M: int, N: int, K: int) -> bool:
@@ -294,8 +297,9 @@ def gemm_route(form: str, M: int, N: int, K: int) -> bool:
     table = route_table()
     shape = (form, rows, N, K)
     if table.chosen("gemm", shape) is None:
+        n, k = min(N, MEASURED_WIDTH), min(K, MEASURED_WIDTH)
         with mx.stream(mx.cpu):
-            table.choose("gemm", shape, _gemm_candidates(form, rows, N, K), 2.0 * rows * N * K,
+            table.choose("gemm", shape, _gemm_candidates(form, rows, n, k), 2.0 * rows * n * k,
                          f"float32 product {form} {rows} x {K} x {N}")
     return table.chosen("gemm", shape).route == "kernels"
 
@@ -358,23 +362,8 @@ def _few_rows_candidates(M: int, N: int, K: int) -> dict[str, routes.Candidate]:
     x = mx.array(rng.standard_normal((M, K), dtype=np.float32))
     w = mx.array(rng.standard_normal((N, K), dtype=np.float32))
     mx.eval(x, w)
-
-    def blas():
-        y = x @ w.T
-        mx.eval(y)
-        return [y]
-
-    def gemv():
-        y = kernels_module().gemv_many(x, [w])[0]
-        mx.eval(y)
-        return [y]
-
-    def kernels():
-        y = kernels_module().gemm_many(x, [w])[0]
-        mx.eval(y)
-        return [y]
-
-    return {"blas": blas, "gemv": gemv} | ({"kernels": kernels} if gemm_on() else {})
+    return ({"blas": _evaluated(lambda: x @ w.T), "gemv": _evaluated(lambda: kernels_module().gemv_many(x, [w])[0])}
+            | ({"kernels": _evaluated(lambda: kernels_module().gemm_many(x, [w])[0])} if gemm_on() else {}))
 
 
 def _few_rows_route(x: mx.array, *weights: mx.array) -> str | None:
@@ -397,8 +386,9 @@ def _few_rows_route(x: mx.array, *weights: mx.array) -> str | None:
             return None
         route = table.kept_route("few", shape, names)
         if route is None:
+            measured = (rows, min(shape[1], MEASURED_WIDTH), shape[2])
             with mx.stream(mx.cpu):
-                route = table.choose("few", shape, _few_rows_candidates(*shape), 2.0 * rows * w.size,
+                route = table.choose("few", shape, _few_rows_candidates(*measured), 2.0 * np.prod(measured),
                                      f"float32 product of {rows} rows x {shape[2]} x {shape[1]}")
         chosen.add(route)
     return chosen.pop() if len(chosen) == 1 else "mixed"

@@ -124,6 +124,17 @@ def _output_ce(weight_grad: bool, quant: tuple[int, int] | None):
     return output_ce
 
 
+def calibrate_loss(n_tokens: int, vocab: int, d_model: int) -> None:
+    """Measure (where not yet measured) the routes of the products that a training step's loss
+    over `n_tokens` tokens through a float32 output layer (vocab, d_model) takes, its weight
+    trained and frozen (`doctor --calibrate`, beside `calibrate.calibrate`): the routes are
+    chosen as the graph is built, so the graph is built and never run."""
+    h, w = mx.zeros((n_tokens, d_model)), mx.zeros((vocab, d_model))
+    targets = mx.zeros((n_tokens,), dtype=mx.uint32)
+    for trained in (True, False):
+        mx.vjp(lambda h, w: [_output_ce(trained, None)(h, targets, w)[0]], [h, w], [mx.ones((n_tokens,))])
+
+
 def output_cross_entropy(h: mx.array, weights: OutputWeights, targets: mx.array) -> mx.array:
     """Per-token cross-entropy of h (N, D) through the output layer's weights, differentiable
     (the fused chunked form; W's gradient too where the layer is trained)."""
