@@ -151,7 +151,7 @@ def test_a_call_left_running_does_not_hold_up_the_next(capsys):
         guarded_call(stuck, {"completion": "x"}, 0.2)
     t0 = time.perf_counter()
     assert guarded_call(lambda completion: len(completion), {"completion": "abc"}, 5) == 3  # a new worker
-    assert time.perf_counter() - t0 < 1
+    assert time.perf_counter() - t0 < 4  # not behind the stuck one (30 s); a busy machine starts a worker slowly
     release.set()
     time.sleep(0.2)
     out = capsys.readouterr()

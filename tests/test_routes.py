@@ -53,23 +53,25 @@ def table(tmp_path, seconds: dict[str, float], lines: list[str] | None = None, f
     return t
 
 
-def test_a_short_route_is_timed_until_a_slow_run_cannot_decide_it():
-    """routes.second_look, the real timer: a run of a fraction of a millisecond is timed again
-    until the runs have taken LOOK_SECONDS, so one slow run (the BLAS's threads waking, another
-    process) is not its measure; a long run is timed once more only."""
+def test_a_short_route_is_timed_until_a_slow_run_cannot_decide_it(monkeypatch):
+    """routes.second_look: a run of a fraction of a millisecond is timed again until the runs
+    have taken LOOK_SECONDS, so one slow run (the BLAS's threads waking, another process) is not
+    its measure; a long run is timed once more only. The runs' times are injected (`routes.timed`):
+    slept for real, a 0.2 ms sleep timed at 5 ms on a machine busy with other tests."""
     def run_taking(durations: list[float]):
         def run():
-            time.sleep(durations[min(run.runs, len(durations) - 1)])
+            run.last = durations[min(run.runs, len(durations) - 1)]
             run.runs += 1
             return []
         run.runs = 0
         return run
 
+    monkeypatch.setattr(routes, "timed", lambda run: (run(), run.last))
     short = run_taking([0.004, 0.0002])  # a slow timed run, then its own time
     seconds = routes.second_look("blas", short, first=0.02, best=float("inf"))
-    assert seconds < 0.002 and 2 <= short.runs <= routes.LOOKS
+    assert seconds == 0.0002 and 2 <= short.runs <= routes.LOOKS
     long = run_taking([0.03])
-    assert routes.second_look("blas", long, first=0.05, best=float("inf")) >= 0.03 and long.runs == 1
+    assert routes.second_look("blas", long, first=0.05, best=float("inf")) == 0.03 and long.runs == 1
     control = run_taking([0.004, 0.0002])  # positive control: the old single second look kept 4 ms
     assert min(0.02, routes.timed(control)[1]) >= 0.004
 
