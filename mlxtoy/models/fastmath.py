@@ -273,16 +273,23 @@ def _evaluated(product) -> routes.Candidate:
 MEASURED_WIDTH = 8192
 
 
-def _gemm_candidates(form: str, M: int, N: int, K: int) -> dict[str, routes.Candidate]:
+def _measured(M: int, N: int, K: int) -> tuple[int, int, float]:
+    """The widths a product (M, K) @ (K, N) is timed at, and the flops of that timing."""
+    N, K = min(N, MEASURED_WIDTH), min(K, MEASURED_WIDTH)
+    return N, K, 2.0 * M * N * K
+
+
+def _gemm_candidates(form: str, M: int, N: int, K: int) -> tuple[dict[str, routes.Candidate], float]:
     """The BLAS (MLX's matmul; the reference) and the kernels' GEMM on random operands of one
-    product's form: op(a) (M, K) @ op(b) (K, N)."""
+    product's form, op(a) (M, K) @ op(b) (K, N), at its measured widths; and their flops."""
     trans_a, trans_b = _FORMS[form]
+    N, K, flops = _measured(M, N, K)
     rng = np.random.default_rng(0)  # not MLX's key: measuring must not move the run's randomness
     a = mx.array(rng.standard_normal((K, M) if trans_a else (M, K), dtype=np.float32))
     b = mx.array(rng.standard_normal((N, K) if trans_b else (K, N), dtype=np.float32))
     mx.eval(a, b)
     return {"blas": _evaluated(lambda: (a.T if trans_a else a) @ (b.T if trans_b else b)),
-            "kernels": _evaluated(lambda: kernels_module().gemm(a, b, trans_a, trans_b))}
+            "kernels": _evaluated(lambda: kernels_module().gemm(a, b, trans_a, trans_b))}, flops
 
 
 def gemm_route(form: str, M: int, N: int, K: int) -> bool:
@@ -297,10 +304,8 @@ def gemm_route(form: str, M: int, N: int, K: int) -> bool:
     table = route_table()
     shape = (form, rows, N, K)
     if table.chosen("gemm", shape) is None:
-        n, k = min(N, MEASURED_WIDTH), min(K, MEASURED_WIDTH)
         with mx.stream(mx.cpu):
-            table.choose("gemm", shape, _gemm_candidates(form, rows, n, k), 2.0 * rows * n * k,
-                         f"float32 product {form} {rows} x {K} x {N}")
+            table.choose("gemm", shape, *_gemm_candidates(form, rows, N, K), f"float32 product {form} {rows} x {K} x {N}")
     return table.chosen("gemm", shape).route == "kernels"
 
 
@@ -357,13 +362,14 @@ FEW_ROWS = 32  # up to this many rows (a batch of decoded tokens), the threaded 
 FEW_ROUTED_MACS = 1 << 20  # a batch's products smaller than this take the BLAS unmeasured
 
 
-def _few_rows_candidates(M: int, N: int, K: int) -> dict[str, routes.Candidate]:
+def _few_rows_candidates(M: int, N: int, K: int) -> tuple[dict[str, routes.Candidate], float]:
+    N, K, flops = _measured(M, N, K)
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((M, K), dtype=np.float32))
     w = mx.array(rng.standard_normal((N, K), dtype=np.float32))
     mx.eval(x, w)
     return ({"blas": _evaluated(lambda: x @ w.T), "gemv": _evaluated(lambda: kernels_module().gemv_many(x, [w])[0])}
-            | ({"kernels": _evaluated(lambda: kernels_module().gemm_many(x, [w])[0])} if gemm_on() else {}))
+            | ({"kernels": _evaluated(lambda: kernels_module().gemm_many(x, [w])[0])} if gemm_on() else {})), flops
 
 
 def _few_rows_route(x: mx.array, *weights: mx.array) -> str | None:
@@ -386,9 +392,8 @@ def _few_rows_route(x: mx.array, *weights: mx.array) -> str | None:
             return None
         route = table.kept_route("few", shape, names)
         if route is None:
-            measured = (rows, min(shape[1], MEASURED_WIDTH), shape[2])
             with mx.stream(mx.cpu):
-                route = table.choose("few", shape, _few_rows_candidates(*measured), 2.0 * np.prod(measured),
+                route = table.choose("few", shape, *_few_rows_candidates(*shape),
                                      f"float32 product of {rows} rows x {shape[2]} x {shape[1]}")
         chosen.add(route)
     return chosen.pop() if len(chosen) == 1 else "mixed"
