@@ -31,13 +31,17 @@ def _keep_freed_memory() -> bool:
     every large array of every step page-faults and is zeroed again by the kernel (a training
     step's logits, softmax and gradients are hundreds of MB each): on Linux CPU this doubled
     the SmolLM2 step time. Serving them from the heap and never trimming it keeps freed memory
-    for the next step. The process then holds on to its peak; MLXTOY_MALLOC=system opts out."""
+    for the next step. A thread's arena (a server's decoding thread, the kernels' pool) is not
+    bound by the trim threshold: glibc unmaps a heap of it once its top is free unless the top
+    pad covers a heap (64 MiB), so there the pad keeps it. The process then holds on to its
+    peak; MLXTOY_MALLOC=system opts out."""
     if platform.system() != "Linux" or settings.MALLOC.value() == "system":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+        M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
+        return (bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+                and bool(libc.mallopt(M_TOP_PAD, 128 << 20)))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
 

@@ -2,7 +2,8 @@
 from the process's own memory map), that MLX's GEMMs and the kernels' block attention on it
 agree with numpy float64 and mx.fast (numpy keeps its own OpenBLAS, libscipy_openblas64_), and that PyPI's prefixed OpenBLAS gets its thread count
 back after the block attention sets it to one. Each BLAS in a fresh interpreter, since the choice
-is made once, before mlx.core is imported."""
+is made once, before mlx.core is imported. And glibc's malloc as mlxtoy.backend sets it: freed
+memory kept for the next step in a thread too."""
 
 from __future__ import annotations
 
@@ -125,3 +126,50 @@ def test_unmeasured_openblas_first_on_amd_and_mkl_first_on_intel(monkeypatch, tm
     assert names["AuthenticAMD", True][0] == names["AuthenticAMD", False][0] == "openblas+prefix"
     assert names["GenuineIntel", True][0] == names["GenuineIntel", False][0] == "mkl"
     assert set(names["GenuineIntel", True]) >= {"mkl", "openblas+prefix"}  # CI installs both
+
+
+THREAD_FAULTS = r"""
+import ctypes, resource, sys, threading
+import mlxtoy  # noqa: F401  (its malloc settings)
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: a fault a 4 KiB page, whatever the machine's huge pages
+if sys.argv[1] == "glibc-pad":
+    libc.mallopt(-2, 128 * 1024)  # M_TOP_PAD back to glibc's default
+faults = []
+
+def work():
+    size = 40 << 20  # two of them do not fit one of a thread arena's heaps (64 MiB)
+    held = libc.malloc(size)
+    ctypes.memset(held, 1, size)
+    for _ in range(4):  # a decoding thread's step: a large array made, filled and freed
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        p = libc.malloc(size)
+        ctypes.memset(p, 1, size)
+        libc.free(ctypes.c_void_p(p))
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    libc.free(ctypes.c_void_p(held))
+
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(max(faults[1:]))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_a_thread_reuses_the_memory_it_freed_instead_of_faulting_in_fresh_pages():
+    """A server's decoding thread made and freed arrays past its arena's heap every step; glibc
+    unmapped that heap on each free (the trim threshold does not bind a thread's arena), and
+    the kernel zeroed 40 MB of fresh pages again. Counted by the kernel's own fault counter;
+    the positive control puts glibc's top pad back and sees the faults return."""
+    def faults(mode: str) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "MLXTOY_MALLOC"}
+        proc = subprocess.run([sys.executable, "-c", THREAD_FAULTS, mode], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return int(proc.stdout.split()[-1])
+
+    pages = (40 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert faults("glibc-pad") > pages // 2  # each round faults the array's pages in again
+    assert faults("mlxtoy") < pages // 20
