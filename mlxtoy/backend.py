@@ -32,9 +32,10 @@ def _keep_freed_memory() -> bool:
     step's logits, softmax and gradients are hundreds of MB each): on Linux CPU this doubled
     the SmolLM2 step time. Serving them from the heap and never trimming it keeps freed memory
     for the next step. A thread's arena (a server's decoding thread, the kernels' pool) is not
-    bound by the trim threshold: glibc unmaps a heap of it once its top is free unless the top
-    pad covers a heap (64 MiB), so there the pad keeps it. The process then holds on to its
-    peak; MLXTOY_MALLOC=system opts out."""
+    bound by the trim threshold: glibc unmaps a heap of it (64 MiB at most) once its top is free
+    unless the top pad exceeds that free top plus the previous heap's unused room, each under
+    64 MiB; a pad of 128 MiB keeps every heap. The pad is address space, touched only when used.
+    The process then holds on to its peak; MLXTOY_MALLOC=system opts out."""
     if platform.system() != "Linux" or settings.MALLOC.value() == "system":
         return False
     try:
