@@ -41,25 +41,37 @@ inline void round_x16(const float* x, int64_t M, int64_t K, int16_t* x16, float*
 }
 
 #ifdef MLXTOY_AVX2
-// 8 scales or biases of type T at p + i as float32 (n < 8: the first n, the rest 0)
-template <ScaleType T>
-__attribute__((target("avx2,f16c"))) inline __m256 load8(const void* p, int64_t i, int64_t n = 8) {
-  if (n < 8) {
-    alignas(32) uint16_t h[16] = {};
-    std::memcpy(h, static_cast<const char*>(p) + i * scale_bytes(T), n * scale_bytes(T));
-    return load8<T>(h, 0);
-  }
-  if constexpr (T == ScaleType::F32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
-  if constexpr (T == ScaleType::F16) return _mm256_cvtph_ps(h);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // the first n of 8 floats at p (n < 8: the rest 0, nothing past them read)
 __attribute__((target("avx2"))) inline __m256 load8(const float* p, int64_t n) {
   if (n == 8) return _mm256_loadu_ps(p);
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
+}
+
+// 8 scales or biases of type T at p + i as float32 (n < 8: the first n, the rest 0, nothing past
+// them read). The short form takes no copy through memory: that was a call, around which every
+// vector register of the loop was spilled (as in the VNNI form's load4_tail)
+template <ScaleType T>
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const void* p, int64_t i, int64_t n = 8) {
+  if constexpr (T == ScaleType::F32) return load8(static_cast<const float*>(p) + i, n);
+  const uint16_t* at = static_cast<const uint16_t*>(p) + i;
+  __m128i h;
+  if (n == 8) {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+  } else {
+    h = _mm_setzero_si128();
+    switch (n) {
+      case 7: h = _mm_insert_epi16(h, at[6], 6); [[fallthrough]];
+      case 6: h = _mm_insert_epi16(h, at[5], 5); [[fallthrough]];
+      case 5: h = _mm_insert_epi16(h, at[4], 4); [[fallthrough]];
+      case 4: h = _mm_insert_epi16(h, at[3], 3); [[fallthrough]];
+      case 3: h = _mm_insert_epi16(h, at[2], 2); [[fallthrough]];
+      case 2: h = _mm_insert_epi16(h, at[1], 1); [[fallthrough]];
+      case 1: h = _mm_insert_epi16(h, at[0], 0);
+    }
+  }
+  if constexpr (T == ScaleType::F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 // Rows [n0, n1) of y (M, N) = x W^T, W 4-bit in groups of 32 with scales and biases (N, K / 32)
