@@ -173,7 +173,7 @@ KERNEL_SPINS = Switch("MLXTOY_KERNEL_SPINS", int, 4000, "how long the kernels' o
 KERNEL_DONE_SPINS = Switch("MLXTOY_KERNEL_DONE_SPINS", int, 400, "how long the kernels' calling "
                            "thread spins for its workers to finish before it sleeps",
                            audience=DEBUG, read_by="C++", check=at_least(0))
-KERNEL_VNNI = Switch("MLXTOY_KERNEL_VNNI", bool, True, "0: decoding from a 4-bit base multiplies in "
+KERNEL_VNNI = Switch("MLXTOY_KERNEL_VNNI", bool, True, "0: decoding from a 4- or 8-bit base multiplies in "
                      "float32 instead of integer products (AVX-512 VNNI or AVX2; x rounded to 16 bits a group)",
                      audience=DEBUG, read_by="C++")
 KERNEL_AVX512 = Switch("MLXTOY_KERNEL_AVX512", bool, True, "0: every kernel takes its AVX2 form on an "

@@ -38,16 +38,24 @@ def _dense64(q, scales, biases, group, bits) -> np.ndarray:
                     ).astype(np.float64)
 
 
-def _x_rounding_bound(x, q, scales, biases, group) -> np.ndarray:
-    """The most that rounding x to 16 bits per group of 32 (the VNNI form's) can move each output:
-    sum_g |scale_g| sum_k q_k max|x_g| / 65278, q the integer levels (0..15)."""
+def _x_rounding_bound(x, q, scales, biases, group, bits: int = 4) -> np.ndarray:
+    """The most that rounding x to 16 bits per group of 32 (the integer forms') can move each
+    output: sum_g |scale_g| sum_k q_k max|x_g| / 65278, q the integer levels (0..2^bits - 1)."""
     s = np.array(scales.astype(mx.float32)).astype(np.float64)  # (N, groups)
     b = np.array(biases.astype(mx.float32)).astype(np.float64)
-    dense = _dense64(q, scales, biases, group, 4)
+    dense = _dense64(q, scales, biases, group, bits)
     levels = np.rint((dense - np.repeat(b, group, 1)) / np.repeat(s, group, 1))  # (N, K)
     xmax = np.abs(x.reshape(x.shape[0], -1, group)).max(-1)  # (rows, groups)
     qsum = levels.reshape(levels.shape[0], -1, group).sum(-1)  # (N, groups)
     return (xmax / 65278) @ (np.abs(s) * qsum).T
+
+
+def _rounds_x(bits: int, group: int) -> bool:
+    """Whether the GEMV rounds x to 16 bits for this W here: 4 bits in groups of 32 in either
+    integer form (AVX-512 VNNI, AVX2), 8 bits in groups of 32 in the VNNI form only."""
+    if group != 32:
+        return False
+    return fastmath.quant_vnni() or (bits == 4 and fastmath.kernels_module().quant_x16_ok())
 
 
 @needs_kernels
@@ -58,11 +66,11 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
     """1-4 rows of x (the GEMV; 67 rows of W: a tail past the passes of 4 rows; 20 groups of 32:
     a tail past the bias dot's 16 lanes) against float64, and one changed weight is seen. 4 bits
     in groups of 32 (a Q4_0/Q4_1 GGUF's) take the VNNI form where the CPU has it: x rounded to 16
-    bits per group, within that rounding's bound; the rest float32 sums, within a few eps. 4 bits
-    in groups of 32 also at widths whose last VNNI block of 4 groups holds 1, 2 or 3 (544, 576 as
-    SmolLM2's, 608)."""
+    bits per group, within that rounding's bound, and so do 8 bits in groups of 32 (a Q8_0 output
+    layer's) with VNNI; the rest float32 sums, within a few eps. Groups of 32 also at widths whose
+    last VNNI block of 4 groups holds 1, 2 or 3 (544, 576 as SmolLM2's, 608)."""
     rng = np.random.default_rng(7)
-    for width in (640, 544, 576, 608) if (bits, group) == (4, 32) else (640,):
+    for width in (640, 544, 576, 608) if group == 32 else (640,):
         q, scales, biases = _quantized(67, width, bits, group, dtype, seed=bits + group)
         dense = _dense64(q, scales, biases, group, bits)
         for rows in (1, 2, 3, 4):
@@ -71,8 +79,8 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
             assert y.shape == (rows, 1, 67) and y.dtype == mx.float32
             # float32 sums of `width` terms: within a few eps of sum |x_k w_k|
             bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
-            if (bits, group) == (4, 32):
-                bound = bound + _x_rounding_bound(x, q, scales, biases, group)
+            if _rounds_x(bits, group):
+                bound = bound + _x_rounding_bound(x, q, scales, biases, group, bits)
             assert (np.abs(np.array(y)[:, 0] - x.astype(np.float64) @ dense.T) <= bound).all()
     # positive control: one word of row 66 (the tail) changed -> that output, and only it, moves
     bad = np.array(q)
@@ -85,52 +93,59 @@ def test_quantized_gemv_matches_numpy(bits, group, dtype):
 
 @needs_kernels
 @pytest.mark.core
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("width", [640, 576])
-def test_a_prompt_takes_the_rounded_gemv_at_inference(symmetric, width):
+def test_a_prompt_takes_the_rounded_gemv_at_inference(bits, symmetric, width):
     """At inference a prompt's rows (more than decoding's 4; 5 to 37: tails past the fours and the
-    tiles of 16 rows of W) take the 4-bit GEMV too (the VNNI form, or AVX2's integer form; these
-    products are too small to be measured against the slabs), within x's 16-bit rounding of
-    float64; outside inference, or past the most rows the form takes, the exact slab product; a
-    changed weight moves its output only. 576: a partial last VNNI block (SmolLM2's width)."""
-    q, scales, biases = _quantized(67, width, 4, 32, mx.float16, seed=11)
-    if symmetric:  # Q4_0's blocks: levels - 8 times the scale
-        biases = (-8 * scales.astype(mx.float32)).astype(mx.float16)
-    dense = _dense64(q, scales, biases, 32, 4)
+    tiles of 16 rows of W) take the GEMV too (4 bits: the VNNI form, or AVX2's integer form; 8 bits:
+    the VNNI form, else the float one; these products are too small to be measured against the
+    slabs), within x's 16-bit rounding of float64, each row the bits it gets alone (decoded in a
+    batch or not); outside inference, or past the most rows the form takes, the exact slab
+    product; a changed weight moves its output only. 576: a partial last VNNI block (SmolLM2's
+    width)."""
+    q, scales, biases = _quantized(67, width, bits, 32, mx.float16, seed=11)
+    if symmetric:  # Q4_0's / Q8_0's blocks: levels - 2^(bits - 1) times the scale
+        biases = (-(2 ** (bits - 1)) * scales.astype(mx.float32)).astype(mx.float16)
+    dense = _dense64(q, scales, biases, 32, bits)
     rng = np.random.default_rng(12)
     for rows in (5, 9, 37):
         x = rng.standard_normal((rows, width)).astype(np.float32)
         want = x.astype(np.float64) @ dense.T
         eps = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
         with fastmath.inference():
-            y = np.array(quant.quant_linear(mx.array(x), q, scales, biases, 32, 4, symmetric))
-        exact = np.array(quant.quant_linear(mx.array(x), q, scales, biases, 32, 4))  # slabs
+            y = np.array(quant.quant_linear(mx.array(x), q, scales, biases, 32, bits, symmetric))
+            alone = [np.array(quant.quant_linear(mx.array(x[i:i + 1]), q, scales, biases, 32, bits, symmetric))
+                     for i in range(rows)]
+        np.testing.assert_array_equal(y, np.concatenate(alone))
+        exact = np.array(quant.quant_linear(mx.array(x), q, scales, biases, 32, bits))  # slabs
         assert (np.abs(exact - want) <= eps).all()
-        assert (np.abs(y - want) <= eps + _x_rounding_bound(x, q, scales, biases, 32)).all()
-        if fastmath.quant_vnni() or fastmath.kernels_module().quant_x16_ok():  # rounded: not the slab product's
+        assert (np.abs(y - want) <= eps + _x_rounding_bound(x, q, scales, biases, 32, bits)).all()
+        if _rounds_x(bits, 32):  # rounded: not the slab product's
             assert np.abs(y - exact).max() > 0
-    most = fastmath.kernels_module().quant_gemv_max_rows(width, 32, 4)
+    most = fastmath.kernels_module().quant_gemv_max_rows(width, 32, bits)
     # a partial last block takes the form whole blocks take (VNNI's bound, not AVX2's)
-    assert most == fastmath.kernels_module().quant_gemv_max_rows(640, 32, 4)
+    assert most == fastmath.kernels_module().quant_gemv_max_rows(640, 32, bits)
     if most > 4:  # past the most rows the rounded form takes: the slabs
         many = mx.array(rng.standard_normal((most + 1, width)).astype(np.float32))
         with fastmath.inference():
-            y_many = quant.quant_linear(many, q, scales, biases, 32, 4, symmetric)
-        np.testing.assert_array_equal(np.array(y_many), np.array(quant.quant_linear(many, q, scales, biases, 32, 4)))
+            y_many = quant.quant_linear(many, q, scales, biases, 32, bits, symmetric)
+        np.testing.assert_array_equal(np.array(y_many), np.array(quant.quant_linear(many, q, scales, biases, 32, bits)))
     bad = np.array(q)
-    bad[66, 3] ^= 0x0F0F0F0F
+    bad[66, 3] ^= 0x0F0F0F0F if bits == 4 else 0x7F7F7F7F
     with fastmath.inference():
-        y_bad = np.array(quant.quant_linear(mx.array(x), mx.array(bad), scales, biases, 32, 4, symmetric))
+        y_bad = np.array(quant.quant_linear(mx.array(x), mx.array(bad), scales, biases, 32, bits, symmetric))
     assert np.abs(y_bad[:, 66] - y[:, 66]).max() > 1e-2
     np.testing.assert_array_equal(y_bad[:, :66], y[:, :66])
 
 
 @needs_kernels
 @pytest.mark.core
-@pytest.mark.parametrize("bits,group", [(8, 32), (8, 64), (4, 64)])
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 64)])
 def test_a_batch_s_rows_take_the_float_gemv_each_with_the_bits_it_gets_alone(bits, group):
     """At inference, rows past decoding's 4 (5 to 37: passes of 4 and a tail) against a W with no
-    integer form (8 bits, as a GGUF's Q8_0 / Q6_K output layer is kept; 4 bits in groups of 64) take
+    integer form (groups of 64, as mlx-lm quantizes; 8 bits in groups of 32, a Q8_0 layer's, where
+    the CPU has no VNNI: test_a_prompt_takes_the_rounded_gemv_at_inference) take
     the float32 GEMV four rows a pass: each row's outputs are the bits that row gets alone, within
     float32 rounding of float64. Past the most rows it takes: the slabs. The slabs' SGEMM (outside
     inference, what these rows took before) sums in another order: the positive control."""
@@ -179,15 +194,15 @@ def test_symmetric_gemv_leaves_the_biases_unread(dtype):
         x = rng.standard_normal((1, 640)).astype(np.float32)
         want = x.astype(np.float64) @ dense.T
         bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
-        if bits == 4:
-            bound = bound + _x_rounding_bound(x, q, s, b, 32)
+        if _rounds_x(bits, 32):
+            bound = bound + _x_rounding_bound(x, q, s, b, 32, bits)
         y = np.array(quant.quant_linear(mx.array(x), q, s, b, 32, bits, symmetric=True))
         assert (np.abs(y - want) <= bound).all()
         wrong = b + 1.0
         general = np.array(quant.quant_linear(mx.array(x), q, s, wrong, 32, bits))
         sym = np.array(quant.quant_linear(mx.array(x), q, s, wrong, 32, bits, symmetric=True))
         assert np.abs(general - want).max() > 1.0  # the general form reads the biases
-        if bits == 4 and (fastmath.quant_vnni() or fastmath.kernels_module().quant_x16_ok()):
+        if _rounds_x(bits, 32):  # the integer forms
             assert (np.abs(sym - want) <= bound).all()  # the symmetric one does not
 
 

@@ -285,7 +285,7 @@ bool cpu_vnni() {
 }
 
 bool vnni_form(int64_t K, int64_t group, int bits) {
-  return bits == 4 && group == 32 && K % 32 == 0 && cpu_vnni();
+  return (bits == 4 || bits == 8) && group == 32 && K % 32 == 0 && cpu_vnni();
 }
 
 // the AVX2 integer form (qgemv_x16.h) where the VNNI form does not run
@@ -309,22 +309,22 @@ bool integer_form(int64_t K, int64_t group, int bits) {
   return vnni_form(K, group, bits) || x16_form(K, group, bits);
 }
 
-void QuantRows::reserve(int64_t M, int64_t K) {
-  vnni_ = vnni_form(K, 32, 4), K_ = K;
+void QuantRows::reserve(int64_t M, int64_t K, int bits) {
+  vnni_ = vnni_form(K, 32, bits), K_ = K, bits_ = bits;
   sums_.resize(M * K / 32);
   steps_.resize(vnni_ ? 0 : M * K / 32), x16_.resize(vnni_ ? 0 : M * K);
-  const int64_t blocks = vnni_blocks(K);
-  bytes_.resize(vnni_ ? M * blocks * 256 : 0), xsl_.resize(vnni_ ? M * blocks * 16 : 0);
-  corr_.resize(vnni_ ? M * blocks * 16 : 0);
+  const int64_t blocks = vnni_blocks(K), lanes = vnni_lanes(bits);
+  bytes_.resize(vnni_ ? M * blocks * 256 : 0), xsl_.resize(vnni_ ? M * blocks * lanes : 0);
+  corr_.resize(vnni_ ? M * blocks * lanes : 0);
 }
 
 void QuantRows::prepare(const float* x, int64_t m0, int64_t m1) {
 #ifdef MLXTOY_AVX2
   const int64_t K = K_, groups = K / 32;
   if (vnni_) {
-    const int64_t blocks = vnni_blocks(K);
-    vnni_x(x + m0 * K, m1 - m0, K, bytes_.data() + m0 * blocks * 256, xsl_.data() + m0 * blocks * 16,
-           corr_.data() + m0 * blocks * 16, sums_.data() + m0 * groups);
+    const int64_t blocks = vnni_blocks(K), lanes = vnni_lanes(bits_);
+    vnni_x(x + m0 * K, m1 - m0, K, bits_, bytes_.data() + m0 * blocks * 256, xsl_.data() + m0 * blocks * lanes,
+           corr_.data() + m0 * blocks * lanes, sums_.data() + m0 * groups);
     return;
   }
   round_x16(x + m0 * K, m1 - m0, K, x16_.data() + m0 * K, steps_.data() + m0 * groups);
@@ -350,12 +350,12 @@ void QuantRows::products(int64_t m0, int64_t count, const uint32_t* w, const voi
 #ifdef MLXTOY_AVX2
   const int64_t K = K_, groups = K / 32;
   if (vnni_) {
-    const int64_t blocks = vnni_blocks(K);
-    const VnniX x{bytes_.data() + m0 * blocks * 256, xsl_.data() + m0 * blocks * 16,
-                  corr_.data() + m0 * blocks * 16, sums_.data() + m0 * groups};
-    if (st == ScaleType::F16) qgemv4_vnni<ScaleType::F16>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
-    else if (st == ScaleType::BF16) qgemv4_vnni<ScaleType::BF16>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
-    else qgemv4_vnni<ScaleType::F32>(symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
+    const int64_t blocks = vnni_blocks(K), lanes = vnni_lanes(bits_), b = bits_;
+    const VnniX x{bytes_.data() + m0 * blocks * 256, xsl_.data() + m0 * blocks * lanes,
+                  corr_.data() + m0 * blocks * lanes, sums_.data() + m0 * groups};
+    if (st == ScaleType::F16) qgemv_vnni<ScaleType::F16>(b, symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
+    else if (st == ScaleType::BF16) qgemv_vnni<ScaleType::BF16>(b, symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
+    else qgemv_vnni<ScaleType::F32>(b, symmetric, count, x, w, scales, biases, y, N, K, n0, n1);
     return;
   }
   const int16_t* xr = x16_.data() + m0 * K;
@@ -371,7 +371,7 @@ void qgemv(const float* x, int64_t M, const uint32_t* w, const void* scales, con
            bool symmetric, float* y, int64_t N, int64_t K, int64_t group, int bits, Pool& threads) {
   if (integer_form(K, group, bits)) {
     QuantRows rows;
-    rows.reserve(M, K);
+    rows.reserve(M, K, bits);
     // x's rows prepared on the threads when there are many (a prompt)
     threads.run(M, std::max<int64_t>(1, 4096 / K), [&](int64_t m0, int64_t m1) { rows.prepare(x, m0, m1); });
     threads.run_dynamic(N, std::max<int64_t>(32, gemv_chunk(N, threads.threads()) / 4), [&](int64_t n0, int64_t n1) {

@@ -25,9 +25,10 @@ constexpr int64_t vnni_blocks(int64_t K) { return (K + kVnniBlock - 1) / kVnniBl
 // Zen 3): the bounds of what `quant.quant_linear` measures against the slabs per rows class
 constexpr int64_t kVnniMaxRows = 256;
 constexpr int64_t kX16MaxRows = 128;
-// and the float32 form (8 bits; 4 bits where no integer form runs), a pass of kGemvRows rows of x
-// at a time, W's block of rows read from cache past the first: a batch of decoded rows against an
-// 8-bit output layer, which the slabs widened whole every step (docs/performance.md)
+// and the float32 form (where no integer form runs: groups of 64, 8 bits without VNNI), a pass of
+// kGemvRows rows of x at a time, W's block of rows read from cache past the first: a batch of
+// decoded rows against an 8-bit output layer, which the slabs widened whole every step
+// (docs/performance.md)
 constexpr int64_t kFloatMaxRows = 64;
 
 enum class ScaleType { F32, F16, BF16 };
@@ -39,13 +40,13 @@ inline ScaleType scale_type(const mx::array& a) {
   return a.dtype() == mx::float16 ? ScaleType::F16 : a.dtype() == mx::bfloat16 ? ScaleType::BF16 : ScaleType::F32;
 }
 
-// whether the 4-bit GEMV (groups of 32) takes AVX-512 VNNI here; MLXTOY_KERNEL_VNNI=0: no
+// whether the 4- and 8-bit GEMV (groups of 32) takes AVX-512 VNNI here; MLXTOY_KERNEL_VNNI=0: no
 bool cpu_vnni();
 
 // whether the 4-bit GEMV's AVX2 16-bit integer form runs here (for groups of 32 where VNNI does not)
 bool cpu_x16();
 
-// whether qgemv takes the VNNI form for this W (4 bits, groups of 32, K whole blocks, and the CPU):
+// whether qgemv takes the VNNI form for this W (4 or 8 bits, groups of 32, and the CPU):
 // the form that takes any number of rows of x
 bool vnni_form(int64_t K, int64_t group, int bits);
 
@@ -53,7 +54,8 @@ bool vnni_form(int64_t K, int64_t group, int bits);
 // the VNNI and the AVX2 integer forms
 int64_t gemv_max_rows(int64_t K, int64_t group, int bits);
 
-// whether qgemv takes an integer form for this W (4 bits, groups of 32, and the CPU: VNNI, else AVX2):
+// whether qgemv takes an integer form for this W (groups of 32 and the CPU: VNNI at 4 or 8 bits, else
+// AVX2's at 4):
 // x rounded to 16 bits a group, a form that `QuantRows` prepares
 bool integer_form(int64_t K, int64_t group, int bits);
 
@@ -62,11 +64,12 @@ bool integer_form(int64_t K, int64_t group, int bits);
 // (decode.cpp), which so give the bits of quant_linear's GEMV
 class QuantRows {
  public:
-  // room for M rows of K; then `prepare` rows [m0, m1) of x (M, K), disjoint ranges on any threads
-  void reserve(int64_t M, int64_t K);
+  // room for M rows of K against a W `bits` wide (4, or 8 in the VNNI form); then `prepare` rows
+  // [m0, m1) of x (M, K), disjoint ranges on any threads
+  void reserve(int64_t M, int64_t K, int bits = 4);
   void prepare(const float* x, int64_t m0, int64_t m1);
   // y[m * N + n] = x[m0 + m] . W[n] for m < count (at most kGemvRows) and n in [n0, n1); W (N, K)
-  // 4-bit in groups of 32, scales and biases (N, K / 32) of type st (symmetric: biases not read)
+  // `reserve`'s bits in groups of 32, scales and biases (N, K / 32) of type st (symmetric: biases not read)
   void products(int64_t m0, int64_t count, const uint32_t* w, const void* scales, const void* biases, ScaleType st,
                 bool symmetric, float* y, int64_t N, int64_t n0, int64_t n1) const;
   // the same for all M prepared rows: at once up to kGemvRows (decoding), else (a prompt) over tiles
@@ -78,6 +81,7 @@ class QuantRows {
  private:
   bool vnni_ = false;
   int64_t K_ = 0;
+  int bits_ = 4;
   std::vector<float> sums_, steps_, xsl_;  // group sums; AVX2: each group's step; VNNI: its layout's
   std::vector<int16_t> x16_;
   std::vector<int8_t> bytes_;

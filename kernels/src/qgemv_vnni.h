@@ -1,6 +1,6 @@
-// The 4-bit GEMV's integer form for CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later), included
-// by qgemv.cpp alone: x rounded to 16 bits per group and laid out in byte vectors once a call
-// (`vnni_x`), then any range of W's rows against up to 4 rows of x a pass (`qgemv4_vnni`).
+// The 4- and 8-bit GEMV's integer form for CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later),
+// included by qgemv.cpp alone: x rounded to 16 bits per group and laid out in byte vectors once a
+// call (`vnni_x`), then any range of W's rows against up to 4 rows of x a pass (`qgemv_vnni`).
 #pragma once
 
 #include <immintrin.h>
@@ -28,7 +28,16 @@ namespace mlxtoy {
 // l / 4, so one multiply-add scales 4 groups. Where the biases are -8 scales (a Q4_0 block:
 // `symmetric`) they are not read: -8 sum(x16_g) goes into the integer sum, and a weight costs 4.5
 // bits of memory where it costs 5 with biases (float16).
+// 8 bits, groups of 32 (a Q8_0 block's, an 8-bit output layer's): the same split, the bytes in
+// their own order, so a block is two vectors of 64 weights, each with x16's high and low bytes
+// (lane l: weights 4l..4l+3 of its half, group l / 8 of it); a group's q . x16 is then within
+// 32 * 255 * 32639 < 2^28, exact in int32, rounded once (2^-24 of it) as a lane's float, where the
+// float form widened every weight to float32 (a conversion and an FMA per 16 weights and row of x,
+// here a byte product per 64). Symmetric (Q8_0's biases, -128 scales): -128 sum(x16_g) in the sum.
 constexpr int64_t kVnniAheadPasses = 2;
+// x's scales (and corrections) a block: a lane per 4 weights of a group's vector (16 at 4 bits,
+// where a vector holds the block's 4 groups; 32 at 8 bits, two vectors)
+constexpr int64_t vnni_lanes(int bits) { return bits == 8 ? 32 : 16; }
 
 // 4 (or 16) scales or biases of type T from p as float32 (T: float, or uint16_t holding float16
 // (F16 true) or bfloat16 bits)
@@ -48,13 +57,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// x as vnni_x lays it out: per row of x and block, the 4 byte vectors (high bytes of the even
-// elements, low bytes of the even, then the odd), xscale on its group's 4 lanes, and (symmetric)
-// 8 sum(x16_g) on the group's first lane
+// x as vnni_x lays it out: per row of x and block, the 4 byte vectors (4 bits: high bytes of the
+// even elements, low bytes of the even, then the odd; 8 bits: high bytes of elements 0..63, their
+// low bytes, then 64..127's), xscale on its group's lanes, and (symmetric) 2^(bits - 1) sum(x16_g)
+// on the group's first lane
 struct VnniX {
   const int8_t* bytes;  // (M, blocks, 4, 64), blocks = vnni_blocks(K); a partial block's missing groups 0
-  const float* xsl;     // (M, blocks * 16)
-  const int32_t* corr;  // (M, blocks * 16)
+  const float* xsl;     // (M, blocks * vnni_lanes(bits))
+  const int32_t* corr;  // (M, blocks * vnni_lanes(bits))
   const float* sums;    // (M, K / 32): sum(x_g)
 };
 
@@ -73,11 +83,59 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m128 load4_ta
   return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
 }
 
-// Block blk of the pass's R rows against its M rows of x, into acc; Tail: the row's partial last
-// block (its `tail_groups` groups' 16 bytes each, the rest of the vector zeros), a form of its own
-// so that whole blocks' loop holds no test
+// vnni_block for 8-bit rows: the block's two vectors of 64 weights (groups 0-1, 2-3), each against
+// x16's high and low bytes of its half
 template <int M, int R, ScaleType T, bool Sym, bool Tail>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inline)) inline void vnni_block(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inline)) inline void vnni_block8(
+    const VnniX& x, const uint8_t* q, const char* s, int64_t K, int64_t blk, int64_t tail_groups, __m512 (&acc)[R][M]) {
+  constexpr int64_t elem = scale_bytes(T), lanes = vnni_lanes(8);
+  const int64_t groups = K / 32, row_bytes = K, ahead = kVnniAheadPasses * R, blocks = vnni_blocks(K);
+  // a vector's lanes 0-7 hold its first group, 8-15 its second
+  const __m512i spread[2] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                             _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2)};
+  const int halves = Tail && tail_groups <= 2 ? 1 : 2;  // a tail of 1-2 groups has no second vector
+  __m512i xv[M][4], xc[M][2];
+  __m512 xsl[M][2];
+  for (int m = 0; m < M; ++m) {
+    const int8_t* xb = x.bytes + (m * blocks + blk) * 256;
+    for (int i = 0; i < 4; ++i) xv[m][i] = _mm512_loadu_si512(xb + 64 * i);
+    for (int h = 0; h < 2; ++h) {
+      xsl[m][h] = _mm512_loadu_ps(x.xsl + (m * blocks + blk) * lanes + 16 * h);
+      if constexpr (Sym) xc[m][h] = _mm512_loadu_si512(x.corr + (m * blocks + blk) * lanes + 16 * h);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* qb = q + r * row_bytes + blk * 128;
+    _mm_prefetch(reinterpret_cast<const char*>(qb + ahead * row_bytes), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(qb + ahead * row_bytes + 64), _MM_HINT_T1);
+    __m512i v[2];
+    __m128 s4;
+    if constexpr (Tail) {
+      const int64_t first = std::min<int64_t>(tail_groups, 2);
+      v[0] = _mm512_maskz_loadu_epi8(first == 2 ? ~__mmask64{0} : (__mmask64{1} << (32 * first)) - 1, qb);
+      v[1] = tail_groups > 2 ? _mm512_maskz_loadu_epi8((__mmask64{1} << (32 * (tail_groups - 2))) - 1, qb + 64)
+                             : _mm512_setzero_si512();
+      s4 = load4_tail<T>(s + r * groups * elem, blk, tail_groups);
+    } else {
+      v[0] = _mm512_loadu_si512(qb), v[1] = _mm512_loadu_si512(qb + 64);
+      s4 = load4<T>(s + r * groups * elem, 4 * blk);
+    }
+    for (int h = 0; h < halves; ++h) {
+      const __m512 sv = _mm512_permutexvar_ps(spread[h], _mm512_castps128_ps512(s4));
+      for (int m = 0; m < M; ++m) {
+        const __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[h], xv[m][2 * h]);
+        const __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[h], xv[m][2 * h + 1]);
+        __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
+        if constexpr (Sym) d = _mm512_sub_epi32(d, xc[m][h]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xsl[m][h]), sv, acc[r][m]);
+      }
+    }
+  }
+}
+
+// vnni_block for 4-bit rows: the block's 64 bytes, low nibbles (even elements) and high (odd)
+template <int M, int R, ScaleType T, bool Sym, bool Tail>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inline)) inline void vnni_block4(
     const VnniX& x, const uint8_t* q, const char* s, int64_t K, int64_t blk, int64_t tail_groups, __m512 (&acc)[R][M]) {
   constexpr int64_t elem = scale_bytes(T);
   const int64_t groups = K / 32, row_bytes = K / 2, ahead = kVnniAheadPasses * R, blocks = vnni_blocks(K);
@@ -118,10 +176,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inlin
   }
 }
 
+// Block blk of the pass's R rows (B bits) against its M rows of x, into acc; Tail: the row's
+// partial last block (its `tail_groups` groups' bytes, the rest of the vectors zeros), a form of
+// its own so that whole blocks' loop holds no test
+template <int B, int M, int R, ScaleType T, bool Sym, bool Tail>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inline)) inline void vnni_block(
+    const VnniX& x, const uint8_t* q, const char* s, int64_t K, int64_t blk, int64_t tail_groups, __m512 (&acc)[R][M]) {
+  if constexpr (B == 8) vnni_block8<M, R, T, Sym, Tail>(x, q, s, K, blk, tail_groups, acc);
+  else vnni_block4<M, R, T, Sym, Tail>(x, q, s, K, blk, tail_groups, acc);
+}
+
 // scales (and biases, unless symmetric) read in their own type T (no widened copy: prefetched
 // with the words)
-template <int M, int R, ScaleType T, bool Sym>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void qgemv4_pass_vnni(
+template <int B, int M, int R, ScaleType T, bool Sym>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void qgemv_pass_vnni(
     const VnniX& x, const uint8_t* q, const char* s, const char* b, float* y, int64_t N, int64_t K) {
   constexpr int64_t elem = scale_bytes(T);
   // prefetched into L2 (into L1 they evicted the pass's own lines), two passes ahead
@@ -135,8 +203,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   const int64_t full = K / kVnniBlock, tail_groups = (K % kVnniBlock) / 32;
-  for (int64_t blk = 0; blk < full; ++blk) vnni_block<M, R, T, Sym, false>(x, q, s, K, blk, 0, acc);
-  if (tail_groups) vnni_block<M, R, T, Sym, true>(x, q, s, K, full, tail_groups, acc);
+  for (int64_t blk = 0; blk < full; ++blk) vnni_block<B, M, R, T, Sym, false>(x, q, s, K, blk, 0, acc);
+  if (tail_groups) vnni_block<B, M, R, T, Sym, true>(x, q, s, K, full, tail_groups, acc);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float total = _mm512_reduce_add_ps(acc[r][m]);
@@ -153,48 +221,59 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) inline void
     }
 }
 
-template <int M, ScaleType T, bool Sym>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void qgemv4_rows_vnni(
+template <int B, int M, ScaleType T, bool Sym>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void qgemv_rows_vnni(
     const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y, int64_t N, int64_t K,
     int64_t n0, int64_t n1) {
   constexpr int R = M == 1 ? 8 : M == 2 ? 4 : 2;
   constexpr int64_t elem = scale_bytes(T);
-  const int64_t words = K / 8, row_sc = K / 32 * elem;
+  const int64_t words = K * B / 32, row_sc = K / 32 * elem;
   auto sc = static_cast<const char*>(scales), bi = static_cast<const char*>(biases);
   int64_t n = n0;
   for (; n + R <= n1; n += R)
-    qgemv4_pass_vnni<M, R, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
-                                   bi + n * row_sc, y + n, N, K);
+    qgemv_pass_vnni<B, M, R, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                                     bi + n * row_sc, y + n, N, K);
   for (; n < n1; ++n)
-    qgemv4_pass_vnni<M, 1, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
-                                   bi + n * row_sc, y + n, N, K);
+    qgemv_pass_vnni<B, M, 1, T, Sym>(x, reinterpret_cast<const uint8_t*>(w + n * words), sc + n * row_sc,
+                                     bi + n * row_sc, y + n, N, K);
 }
 
-template <ScaleType T, bool Sym>
-void qgemv4_vnni(int64_t M, const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y,
-                 int64_t N, int64_t K, int64_t n0, int64_t n1) {
+template <int B, ScaleType T, bool Sym>
+void qgemv_vnni(int64_t M, const VnniX& x, const uint32_t* w, const void* scales, const void* biases, float* y,
+                int64_t N, int64_t K, int64_t n0, int64_t n1) {
   switch (M) {
-    case 1: return qgemv4_rows_vnni<1, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
-    case 2: return qgemv4_rows_vnni<2, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
-    case 3: return qgemv4_rows_vnni<3, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
-    default: return qgemv4_rows_vnni<4, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 1: return qgemv_rows_vnni<B, 1, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 2: return qgemv_rows_vnni<B, 2, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    case 3: return qgemv_rows_vnni<B, 3, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
+    default: return qgemv_rows_vnni<B, 4, T, Sym>(x, w, scales, biases, y, N, K, n0, n1);
   }
 }
 
+// rows [n0, n1) of y (M, N) = x W^T for M (at most 4) rows of x prepared by vnni_x, W `bits` wide
 template <ScaleType T>
-void qgemv4_vnni(bool symmetric, int64_t M, const VnniX& x, const uint32_t* w, const void* scales,
-                 const void* biases, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  if (symmetric) return qgemv4_vnni<T, true>(M, x, w, scales, biases, y, N, K, n0, n1);
-  qgemv4_vnni<T, false>(M, x, w, scales, biases, y, N, K, n0, n1);
+void qgemv_vnni(int bits, bool symmetric, int64_t M, const VnniX& x, const uint32_t* w, const void* scales,
+                const void* biases, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (bits == 8) {
+    if (symmetric) return qgemv_vnni<8, T, true>(M, x, w, scales, biases, y, N, K, n0, n1);
+    return qgemv_vnni<8, T, false>(M, x, w, scales, biases, y, N, K, n0, n1);
+  }
+  if (symmetric) return qgemv_vnni<4, T, true>(M, x, w, scales, biases, y, N, K, n0, n1);
+  qgemv_vnni<4, T, false>(M, x, w, scales, biases, y, N, K, n0, n1);
 }
 
 
-// x (M, K) for qgemv4_rows_vnni (VnniX): rounded to 16 bits per group of 32 and split in bytes,
-// and each group's sum (sums (M, K / 32)). Vectors: per call this runs on one thread before the
-// rows are shared out, where a scalar loop took as long as a small matrix's whole product.
-__attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, int64_t M, int64_t K, int8_t* bytes,
-                                                              float* xsl, int32_t* corr, float* sums) {
-  const int64_t blocks = vnni_blocks(K);
+// 16 int32 lanes (each within a signed byte) as 16 bytes at `to`
+__attribute__((target("avx512f"))) inline void store16(int8_t* to, __m512i v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(to), _mm512_cvtepi32_epi8(v));
+}
+
+// x (M, K) for qgemv_vnni (VnniX) against a W `bits` wide: rounded to 16 bits per group of 32 and
+// split in bytes, and each group's sum (sums (M, K / 32)). Vectors: per call this runs on one
+// thread before the rows are shared out, where a scalar loop took as long as a small matrix's
+// whole product.
+__attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, int64_t M, int64_t K, int bits,
+                                                              int8_t* bytes, float* xsl, int32_t* corr, float* sums) {
+  const int64_t blocks = vnni_blocks(K), lanes = vnni_lanes(bits);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512 lim = _mm512_set1_ps(kX16), nlim = _mm512_set1_ps(-kX16);
@@ -204,11 +283,15 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, i
       int8_t* out = bytes + (m * blocks + blk) * 256;
       const float* xb = x + m * K + blk * kVnniBlock;
       for (int j = 0; j < 4; ++j) {
-        float* sl = xsl + (m * blocks + blk) * 16 + 4 * j;
-        int32_t* cr = corr + (m * blocks + blk) * 16 + 4 * j;
+        // group j's lanes: 4 bits, 4 of the block's 16; 8 bits, 8 of its vector's 16 (j / 2)
+        const int64_t at = bits == 8 ? 16 * (j / 2) + 8 * (j % 2) : 4 * j, width = bits == 8 ? 8 : 4;
+        float* sl = xsl + (m * blocks + blk) * lanes + at;
+        int32_t* cr = corr + (m * blocks + blk) * lanes + at;
         if (blk * kVnniBlock + 32 * j >= K) {  // a group past the row's end (a partial block): zeros
-          for (int i = 0; i < 4; ++i) std::memset(out + 64 * i + 16 * j, 0, 16);
-          std::fill(sl, sl + 4, 0.0f), std::fill(cr, cr + 4, 0);
+          for (int i = 0; i < 4; ++i)
+            if (bits == 8) std::memset(out + 128 * (j / 2) + 64 * (i % 2) + 32 * (j % 2) + 16 * (i / 2), 0, 16);
+            else std::memset(out + 64 * i + 16 * j, 0, 16);
+          std::fill(sl, sl + width, 0.0f), std::fill(cr, cr + width, 0);
           continue;
         }
         const __m512 v0 = _mm512_loadu_ps(xb + 32 * j), v1 = _mm512_loadu_ps(xb + 32 * j + 16);
@@ -223,18 +306,18 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, i
           lo[h] = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r[h], b128), b255), b128);
           hi[h] = _mm512_srai_epi32(_mm512_sub_epi32(r[h], lo[h]), 8);
         }
-        // element 32 j + k sits in byte 16 j + k / 2 of the block's even (k even) or odd vectors
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * j),
-                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(hi[0], even, hi[1])));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 + 16 * j),
-                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], even, lo[1])));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 128 + 16 * j),
-                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(hi[0], odd, hi[1])));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 192 + 16 * j),
-                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(lo[0], odd, lo[1])));
+        if (bits == 8) {  // element 32 j + k sits in byte 32 (j % 2) + k of half j / 2's high and low vectors
+          int8_t* half = out + 128 * (j / 2) + 32 * (j % 2);
+          store16(half, hi[0]), store16(half + 16, hi[1]), store16(half + 64, lo[0]), store16(half + 80, lo[1]);
+        } else {  // element 32 j + k sits in byte 16 j + k / 2 of the block's even (k even) or odd vectors
+          store16(out + 16 * j, _mm512_permutex2var_epi32(hi[0], even, hi[1]));
+          store16(out + 64 + 16 * j, _mm512_permutex2var_epi32(lo[0], even, lo[1]));
+          store16(out + 128 + 16 * j, _mm512_permutex2var_epi32(hi[0], odd, hi[1]));
+          store16(out + 192 + 16 * j, _mm512_permutex2var_epi32(lo[0], odd, lo[1]));
+        }
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r[0], r[1]));
         sums[m * (K / 32) + blk * 4 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-        for (int l = 0; l < 4; ++l) sl[l] = scale, cr[l] = l == 0 ? 8 * sum : 0;
+        for (int l = 0; l < width; ++l) sl[l] = scale, cr[l] = l == 0 ? (1 << (bits - 1)) * sum : 0;
       }
     }
 }

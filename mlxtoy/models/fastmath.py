@@ -89,10 +89,10 @@ def kernels_status() -> str:
         team = "MKL's OpenMP threads" if K.openmp() else "their own pool"
         gemms = ("the kernels' GEMM or the BLAS, whichever measures faster per shape (`doctor --calibrate`)"
                  if gemm_on() else "the BLAS")
-        quantized = ("AVX-512 VNNI integer products" if quant_vnni() else
-                     "AVX2 16-bit integer products" if K.quant_x16_ok() else "float32")
+        quantized = ("AVX-512 VNNI integer products (4 and 8 bits)" if quant_vnni() else
+                     "AVX2 16-bit integer products (4 bits; 8 bits in float32)" if K.quant_x16_ok() else "float32")
         return (f"on ({K.forms()} forms, {K.threads()} threads: {team}; float32 products of many rows: {gemms}; "
-                f"decoding from a 4-bit base: {quantized})")
+                f"decoding from a quantized base: {quantized})")
     if not backend.INFO.on_cpu:
         return f"off (device {backend.INFO.device}: the kernels are for the CPU)"
     why = backend.cpu_kernels()[1]
@@ -470,8 +470,8 @@ PACK_FORMS = {18: "q4_0", 24: "q4", 28: "q5", 34: "q8_0", 40: "q8"}  # a packed 
 
 
 def quant_vnni() -> bool:
-    """Whether `quant_linear`'s 4-bit GEMV (groups of 32) runs as AVX-512 VNNI integer products here
-    (x rounded to 16 bits a group) rather than in float32."""
+    """Whether `quant_linear`'s 4- and 8-bit GEMV (groups of 32) runs as AVX-512 VNNI integer
+    products here (x rounded to 16 bits a group) rather than in float32."""
     return kernels_module() is not None and kernels_module().quant_vnni_ok()
 
 
