@@ -168,30 +168,33 @@ def test_blocks_with_adapters_decode_fused_from_their_merged_weights(kind):
     assert all(layer.decode_packs() == {} for layer in dropped.layers)
 
 
-def quantized_base(model):
-    """The model's block matrices kept in MLX's affine 4-bit layout, groups of 32 (float16 scales
-    and biases), as a QLoRA base holds them; the embeddings and norms dense."""
+def quantized_base(model, bits: int | str = 4):
+    """The model's block matrices kept in MLX's affine layout, groups of 32 (float16 scales and
+    biases), as a QLoRA base holds them (4 bits), or a Q8_0 GGUF's (8); "mixed": q, v, o and up in
+    8 bits, the others in 4 (as a GGUF may mix its types); the embeddings and norms dense."""
     weights = dict(tree_flatten(model.parameters()))
     for name, w in weights.items():
         if name.startswith("layers.") and name.endswith(".weight") and w.ndim >= 2:
-            weights[name] = quantize_dense(w.reshape(-1, w.shape[-1]), QuantPlan(4, 32))[0]
+            wide = bits == 8 or (bits == "mixed" and name.split(".")[-2] in ("q", "v", "o", "up"))
+            weights[name] = quantize_dense(w.reshape(-1, w.shape[-1]), QuantPlan(8 if wide else 4, 32))[0]
     install_quantized(model, weights)
     mx.eval(model.parameters())
     return model
 
 
-@pytest.mark.parametrize("name", ["gqa", "mha-qkv-bias"])
-def test_a_4_bit_base_decodes_fused_reading_its_matrices_as_they_are(name):
-    """A quantized base's blocks take the fused step, which reads each 4-bit matrix as it is (no
-    float32 copy, no pack) by the quantized GEMV's integer form: its logits are the unfused
+@pytest.mark.parametrize("name,bits", [("gqa", 4), ("mha-qkv-bias", 4), ("gqa", 8), ("mha-qkv-bias", "mixed")])
+def test_a_quantized_base_decodes_fused_reading_its_matrices_as_they_are(name, bits):
+    """A quantized base's blocks take the fused step, which reads each 4- or 8-bit matrix as it is
+    (no float32 copy, no pack) by the quantized GEMV's integer form (8 bits: VNNI's), a block's
+    4- and 8-bit matrices each with the input laid out for it: its logits are the unfused
     quantized GEMVs' (the same products) and, within what rounding x to 16 bits a group moves,
     the uncached forward's (dequantized slabs and the SGEMM on the float x). Positive control: the
     float32 model before quantizing is beyond that tolerance."""
-    if not K.quant_integer_form(64, 32, 4):
-        pytest.skip("no integer form of the 4-bit GEMV on this CPU")
+    if not all(K.quant_integer_form(64, 32, b) for b in ((4, 8) if bits == "mixed" else (bits,))):
+        pytest.skip(f"no integer form of the {bits}-bit GEMV on this CPU")
     dense = tiny(VARIANTS[name])
     dense_steps, _, _ = decode_steps(dense, 6, fused=True)
-    model = quantized_base(tiny(VARIANTS[name]))
+    model = quantized_base(tiny(VARIANTS[name]), bits)
     assert sum(isinstance(m, QUANTIZED_TYPES) for _, m in model.named_modules()) == 7 * len(model.layers)
     fused, graphs, cache = decode_steps(model, 6, fused=True)
     assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
@@ -202,8 +205,9 @@ def test_a_4_bit_base_decodes_fused_reading_its_matrices_as_they_are(name):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     for i, (got, ref) in enumerate(zip(fused, uncached_logits(model, fused))):
         np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3, err_msg=f"{name}: step {i}")
-    # control: the tolerance tells the quantized model from the float32 one it was made from
-    assert max(np.abs(a - b).max() for a, b in zip(fused, dense_steps)) > 0.1
+    # control: the tolerance tells the quantized model from the float32 one it was made from (by
+    # 10x: 8 bits are closer to it than 4)
+    assert max(np.abs(a - b).max() for a, b in zip(fused, dense_steps)) > 10 * 2e-3
 
 
 ALL_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -381,18 +385,19 @@ def q4_model(variant: dict, seed: int = 0, qtype=Q4_1, head=False):
 
 def block_args(D=32, H=4, KV=2, Dh=8, F=48, S=16, bias=False, seed=0, q4=False):
     """decode_block's arguments for a random block; q4: its matrices "packed" (on a Q4_1 grid,
-    packed losslessly) or "affine" (MLX's affine 4-bit layout, groups of 32, float16 scales and
-    biases: a quantized base's, given as they are)."""
+    packed losslessly) or "affine" / "affine8" (MLX's affine 4- or 8-bit layout, groups of 32,
+    float16 scales and biases: a quantized base's, given as they are)."""
     r = np.random.default_rng(seed)
     a = lambda *shape: mx.array(r.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1]))  # noqa: E731
     weights = [1 + a(D), a(H, Dh, D), a(KV, Dh, D), a(KV, Dh, D), a(D, H * Dh), 1 + a(D), a(F, D), a(F, D), a(D, F)]
     extra = {}
     if q4 in (True, "packed"):  # the matrices on a Q4_1 grid, packed
         weights = [K.pack(mx.array(q4_grid(np.array(w))), "q4")[0] if i in MATRICES else w for i, w in enumerate(weights)]
-    elif q4 == "affine":
+    elif q4 in ("affine", "affine8"):
         affine = []
         for i in MATRICES:
-            words, scales, biases = mx.quantize(weights[i].reshape(-1, weights[i].shape[-1]), 32, 4)
+            words, scales, biases = mx.quantize(weights[i].reshape(-1, weights[i].shape[-1]), 32,
+                                                8 if q4 == "affine8" else 4)
             weights[i] = words.reshape(*weights[i].shape[:-1], -1)
             affine += [scales.astype(mx.float16), biases.astype(mx.float16)]
         extra = dict(affine=affine)
@@ -431,7 +436,11 @@ def test_decode_block_input_checks():
             "affine scales of the wrong width": dict(weights=words, affine=[s[:, :-1] for s in scales]),
             "affine scales and biases of two dtypes": dict(weights=words, affine=[s.astype(mx.float32) if j % 2
                                                                                   else s for j, s in enumerate(scales)]),
+            "affine words of neither 4 nor 8 bits": dict(weights=words[:6] + [words[6][:, :-1]] + words[7:],
+                                                         affine=scales),
         }
+    if K.quant_integer_form(32, 32, 8):  # and 8-bit ones, well-formed
+        mx.eval(K.decode_block(**block_args(F=64, q4="affine8")))
     for what, change in bad.items():
         with pytest.raises(ValueError, match="decode_block"):
             K.decode_block(**(good | change))
@@ -444,16 +453,18 @@ def test_decode_block_input_checks():
     assert np.isnan(np.array(y)).all() and np.array_equal(np.array(k), before)
 
 
-@pytest.mark.parametrize("q4", [False, "packed", "affine"], ids=["float32", "q4-packed", "affine-4-bit"])
+@pytest.mark.parametrize("q4", [False, "packed", "affine", "affine8"],
+                         ids=["float32", "q4-packed", "affine-4-bit", "affine-8-bit"])
 def test_decode_block_rows_of_a_left_padded_batch_each_get_what_they_get_alone(q4):
     """B rows in one call, row b's history in columns starts[b]..offset - 1 of the batch's cache
     (left padding before it, filled with large values a wrong mask would let through): each row's
     output and new k/v equal the row's own B = 1 call on its history alone (position offset -
     starts[b]), to float32 summation order (several rows take the several-rows GEMV; a packed
-    matrix is unpacked for them; an affine 4-bit one's rows are each rounded and multiplied alone).
-    Positive control: the batch read from column 0 differs."""
-    if q4 == "affine" and not K.quant_integer_form(64, 32, 4):
-        pytest.skip("no integer form of the 4-bit GEMV on this CPU")
+    matrix is unpacked for them; an affine 4- or 8-bit one's rows are each rounded and multiplied
+    alone). Positive control: the batch read from column 0 differs."""
+    bits = {"affine": 4, "affine8": 8}.get(q4)
+    if bits and not K.quant_integer_form(64, 32, bits):
+        pytest.skip(f"no integer form of the {bits}-bit GEMV on this CPU")
     D, H, KV, Dh, F, S = 64, 4, 2, 16, 96, 24
     base = block_args(D=D, H=H, KV=KV, Dh=Dh, F=F, S=S, bias=True, seed=7, q4=q4)
     r = np.random.default_rng(3)

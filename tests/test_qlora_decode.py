@@ -299,8 +299,10 @@ def test_greedy_generation_from_the_quantized_base_equals_the_dequantized_model(
     assert not any(isinstance(m, QUANTIZED_TYPES) for _, m in dmodel.named_modules())
     prompt = list(range(40, 60))
     want = _greedy(dmodel, prompt)
-    # with the kernels, a 4-bit base's blocks decode fused, reading its matrices as they are
-    fused = kind != "q8_0" and fastmath.kernels_on() and fastmath.affine_decode_ok(qmodel.config.d_model)
+    # with the kernels, a 4-bit base's blocks decode fused, reading its matrices as they are, and
+    # an 8-bit one's where the GEMV has its integer form (VNNI)
+    bits = 8 if kind == "q8_0" else 4
+    fused = fastmath.kernels_on() and fastmath.affine_decode_ok(qmodel.config.d_model, bits)
     assert (qmodel.layers[0].fused_modules() is not None) == fused
     assert _greedy(qmodel, prompt) == want
     # the same op by op (quant_linear's GEMV), and from the MLX-only product (slab_product: what

@@ -132,10 +132,12 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const float eps = eps_, attn_scale = attn_scale_, rope_scale = rope_scale_;
   const int packed = packed_, affine = affine_;
 
-  bool lossless = false, affine_any = false;  // a matrix in a lossless pack's form; in the affine form
+  // a matrix in a lossless pack's form; in the affine 4-bit form; in the affine 8-bit one
+  bool lossless = false, affine4_any = false, affine8_any = false;
   for (int i = 0; i < 7; ++i) {
     const int form = (packed >> (3 * i)) & 7;
-    lossless = lossless || (form != 0 && form != 3), affine_any = affine_any || form == 3;
+    lossless = lossless || !(form == 0 || form == kAffine4 || form == kAffine8);
+    affine4_any = affine4_any || form == kAffine4, affine8_any = affine8_any || form == kAffine8;
   }
 
   encoder.dispatch([=, copies = std::move(copies), temps = std::move(temps)]() {
@@ -143,15 +145,16 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     auto f = [&](int i) { return static_cast<const float*>(in[i]); };
     int next_affine = kBiasQ + (bias ? 3 : 0);  // the first affine matrix's scales
     auto matrix = [&](int i, int64_t K) {
-      int form = (packed >> (3 * (i - kQ))) & 7;  // 0 float32, 3 affine 4-bit, else a Pack's code
-      Affine4 a{};
-      if (form == 3) {
-        const int bits = affine >> (3 * (i - kQ));
+      int form = (packed >> (3 * (i - kQ))) & 7;  // 0 float32, kAffine4 / kAffine8, else a Pack's code
+      Affine a{};
+      const bool affine_form = form == kAffine4 || form == kAffine8;
+      if (affine_form) {
+        const int flags = affine >> (3 * (i - kQ));
         a = {static_cast<const uint32_t*>(in[i]), in[next_affine], in[next_affine + 1],
-             static_cast<ScaleType>(bits & 3), ((bits >> 2) & 1) != 0};
+             static_cast<ScaleType>(flags & 3), ((flags >> 2) & 1) != 0, form == kAffine8 ? 8 : 4};
         next_affine += 2;
       }
-      const bool lossless_form = form != 0 && form != 3;
+      const bool lossless_form = form != 0 && !affine_form;
       return Matrix{form == 0 ? f(i) : nullptr, lossless_form ? in[i] : nullptr,
                     lossless_form ? static_cast<Pack>(form) : Pack::none, K, a};
     };
@@ -214,7 +217,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       // every row, and a packed matrix's rows where they are unpacked (Matrix::unpacks)
       std::vector<float> xn(R * D), tmp(R * Dh), scores(group * kAttendPart), att(R * H * Dh);
       std::vector<float> unpacked(lossless && Matrix::unpacks(R) ? std::max({Dh * D, chunk_d * H * Dh, chunk_f * D, chunk_d * F}) : 0);
-      QuantRows prepared;  // the input as the affine matrices' integer forms read it
+      QuantRows prepared4, prepared8;  // the input as the affine 4- and 8-bit matrices' integer forms read it
       std::vector<float> low(7 * R * rank_max);  // each low-rank update's A[s] v of every row
       auto shrink = [&](int i, const float* v) {
         if (lr[i].a) lr[i].shrink(v, R, low.data() + i * R * rank_max);
@@ -227,7 +230,8 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
           for (int64_t i = 0; i < Dh; ++i) row[i] += b[i];
       };
       auto prepare = [&](const float* v, int64_t n) {  // each row's (n floats a row)
-        if (affine_any) prepared.reserve(R, n), prepared.prepare(v, 0, R);
+        if (affine4_any) prepared4.reserve(R, n, 4), prepared4.prepare(v, 0, R);
+        if (affine8_any) prepared8.reserve(R, n, 8), prepared8.prepare(v, 0, R);
       };
       auto norm_in = [&](const float* v, const float* w) {
         for (int64_t b = 0; b < R; ++b) rms_norm_row(v + b * D, w, xn.data() + b * D, D, eps);
@@ -237,7 +241,7 @@ void DecodeBlock::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
       // columns (N floats a row): a row's sums the ones it gets decoded alone, whatever the rows
       auto products = [&](const Matrix& w, const float* v, float* out, int64_t N, int64_t r0, int64_t r1) {
         const Matrix rows = w.rows(r0);
-        if (rows.affine.w) return rows.affine_rows(prepared, R, out, N, r1 - r0);
+        if (rows.affine.w) return rows.affine_rows(rows.affine.bits == 8 ? prepared8 : prepared4, R, out, N, r1 - r0);
         rows.gemv_rows(v, R, out, N, r1 - r0, unpacked.data());
       };
 
@@ -333,7 +337,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   if (x.ndim() != 3 || x.shape(0) < 1 || x.shape(1) < 1) fail("x (B, T, D): T new tokens of each of B rows");
   const int B = x.shape(0), D = x.shape(2);
   // a matrix's width: K float32, or a packed width (uint8: Q4, Q5 or Q8 blocks, told apart by it;
-  // uint32: MLX's affine 4-bit words, K / 8, with the next two arrays of `affine`)
+  // uint32: MLX's affine words, K / 8 at 4 bits or K / 4 at 8, with the next two arrays of `affine`)
   int packed = 0, affine_bits = 0;
   size_t next_affine = 0;
   auto width = [&](int i, int K) {
@@ -343,12 +347,13 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
       const mx::array &sc = affine[next_affine], &bi = affine[next_affine + 1];
       next_affine += 2;
       const int64_t rows = w.size() / w.shape(-1);
-      if (w.shape(-1) * 8 != K || !integer_form(K, 32, 4) || sc.ndim() < 2 || sc.shape(-1) != K / 32 ||
+      const int bits = w.shape(-1) * 8 == K ? 4 : w.shape(-1) * 4 == K ? 8 : 0;
+      if (!bits || !integer_form(K, 32, bits) || sc.ndim() < 2 || sc.shape(-1) != K / 32 ||
           sc.size() != rows * (K / 32) || bi.shape() != sc.shape() || bi.dtype() != sc.dtype() ||
           !(sc.dtype() == mx::float32 || sc.dtype() == mx::float16 || sc.dtype() == mx::bfloat16))
-        fail("an affine 4-bit matrix: words (.., K / 8), scales and biases (rows, K / 32) float32, float16 or "
-             "bfloat16, and a K the integer forms take here (quant_integer_form)");
-      packed |= 3 << (3 * (i - 1));
+        fail("an affine 4- or 8-bit matrix: words (.., K / 8) or (.., K / 4), scales and biases (rows, K / 32) "
+             "float32, float16 or bfloat16, and a K and bits the integer forms take here (quant_integer_form)");
+      packed |= (bits == 8 ? kAffine8 : kAffine4) << (3 * (i - 1));
       affine_bits |= (static_cast<int>(scale_type(sc)) | ((symmetric >> i) & 1) << 2) << (3 * (i - 1));
       return w.shape(-1);
     }
@@ -417,7 +422,7 @@ std::vector<mx::array> decode_block(const mx::array& x, const std::vector<mx::ar
   floats.insert(floats.end(), biases.begin(), biases.end());
   floats.insert(floats.end(), low_rank.begin(), low_rank.end());
   for (auto& a : floats)
-    if (a.dtype() != mx::float32) fail("float32 arrays only (a matrix may be packed uint8, or affine 4-bit uint32)");
+    if (a.dtype() != mx::float32) fail("float32 arrays only (a matrix may be packed uint8, or affine 4- or 8-bit uint32)");
   if (next_affine != affine.size()) fail("affine: scales and biases for each uint32 matrix, no more");
   inputs.push_back(offset);
   inputs.push_back(first);

@@ -33,13 +33,17 @@ class Kernel : public mx::Primitive {
   int iparam_;
 };
 
+// DecodeBlock's codes for a matrix in MLX's affine layout (groups of 32), beside packed.h's Pack codes
+constexpr int kAffine4 = 3, kAffine8 = 7;
+
 // One pre-norm Llama block for one decoded token (B = 1, T = 1), as one task on the kernels'
 // threads in phases (see decode.cpp).
 class DecodeBlock : public mx::Primitive {
  public:
   // packed: for weights[w] of decode_block (a matrix: q, k, v, o, gate, up, down), bits
   // 3 (w - 1) .. 3 (w - 1) + 2: 0 float32, 1 Q4-packed, 2 Q8-packed (see pack), 3 MLX's affine 4-bit
-  // layout (groups of 32), 4 Q5-packed; affine: for such a matrix, bits 3 (w - 1) .. + 2: its scales' ScaleType,
+  // layout (groups of 32: kAffine4), 4 Q5-packed, 5 Q4_0- and 6 Q8_0-packed, 7 MLX's affine 8-bit
+  // layout (kAffine8); affine: for an affine matrix, bits 3 (w - 1) .. + 2: its scales' ScaleType,
   // then whether it is symmetric; low_rank: bit m (m of q, k, v, o, gate, up, down) set where the
   // matrix has a low-rank update added to its products (an adapter's: decode.cpp's LowRank), bit
   // 7 + m where DoRA's rescale follows it

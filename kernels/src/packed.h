@@ -591,35 +591,36 @@ inline void unpack_blocks(const void* packed, int64_t blocks, float* out) {
   unpack_portable<P>(packed, blocks, out);
 }
 
-struct Affine4 {  // MLX's affine 4-bit layout, groups of 32 (qgemv.h: the integer forms read it)
+struct Affine {  // MLX's affine 4- or 8-bit layout, groups of 32 (qgemv.h: the integer forms read it)
   const uint32_t* w;
   const void *scales, *biases;
   ScaleType st;
-  bool symmetric;  // the biases are -8 scales, and not read
+  bool symmetric;  // the biases are -2^(bits - 1) scales, and not read
+  int bits;
 };
 
-// A weight matrix (N, K) in float32, packed (form `pack`) or MLX's affine 4-bit layout; rows(n)
-// is the matrix from row n on.
+// A weight matrix (N, K) in float32, packed (form `pack`) or MLX's affine 4- or 8-bit layout;
+// rows(n) is the matrix from row n on.
 struct Matrix {
   const float* f32;
   const void* packed;
   Pack pack;
   int64_t K;
-  Affine4 affine = {};
+  Affine affine = {};
 
   Matrix rows(int64_t n) const {
-    Affine4 a = affine;
+    Affine a = affine;
     if (a.w) {
       const int64_t bytes = n * (K / 32) * scale_bytes(a.st);
-      a.w += n * (K / 8), a.scales = static_cast<const char*>(a.scales) + bytes;
+      a.w += n * (K * a.bits / 32), a.scales = static_cast<const char*>(a.scales) + bytes;
       a.biases = static_cast<const char*>(a.biases) + bytes;
     }
     return Matrix{f32 ? f32 + n * K : nullptr, packed ? static_cast<const char*>(packed) + n * packed_width(K, pack) : nullptr,
                   pack, K, a};
   }
-  // y[m * N + n] for n in [0, count) of x's M rows (prepared: `x`) times this affine matrix's
-  // first `count` rows, by the integer forms (QuantRows::span; each row's values those of its own
-  // GEMV: quant_linear's)
+  // y[m * N + n] for n in [0, count) of x's M rows (prepared for this matrix's bits: `x`) times
+  // this affine matrix's first `count` rows, by the integer forms (QuantRows::span; each row's
+  // values those of its own GEMV: quant_linear's)
   void affine_rows(const QuantRows& x, int64_t M, float* y, int64_t N, int64_t count) const {
     x.span(M, affine.w, affine.scales, affine.biases, affine.st, affine.symmetric, y, N, 0, count);
   }

@@ -502,19 +502,21 @@ def decode_block_ok(x: mx.array, *arrays: mx.array) -> bool:
 
 
 class AffineMatrix(NamedTuple):
-    """A matrix `decode_block` reads in MLX's affine layout as it is: 4 bits in groups of 32
-    (`affine_decode_ok`), words (.., d_in / 8) shaped as the float32 matrix's leading axes, scales
-    and biases (rows, d_in / 32); symmetric: the biases are -8 scales (Q4_0's), never read."""
+    """A matrix `decode_block` reads in MLX's affine layout as it is: 4 or 8 bits in groups of 32
+    (`affine_decode_ok`), words (.., d_in * bits / 32) shaped as the float32 matrix's leading axes,
+    scales and biases (rows, d_in / 32); symmetric: the biases are -2^(bits - 1) scales (Q4_0's,
+    Q8_0's), never read."""
     words: mx.array
     scales: mx.array
     biases: mx.array
     symmetric: bool
 
 
-def affine_decode_ok(d_in: int) -> bool:
-    """Whether `decode_block` takes an affine 4-bit matrix (groups of 32) of this width here: where
-    the quantized GEMV has an integer form (AVX-512 VNNI or AVX2), whose values it then gives."""
-    return kernels_module() is not None and kernels_module().quant_integer_form(d_in, 32, 4)
+def affine_decode_ok(d_in: int, bits: int = 4) -> bool:
+    """Whether `decode_block` takes an affine matrix of these bits (groups of 32) and this width
+    here: where the quantized GEMV has an integer form (4 bits: AVX-512 VNNI or AVX2; 8 bits:
+    VNNI), whose values it then gives."""
+    return kernels_module() is not None and kernels_module().quant_integer_form(d_in, 32, bits)
 
 
 def decode_block(x: mx.array, weights: list[mx.array | AffineMatrix], biases: list[mx.array], keys: mx.array,

@@ -34,18 +34,22 @@ def banked(m: nn.Module) -> bool:
     return hasattr(m, "row_update")
 
 
-def affine4(m: nn.Module) -> bool:
+def affine_kept(m: nn.Module) -> bool:
     """Whether `m` is a frozen quantized projection the fused step reads as it is (no float32 copy,
-    no pack): MLX's affine layout, 4 bits in groups of 32, of a width the kernels take here
-    (`fastmath.affine_decode_ok`; a QLoRA base, a Q4_0 / Q4_1 GGUF loaded quantized)."""
-    return ("scales" in m and getattr(m, "bits", None) == 4 and getattr(m, "group_size", None) == 32
-            and getattr(m, "mode", "affine") == "affine" and fastmath.affine_decode_ok(m.weight.shape[-1] * 8))
+    no pack): MLX's affine layout, 4 or 8 bits in groups of 32, of a width and bits the kernels
+    take here (`fastmath.affine_decode_ok`; a QLoRA base, a Q4_0 / Q4_1 / Q8_0 GGUF loaded
+    quantized)."""
+    bits = getattr(m, "bits", None)
+    return ("scales" in m and bits in (4, 8) and getattr(m, "group_size", None) == 32
+            and getattr(m, "mode", "affine") == "affine"
+            and fastmath.affine_decode_ok(m.weight.shape[-1] * 32 // bits, bits))
 
 
 def kernel_matrix(plain: nn.Module, heads: tuple[int, int] | None = None) -> mx.array | fastmath.AffineMatrix:
-    """`plain`'s matrix as the fused step takes it: its weight, or an affine 4-bit one as it is
-    (`affine4`), its words shaped (heads, d_head, d_in / 8) for a per-head projection (`heads`)."""
-    if not affine4(plain):
+    """`plain`'s matrix as the fused step takes it: its weight, or an affine one as it is
+    (`affine_kept`), its words shaped (heads, d_head, d_in * bits / 32) for a per-head projection
+    (`heads`)."""
+    if not affine_kept(plain):
         return plain.weight
     words = plain.weight if heads is None else plain.weight.reshape(*heads, -1)
     return fastmath.AffineMatrix(words, plain.scales, plain.biases, bool(getattr(plain, "symmetric", False)))
@@ -54,9 +58,9 @@ def kernel_matrix(plain: nn.Module, heads: tuple[int, int] | None = None) -> mx.
 def added_in(m: nn.Module, plain: nn.Module) -> bool:
     """Whether the fused step adds `m`'s low-rank update to `plain`'s product inside the call
     (then DoRA's rescale) rather than reading one weight: a bank's rows' (`banked`), or a LoRA's or
-    DoRA's around a quantized base's 4-bit matrix (`affine4`; merged, it would be a float32 copy
+    DoRA's around a quantized base's matrix (`affine_kept`; merged, it would be a float32 copy
     of that matrix)."""
-    return banked(m) or (m is not plain and affine4(plain))
+    return banked(m) or (m is not plain and affine_kept(plain))
 
 
 def added_updates(modules: list[tuple[nn.Module, nn.Module]]) -> tuple[
@@ -126,7 +130,7 @@ def decode_copies_bytes(model: nn.Module) -> int:
                 continue
         for i in BLOCK_MATRICES:
             m, base = modules[i]
-            if affine4(base):  # read as it is
+            if affine_kept(base):  # read as it is
                 continue
             if merged_in(m, base):
                 merged += base.weight.nbytes

@@ -30,7 +30,7 @@ from mlxtoy.models import fastmath
 from mlxtoy.models.cache import KVCache, SlotCache, cache_positions
 from mlxtoy.models.attention import attention
 from mlxtoy.models.fastmath import Linear, RMSNorm, linear, linear_many, silu, swiglu
-from mlxtoy.models.fused_weights import (BLOCK_MATRICES, added_in, added_updates, affine4, banked, kernel_matrix,
+from mlxtoy.models.fused_weights import (BLOCK_MATRICES, added_in, added_updates, affine_kept, banked, kernel_matrix,
                                          kept_packs, merged_in, plain_projection, repin_packs)
 from mlxtoy.models.prefill import prefill_fits, prefill_route
 
@@ -340,9 +340,9 @@ class Block(nn.Module):
         (RMSNorms, per-head q/k/v with RoPE, no q/k norm, window, post-norm, SwiGLU, no biases but
         q/k/v's, all three or none), else None. A projection may carry an adapter (LoRA or DoRA
         around a plain projection, `mlxtoy.models.lora`): the step then reads its merged weight. A
-        plain one may be a quantized base's 4-bit matrix (`affine4`), read as it is, a LoRA around
-        it (LoRA or DoRA) then added to its product inside the call, as a bank's rows' are
-        (`added_in`: a QLoRA run's, a server's adapters)."""
+        plain one may be a quantized base's 4- or 8-bit matrix (`affine_kept`), read as it is, a
+        LoRA around it (LoRA or DoRA) then added to its product inside the call, as a bank's rows'
+        are (`added_in`: a QLoRA run's, a server's adapters)."""
         a, f = self.attn, self.ffn
         if not (type(a) is Attention and type(f) is FeedForward):
             return None
@@ -351,11 +351,11 @@ class Block(nn.Module):
         plain = (type(self.attn_norm) is RMSNorm and type(self.ffn_norm) is RMSNorm
                  and self.attn_norm.eps == self.ffn_norm.eps and "post_attn_norm" not in self
                  and "q_norm" not in a and a.window is None
-                 and all(type(p) is HeadProjection or isinstance(p, HeadProjection) and affine4(p) for p in (q, k, v))
+                 and all(type(p) is HeadProjection or isinstance(p, HeadProjection) and affine_kept(p) for p in (q, k, v))
                  and len({"bias" in p for p in (q, k, v)}) == 1  # q, k and v biased alike
                  and "rope" in a and type(a.rope) is RoPE and a.rope._long is None and f.act is silu
-                 and all((type(m) is Linear or affine4(m)) and "bias" not in m for m in (o, gate, up, down))
-                 and not any(merged_in(m, p) and affine4(p) for m, p in zip(wrapped, plains)))
+                 and all((type(m) is Linear or affine_kept(m)) and "bias" not in m for m in (o, gate, up, down))
+                 and not any(merged_in(m, p) and affine_kept(p) for m, p in zip(wrapped, plains)))
         if not plain:
             return None
         norms = [(self.attn_norm, self.attn_norm), (self.ffn_norm, self.ffn_norm)]
@@ -380,7 +380,7 @@ class Block(nn.Module):
             return kept_packs(self, None, BLOCK_MATRICES)
         adapted = [i for i in BLOCK_MATRICES if merged_in(*modules[i])]
         packs = kept_packs(self, self.fused_weights(modules), [i for i in BLOCK_MATRICES if i not in adapted
-                                                               and not affine4(modules[i][1])])
+                                                               and not affine_kept(modules[i][1])])
         if adapted:
             packs = {**packs, **{str(i): modules[i][0].merged_weight() for i in adapted}}
             mx.eval(packs)
@@ -397,12 +397,12 @@ class Block(nn.Module):
         biases = [plain.bias for _, plain in modules[1:4] if "bias" in plain]
         if not fastmath.decode_block_ok(x, *weights, *biases):
             return False
-        plain = [i for i in BLOCK_MATRICES if not merged_in(*modules[i]) and not affine4(modules[i][1])]
+        plain = [i for i in BLOCK_MATRICES if not merged_in(*modules[i]) and not affine_kept(modules[i][1])]
         packs = kept_packs(self, weights, plain)  # (what decode_packs keeps; no adapter merged here)
 
         def form(i: int) -> str:
             p = packs.get(str(i))
-            kind = ("a4" if affine4(modules[i][1]) else "f32" if p is None
+            kind = (f"a{modules[i][1].bits}" if affine_kept(modules[i][1]) else "f32" if p is None
                     else fastmath.PACK_FORMS[p.shape[-1] * 32 // weights[i].shape[-1]])
             return kind + ("+lora" if added_in(*modules[i]) else "")
 
@@ -423,7 +423,8 @@ class Block(nn.Module):
         a = self.attn
         shape = (x.shape[-1], weights[6].shape[0], a.n_heads, a.n_kv_heads, a.d_head,
                  "/".join(form(i) for i in BLOCK_MATRICES))
-        macs = sum(weights[i].size * (8 if weights[i].dtype == mx.uint32 else 1) for i in BLOCK_MATRICES)
+        macs = sum(weights[i].size * (32 // modules[i][1].bits if weights[i].dtype == mx.uint32 else 1)
+                   for i in BLOCK_MATRICES)
         return prefill_route(x.shape[0] * x.shape[1], shape, macs, one_row(self.decode_fused),
                              one_row(lambda v, c: self.forward_ops(v, "causal", c))) == "fused"
 
