@@ -6,10 +6,12 @@ Face folder that every tool loads: mlxtoy, mlx-lm's tuner, transformers + peft o
 same work), AdamW. Each (tool, method) runs in its own process, so peak memory is its own.
 
     python bench/bench_train.py [--steps 8] [--rounds 2] [--methods lora,full] [--tools mlxtoy,torch,mlx-lm]
-                                [--baseline torch] [--batch 4] [--seq 256] [--model HF_FOLDER]
+                                [--baseline torch] [--batch 4] [--seq 256] [--model HF_FOLDER] [--cold]
 
 `--model` trains another Hugging Face folder on the same rows (`python bench/bench_scale.py
---write-hf 1b` writes one with Llama-3.2-1B's shapes).
+--write-hf 1b` writes one with Llama-3.2-1B's shapes). `--cold` runs each process in an empty temp
+folder of its own: MLX compiles its CPU kernels into `$TMPDIR/mlx` on first use, so the first step
+is then a new machine's (and mlxtoy builds its precompiled header for those compiles again).
 
 Tool `mlxtoy-mlx` is mlxtoy with MLXTOY_KERNELS=0: the MLX-only path, which Metal and CUDA run
 (bench/bench_portable.py compares it with mlx-lm); `mlxtoy-blas` keeps the kernels but gives
@@ -24,6 +26,7 @@ step's tokens/s is timed the same way for every tool (`StepClock`: report to rep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> N
                     help="what every tool trains in (bfloat16: the GPU's)")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "mlxtoy-bench-train"))
     ap.add_argument("--model", help="a Hugging Face folder to train instead of SmolLM2-135M")
+    ap.add_argument("--cold", action="store_true", help="each run in an empty temp folder (MLX's kernel "
+                    "cache empty: a new machine's first step)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
@@ -241,7 +246,9 @@ def main(argv: list[str] | None = None, tools: str = "mlxtoy,torch,mlx-lm") -> N
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", tool, "--method", method,
                        "--hf", hf, "--data", data, "--steps", str(args.steps), "--batch", str(BATCH),
                        "--seq", str(SEQ), "--dtype", DTYPE]
-                p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=os.environ | ENV.get(tool, {}))
+                with tempfile.TemporaryDirectory(prefix="bench-cold-") if args.cold else contextlib.nullcontext() as cold:
+                    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                                       env=os.environ | ENV.get(tool, {}) | ({"TMPDIR": cold} if cold else {}))
                 line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
                 if p.returncode != 0 or line is None:
                     print(f"{tool} {method}: failed\n{p.stderr[-3000:]}", file=sys.stderr)

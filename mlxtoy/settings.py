@@ -183,6 +183,9 @@ GPU_SLAB_ROWS = Switch("MLXTOY_GPU_SLAB_ROWS", int, 0, "on a GPU, a quantized ba
                        "least this many rows dequantize slabs into the dense matmul instead of "
                        "mx.quantized_matmul (0: never; bench/gpu_check.sh times both)", audience=DEBUG,
                        check=at_least(0))
+JIT_HEADER = Switch("MLXTOY_JIT_HEADER", bool, True, "0: MLX's CPU kernels are compiled without the "
+                    "precompiled header mlxtoy makes for them (Linux, g++; each first compile then takes "
+                    "~4x as long)", audience=DEBUG)
 ROUTES = Switch("MLXTOY_ROUTES", str, "", "the file this machine's measured routes are kept in "
                 "(default: routes.json in the cache folder; the tests keep their own)", audience=DEBUG,
                 check=file_path)
@@ -190,7 +193,7 @@ ROUTES = Switch("MLXTOY_ROUTES", str, "", "the file this machine's measured rout
 SWITCHES: tuple[Switch, ...] = (DEVICE, DTYPE, BLAS, KERNELS, MALLOC, CACHE, MEMORY_GB, KERNEL_THREADS,
                                 GEMM, BLOCK_ATTENTION, FUSED_DECODE, PACKED_DECODE, KERNEL_POOL,
                                 KERNEL_SPINS, KERNEL_DONE_SPINS, KERNEL_VNNI, KERNEL_AVX512, GPU_SLAB_ROWS,
-                                ROUTES)
+                                JIT_HEADER, ROUTES)
 
 
 def check_all(switches: tuple[Switch, ...] = SWITCHES) -> None:

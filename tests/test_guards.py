@@ -293,6 +293,7 @@ BAD = {
     "MLXTOY_KERNEL_SPINS": [("1.5", "refused"), ("-1", "refused")],
     "MLXTOY_KERNEL_DONE_SPINS": [("many", "refused"), ("-400", "refused")],
     "MLXTOY_KERNEL_VNNI": [("vnni", "warned")],
+    "MLXTOY_JIT_HEADER": [("sometimes", "warned")],
     "MLXTOY_KERNEL_AVX512": [("avx", "warned")],
     "MLXTOY_GPU_SLAB_ROWS": [("1e3", "refused"), ("-8", "refused")],
     "MLXTOY_ROUTES": [(os.path.dirname(__file__), "refused")],  # a folder where a file goes
@@ -302,7 +303,7 @@ GOOD = {"MLXTOY_DEVICE": "cpu", "MLXTOY_DTYPE": "float32", "MLXTOY_BLAS": "none"
         "MLXTOY_KERNEL_THREADS": "2", "MLXTOY_GEMM": "0", "MLXTOY_BLOCK_ATTENTION": "on",
         "MLXTOY_FUSED_DECODE": "true", "MLXTOY_PACKED_DECODE": "no", "MLXTOY_KERNEL_POOL": "own",
         "MLXTOY_KERNEL_SPINS": "0", "MLXTOY_KERNEL_DONE_SPINS": "400", "MLXTOY_KERNEL_VNNI": "0",
-        "MLXTOY_KERNEL_AVX512": "0",
+        "MLXTOY_KERNEL_AVX512": "0", "MLXTOY_JIT_HEADER": "0",
         "MLXTOY_GPU_SLAB_ROWS": "64", "MLXTOY_ROUTES": "/tmp/mlxtoy-routes.json"}
 
 

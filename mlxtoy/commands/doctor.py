@@ -11,7 +11,7 @@ import time
 import mlx.core as mx
 
 import mlxtoy
-from mlxtoy import backend, cpublas, settings
+from mlxtoy import backend, cpujit, cpublas, settings
 from mlxtoy.models import calibrate, fastmath
 from mlxtoy.train import logprobs
 
@@ -64,11 +64,23 @@ def report() -> dict[str, str]:
     if fastmath.kernels_on():
         facts["kernels detail"] = fastmath.kernels_status().removeprefix("on (").removesuffix(")")
         facts["kernels built for"] = f"MLX {backend.kernels_stamp()}"
+    if info.on_cpu:
+        facts["kernel compiles"] = jit_summary()
     facts["compute dtype"] = str(info.compute_dtype).replace("mlx.core.", "")
     facts["compute dtype why"] = info.dtype_why
     # every MLXTOY_* switch that is set, with its value (and what is wrong with it)
     facts["switches"] = ", ".join(f"{k}={v}" for k, v in settings.set_switches().items()) or "none set"
     return facts
+
+
+def jit_summary() -> str:
+    """Whether MLX's CPU kernels compile with mlxtoy's precompiled header (`mlxtoy.cpujit`)."""
+    why = cpujit.unavailable()
+    if why is not None:
+        return f"MLX's own (no precompiled header: {why})"
+    if cpujit.header_path().exists():
+        return f"with a precompiled header ({cpujit.header_path()})"
+    return "with a precompiled header, made by the next training run or `mlxtoy doctor --calibrate`"
 
 
 def routes_summary() -> str:
@@ -92,6 +104,7 @@ def run(args) -> int:
     blas_rates = None
     if args.calibrate and backend.INFO.on_cpu:
         start = time.perf_counter()
+        print(f"MLX's kernel compiles' precompiled header: {cpujit.build_header()}", file=sys.stderr)
         blas_rates = calibrate.calibrate_blas()
         for shapes in calibrate.REFERENCE_SHAPES:
             calibrate.calibrate(shapes, batch=4, seq_len=256, training=True)  # a training step

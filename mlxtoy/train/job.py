@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 import mlx.nn as nn
 
-from mlxtoy import backend, settings
+from mlxtoy import backend, cpujit, settings
 from mlxtoy.config import TrainConfig, check_given, resume_check
 from mlxtoy.dashboards import check_dashboards, close_all, open_dashboards
 from mlxtoy.errors import UserError
@@ -108,15 +108,21 @@ def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -
     settings.check_all()
     cfg.validate()
     check_dashboards(cfg)
+    # MLX's CPU kernels' precompiled header, built beside the model's load, ready before the
+    # first step compiles them
+    header = cpujit.start_header() if backend.INFO.on_cpu else None
     run = run or RunDir(cfg.out)
     if not resume:
         run.check_fresh()
     run.lock()  # one trainer per run folder, from here until the job ends
     try:
-        return _prepare_locked(cfg, resume, run)
+        prepared = _prepare_locked(cfg, resume, run)
     except BaseException:
         run.unlock(failed=True)
         raise
+    if header is not None:
+        header.join()
+    return prepared
 
 
 def _prepare_locked(cfg: TrainConfig, resume: bool, run: RunDir) -> Prepared:

@@ -1,0 +1,121 @@
+"""MLX's CPU kernels are compiled on this machine the first time they run: each fused element-wise
+kernel of an `mx.compile`d graph is a C++ file g++ builds into a shared library in MLX's cache
+folder (`$TMPDIR/mlx/<version>/cpu`, kept until the temp folder is cleared). Most of a build is
+g++ parsing MLX's preamble header, the same for every kernel. A training step's first run on an
+empty cache builds a couple of dozen of them one after the other, its largest first-step cost
+on a new machine.
+
+`build_header` precompiles that preamble once into the cache folder, where g++ looks first for
+the kernels' `#include "mlx/backend/cpu/compiled_preamble.h"` (the directory of the file being
+compiled), with the flags MLX's own build command uses (read from `libmlx.so`): g++ then loads
+it instead of parsing the header. A header g++ finds stale or built otherwise it ignores, and
+parses the real one: nothing but time depends on it. Linux and g++ only (clang does not look
+for a `.gch` beside an include). `MLXTOY_JIT_HEADER=0` leaves MLX's builds as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxtoy import settings
+
+HEADER = "mlx/backend/cpu/compiled_preamble.h"
+# a builder that died leaves its lock; another process takes over after this long
+LOCK_STALE_SECONDS = 120
+
+
+def cache_dir() -> Path:
+    """MLX's folder of compiled CPU kernels (std::filesystem::temp_directory_path()'s mlx/<version>/cpu)."""
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+
+
+def header_path() -> Path:
+    return cache_dir() / (HEADER + ".gch")
+
+
+def mlx_flags() -> list[str] | None:
+    """The compiler flags of MLX's kernel builds (`g++ <flags> -shared -I ...`), read from the
+    build command in libmlx.so; None where it is not found (another MLX, another platform)."""
+    lib = Path(mx.__file__).parent / "lib" / "libmlx.so"
+    try:
+        found = re.search(rb"g\+\+ ((?:-[\w=+]+ )+)-shared \{\}", lib.read_bytes())
+    except OSError:
+        return None
+    return found.group(1).decode().split() if found else None
+
+
+def unavailable() -> str | None:
+    """Why no header is built here, or None."""
+    if not settings.JIT_HEADER.value():
+        return "MLXTOY_JIT_HEADER=0"
+    if platform.system() != "Linux":
+        return "not Linux"
+    if shutil.which("g++") is None:
+        return "no g++"
+    if mlx_flags() is None:
+        return "MLX's kernel build command not found in libmlx.so"
+    return None
+
+
+def build_header() -> str:
+    """Make the precompiled header if it is missing (a few seconds of one core, once per
+    machine and temp folder) -> what was done, for a log line. Another process building it
+    meanwhile is left to finish; the header appears whole or not at all (written to a temp
+    name, renamed)."""
+    target = header_path()
+    if target.exists():
+        return "kept"
+    why = unavailable()
+    if why is not None:
+        return f"not built: {why}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.with_name(target.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            if time.time() - lock.stat().st_mtime < LOCK_STALE_SECONDS:
+                return "being built by another process"
+            lock.unlink()
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except OSError:
+            return "being built by another process"
+    os.close(fd)
+    for old in target.parent.glob(target.name + ".*.part"):  # a builder's that was killed
+        old.unlink(missing_ok=True)
+    part = target.with_name(f"{target.name}.{os.getpid()}.part")
+    include = Path(mx.__file__).parent / "include"
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(["g++", *mlx_flags(), "-x", "c++-header", "-I", str(include), str(include / HEADER),
+                               "-o", str(part)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            return f"not built: g++ failed ({done.stderr.strip().splitlines()[-1:] or done.returncode})"
+        os.replace(part, target)
+        return f"built in {time.perf_counter() - start:.1f} s"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"not built: {e}"
+    finally:
+        part.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+
+
+def start_header() -> threading.Thread | None:
+    """`build_header` on a thread of its own where the header is missing (a training job starts
+    it before loading its model, so the build runs beside the load); None where there is nothing
+    to do."""
+    if header_path().exists() or unavailable() is not None:
+        return None
+    thread = threading.Thread(target=build_header, name="mlxtoy-jit-header", daemon=True)
+    thread.start()
+    return thread
