@@ -30,10 +30,11 @@ namespace mlxtoy {
 // bits of memory where it costs 5 with biases (float16).
 // 8 bits, groups of 32 (a Q8_0 block's, an 8-bit output layer's): the same split, the bytes in
 // their own order, so a block is two vectors of 64 weights, each with x16's high and low bytes
-// (lane l: weights 4l..4l+3 of its half, group l / 8 of it); a group's q . x16 is then within
-// 32 * 255 * 32639 < 2^28, exact in int32, rounded once (2^-24 of it) as a lane's float, where the
-// float form widened every weight to float32 (a conversion and an FMA per 16 weights and row of x,
-// here a byte product per 64). Symmetric (Q8_0's biases, -128 scales): -128 sum(x16_g) in the sum.
+// (lane l: weights 4l..4l+3 of its half, group l / 8 of it); a lane's q . x16 (4 weights, within
+// 4 * 255 * 32639 < 2^25) is exact in int32 and rounded once (2^-24 of it) as a float, summed
+// with its group's other 7 in the row's float accumulator, where the float form widened every
+// weight to float32 (a conversion and an FMA per 16 weights and row of x; here a byte product per
+// 64). Symmetric (Q8_0's biases, -128 scales): -128 sum(x16_g) on the group's first lane.
 constexpr int64_t kVnniAheadPasses = 2;
 // x's scales (and corrections) a block: a lane per 4 weights of a group's vector (16 at 4 bits,
 // where a vector holds the block's 4 groups; 32 at 8 bits, two vectors)
