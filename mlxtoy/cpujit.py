@@ -78,8 +78,11 @@ def build_header() -> str:
     why = unavailable()
     if why is not None:
         return f"not built: {why}"
-    target.parent.mkdir(parents=True, exist_ok=True)
     lock = target.with_name(target.name + ".lock")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a temp folder that cannot be written: MLX's compiles fail there anyway
+        return f"not built: {e}"
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
@@ -90,6 +93,8 @@ def build_header() -> str:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except OSError:
             return "being built by another process"
+    except OSError as e:
+        return f"not built: {e}"
     os.close(fd)
     for old in target.parent.glob(target.name + ".*.part"):  # a builder's that was killed
         old.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -108,3 +109,19 @@ def test_one_process_builds_the_header_and_a_killed_builder_s_lock_expires(temp_
     cpujit.header_path().unlink()
     assert cpujit.build_header() == "not built: MLXTOY_JIT_HEADER=0" and not cpujit.header_path().exists()
     assert cpujit.start_header() is None
+
+
+def test_a_temp_folder_the_header_cannot_go_in_is_said_not_raised(tmp_path, monkeypatch):
+    """Where MLX's cache folder cannot be made (a file in its place; a read-only temp folder alike,
+    which root's tests cannot make), building the header says why and raises nothing."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "mlx").write_text("a file where the folder goes")
+    said = cpujit.build_header()
+    assert said.startswith("not built:") and not cpujit.header_path().exists()
+    hooked = []  # a thread's exception goes to threading.excepthook, not to join()
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+    cpujit.start_header().join()
+    assert hooked == []
+    control = threading.Thread(target=lambda: 1 / 0)  # positive control: the hook hears a raise
+    control.start(), control.join()
+    assert len(hooked) == 1
