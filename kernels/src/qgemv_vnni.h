@@ -60,8 +60,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
 
 // x as vnni_x lays it out: per row of x and block, the 4 byte vectors (4 bits: high bytes of the
 // even elements, low bytes of the even, then the odd; 8 bits: high bytes of elements 0..63, their
-// low bytes, then 64..127's), xscale on its group's lanes, and (symmetric) 2^(bits - 1) sum(x16_g)
-// on the group's first lane
+// low bytes, then 64..127's), xscale on its group's lanes, and (symmetric) -2^(bits - 1) sum(x16_g)
+// on the group's first lane (the low bytes' sums start from it)
 struct VnniX {
   const int8_t* bytes;  // (M, blocks, 4, 64), blocks = vnni_blocks(K); a partial block's missing groups 0
   const float* xsl;     // (M, blocks * vnni_lanes(bits))
@@ -125,9 +125,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inlin
       const __m512 sv = _mm512_permutexvar_ps(spread[h], _mm512_castps128_ps512(s4));
       for (int m = 0; m < M; ++m) {
         const __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[h], xv[m][2 * h]);
-        const __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[h], xv[m][2 * h + 1]);
-        __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
-        if constexpr (Sym) d = _mm512_sub_epi32(d, xc[m][h]);
+        __m512i low = _mm512_setzero_si512();
+        if constexpr (Sym) low = xc[m][h];  // (the correction, negated: one op less than its subtraction)
+        const __m512i dl = _mm512_dpbusd_epi32(low, v[h], xv[m][2 * h + 1]);
+        const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
         acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xsl[m][h]), sv, acc[r][m]);
       }
     }
@@ -167,11 +168,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"), always_inlin
     const __m512 sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
     for (int m = 0; m < M; ++m) {
       __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][0]);
-      __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[m][1]);
+      __m512i dl = _mm512_setzero_si512();
+      if constexpr (Sym) dl = xc[m];  // (the correction, negated: one op less than its subtraction)
+      dl = _mm512_dpbusd_epi32(dl, lo, xv[m][1]);
       dh = _mm512_dpbusd_epi32(dh, hi, xv[m][2]);
       dl = _mm512_dpbusd_epi32(dl, hi, xv[m][3]);
       __m512i d = _mm512_add_epi32(_mm512_slli_epi32(dh, 8), dl);
-      if constexpr (Sym) d = _mm512_sub_epi32(d, xc[m]);
       acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xsl[m]), sv, acc[r][m]);
     }
   }
@@ -318,7 +320,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, i
         }
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r[0], r[1]));
         sums[m * (K / 32) + blk * 4 + j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-        for (int l = 0; l < width; ++l) sl[l] = scale, cr[l] = l == 0 ? (1 << (bits - 1)) * sum : 0;
+        for (int l = 0; l < width; ++l) sl[l] = scale, cr[l] = l == 0 ? -(1 << (bits - 1)) * sum : 0;
       }
     }
 }
