@@ -16,8 +16,10 @@ for a `.gch` beside an include). `MLXTOY_JIT_HEADER=0` leaves MLX's builds as th
 from __future__ import annotations
 
 import os
+import functools
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -43,6 +45,7 @@ def header_path() -> Path:
     return cache_dir() / (HEADER + ".gch")
 
 
+@functools.lru_cache(maxsize=1)
 def mlx_flags() -> list[str] | None:
     """The compiler flags of MLX's kernel builds (`g++ <flags> -shared -I ...`), read from the
     build command in libmlx.so; None where it is not found (another MLX, another platform)."""
@@ -67,11 +70,11 @@ def unavailable() -> str | None:
     return None
 
 
-def build_header() -> str:
-    """Make the precompiled header if it is missing (a few seconds of one core, once per
-    machine and temp folder) -> what was done, for a log line. Another process building it
-    meanwhile is left to finish; the header appears whole or not at all (written to a temp
-    name, renamed)."""
+def _launch() -> subprocess.Popen | str:
+    """Start building the header where it is missing: its lock taken and its build's shell
+    started (g++, then the rename and the lock's removal, which the shell does itself, so a
+    process that exits meanwhile, as a job refused in its first seconds does, still leaves the
+    header made) -> the shell's process, or what was done instead."""
     target = header_path()
     if target.exists():
         return "kept"
@@ -98,29 +101,44 @@ def build_header() -> str:
     os.close(fd)
     for old in target.parent.glob(target.name + ".*.part"):  # a builder's that was killed
         old.unlink(missing_ok=True)
-    part = target.with_name(f"{target.name}.{os.getpid()}.part")
-    include = Path(mx.__file__).parent / "include"
-    start = time.perf_counter()
+    part, include = target.with_name(f"{target.name}.{os.getpid()}.part"), Path(mx.__file__).parent / "include"
+    build = shlex.join(["g++", *mlx_flags(), "-x", "c++-header", "-I", str(include), str(include / HEADER),
+                        "-o", str(part)])
+    part_q, target_q, lock_q = (shlex.quote(str(p)) for p in (part, target, lock))
     try:
-        done = subprocess.run(["g++", *mlx_flags(), "-x", "c++-header", "-I", str(include), str(include / HEADER),
-                               "-o", str(part)], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            return f"not built: g++ failed ({done.stderr.strip().splitlines()[-1:] or done.returncode})"
-        os.replace(part, target)
-        return f"built in {time.perf_counter() - start:.1f} s"
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"not built: {e}"
-    finally:
-        part.unlink(missing_ok=True)
+        return subprocess.Popen(["sh", "-c", f"{build} && mv -f {part_q} {target_q}; s=$?; rm -f {part_q} {lock_q}; "
+                                 "exit $s"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError as e:
         lock.unlink(missing_ok=True)
+        return f"not built: {e}"
+
+
+def build_header() -> str:
+    """Make the precompiled header if it is missing (a few seconds of one core, once per
+    machine and temp folder) and wait for it -> what was done, for a log line. Another process
+    building it meanwhile is left to finish; the header appears whole or not at all (written to
+    a temp name, renamed)."""
+    start = time.perf_counter()
+    shell = _launch()
+    if isinstance(shell, str):
+        return shell
+    try:  # (no pipe from g++: one whose reader exited would kill it at its first warning)
+        shell.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        shell.kill()
+        return "not built: g++ took over 300 s"
+    if shell.returncode != 0:
+        return f"not built: g++ failed (exit status {shell.returncode})"
+    return f"built in {time.perf_counter() - start:.1f} s"
 
 
 def start_header() -> threading.Thread | None:
-    """`build_header` on a thread of its own where the header is missing (a training job starts
-    it before loading its model, so the build runs beside the load); None where there is nothing
-    to do."""
-    if header_path().exists() or unavailable() is not None:
+    """Start building the header where it is missing and return a thread that waits for it (a
+    training job starts it before loading its model, so the build runs beside the load, and
+    joins it before the first step); None where there is nothing to do."""
+    shell = _launch()
+    if isinstance(shell, str):
         return None
-    thread = threading.Thread(target=build_header, name="mlxtoy-jit-header", daemon=True)
+    thread = threading.Thread(target=shell.wait, name="mlxtoy-jit-header", daemon=True)
     thread.start()
     return thread
