@@ -290,10 +290,12 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, i
         const int64_t at = bits == 8 ? 16 * (j / 2) + 8 * (j % 2) : 4 * j, width = bits == 8 ? 8 : 4;
         float* sl = xsl + (m * blocks + blk) * lanes + at;
         int32_t* cr = corr + (m * blocks + blk) * lanes + at;
+        // 8 bits: element 32 j + k sits in byte 32 (j % 2) + k of half j / 2's high and low vectors
+        int8_t* half = out + 128 * (j / 2) + 32 * (j % 2);
         if (blk * kVnniBlock + 32 * j >= K) {  // a group past the row's end (a partial block): zeros
-          for (int i = 0; i < 4; ++i)
-            if (bits == 8) std::memset(out + 128 * (j / 2) + 64 * (i % 2) + 32 * (j % 2) + 16 * (i / 2), 0, 16);
-            else std::memset(out + 64 * i + 16 * j, 0, 16);
+          if (bits == 8) std::memset(half, 0, 32), std::memset(half + 64, 0, 32);
+          else
+            for (int i = 0; i < 4; ++i) std::memset(out + 64 * i + 16 * j, 0, 16);
           std::fill(sl, sl + width, 0.0f), std::fill(cr, cr + width, 0);
           continue;
         }
@@ -309,8 +311,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void vnni_x(const float* x, i
           lo[h] = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r[h], b128), b255), b128);
           hi[h] = _mm512_srai_epi32(_mm512_sub_epi32(r[h], lo[h]), 8);
         }
-        if (bits == 8) {  // element 32 j + k sits in byte 32 (j % 2) + k of half j / 2's high and low vectors
-          int8_t* half = out + 128 * (j / 2) + 32 * (j % 2);
+        if (bits == 8) {
           store16(half, hi[0]), store16(half + 16, hi[1]), store16(half + 64, lo[0]), store16(half + 80, lo[1]);
         } else {  // element 32 j + k sits in byte 16 j + k / 2 of the block's even (k even) or odd vectors
           store16(out + 16 * j, _mm512_permutex2var_epi32(hi[0], even, hi[1]));
