@@ -15,8 +15,8 @@ for a `.gch` beside an include). `MLXTOY_JIT_HEADER=0` leaves MLX's builds as th
 
 from __future__ import annotations
 
-import os
 import functools
+import os
 import platform
 import re
 import shlex
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxtoy import settings
+from mlxtoy import backend, settings
 
 HEADER = "mlx/backend/cpu/compiled_preamble.h"
 # a builder that died leaves its lock; another process takes over after this long
@@ -61,6 +61,8 @@ def unavailable() -> str | None:
     """Why no header is built here, or None."""
     if not settings.JIT_HEADER.value():
         return "MLXTOY_JIT_HEADER=0"
+    if not backend.INFO.on_cpu:
+        return f"device {backend.INFO.device}: MLX compiles no CPU kernels for it"
     if platform.system() != "Linux":
         return "not Linux"
     if shutil.which("g++") is None:

@@ -25,11 +25,10 @@ if "MLXTOY_ROUTES" not in os.environ or (os.environ.get("PYTEST_XDIST_WORKER")
     os.environ["MLXTOY_ROUTES"] = os.environ["MLXTOY_TEST_ROUTES"] = os.path.join(_routes_dir, "routes.json")
 
 import mlxtoy  # noqa: E402,F401  (fast BLAS before anything imports mlx.core)
-from mlxtoy import backend, cpujit, settings  # noqa: E402
+from mlxtoy import cpujit, settings  # noqa: E402
 
 # the hundreds of MLX CPU kernels the tests compile on a new machine take the precompiled header
-if backend.INFO.on_cpu:
-    cpujit.build_header()
+cpujit.build_header()
 
 
 def pytest_collection_modifyitems(config, items):

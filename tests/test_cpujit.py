@@ -19,7 +19,7 @@ import pytest
 
 from mlxtoy import backend, cpujit
 
-pytestmark = pytest.mark.skipif(cpujit.unavailable() is not None or not backend.INFO.on_cpu,
+pytestmark = pytest.mark.skipif(cpujit.unavailable() is not None,
                                 reason=f"no precompiled header here: {cpujit.unavailable()}")
 
 # a kernel no other test compiles (its constants are part of its name), and its values
@@ -143,3 +143,14 @@ def test_a_process_that_exits_while_the_header_builds_still_leaves_it_made(tmp_p
     while lock.exists() and time.time() < deadline:
         time.sleep(0.1)
     assert not lock.exists() and not list(header.parent.glob("*.part"))
+
+
+def test_a_gpu_device_builds_no_header(temp_folder, monkeypatch):
+    """On a GPU (Metal, CUDA) MLX compiles no CPU kernels for the model: no header is built, and a
+    training job's start has nothing to wait for. Positive control: the CPU device builds it."""
+    monkeypatch.setattr(backend.INFO, "device", "cuda")
+    assert cpujit.unavailable() == "device cuda: MLX compiles no CPU kernels for it"
+    assert cpujit.start_header() is None and cpujit.build_header().startswith("not built: device cuda")
+    assert not cpujit.header_path().exists()
+    monkeypatch.setattr(backend.INFO, "device", "cpu")
+    assert cpujit.build_header().startswith("built in") and cpujit.header_path().exists()

@@ -110,7 +110,7 @@ def prepare(cfg: TrainConfig, resume: bool = False, run: RunDir | None = None) -
     check_dashboards(cfg)
     # MLX's CPU kernels' precompiled header, built beside the model's load, ready before the
     # first step compiles them
-    header = cpujit.start_header() if backend.INFO.on_cpu else None
+    header = cpujit.start_header()
     run = run or RunDir(cfg.out)
     if not resume:
         run.check_fresh()
