@@ -7,7 +7,8 @@ CPU (full-width AVX-512, AVX-512 run as two halves, AVX2 only, Intel's cores wit
 BLAS, the shapes and the cores: no rule about a CPU family predicts it. So the first time a
 shape class is met (or in `mlxtoy doctor --calibrate`) each candidate route runs on it here:
 the routes whose values disagree with the reference route's are set aside, the others are
-timed, and the fastest is used from then on. The choice is kept in the cache, keyed by what it
+timed, and the fastest is used from then on (`doctor --calibrate` takes a second look at the
+kept ones, each route rated by its better look). The choice is kept in the cache, keyed by what it
 depends on (CPU model, cores, mlxtoy, MLX, the BLAS and the kernels' build); a cache made under
 another key, or unreadable, is ignored.
 
@@ -138,6 +139,12 @@ class RouteTable:
     choices: dict[str, Choice] = field(default_factory=dict)
     measuring_seconds: float = 0.0  # what this process spent measuring
     warmed_up: bool = False  # whether this process has measured (WARM_UP_SECONDS)
+    # `mlxtoy doctor --calibrate`: a kept choice is measured again (once a process), each route
+    # rated by its better look (other work on the machine only ever slows a look), so a choice
+    # made while the machine was busy is not kept for good. Only there: a training run and its
+    # resume must take the same routes, whose sums differ in order.
+    look_again: bool = False
+    looked_again: set[str] = field(default_factory=set)
 
     @staticmethod
     def key(kind: str, shape: Sequence[int | str]) -> str:
@@ -171,25 +178,37 @@ class RouteTable:
     def chosen(self, kind: str, shape: Sequence[int | str]) -> Choice | None:
         return self.choices.get(self.key(kind, shape))
 
+    def due(self, kind: str, shape: Sequence[int | str]) -> bool:
+        """Whether this shape class is to be measured now: never measured here, or its second
+        look due (`look_again`, not yet taken in this process)."""
+        key = self.key(kind, shape)
+        return key not in self.choices or (self.look_again and key not in self.looked_again)
+
     def kept_route(self, kind: str, shape: Sequence[int | str], names: Sequence[str]) -> str | None:
         """The kept choice among the routes `names` (the first the reference): its route where
         those were the routes measured; the fastest of them by the kept rates where more were
         (a switch turned one off); None where one of them was not measured (a route added
-        since), so it is measured again."""
+        since), so it is measured again, or where its second look is due."""
         kept = self.chosen(kind, shape)
-        if kept is None or not set(names) <= set(kept.gflops):
+        if kept is None or not set(names) <= set(kept.gflops) or self.due(kind, shape):
             return None
         return kept.route if set(names) == set(kept.gflops) else fastest(list(names), kept.gflops)
 
     def choose(self, kind: str, shape: Sequence[int | str], candidates: dict[str, Candidate], flops: float,
                what: str, rtol: float = PARITY_RTOL) -> str:
-        """The route for this shape class: the kept choice, else measured now. The first
-        candidate is the reference: the others must give its values (`agrees`, within rtol) to
-        be timed, and beat it by MARGIN to be taken."""
+        """The route for this shape class: the kept choice, else measured now (`look_again`: measured
+        again, each route rated by its better look). The first candidate is the reference: the
+        others must give its values (`agrees`, within rtol) to be timed, and beat it by MARGIN
+        to be taken."""
         names = list(candidates)
+        key = self.key(kind, shape)
         kept = self.kept_route(kind, shape, names)
         if kept is not None:
             return kept
+        earlier = self.choices.get(key)  # (a second look: the first one's rates)
+        if earlier is None or not set(names) <= set(earlier.gflops):
+            earlier = None
+        self.looked_again.add(key)
         start = time.perf_counter()
         # every route runs once (its values, and a first time), then each is timed again in
         # rounds, in turn: interleaved, a burst of other work on the machine weighs on every
@@ -218,12 +237,16 @@ class RouteTable:
                 seconds[name] = max(self.time_route(name, candidates[name], seconds[name], best), 1e-12)
                 best = min(best, seconds[name])
         rates: dict[str, float | None] = {n: flops / seconds[n] / 1e9 if n in timed_names else None for n in names}
+        if earlier is not None:  # a second look: each route's better one (wrong values in either: set aside)
+            rates = {n: None if r is None or (n in earlier.gflops and earlier.gflops[n] is None)
+                     else max(r, earlier.gflops.get(n) or 0.0) for n, r in rates.items()}
         best = fastest(names, rates)
         spent = time.perf_counter() - start
         self.measuring_seconds += spent
         choice = Choice(best, rates, spent)
-        self.choices[self.key(kind, shape)] = choice
+        self.choices[key] = choice
         self.save()
         shown = ", ".join(f"{n} {'wrong values' if r is None else f'{r:.0f}'}" for n, r in rates.items())
-        self.log(f"routes: {what}: {best} (GFLOP/s: {shown}; measured in {spent:.2f} s)")
+        looks = f"; the better of two looks, was {earlier.route}" if earlier is not None else ""
+        self.log(f"routes: {what}: {best} (GFLOP/s: {shown}; measured in {spent:.2f} s{looks})")
         return best

@@ -221,7 +221,7 @@ def attention_route(B: int, H: int, KV: int, T: int, S: int, D: int, training: b
     shape = (H, KV, T, S, D, "train" if training else "infer") + (("block",) if block else ())
     if B * H * T * S * D < ROUTED_WORK or (not measure and table.chosen("attention", shape) is None):
         return "block" if block else "grouped"
-    if table.chosen("attention", shape) is None:
+    if table.due("attention", shape):
         with mx.stream(mx.cpu):
             flops = 4.0 * H * T * S * D * (3 if training else 1)
             table.choose("attention", shape, _attention_candidates(1, H, KV, T, S, D, training), flops,

@@ -303,7 +303,7 @@ def gemm_route(form: str, M: int, N: int, K: int) -> bool:
     rows = next((r for r in ROUTE_ROWS if M <= r), ROUTE_ROWS[-1])
     table = route_table()
     shape = (form, rows, N, K)
-    if table.chosen("gemm", shape) is None:
+    if table.due("gemm", shape):
         with mx.stream(mx.cpu):
             table.choose("gemm", shape, *_gemm_candidates(form, rows, N, K), f"float32 product {form} {rows} x {K} x {N}")
     return table.chosen("gemm", shape).route == "kernels"
