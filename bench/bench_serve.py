@@ -51,9 +51,14 @@ from mlxtoy.io.registry import resolve_model
 from mlxtoy.loading import load
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = ["The history of the lighthouse begins", "Write a short poem about the sea.", "Once upon a time",
-           "The capital of France is", "List three colours:", "In 1969, the first", "def fibonacci(n):",
-           "Dear diary, today"]
+# Prompts whose greedy continuations run past the tokens asked (SmolLM2-135M's Q4_1 and Q4_0 files,
+# 32 streams of 64 tokens each, checked): a stream that stops early at its end-of-text token leaves
+# the batch narrower for the rest of the run, so the aggregate of many streams would count less
+# work than one stream's, not a slower server. `drive` reports the tokens received against those asked.
+PROMPTS = ["The old sailor told the children a long story about", "Here is a list of European capitals: Paris, Berlin,",
+           "The recipe for bread starts with", "Ten facts about the moon: 1.",
+           "Count from one to a hundred: one, two, three,", "The rules of chess are", "Once upon a time",
+           "A tour of the solar system begins at"]
 
 
 def free_port() -> int:
@@ -104,7 +109,7 @@ async def drive(url: str, models: list[str], streams: int, tokens: int) -> dict:
                                          for i in range(streams)])
     wall = max(r[2] for r in results) - t0
     total = sum(r[1] for r in results)
-    return {"streams": streams, "tokens": total, "tokens_per_sec": total / wall,
+    return {"streams": streams, "tokens": total, "asked": streams * tokens, "tokens_per_sec": total / wall,
             "ttft_ms": 1000 * statistics.median(r[0] for r in results)}
 
 
@@ -202,7 +207,7 @@ def main() -> None:
                         continue
                     results[name].append(r)
                     print(f"{name:11s} streams {c:3d}: {r['tokens_per_sec']:8.1f} tokens/s, "
-                          f"time to first token {r['ttft_ms']:7.1f} ms", flush=True)
+                          f"time to first token {r['ttft_ms']:7.1f} ms, {r['tokens']} of {r['asked']} tokens", flush=True)
             finally:
                 proc.terminate()
                 proc.wait(60)
