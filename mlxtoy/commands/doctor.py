@@ -23,9 +23,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="measure which route (the kernels' GEMM or the BLAS, the attention forms, the fused "
                         "block or op by op for a short prompt) runs each shape class of the built-in "
-                        "model's and a 1B model's training and prompt steps fastest here, keep the choices, and show them with each route's GFLOP/s; "
-                        "a choice already kept is measured again, each route rated by its better look (run it on an idle machine, "
-                        "not between a run and its resume: a route changed there changes the resumed run's sums)")
+                        "model's and a 1B model's training and prompt steps fastest here, keep the choices, and "
+                        "show them with each route's GFLOP/s; a choice already kept is measured again, each route "
+                        "rated by its better look (run it on an idle machine, not between a run and its resume: "
+                        "a route changed there changes the resumed run's sums)")
     return p
 
 
