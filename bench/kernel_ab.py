@@ -39,17 +39,13 @@ def load_build(folder: str):
 
 
 def quantized(rng: np.random.Generator, n: int, k: int, bits: int, symmetric: bool) -> tuple[mx.array, ...]:
-    """A random (n, k) matrix in MLX's affine layout, groups of 32, float16 scales; symmetric: the
+    """A random (n, k) matrix quantized by MLX (groups of 32), float16 scales; symmetric: the
     biases -2^(bits - 1) scales (a Q4_0 or Q8_0 block)."""
-    per = 32 // bits
-    levels = rng.integers(0, 1 << bits, size=(n, k), dtype=np.uint32)
-    words = np.zeros((n, k // per), dtype=np.uint32)
-    for i in range(per):
-        words |= levels[:, i::per] << (bits * i)
-    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float16)
-    biases = (-(1 << (bits - 1)) * scales.astype(np.float32) if symmetric
-              else rng.random((n, k // 32)) * 0.01).astype(np.float16)
-    return mx.array(words), mx.array(scales), mx.array(biases)
+    words, scales, biases = mx.quantize(mx.array(rng.standard_normal((n, k), dtype=np.float32)), 32, bits)
+    scales = scales.astype(mx.float16)
+    if symmetric:
+        biases = -(2 ** (bits - 1)) * scales.astype(mx.float32)
+    return words, scales, biases.astype(mx.float16)
 
 
 def main() -> None:

@@ -238,8 +238,8 @@ class RouteTable:
                 best = min(best, seconds[name])
         rates: dict[str, float | None] = {n: flops / seconds[n] / 1e9 if n in timed_names else None for n in names}
         if earlier is not None:  # a second look: each route's better one (wrong values in either: set aside)
-            rates = {n: None if r is None or (n in earlier.gflops and earlier.gflops[n] is None)
-                     else max(r, earlier.gflops.get(n) or 0.0) for n, r in rates.items()}
+            rates = {n: None if r is None or earlier.gflops[n] is None else max(r, earlier.gflops[n])
+                     for n, r in rates.items()}
         best = fastest(names, rates)
         spent = time.perf_counter() - start
         self.measuring_seconds += spent

@@ -121,7 +121,6 @@ def test_a_temp_folder_the_header_cannot_go_in_is_said_not_raised(tmp_path, monk
     assert cpujit.start_header() is None  # a job's start: nothing to wait for, nothing raised
 
 
-
 def test_a_process_that_exits_while_the_header_builds_still_leaves_it_made(tmp_path):
     """A training job refused in its first seconds exits while its header is being built on a
     thread: the build goes on without it and leaves the header (and no lock) for the next run.

@@ -55,9 +55,9 @@ REFERENCE_SHAPES = (BlockShapes("SmolLM2-135M", 576, 1536, 9, 3, 64, 49152),
 def calibrate(shapes: BlockShapes, batch: int, seq_len: int, training: bool) -> None:
     """Measure (where not yet measured, or due a second look: `RouteTable.due`) the routes of a
     step of `batch` rows of `seq_len` tokens through blocks of these shapes: each product's
-    forward, with `training` its input's
-    and its weight's gradients too (the weight's: dY^T X, where the forward takes the kernels'
-    GEMM), and the attention. (The loss's products: `logprobs.calibrate_loss`.)"""
+    forward, with `training` its input's and its weight's gradients too (the weight's: dY^T X,
+    where the forward takes the kernels' GEMM), and the attention. (The loss's products:
+    `logprobs.calibrate_loss`.)"""
     rows = batch * seq_len
     if gemm_on():
         for n_out, k_in in shapes.matrices():
@@ -107,9 +107,9 @@ def reference_block(shapes: BlockShapes, form: str, seed: int = 0) -> Block:
 def calibrate_prefill(shapes: BlockShapes, forms: tuple[str, ...] = PREFILL_FORMS) -> None:
     """Measure (where not yet measured, or due a second look: `RouteTable.due`) whether a
     prompt's new tokens go through blocks of these shapes as the fused kernel's one call or op
-    by op, for every rows class that is measured
-    (`prefill.prefill_route`), with the matrices in each of `forms` (the 4-bit blocks kept as
-    they are only where the fused block reads them here)."""
+    by op, for every rows class that is measured (`prefill.prefill_route`), with the matrices in
+    each of `forms` (the 4-bit blocks kept as they are only where the fused block reads them
+    here)."""
     readable = fastmath.affine_decode_ok(shapes.d_model) and fastmath.affine_decode_ok(shapes.d_ff)
     forms = tuple(f for f in forms if f != "a4" or readable)
     top = prefill.PREFILL_FUSED_ROWS

@@ -127,9 +127,9 @@ def _output_ce(weight_grad: bool, quant: tuple[int, int] | None):
 def calibrate_loss(n_tokens: int, vocab: int, d_model: int) -> None:
     """Measure (where not yet measured, or due a second look: `RouteTable.due`) the routes of
     the products that a training step's loss over `n_tokens` tokens through a float32 output
-    layer (vocab, d_model) takes, its weight
-    trained and frozen (`doctor --calibrate`, beside `calibrate.calibrate`): the routes are
-    chosen as the graph is built, so the graph is built and never run."""
+    layer (vocab, d_model) takes, its weight trained and frozen (`doctor --calibrate`, beside
+    `calibrate.calibrate`): the routes are chosen as the graph is built, so the graph is built
+    and never run."""
     h, w = mx.zeros((n_tokens, d_model)), mx.zeros((vocab, d_model))
     targets = mx.zeros((n_tokens,), dtype=mx.uint32)
     for trained in (True, False):
