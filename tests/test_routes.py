@@ -492,7 +492,8 @@ def test_the_blas_measured_fastest_loads_first_and_a_stale_or_broken_measurement
 
 def test_calibrating_the_blas_times_each_library_in_its_own_process(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXTOY_CACHE", str(tmp_path))
-    monkeypatch.setattr(calibrate, "BLAS_SHAPES", ((64, 64, 64),))
+    work = {"small": [("nt", 64, 48, 32), ("nn", 64, 32, 48), ("tn", 48, 32, 64)], "square": [("nt", 96, 96, 96)]}
+    monkeypatch.setattr(calibrate, "blas_workload", lambda: work)
     found = cpublas.blas_paths()
     rates = calibrate.calibrate_blas()
     assert set(rates) == set(found) and all(rate and rate > 0 for rate in rates.values())
@@ -500,6 +501,17 @@ def test_calibrating_the_blas_times_each_library_in_its_own_process(tmp_path, mo
         kept = json.loads((tmp_path / cpublas.BLAS_FILE).read_text())
         assert kept["fastest"] == max(rates, key=rates.get)
         assert cpublas.measured_blas(found) == kept["fastest"]
+
+
+def test_a_blas_is_rated_by_each_models_step_and_the_models_count_alike():
+    work = {"small": [("nt", 10, 20, 30), ("tn", 30, 20, 10)], "large": [("nn", 100, 200, 300)]}
+    seconds = {"small nt 10x20x30": 1e-6, "small tn 30x20x10": 3e-6, "large nn 100x200x300": 4e-4}
+    small, large = 2 * 2 * 6000 / 4e-6 / 1e9, 2 * 6e6 / 4e-4 / 1e9  # 6 and 30 GFLOP/s
+    assert calibrate.blas_rate(work, seconds) == pytest.approx((small * large) ** 0.5)
+    # the step of each reference model: a forward, an input and a weight gradient of q, gate/up and down
+    products = calibrate.blas_products(calibrate.REFERENCE_SHAPES[0], 1024)
+    assert ("nt", 1024, 1536, 576) in products and ("nn", 1024, 576, 1536) in products
+    assert ("tn", 576, 1536, 1024) in products and len(products) == 9
 
 
 @pytest.mark.parametrize("faster", ["blas", "gemv", "kernels"])

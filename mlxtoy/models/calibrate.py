@@ -121,44 +121,99 @@ def calibrate_prefill(shapes: BlockShapes, forms: tuple[str, ...] = PREFILL_FORM
                 block.prefill_fused(mx.zeros((1, rows, shapes.d_model)))
 
 
-# float32 products the BLAS is timed on: (rows, inputs, outputs) of SmolLM2's and a 1B model's FFN
-BLAS_SHAPES = ((1024, 576, 1536), (512, 2048, 8192))
-# run in a process of its own per BLAS (a library loaded for MLX cannot be unloaded)
+# The BLAS is timed on a training step's products of each reference model (`blas_products`): its
+# forward (nt), input gradient (nn) and weight gradient (tn) of q, gate/up and down. A probe of
+# one shape chose OpenBLAS on an Intel Xeon (Emerald Rapids) where MKL trained SmolLM2 1.13x
+# faster: the libraries' lead changes with the shape and the form.
+BLAS_ROWS = {"SmolLM2-135M": 1024, "Llama-3.2-1B": 256}  # rows a product of a step: batch x tokens
+BLAS_LOOKS = 2  # processes per BLAS, taken in turn with the others' (each product: its best time)
+
+
+def blas_products(shapes: BlockShapes, rows: int) -> list[tuple[str, int, int, int]]:
+    """(form, M, N, K) of op(a) (M, K) @ op(b) (K, N) in a training step through these blocks."""
+    products = []
+    for n_out, k_in in (shapes.matrices()[i] for i in (0, 3, 4)):  # q, gate/up, down
+        products += [("nt", rows, n_out, k_in), ("nn", rows, k_in, n_out), ("tn", n_out, k_in, rows)]
+    return products
+
+
+def blas_workload() -> dict[str, list[tuple[str, int, int, int]]]:
+    return {s.name: blas_products(s, BLAS_ROWS[s.name]) for s in REFERENCE_SHAPES}
+
+
+# run in a process of its own per BLAS (a library loaded for MLX cannot be unloaded); prints each
+# product's best time, after a warm-up (a fresh process's first products run slow)
 _BLAS_PROBE = """
 import json, sys, time
 import mlxtoy
 import mlx.core as mx
 from mlxtoy import backend
 
-flops = seconds = 0.0
-for m, k, n in json.loads(sys.argv[1]):
-    x, w = mx.random.normal((m, k)), mx.random.normal((n, k))
-    mx.eval(x @ w.T)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        mx.eval(x @ w.T)
-        best = min(best, time.perf_counter() - start)
-    flops, seconds = flops + 2.0 * m * k * n, seconds + best
-print(json.dumps({"blas": backend.INFO.blas, "gflops": flops / seconds / 1e9}))
+work = json.loads(sys.argv[1])
+# the operands are views of one random vector: drawing each anew took most of the probe's time
+pool = mx.random.uniform(-1, 1, (max(max(m * k, k * n) for ps in work.values() for _, m, n, k in ps),))
+mx.eval(pool)
+
+def run(form, m, n, k):
+    a = pool[:m * k].reshape((k, m) if form == "tn" else (m, k))
+    b = pool[:k * n].reshape((n, k) if form == "nt" else (k, n))
+    a = a.T if form == "tn" else a
+    b = b.T if form == "nt" else b
+    return lambda: mx.eval(a @ b)
+
+warm = run("nt", 256, 256, 256)
+start = time.perf_counter()
+while time.perf_counter() - start < 0.1:
+    warm()
+seconds = {}
+for name, products in work.items():
+    for form, m, n, k in products:
+        product = run(form, m, n, k)
+        product()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - start)
+        seconds[f"{name} {form} {m}x{n}x{k}"] = best
+print(json.dumps({"blas": backend.INFO.blas, "seconds": seconds}))
 """
 
 
+def blas_rate(work: dict[str, list[tuple[str, int, int, int]]], seconds: dict[str, float]) -> float:
+    """GFLOP/s of a BLAS over the workload: each model's products' flops over their summed best
+    times, and the geometric mean over the models (a small model's step counts as much as a
+    large one's, whose products would otherwise outweigh it)."""
+    rates = []
+    for name, products in work.items():
+        flops = sum(2.0 * m * n * k for _, m, n, k in products)
+        rates.append(flops / sum(seconds[f"{name} {form} {m}x{n}x{k}"] for form, m, n, k in products) / 1e9)
+    return float(np.exp(np.mean(np.log(rates))))
+
+
 def calibrate_blas() -> dict[str, float | None]:
-    """Time MLX's float32 products under each optimized BLAS found here (MKL, OpenBLAS), each in a
-    process of its own, and keep the fastest for the next processes (`cpublas.measured_blas`);
-    -> GFLOP/s by BLAS (None where it would not load)."""
+    """Time MLX's float32 products under each optimized BLAS found here (MKL, OpenBLAS), each in
+    processes of its own taken in turn, and keep the fastest for the next processes
+    (`cpublas.measured_blas`); -> GFLOP/s by BLAS (`blas_rate`; None where it would not load)."""
     libraries = cpublas.blas_paths()
-    rates: dict[str, float | None] = {}
-    for kind in libraries:
-        env = dict(os.environ, **{settings.BLAS.name: kind, settings.KERNELS.name: "0"})
-        r = subprocess.run([sys.executable, "-c", _BLAS_PROBE, json.dumps(BLAS_SHAPES)], env=env,
-                           capture_output=True, text=True, timeout=300)
-        try:
-            out = json.loads(r.stdout.strip().splitlines()[-1])
-            rates[kind] = float(out["gflops"]) if out["blas"] == kind else None
-        except (ValueError, IndexError, KeyError):
-            rates[kind] = None
+    work = blas_workload()
+    best: dict[str, dict[str, float] | None] = {}
+    for _ in range(BLAS_LOOKS):
+        for kind in libraries:
+            env = dict(os.environ, **{settings.BLAS.name: kind, settings.KERNELS.name: "0"})
+            r = subprocess.run([sys.executable, "-c", _BLAS_PROBE, json.dumps(work)], env=env,
+                               capture_output=True, text=True, timeout=300)
+            try:
+                out = json.loads(r.stdout.strip().splitlines()[-1])
+                seconds = {str(key): float(s) for key, s in out["seconds"].items()} if out["blas"] == kind else None
+            except (ValueError, IndexError, KeyError, AttributeError):
+                seconds = None
+            if seconds is None or best.get(kind, {}) is None:
+                best[kind] = None
+            else:
+                earlier = best.get(kind) or {}
+                best[kind] = {key: min(s, earlier.get(key, s)) for key, s in seconds.items()}
+    rates = {kind: (None if seconds is None else blas_rate(work, seconds)) for kind, seconds in best.items()}
     timed = {kind: rate for kind, rate in rates.items() if rate is not None}
     if len(timed) > 1:
         data = {"fingerprint": cpublas.blas_fingerprint(libraries), "fastest": max(timed, key=timed.get),
