@@ -74,8 +74,11 @@ __attribute__((target("avx512f"), always_inline)) inline void store_sums_avx512(
 // for every row of x). Each chain is the one a row of x alone takes, in the same order, so a row
 // of a batch gets the bits it gets decoded alone. The k tail is masked. ahead: W's next R rows
 // are prefetched line by line meanwhile (the first pass over a block of W's rows: its products,
-// and the passes after it, hide the next block's misses).
-template <int R, int MR, bool ahead = false>
+// and the passes after it, hide the next block's misses). stream: each line of W is prefetched
+// this many floats before it is read, across rows (one row of x reading W in one stream: two
+// cores of an Intel Xeon read 13-15 GB/s with the hardware's prefetchers alone, 23-25 with a
+// line 2 KB ahead, docs/performance.md).
+template <int R, int MR, bool ahead = false, int stream = 0>
 __attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x, const float* w, float* y, int64_t N,
                                                                  int64_t K) {
   __m512 acc[R][MR];
@@ -87,6 +90,7 @@ __attribute__((target("avx512f"))) inline void gemv_block_avx512(const float* x,
     for (int m = 0; m < MR; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int r = 0; r < R; ++r) {
       if constexpr (ahead) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
+      if constexpr (stream > 0) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + stream), _MM_HINT_T0);
       const __m512 wv = _mm512_loadu_ps(w + r * K + k);
       for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
@@ -127,9 +131,12 @@ inline void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t M
 // pass (24 accumulators of 32 registers), the next 6 prefetched during the first pass; where W
 // is in cache (a packed matrix's rows unpacked, a row's keys), 4 (docs/performance.md, "A batch
 // of rows against W from memory").
+constexpr int kStreamAhead = 512;  // floats: 2 KB
 inline void gemv_span_avx512(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                              int64_t n1, bool streamed) {
   int64_t n = n0;
+  if (M == 1 && streamed)
+    for (; n < n1; ++n) gemv_block_avx512<1, 1, false, kStreamAhead>(x, w + n * K, y + n, N, K);
   if (M == 1)
     for (; n < n1; ++n) gemv_block_avx512<1, 1>(x, w + n * K, y + n, N, K);
   if (streamed)
