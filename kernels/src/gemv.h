@@ -123,15 +123,17 @@ inline void gemv_rows_avx512(const float* x, const float* w, float* y, int64_t M
   }
 }
 
+constexpr int kStreamAhead = 512;  // floats (2 KB): a streamed W's lines prefetched this far ahead
+
 // One row of x (decoding) takes W a row at a time: W is then read in one sequential stream, which
 // the hardware prefetchers follow across rows, where several rows a pass are as many short
 // streams (a small model's rows are 36 lines); a row's one chain is not the bound at memory
-// speed (docs/performance.md, "W in one stream"). Each row's chain is the one it takes in fours,
-// so its bits are unchanged. Several rows of x where W is streamed from memory take 6 rows of W a
+// speed (docs/performance.md, "W in one stream"), once each line is prefetched kStreamAhead
+// ahead where W comes from memory. Each row's chain is the one it takes in fours, so its bits are
+// unchanged. Several rows of x where W is streamed from memory take 6 rows of W a
 // pass (24 accumulators of 32 registers), the next 6 prefetched during the first pass; where W
 // is in cache (a packed matrix's rows unpacked, a row's keys), 4 (docs/performance.md, "A batch
 // of rows against W from memory").
-constexpr int kStreamAhead = 512;  // floats: 2 KB
 inline void gemv_span_avx512(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                              int64_t n1, bool streamed) {
   int64_t n = n0;

@@ -208,11 +208,11 @@ def calibrate_blas() -> dict[str, float | None]:
                 seconds = {str(key): float(s) for key, s in out["seconds"].items()} if out["blas"] == kind else None
             except (ValueError, IndexError, KeyError, AttributeError):
                 seconds = None
-            if seconds is None or best.get(kind, {}) is None:
-                best[kind] = None
+            if seconds is None or (kind in best and best[kind] is None):
+                best[kind] = None  # a look that failed: the library is not rated
             else:
-                earlier = best.get(kind) or {}
-                best[kind] = {key: min(s, earlier.get(key, s)) for key, s in seconds.items()}
+                earlier = best.get(kind, seconds)
+                best[kind] = {key: min(s, earlier[key]) for key, s in seconds.items()}
     rates = {kind: (None if seconds is None else blas_rate(work, seconds)) for kind, seconds in best.items()}
     timed = {kind: rate for kind, rate in rates.items() if rate is not None}
     if len(timed) > 1:
