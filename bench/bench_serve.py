@@ -70,11 +70,14 @@ def free_port() -> int:
 
 
 def start(argv: list[str], url: str, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile()  # stderr, for the reason of a server that exits (a file: no pipe to fill)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{argv[:4]} exited with {proc.returncode}")
+            log.seek(0)
+            last = (log.read().decode(errors="replace").strip().splitlines() or [""])[-1]
+            raise RuntimeError(f"{argv[:4]} exited with {proc.returncode}: {last}")
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code < 500:
                 return proc
