@@ -52,19 +52,27 @@ REFERENCE_SHAPES = (BlockShapes("SmolLM2-135M", 576, 1536, 9, 3, 64, 49152),
                     BlockShapes("Llama-3.2-1B", 2048, 8192, 32, 8, 64, 128256))
 
 
+def step_products(matrices: list[tuple[int, int]], rows: int, training: bool) -> list[tuple[str, int, int, int]]:
+    """(form, M, N, K) of op(a) (M, K) @ op(b) (K, N) of a step of `rows` rows through these
+    (outputs, inputs) matrices: each one's forward x W^T (nt), with `training` its input's
+    gradient dY W (nn) and its weight's dY^T X (tn) too."""
+    products = []
+    for n_out, k_in in matrices:
+        products.append(("nt", rows, n_out, k_in))
+        if training:
+            products += [("nn", rows, k_in, n_out), ("tn", n_out, k_in, rows)]
+    return products
+
+
 def calibrate(shapes: BlockShapes, batch: int, seq_len: int, training: bool) -> None:
     """Measure (where not yet measured, or due a second look: `RouteTable.due`) the routes of a
     step of `batch` rows of `seq_len` tokens through blocks of these shapes: each product's
     forward, with `training` its input's and its weight's gradients too (the weight's: dY^T X,
     where the forward takes the kernels' GEMM), and the attention. (The loss's products:
     `logprobs.calibrate_loss`.)"""
-    rows = batch * seq_len
     if gemm_on():
-        for n_out, k_in in shapes.matrices():
-            gemm_route("nt", rows, n_out, k_in)
-            if training:
-                gemm_route("nn", rows, k_in, n_out)
-                gemm_route("tn", n_out, k_in, rows)
+        for form, M, N, K in step_products(shapes.matrices(), batch * seq_len, training):
+            gemm_route(form, M, N, K)
     attention_route(batch, shapes.n_heads, shapes.n_kv_heads, seq_len, seq_len, shapes.d_head, training)
 
 
@@ -130,11 +138,9 @@ BLAS_LOOKS = 2  # processes per BLAS, taken in turn with the others' (each produ
 
 
 def blas_products(shapes: BlockShapes, rows: int) -> list[tuple[str, int, int, int]]:
-    """(form, M, N, K) of op(a) (M, K) @ op(b) (K, N) in a training step through these blocks."""
-    products = []
-    for n_out, k_in in (shapes.matrices()[i] for i in (0, 3, 4)):  # q, gate/up, down
-        products += [("nt", rows, n_out, k_in), ("nn", rows, k_in, n_out), ("tn", n_out, k_in, rows)]
-    return products
+    """A training step's products through q, gate/up and down of these blocks (`step_products`)."""
+    matrices = shapes.matrices()
+    return step_products([matrices[i] for i in (0, 3, 4)], rows, training=True)
 
 
 def blas_workload() -> dict[str, list[tuple[str, int, int, int]]]:
@@ -142,7 +148,8 @@ def blas_workload() -> dict[str, list[tuple[str, int, int, int]]]:
 
 
 # run in a process of its own per BLAS (a library loaded for MLX cannot be unloaded); prints each
-# product's best time, after a warm-up (a fresh process's first products run slow)
+# product's best time, by model in the workload's order, after a warm-up on the first product (a
+# fresh process's first products run slow)
 _BLAS_PROBE = """
 import json, sys, time
 import mlxtoy
@@ -151,7 +158,7 @@ from mlxtoy import backend
 
 work = json.loads(sys.argv[1])
 # the operands are views of one random vector: drawing each anew took most of the probe's time
-pool = mx.random.uniform(-1, 1, (max(256 * 256, *(max(m * k, k * n) for ps in work.values() for _, m, n, k in ps)),))
+pool = mx.random.uniform(-1, 1, (max(max(m * k, k * n) for ps in work.values() for _, m, n, k in ps),))
 mx.eval(pool)
 
 def run(form, m, n, k):
@@ -161,33 +168,34 @@ def run(form, m, n, k):
     b = b.T if form == "nt" else b
     return lambda: mx.eval(a @ b)
 
-warm = run("nt", 256, 256, 256)
+warm = run(*next(iter(work.values()))[0])
 start = time.perf_counter()
 while time.perf_counter() - start < 0.1:
     warm()
-seconds = {}
-for name, products in work.items():
-    for form, m, n, k in products:
-        product = run(form, m, n, k)
+
+def best_time(product):
+    product()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
         product()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - start)
-        seconds[f"{name} {form} {m}x{n}x{k}"] = best
+        best = min(best, time.perf_counter() - start)
+    return best
+
+seconds = {name: [best_time(run(*p)) for p in products] for name, products in work.items()}
 print(json.dumps({"blas": backend.INFO.blas, "seconds": seconds}))
 """
 
 
-def blas_rate(work: dict[str, list[tuple[str, int, int, int]]], seconds: dict[str, float]) -> float:
-    """GFLOP/s of a BLAS over the workload: each model's products' flops over their summed best
-    times, and the geometric mean over the models (a small model's step counts as much as a
-    large one's, whose products would otherwise outweigh it)."""
+def blas_rate(work: dict[str, list[tuple[str, int, int, int]]], seconds: dict[str, list[float]]) -> float:
+    """GFLOP/s of a BLAS over the workload, given each product's best time (by model, in the
+    workload's order): each model's products' flops over their summed times, and the geometric
+    mean over the models (a small model's step counts as much as a large one's, whose products
+    would otherwise outweigh it)."""
     rates = []
     for name, products in work.items():
         flops = sum(2.0 * m * n * k for _, m, n, k in products)
-        rates.append(flops / sum(seconds[f"{name} {form} {m}x{n}x{k}"] for form, m, n, k in products) / 1e9)
+        rates.append(flops / sum(seconds[name]) / 1e9)
     return float(np.exp(np.mean(np.log(rates))))
 
 
@@ -197,7 +205,7 @@ def calibrate_blas() -> dict[str, float | None]:
     (`cpublas.measured_blas`); -> GFLOP/s by BLAS (`blas_rate`; None where it would not load)."""
     libraries = cpublas.blas_paths()
     work = blas_workload()
-    best: dict[str, dict[str, float] | None] = {}
+    best: dict[str, dict[str, list[float]] | None] = {}
     for _ in range(BLAS_LOOKS):
         for kind in libraries:
             env = dict(os.environ, **{settings.BLAS.name: kind, settings.KERNELS.name: "0"})
@@ -205,14 +213,14 @@ def calibrate_blas() -> dict[str, float | None]:
                                capture_output=True, text=True, timeout=300)
             try:
                 out = json.loads(r.stdout.strip().splitlines()[-1])
-                seconds = {str(key): float(s) for key, s in out["seconds"].items()} if out["blas"] == kind else None
-            except (ValueError, IndexError, KeyError, AttributeError):
+                seconds = {name: [float(s) for s in out["seconds"][name]] for name in work} if out["blas"] == kind else None
+            except (ValueError, IndexError, KeyError, TypeError):
                 seconds = None
             if seconds is None or (kind in best and best[kind] is None):
                 best[kind] = None  # a look that failed: the library is not rated
             else:
                 earlier = best.get(kind, seconds)
-                best[kind] = {key: min(s, earlier[key]) for key, s in seconds.items()}
+                best[kind] = {name: list(map(min, times, earlier[name])) for name, times in seconds.items()}
     rates = {kind: (None if seconds is None else blas_rate(work, seconds)) for kind, seconds in best.items()}
     timed = {kind: rate for kind, rate in rates.items() if rate is not None}
     if len(timed) > 1:
