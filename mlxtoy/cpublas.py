@@ -132,17 +132,24 @@ def blas_fingerprint(libraries: dict[str, str]) -> dict:
     return {"cpu": cpu_model(), "cores": cores, "libraries": dict(sorted(libraries.items()))}
 
 
-def measured_blas(libraries: dict[str, str]) -> str | None:
-    """The BLAS (mkl, openblas) `doctor --calibrate` measured fastest on this machine among these
-    same libraries; None where it has not (or the file is unreadable: never an error)."""
+def kept_blas(libraries: dict[str, str]) -> dict:
+    """What `doctor --calibrate` kept of its BLAS measurement on this machine among these same
+    libraries ({"fastest": kind, "gflops": {kind: rate}}); {} where it has not measured them (or
+    the file is unreadable: never an error)."""
     try:
         with open(settings.cache_dir() / BLAS_FILE, encoding="utf-8") as f:
             data = json.load(f)
         if data["fingerprint"] == blas_fingerprint(libraries) and data["fastest"] in libraries:
-            return str(data["fastest"])
+            return data
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return None
+    return {}
+
+
+def measured_blas(libraries: dict[str, str]) -> str | None:
+    """The BLAS (mkl, openblas) `doctor --calibrate` measured fastest on this machine among these
+    same libraries; None where it has not."""
+    return str(kept_blas(libraries)["fastest"]) if kept_blas(libraries) else None
 
 
 def _load_prefixed(path: str) -> bool:

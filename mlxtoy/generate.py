@@ -31,6 +31,7 @@ from mlxtoy.errors import UserError
 from mlxtoy.models import fastmath
 from mlxtoy.models.adapters import adapter_rows_set
 from mlxtoy.models.cache import KVCache, SlotCache, cache_offset, make_cache, trim_cache
+from mlxtoy.models.fused_weights import choose_row_passes
 from mlxtoy.models.lora import dora_adapters, rescales_fixed
 from mlxtoy.sampling import SamplingParams, make_sampler
 
@@ -157,6 +158,7 @@ def decoder_for(model) -> Callable[..., mx.array]:
             p.keys() == q.keys() and all(p[k] is q[k] for k in p) for p, q in zip(packs, kept[2])):
         return kept[4]
     step = kept[1] if kept is not None and kept[0] == structure else _compiled_decode(model)
+    choose_row_passes(getattr(model, "layers", []), packs)
 
     first = mx.zeros((1,), dtype=mx.int32)
 

@@ -28,6 +28,7 @@ from mlxtoy.model_config import ModelConfig
 from mlxtoy.models import fastmath
 from mlxtoy.models import prefill as prefill_module
 from mlxtoy.models.cache import make_cache
+from mlxtoy.models.fused_weights import ROW_PASSES
 from mlxtoy.models.lora import apply_lora
 from mlxtoy.models.quant import QUANTIZED_TYPES, QuantPlan, install_quantized, quantize_dense
 
@@ -778,11 +779,16 @@ def test_rows_against_packed_weights_multiply_the_weights_to_the_bit(qtype):
         for form in forms:
             packed, ok = K.pack(mx.array(w), form)
             assert int(ok.item()) == 1, form
-            for rows in (1, 2, 3, 5, 8, 9, 13):
+            # one row of x: at every rows a pass of W the kernels can be set to (choose_row_passes)
+            for rows, passes in [(1, p) for p in ROW_PASSES] + [(n, 0) for n in (2, 3, 5, 8, 9, 13)]:
                 x = r.standard_normal((rows, K_)).astype(np.float32)
-                y = np.array(K.gemv_packed(mx.array(x), packed))
+                K.set_packed_row_pass(form, passes)
+                try:
+                    y = np.array(K.gemv_packed(mx.array(x), packed))
+                finally:
+                    K.set_packed_row_pass(form, 0)
                 np.testing.assert_array_equal(y, np.array(K.gemv(mx.array(x), mx.array(w))),
-                                              err_msg=f"{form}, K = {K_}, {rows} rows")
+                                              err_msg=f"{form}, K = {K_}, {rows} rows, {passes} a pass")
                 # float32 sums: within a few eps of sum |x_k w_k| (Q5_K's made weights run to ~20)
                 bound = 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
                 assert (np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= bound).all()
@@ -882,6 +888,28 @@ def test_decode_from_q8_0_weights_and_a_packed_output_matrix():
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="gemv_packed"):
         K.gemv_packed(mx.zeros((1, 64)), mx.zeros((300, 50), dtype=mx.uint8))
+
+
+def test_decoding_from_packs_gives_the_same_bits_at_every_rows_a_pass(monkeypatch):
+    """The rows of a packed matrix one row of x takes a pass (what `choose_row_passes` measures
+    and sets) change only the order the rows are read in: every setting decodes the same logits to
+    the bit, through the fused blocks and the packed output matrix, and the uncached forward's."""
+    model = q4_model(VARIANTS["gqa"], qtype=Q8_0, head=True)
+    runs = []
+    for passes in ROW_PASSES:
+        monkeypatch.setattr(generate_module, "choose_row_passes",
+                            lambda layers, packs, n=passes: K.set_packed_row_pass("q8_0", n))
+        try:
+            logits, graphs, _ = decode_steps(model, 4, fused=True)
+        finally:
+            K.set_packed_row_pass("q8_0", 0)
+        assert graphs[-1].count("MlxtoyDecodeBlock") == len(model.layers)
+        runs.append(logits)
+    for logits in runs[1:]:
+        for got, want in zip(logits, runs[0]):
+            np.testing.assert_array_equal(got, want)
+    for got, ref in zip(runs[0], uncached_logits(model, runs[0])):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_packs_follow_the_weights():

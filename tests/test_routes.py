@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import subprocess
 import time
 
 import numpy as np
@@ -23,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxtoy import backend, cpublas, loading, routes
-from mlxtoy.models import attention, calibrate, fastmath, quant
+from mlxtoy.models import attention, calibrate, fastmath, fused_weights, quant
 from mlxtoy.train.logprobs import calibrate_loss, token_losses
 
 pytestmark = pytest.mark.core
@@ -503,6 +504,31 @@ def test_calibrating_the_blas_times_each_library_in_its_own_process(tmp_path, mo
         assert cpublas.measured_blas(found) == kept["fastest"]
 
 
+def test_calibrating_the_blas_again_rates_each_library_by_its_better_calibration(tmp_path, monkeypatch):
+    """A slow phase of the machine only ever slows a look: a library's rate is the better of this
+    calibration's and the one kept from before on this machine (positive control: with nothing
+    kept, this calibration's own rates), so one slow run cannot turn the choice around."""
+    monkeypatch.setenv("MLXTOY_CACHE", str(tmp_path))
+    libraries = {"mkl": "/lib/libmkl_rt.so.2", "openblas": "/lib/libopenblas.so.0"}
+    monkeypatch.setattr(cpublas, "blas_paths", lambda: libraries)
+    work = {"one": [("nt", 1000, 1000, 1000)]}  # 2 GFLOP: its rate is 2 / seconds
+    monkeypatch.setattr(calibrate, "blas_workload", lambda: work)
+    now = {"mkl": 0.01, "openblas": 0.008}  # this run: a slow phase for MKL (200 vs 250)
+
+    def probe(args, env, **kwargs):
+        kind = env["MLXTOY_BLAS"]
+        return subprocess.CompletedProcess(args, 0, json.dumps({"blas": kind, "seconds": {"one": [now[kind]]}}), "")
+
+    monkeypatch.setattr(calibrate.subprocess, "run", probe)
+    assert calibrate.calibrate_blas() == pytest.approx({"mkl": 200.0, "openblas": 250.0})  # nothing kept yet
+    assert cpublas.measured_blas(libraries) == "openblas"
+    path = tmp_path / cpublas.BLAS_FILE
+    kept = json.loads(path.read_text())
+    path.write_text(json.dumps(kept | {"fastest": "mkl", "gflops": {"mkl": 300.0, "openblas": 240.0}}))
+    assert calibrate.calibrate_blas() == pytest.approx({"mkl": 300.0, "openblas": 250.0})
+    assert cpublas.measured_blas(libraries) == "mkl"
+
+
 def test_a_blas_is_rated_by_each_models_step_and_the_models_count_alike():
     work = {"small": [("nt", 10, 20, 30), ("tn", 30, 20, 10)], "large": [("nn", 100, 200, 300)]}
     seconds = {"small": [1e-6, 3e-6], "large": [4e-4]}
@@ -564,6 +590,32 @@ def test_a_short_prompt_takes_the_prefill_route_measured_faster(routed, faster):
     assert measured() == ["ops", "fused"]
     _, _, graph = prefill(model, [PROMPT[:4]])
     assert graph.count("MlxtoyDecodeBlock") == len(model.layers) and measured() == ["ops", "fused"]
+
+
+@pytest.mark.parametrize("faster", [1, 8])
+def test_one_row_against_packs_takes_the_rows_a_pass_measured_faster(routed, faster):
+    """Decoding one row against a model's 8-bit packs reads them at the rows a pass measured
+    faster (timings injected; the kernels then report that setting), measured once for the form
+    and size class: a second decoder takes the kept choice. Positive control: the other timing
+    sets the other pass. Its values are tested at every setting in test_decode_block."""
+    K = fastmath.kernels_module()
+    if not fastmath.kernels_on() or not K.packed_row_pass("q8_0"):
+        pytest.skip("the packed GEMV's passes do not run here")
+    from test_decode_block import Q8_0, VARIANTS, decode_steps, q4_model
+
+    calls: list[str] = []
+    others = dict.fromkeys(["blas", "gemv", "kernels", "fast", "grouped", "block", "ops", "fused"], 1.0)
+    routed(others | {str(n): 1.0 for n in fused_weights.ROW_PASSES} | {str(faster): 0.1}, calls)
+    model = q4_model(VARIANTS["gqa"], qtype=Q8_0)
+    measured = lambda: sorted(int(c) for c in calls if c.isdigit())  # noqa: E731
+    try:
+        decode_steps(model, 2, fused=True)
+        assert K.packed_row_pass("q8_0") == faster and measured() == list(fused_weights.ROW_PASSES)
+        K.set_packed_row_pass("q8_0", 0)
+        decode_steps(model, 2, fused=True)  # a new decoder: the kept choice, not measured again
+        assert K.packed_row_pass("q8_0") == faster and measured() == list(fused_weights.ROW_PASSES)
+    finally:
+        K.set_packed_row_pass("q8_0", 0)
 
 
 @pytest.mark.parametrize("faster", ["blas", "kernels"])

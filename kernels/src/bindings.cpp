@@ -158,6 +158,12 @@ NB_MODULE(_ext, m) {
         "some is not (the packing is then of no use)");
   m.def("gemv_packed", &mlxtoy::gemv_packed, "x"_a, "packed"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ w.T for a few rows of x and w packed by pack (the width says the form), threaded; no gradient");
+  m.def("packed_row_pass", &mlxtoy::packed_row_pass, "form"_a,
+        "the rows of a packed W in this form (pack's) that gemv_packed and decode_block take a pass for one row "
+        "of x: set_packed_row_pass's, else the built-in choice; 0 where packs are unpacked first (no passes)");
+  m.def("set_packed_row_pass", &mlxtoy::set_packed_row_pass, "form"_a, "rows"_a,
+        "the rows of a packed W in this form one row of x takes a pass from now on, in this process: 1, 2, 4 or 8 "
+        "(0: the built-in choice); the same bits whichever (each row's sum is its own chain)");
   m.def("adamw", &mlxtoy::adamw, "p"_a, "g"_a, "m"_a, "v"_a, "scalars"_a, nb::kw_only(), "stream"_a = nb::none(),
         "one AdamW step (no bias correction) on g * grad_scale -> (p, m, v), in one pass; scalars float32 "
         "[lr, ok, b1, 1 - b1, b2, 1 - b2, eps, weight_decay, grad_scale]: where ok is 0 the old p, m, v "

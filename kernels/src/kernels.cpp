@@ -530,14 +530,35 @@ mx::array sum_squares(const mx::array& x, mx::StreamOrDevice st) {
 }
 
 std::vector<mx::array> pack(const mx::array& w, const std::string& form, mx::StreamOrDevice st) {
-  Pack p = Pack::none;
-  for (const PackName& named : kPacks)
-    if (form == named.name) p = named.pack;
+  const Pack p = pack_named(form);
   if (w.ndim() < 2 || w.shape(-1) % kQ4 != 0 || p == Pack::none)
     throw std::invalid_argument("[mlxtoy_kernels] pack: w (..., K), K a multiple of 32, form q4, q5, q8, q4_0 or q8_0");
   mx::Shape packed(w.shape().begin(), w.shape().end() - 1);
   packed.push_back(static_cast<int>(packed_width(w.shape(-1), p)));
   return make(Kernel::Op::Pack, 0, {packed, {1}}, {mx::uint8, mx::int32}, {f32(w, "w")}, st, static_cast<int>(p));
+}
+
+int packed_row_pass(const std::string& form) {
+  const Pack p = pack_named(form);
+  if (p == Pack::none) throw std::invalid_argument("[mlxtoy_kernels] packed_row_pass: form q4, q5, q8, q4_0 or q8_0");
+  int rows = 0;  // (the portable build and a CPU without AVX2 and FMA unpack: no passes)
+#ifdef MLXTOY_AVX2
+  if (!Matrix::unpacks(1)) {
+    const int set = packed_row_pass_set[static_cast<int>(p)].load();
+    with_pack(p, [&]<Pack P>() {
+      rows = set ? set : cpu_avx512() ? packed_row_pass_built_in<P, true>() : packed_row_pass_built_in<P, false>();
+    });
+  }
+#endif
+  return rows;
+}
+
+void set_packed_row_pass(const std::string& form, int rows) {
+  const Pack p = pack_named(form);
+  if (p == Pack::none || (rows != 0 && rows != 1 && rows != 2 && rows != 4 && rows != 8))
+    throw std::invalid_argument("[mlxtoy_kernels] set_packed_row_pass: form q4, q5, q8, q4_0 or q8_0; rows 1, 2, 4, 8 "
+                                "(0: the built-in choice)");
+  packed_row_pass_set[static_cast<int>(p)].store(rows);
 }
 
 mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st) {

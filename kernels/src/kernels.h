@@ -123,6 +123,10 @@ mx::array logsumexp(const mx::array& x, mx::StreamOrDevice st = {});
 mx::array argmax(const mx::array& x, mx::StreamOrDevice st = {});
 std::vector<mx::array> pack(const mx::array& w, const std::string& form, mx::StreamOrDevice st = {});
 mx::array gemv_packed(const mx::array& x, const mx::array& packed, mx::StreamOrDevice st = {});
+// the rows of a packed W in `form` one row of x takes a pass (0: packs are unpacked here); set:
+// 1, 2, 4 or 8 from now on (0: the built-in choice again)
+int packed_row_pass(const std::string& form);
+void set_packed_row_pass(const std::string& form, int rows);
 std::vector<mx::array> adamw(const mx::array& p, const mx::array& g, const mx::array& m, const mx::array& v,
                              const mx::array& scalars, mx::StreamOrDevice st = {});
 mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv_freqs, int dims, bool traditional,

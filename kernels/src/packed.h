@@ -3,14 +3,22 @@
 // forms: those, float32, or MLX's affine 4-bit layout (included by kernels.cpp and decode.cpp).
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "gemv.h"   // gemv_span and its chains' sums for the float32 form; MLXTOY_AVX2 for the SIMD forms
 #include "qgemv.h"  // QuantRows for the affine form
 
 namespace mlxtoy {
+
+// The rows of a packed W that one row of x takes a pass (gemv_packed_span_simd), by Pack code:
+// 0 the built-in choice, else 1, 2, 4 or 8 as measured on this machine (set_packed_row_pass).
+// One for the whole process (an inline variable: kernels.cpp's and decode.cpp's); any value
+// gives the same bits, so a change between two calls never changes a result.
+inline std::atomic<int> packed_row_pass_set[8];
 
 namespace {
 
@@ -85,6 +93,13 @@ struct PackName {
   const char* name;  // pack(w, form)'s
 };
 constexpr PackName kPacks[] = {{Pack::q4, "q4"}, {Pack::q8, "q8"}, {Pack::q5, "q5"}, {Pack::q4_0, "q4_0"}, {Pack::q8_0, "q8_0"}};
+
+// the form pack(w, form) names (none: no form's)
+inline Pack pack_named(const std::string& form) {
+  for (const PackName& named : kPacks)
+    if (form == named.name) return named.pack;
+  return Pack::none;
+}
 
 // the bytes of a block of 32 weights in form p
 constexpr int64_t pack_block_bytes(Pack p) {
@@ -521,13 +536,26 @@ inline void gemv_packed_rows_simd(const float* x, const void* w, float* y, int64
 // one 8-lane chain is bound by its FMAs' latency (4 a block), so 4 rows a pass (8 for 8-bit
 // blocks: 1.9 ns a block, as the product in d * (x . q) form before it took; 2.5 four rows, 3.0
 // a row at a time).
+// Which is faster for one row depends on the CPU (the Emerald Rapids read an 8-bit form 1.31x
+// faster 4 rows a pass), so that one is measured where it is used (set_packed_row_pass).
+template <Pack P, bool Avx512>
+constexpr int packed_row_pass_built_in() {
+  constexpr bool eight = P == Pack::q8 || P == Pack::q8_0;
+  return Avx512 ? (eight ? 1 : 4) : eight ? 8 : 4;
+}
+
 template <Pack P, bool Avx512>
 inline void gemv_packed_span_simd(const float* x, const void* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
                                   int64_t n1) {
-  constexpr bool eight = P == Pack::q8 || P == Pack::q8_0;
-  constexpr int one = Avx512 ? (eight ? 1 : 4) : eight ? 8 : 4, several = Avx512 || eight ? 4 : 2;
-  if (M == 1) return gemv_packed_rows_simd<P, Avx512, one>(x, w, y, M, N, K, n0, n1);
-  gemv_packed_rows_simd<P, Avx512, several>(x, w, y, M, N, K, n0, n1);
+  constexpr int several = Avx512 || P == Pack::q8 || P == Pack::q8_0 ? 4 : 2;
+  if (M > 1) return gemv_packed_rows_simd<P, Avx512, several>(x, w, y, M, N, K, n0, n1);
+  const int set = packed_row_pass_set[static_cast<int>(P)].load(std::memory_order_relaxed);
+  switch (set ? set : packed_row_pass_built_in<P, Avx512>()) {
+    case 1: return gemv_packed_rows_simd<P, Avx512, 1>(x, w, y, M, N, K, n0, n1);
+    case 2: return gemv_packed_rows_simd<P, Avx512, 2>(x, w, y, M, N, K, n0, n1);
+    case 8: return gemv_packed_rows_simd<P, Avx512, 8>(x, w, y, M, N, K, n0, n1);
+    default: return gemv_packed_rows_simd<P, Avx512, 4>(x, w, y, M, N, K, n0, n1);
+  }
 }
 
 template <Pack P>

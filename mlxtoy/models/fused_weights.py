@@ -10,7 +10,9 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from mlxtoy import routes
 from mlxtoy.models import fastmath
 
 
@@ -110,6 +112,63 @@ def kept_packs(owner: nn.Module, weights: list[mx.array] | None, which: Sequence
             packs[str(i)] = packed
     object.__setattr__(owner, "mlxtoy_packs", (tuple(weights), packs) if packs else None)
     return packs
+
+
+# the rows of a packed matrix the kernels' GEMV can take a pass for one row of x
+ROW_PASSES = (1, 2, 4, 8)
+# the most bytes of a form's packs a pass is timed on: past the caches, as a decode reads them,
+# at a bounded cost (~20 ms a look at ~12 GB/s) for a model of any size
+ROW_PASS_BYTES = 256 << 20
+
+
+def choose_row_passes(layers: Sequence[nn.Module], packs: list[dict[str, mx.array]]) -> dict[str, int]:
+    """Set how many rows of a packed matrix one row of x takes a pass (the kernels'
+    `set_packed_row_pass`), for each pack form among these layers' decode packs (`decode_packs`):
+    the faster on this machine, by timing the GEMV over the form's packs (up to ROW_PASS_BYTES)
+    once per form and size class (`fastmath.route_table`). Several rows a pass keep several
+    chains of FMAs going; one streams a row at a time: the Emerald Rapids read an 8-bit form 1.3x
+    faster 4 rows a pass, the Zen 4 one row a pass. Every choice gives the same bits (each row's
+    sum is its own chain). -> {form: rows}; {} where packs are unpacked (no kernels' passes)."""
+    kernels = fastmath.kernels_module()
+    by_form: dict[str, list[mx.array]] = {}
+    widths: dict[str, list[int]] = {}
+    for layer, layer_packs in zip(layers, packs):
+        packed = {i: p for i, p in layer_packs.items() if p.dtype == mx.uint8}
+        weights = layer.fused_weights() if packed else None
+        for i, p in packed.items():
+            K = weights[int(i)].shape[-1]
+            form = fastmath.PACK_FORMS[p.shape[-1] * 32 // K]
+            if sum(q.nbytes for q in by_form.get(form, [])) < ROW_PASS_BYTES:
+                by_form.setdefault(form, []).append(p.reshape(-1, p.shape[-1]))
+                widths.setdefault(form, []).append(K)
+    chosen: dict[str, int] = {}
+    for form, mats in by_form.items():
+        built_in = kernels.packed_row_pass(form)
+        if not built_in:
+            return {}
+        rng = np.random.default_rng(0)  # not MLX's key: measuring must not move a run's randomness
+        xs = {K: mx.array(rng.standard_normal((1, K), dtype=np.float32)) for K in set(widths[form])}
+        mx.eval(list(xs.values()))
+
+        def candidate(rows: int, form: str = form, mats: list = mats, ks: list = widths[form]) -> routes.Candidate:
+            def run() -> list[mx.array]:
+                kernels.set_packed_row_pass(form, rows)
+                ys = [kernels.gemv_packed(xs[K], p) for p, K in zip(mats, ks)]
+                mx.eval(ys)
+                return ys
+            return run
+
+        names = [built_in] + [r for r in ROW_PASSES if r != built_in]
+        size = sum(p.nbytes for p in mats)
+        mib_class = 1 << max(0, (size >> 20) - 1).bit_length()
+        flops = 2.0 * sum(p.shape[0] * K for p, K in zip(mats, widths[form]))
+        with mx.stream(mx.cpu):
+            route = fastmath.route_table().choose(
+                "packed-row", (form, mib_class), {str(r): candidate(r) for r in names}, flops,
+                f"one row of x against {form} packs (~{mib_class} MiB): rows a pass")
+        chosen[form] = int(route)
+        kernels.set_packed_row_pass(form, chosen[form])
+    return chosen
 
 
 def decode_copies_bytes(model: nn.Module) -> int:
