@@ -176,9 +176,10 @@ HOT void attend_part(const float* q, int64_t n, const float* k, const float* v, 
       m = std::max(m, s[j]);
     }
     float sum = 0.0f;
+    const ExpRange range = exp_range();
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < len; ++j) {
-      s[j] = masked_exp(s[j], m);  // all 0 where every key is masked (m = -inf)
+      s[j] = masked_exp(s[j], m, range);  // all 0 where every key is masked (m = -inf)
       sum += s[j];
     }
     out[0] = m;
@@ -198,7 +199,7 @@ HOT void attend_combine(const float* partials, int64_t P, int64_t stride, int64_
   float total = 0.0f;
   for (int64_t p = 0; p < P; ++p) {
     const float* part = partials + p * stride;
-    const float w = masked_exp(part[0], m);
+    const float w = masked_exp(part[0], m, exp_range());
     if (w == 0.0f) continue;
     total += w * part[1];
 #pragma omp simd

@@ -282,7 +282,7 @@ void Kernel::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arra
           double s = 0.0;
           if (std::isfinite(m))
             for (int64_t b = r * per_row; b < (r + 1) * per_row; ++b)
-              if (bs[b] > 0.0) s += bs[b] * static_cast<double>(poly_exp(bm[b] - m));
+              if (bs[b] > 0.0) s += bs[b] * static_cast<double>(poly_exp(bm[b] - m, exp_range()));
           y[r] = std::isfinite(m) ? m + static_cast<float>(std::log(s)) : m;  // all -inf: -inf; +inf, NaN: as given
         }
         break;

@@ -50,10 +50,22 @@ inline bool half_exact(float d, uint16_t& h) {
 }
 
 
+// poly_exp's range [-87, 88], as values the compiler cannot see. With the constants in view GCC
+// splits a vectorized loop at the clamp and computes the clamped branch in every lane too: in
+// swiglu that is a / (1 + e^87), a subnormal result and a microcode assist in every lane, 16x
+// slower than the loop itself. Read once a loop (`exp_range()`); the same bits.
+struct ExpRange {
+  float lo, hi;
+};
+inline ExpRange exp_range() {
+  static volatile float lo = -87.0f, hi = 88.0f;
+  return {lo, hi};
+}
+
 // e^x for x <= 0 (or moderate x): Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-6
 // Taylor polynomial, times 2^n through the exponent bits (the same formula as fastmath._exp).
-inline float poly_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+inline float poly_exp(float x, ExpRange range) {
+  x = std::min(std::max(x, range.lo), range.hi);
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
   float t = x * 1.4426950408889634f + shifter;
   float n = t - shifter;
@@ -73,8 +85,8 @@ inline int64_t open_length(const float* bias, int64_t S) {
 
 // e^(v - m), exactly 0 where v is masked (-inf): computed for masked entries too, then dropped,
 // so the loops around it have no branch
-inline float masked_exp(float v, float m) {
-  float e = poly_exp(v - m);
+inline float masked_exp(float v, float m, ExpRange range) {
+  float e = poly_exp(v - m, range);
   return v == kNegInf ? 0.0f : e;
 }
 
@@ -95,9 +107,10 @@ HOT RowStats softmax_row(const float* s, const float* bias, float* p, int64_t S,
     return {m, 0.0f};
   }
   float sum = 0.0f;
+  const ExpRange range = exp_range();
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < len; ++j) {
-    float e = masked_exp(s[j] + bias[j], m);
+    float e = masked_exp(s[j] + bias[j], m, range);
     p[j] = e;
     sum += e;
   }
@@ -114,8 +127,9 @@ HOT void softmax_row_again(const float* s, const float* bias, float* p, int64_t 
     std::fill(p, p + S, 0.0f);
     return;
   }
+  const ExpRange range = exp_range();
 #pragma omp simd
-  for (int64_t j = 0; j < len; ++j) p[j] = masked_exp(s[j] + bias[j], st.m) * st.inv;
+  for (int64_t j = 0; j < len; ++j) p[j] = masked_exp(s[j] + bias[j], st.m, range) * st.inv;
   std::fill(p + len, p + S, 0.0f);
 }
 
@@ -144,19 +158,20 @@ HOT void cross_entropy_columns(const float* x, const int32_t* t, float* ce, floa
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) m[j] = std::max(m[j], row[j]);
   }
+  const ExpRange range = exp_range();
   for (int64_t v = 0; v < V; ++v) {
     const float* row = x + v * C + c0;
     float* drow = d ? d + v * C + c0 : nullptr;
     if (drow) {
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
-        float e = poly_exp(row[j] - m[j]);
+        float e = poly_exp(row[j] - m[j], range);
         drow[j] = e;
         sum[j] += e;
       }
     } else {
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) sum[j] += poly_exp(row[j] - m[j]);
+      for (int64_t j = 0; j < n; ++j) sum[j] += poly_exp(row[j] - m[j], range);
     }
   }
   // a target outside the vocabulary gives a NaN loss (the step's non-finite guard sees it)
@@ -205,15 +220,17 @@ HOT void rms_norm_grad_row(const float* x, const float* w, const float* g, float
 }
 
 HOT void swiglu_span(const float* a, const float* b, float* y, int64_t n) {
+  const ExpRange range = exp_range();
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = a[i] / (1.0f + poly_exp(-a[i])) * b[i];
+  for (int64_t i = 0; i < n; ++i) y[i] = a[i] / (1.0f + poly_exp(-a[i], range)) * b[i];
 }
 
 // y = silu(a) * b: da = g * b * s * (1 + a * (1 - s)) with s = sigmoid(a); db = g * silu(a).
 HOT void swiglu_grad_span(const float* a, const float* b, const float* g, float* da, float* db, int64_t n) {
+  const ExpRange range = exp_range();
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float s = 1.0f / (1.0f + poly_exp(-a[i]));
+    float s = 1.0f / (1.0f + poly_exp(-a[i], range));
     da[i] = g[i] * b[i] * s * (1.0f + a[i] * (1.0f - s));
     db[i] = g[i] * a[i] * s;
   }
@@ -362,8 +379,9 @@ HOT void lse_block(const float* x, int64_t n, float* m_out, double* s_out) {
   for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
   double s = 0.0;
   if (m != kNegInf) {
+    const ExpRange range = exp_range();
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; ++i) s += masked_exp(x[i], m);
+    for (int64_t i = 0; i < n; ++i) s += masked_exp(x[i], m, range);
   }
   *m_out = m;
   *s_out = s;
