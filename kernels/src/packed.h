@@ -558,6 +558,19 @@ inline void gemv_packed_span_simd(const float* x, const void* w, float* y, int64
   }
 }
 
+// The same with AVX-512: 16 weights a vector (the packed GEMV's unpack_block_avx512, the same
+// values); a batch of more than kPackedPassRows rows unpacks every matrix every step, ~10% of a
+// step of 32 rows in the AVX2 form
+template <Pack P>
+__attribute__((target("avx512f,f16c"))) inline void unpack_avx512(const void* w, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b, out += kQ4) {
+    __m512 w0, w1;
+    unpack_block_avx512<P>(w, b, w0, w1);
+    _mm512_storeu_ps(out, w0);
+    _mm512_storeu_ps(out + 16, w1);
+  }
+}
+
 template <Pack P>
 __attribute__((target("avx2,f16c"))) inline void unpack_avx2(const void* w, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b, out += kQ4) {
@@ -614,6 +627,7 @@ inline void unpack_portable(const void* packed, int64_t blocks, float* out) {
 template <Pack P>
 inline void unpack_blocks(const void* packed, int64_t blocks, float* out) {
 #ifdef MLXTOY_AVX2
+  if (cpu_avx512()) return unpack_avx512<P>(packed, blocks, out);
   if (cpu_avx2()) return unpack_avx2<P>(packed, blocks, out);
 #endif
   unpack_portable<P>(packed, blocks, out);
