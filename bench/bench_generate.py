@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+import gguf
+
 import mlxtoy  # noqa: F401  (fast BLAS first; must come before mlx.core and mlx_lm)
 import mlx.core as mx
 
@@ -103,7 +105,10 @@ def make_engine(engine: str, args, files: dict) -> tuple[str, object]:
         llm.reset()  # no prompt-cache reuse between runs
         return llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
 
-    kind = "Q4_1" if engine == "llama.cpp-q4_1" else "F32"
+    # the file's own type (the engine's id says Q4_1, the built-in model's; --model may be any)
+    file_type = llm.metadata.get("general.file_type")
+    kind = "F32" if engine != "llama.cpp-q4_1" else (
+        gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_") if file_type is not None else "GGUF")
     return f"llama.cpp ({kind}, {args.threads} thr)", run
 
 
