@@ -149,7 +149,8 @@ def kept_blas(libraries: dict[str, str]) -> dict:
 def measured_blas(libraries: dict[str, str]) -> str | None:
     """The BLAS (mkl, openblas) `doctor --calibrate` measured fastest on this machine among these
     same libraries; None where it has not."""
-    return str(kept_blas(libraries)["fastest"]) if kept_blas(libraries) else None
+    kept = kept_blas(libraries)
+    return str(kept["fastest"]) if kept else None
 
 
 def _load_prefixed(path: str) -> bool:

@@ -121,6 +121,25 @@ ROW_PASSES = (1, 2, 4, 8)
 ROW_PASS_BYTES = 256 << 20
 
 
+def row_pass_candidates(form: str, mats: list[mx.array], widths: list[int], passes: list[int]) -> dict[str, routes.Candidate]:
+    """One candidate per rows a pass: one random row of x against each packed matrix (2-D, K
+    = widths[i] weights a row), with the kernels set to that many rows a pass."""
+    kernels = fastmath.kernels_module()
+    rng = np.random.default_rng(0)  # not MLX's key: measuring must not move a run's randomness
+    xs = {K: mx.array(rng.standard_normal((1, K), dtype=np.float32)) for K in set(widths)}
+    mx.eval(list(xs.values()))
+
+    def candidate(rows: int) -> routes.Candidate:
+        def run() -> list[mx.array]:
+            kernels.set_packed_row_pass(form, rows)
+            ys = [kernels.gemv_packed(xs[K], p) for p, K in zip(mats, widths)]
+            mx.eval(ys)
+            return ys
+        return run
+
+    return {str(rows): candidate(rows) for rows in passes}
+
+
 def choose_row_passes(layers: Sequence[nn.Module], packs: list[dict[str, mx.array]]) -> dict[str, int]:
     """Set how many rows of a packed matrix one row of x takes a pass (the kernels'
     `set_packed_row_pass`), for each pack form among these layers' decode packs (`decode_packs`):
@@ -146,25 +165,13 @@ def choose_row_passes(layers: Sequence[nn.Module], packs: list[dict[str, mx.arra
         built_in = kernels.packed_row_pass(form)
         if not built_in:
             return {}
-        rng = np.random.default_rng(0)  # not MLX's key: measuring must not move a run's randomness
-        xs = {K: mx.array(rng.standard_normal((1, K), dtype=np.float32)) for K in set(widths[form])}
-        mx.eval(list(xs.values()))
-
-        def candidate(rows: int, form: str = form, mats: list = mats, ks: list = widths[form]) -> routes.Candidate:
-            def run() -> list[mx.array]:
-                kernels.set_packed_row_pass(form, rows)
-                ys = [kernels.gemv_packed(xs[K], p) for p, K in zip(mats, ks)]
-                mx.eval(ys)
-                return ys
-            return run
-
         names = [built_in] + [r for r in ROW_PASSES if r != built_in]
         size = sum(p.nbytes for p in mats)
         mib_class = 1 << max(0, (size >> 20) - 1).bit_length()
         flops = 2.0 * sum(p.shape[0] * K for p, K in zip(mats, widths[form]))
         with mx.stream(mx.cpu):
             route = fastmath.route_table().choose(
-                "packed-row", (form, mib_class), {str(r): candidate(r) for r in names}, flops,
+                "packed-row", (form, mib_class), row_pass_candidates(form, mats, widths[form], names), flops,
                 f"one row of x against {form} packs (~{mib_class} MiB): rows a pass")
         chosen[form] = int(route)
         kernels.set_packed_row_pass(form, chosen[form])
