@@ -151,28 +151,31 @@ def choose_row_passes(layers: Sequence[nn.Module], packs: list[dict[str, mx.arra
     kernels = fastmath.kernels_module()
     by_form: dict[str, list[mx.array]] = {}
     widths: dict[str, list[int]] = {}
+    size: dict[str, int] = {}  # the bytes of by_form[form]
     for layer, layer_packs in zip(layers, packs):
         packed = {i: p for i, p in layer_packs.items() if p.dtype == mx.uint8}
         weights = layer.fused_weights() if packed else None
         for i, p in packed.items():
             K = weights[int(i)].shape[-1]
             form = fastmath.PACK_FORMS[p.shape[-1] * 32 // K]
-            if sum(q.nbytes for q in by_form.get(form, [])) < ROW_PASS_BYTES:
+            if size.get(form, 0) < ROW_PASS_BYTES:
                 by_form.setdefault(form, []).append(p.reshape(-1, p.shape[-1]))
                 widths.setdefault(form, []).append(K)
+                size[form] = size.get(form, 0) + p.nbytes
+    table = fastmath.route_table()
     chosen: dict[str, int] = {}
     for form, mats in by_form.items():
         built_in = kernels.packed_row_pass(form)
         if not built_in:
             return {}
         names = [built_in] + [r for r in ROW_PASSES if r != built_in]
-        size = sum(p.nbytes for p in mats)
-        mib_class = 1 << max(0, (size >> 20) - 1).bit_length()
-        flops = 2.0 * sum(p.shape[0] * K for p, K in zip(mats, widths[form]))
-        with mx.stream(mx.cpu):
-            route = fastmath.route_table().choose(
-                "packed-row", (form, mib_class), row_pass_candidates(form, mats, widths[form], names), flops,
-                f"one row of x against {form} packs (~{mib_class} MiB): rows a pass")
+        key = (form, 1 << max(0, (size[form] >> 20) - 1).bit_length())  # (MiB, a power of two)
+        route = table.kept_route("packed-row", key, [str(r) for r in names])
+        if route is None:  # measured now (the random rows of x made only then)
+            flops = 2.0 * sum(p.shape[0] * K for p, K in zip(mats, widths[form]))
+            with mx.stream(mx.cpu):
+                route = table.choose("packed-row", key, row_pass_candidates(form, mats, widths[form], names), flops,
+                                     f"one row of x against {form} packs (~{key[1]} MiB): rows a pass")
         chosen[form] = int(route)
         kernels.set_packed_row_pass(form, chosen[form])
     return chosen
